@@ -1,0 +1,58 @@
+"""qcheck: tiny quantized MoE layers in JAX/Flax, and numerical invariants that can fail.
+
+The public names load lazily, so ``import qcheck`` (and the pytest plugin that
+pytest loads in every session) stays cheap until JAX is actually needed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+__all__ = [
+    "MODELS",
+    "PATHS",
+    "ApplyRngs",
+    "MoE",
+    "MoEConfig",
+    "QuantSite",
+    "Recipe",
+    "build_moe",
+    "checks",
+    "formats",
+    "get_recipe",
+    "recipe_names",
+    "register_recipe",
+]
+
+_WHERE = {
+    "MODELS": "qcheck.moe",
+    "PATHS": "qcheck.moe",
+    "MoE": "qcheck.moe",
+    "MoEConfig": "qcheck.moe",
+    "build_moe": "qcheck.moe",
+    "QuantSite": "qcheck.bridge",
+    "ApplyRngs": "qcheck.recipes",
+    "Recipe": "qcheck.recipes",
+    "get_recipe": "qcheck.recipes",
+    "recipe_names": "qcheck.recipes",
+    "register_recipe": "qcheck.recipes",
+}
+
+if TYPE_CHECKING:
+    from qcheck import checks, formats
+    from qcheck.bridge import QuantSite
+    from qcheck.moe import MODELS, PATHS, MoE, MoEConfig, build_moe
+    from qcheck.recipes import ApplyRngs, Recipe, get_recipe, recipe_names, register_recipe
+
+
+def __getattr__(name: str):
+    if name in ("checks", "formats"):
+        return importlib.import_module(f"qcheck.{name}")
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'qcheck' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,108 @@
+"""The one table of cases — recipe × model × path (× token dropping) — and its cached layers.
+
+pytest parametrization, the CLI matrix and golden discovery all read this
+table. Layers and their outputs are built once per process and reused; nothing
+here mutates a cached layer (steps are functional), so every reader sees a
+fresh layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qcheck import step
+from qcheck.moe import MODELS, PATHS, MoE, build_moe
+from qcheck.recipes import get_recipe, recipe_names
+
+__all__ = [
+    "BATCH",
+    "DROP_CAPACITY_FACTOR",
+    "SEED",
+    "SEQ",
+    "VARIANTS",
+    "Case",
+    "Variant",
+    "cases",
+    "layer",
+    "layer_input",
+    "layer_output",
+]
+
+SEED = 0
+BATCH, SEQ = 2, 32
+#: Capacity factor of the token-dropping variants: tight enough that uneven
+#: routing drops tokens on both models at the default seed.
+DROP_CAPACITY_FACTOR = 1.0
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Variant:
+    """One layer shape: model, path and whether tokens are dropped."""
+
+    model: str
+    path: str
+    dropping: bool
+
+    @property
+    def capacity_factor(self) -> float:
+        return DROP_CAPACITY_FACTOR if self.dropping else -1.0
+
+    @property
+    def id(self) -> str:
+        return f"{self.model}-{self.path}" + ("-drop" if self.dropping else "")
+
+
+VARIANTS: tuple[Variant, ...] = tuple(
+    Variant(m, p, d) for m in MODELS for p in PATHS for d in (False, True)
+)
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Case:
+    """A recipe on a variant: one cell of the matrix."""
+
+    recipe: str
+    variant: Variant
+
+    @property
+    def id(self) -> str:
+        return f"{self.recipe}-{self.variant.id}"
+
+    @property
+    def reference(self) -> Case:
+        """The unquantized twin: same variant, same seed, recipe ``none``."""
+        return Case("none", self.variant)
+
+
+def cases(recipes: tuple[str, ...] | None = None) -> list[Case]:
+    """Every case for ``recipes`` (default: all registered), in a stable order."""
+    names = recipe_names() if recipes is None else recipes
+    for name in names:
+        get_recipe(name)  # unknown names fail here with the list of valid ones
+    return [Case(r, v) for r in names for v in VARIANTS]
+
+
+@functools.cache
+def layer(case: Case) -> MoE:
+    """The fresh layer for ``case``, built once per process."""
+    v = case.variant
+    return build_moe(v.model, case.recipe, path=v.path, capacity_factor=v.capacity_factor, seed=SEED)
+
+
+@functools.cache
+def layer_input(model: str) -> jax.Array:
+    """The fixed ``[BATCH, SEQ, emb]`` input every case of ``model`` is run on."""
+    emb = MODELS[model].emb
+    return jax.random.normal(jax.random.key(SEED + 1), (BATCH, SEQ, emb), jnp.float32)
+
+
+@functools.cache
+def layer_output(case: Case) -> np.ndarray:
+    """The fresh layer's forward output on :func:`layer_input`, as a host array."""
+    y, _ = step.apply(layer(case), layer_input(case.variant.model))
+    return np.asarray(y)

@@ -1,0 +1,265 @@
+"""Reusable numerical assertions for quantized code, usable from any project.
+
+Every assertion raises ``AssertionError`` with a message that starts with the
+check's name and gives the figure it measured. Inputs that make a check
+meaningless (a zero reference, operands that cannot tell the reference apart
+from the bug) raise ``ValueError`` instead: a check that cannot fail must not
+pass.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax.typing import ArrayLike
+
+__all__ = [
+    "assert_fresh_cast_exact",
+    "assert_fresh_ragged_cast_exact",
+    "assert_tracks",
+    "cast_reference",
+    "entry_params",
+    "probe_operands",
+    "rel_norm",
+]
+
+_FP8 = {np.dtype(t).name: np.dtype(t) for t in (
+    ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fnuz, ml_dtypes.float8_e5m2, ml_dtypes.float8_e5m2fnuz)}
+# The flavour a wrong-flavour bug would use instead: each fp8 type's sibling.
+_SIBLING = {
+    "float8_e4m3fn": "float8_e4m3fnuz",
+    "float8_e4m3fnuz": "float8_e4m3fn",
+    "float8_e5m2": "float8_e5m2fnuz",
+    "float8_e5m2fnuz": "float8_e5m2",
+}
+
+
+def _np(x: ArrayLike, what: str) -> np.ndarray:
+    try:
+        return np.asarray(x)
+    except Exception as e:  # a tracer, say
+        raise TypeError(f"{what} must be a concrete array, got {type(x).__name__}") from e
+
+
+def rel_norm(actual: ArrayLike, reference: ArrayLike) -> float:
+    """‖actual − reference‖₂ / ‖reference‖₂, computed in float32."""
+    a = _np(actual, "actual").astype(np.float32)
+    r = _np(reference, "reference").astype(np.float32)
+    if a.shape != r.shape:
+        raise ValueError(f"rel_norm: actual has shape {a.shape}, reference has shape {r.shape}")
+    denom = np.linalg.norm(r.ravel())
+    if denom == 0:
+        raise ValueError("rel_norm: the reference is all zeros, so a relative norm is undefined")
+    return float(np.linalg.norm((a - r).ravel()) / denom)
+
+
+def _count_nonfinite(x: np.ndarray) -> int:
+    return int(x.size - np.count_nonzero(np.isfinite(x.astype(np.float32))))
+
+
+def assert_tracks(actual: ArrayLike, reference: ArrayLike, *, max_rel_norm: float = 0.22) -> float:
+    """Assert a quantized result stays near its unquantized reference without equalling it.
+
+    Passes only when the shapes are equal (no broadcasting), both are finite,
+    ``rel_norm(actual, reference) <= max_rel_norm``, and the two are not bitwise
+    equal: a quantized path that silently fell back to full precision fails.
+    Returns the measured relative norm.
+    """
+    a, r = _np(actual, "actual"), _np(reference, "reference")
+    if a.shape != r.shape:
+        raise AssertionError(
+            f"assert_tracks: actual has shape {a.shape} but reference has shape {r.shape} "
+            "(no broadcasting)"
+        )
+    for what, x in (("actual", a), ("reference", r)):
+        if (n := _count_nonfinite(x)) > 0:
+            raise AssertionError(f"assert_tracks: {what} has {n} non-finite values out of {x.size}")
+    if not np.any(r):
+        raise ValueError("assert_tracks: the reference is all zeros; a relative bound cannot judge it")
+    if a.dtype == r.dtype and a.tobytes() == r.tobytes():
+        raise AssertionError(
+            "assert_tracks: actual is bitwise equal to the unquantized reference — "
+            "the quantized path was not taken (silent fallback?)"
+        )
+    figure = rel_norm(a, r)
+    if not figure <= max_rel_norm:
+        raise AssertionError(
+            f"assert_tracks: relative norm {figure:.4f} exceeds the bound {max_rel_norm}"
+        )
+    return figure
+
+
+def _fp8_dtype(cast_dtype: Any) -> np.dtype:
+    try:
+        dt = np.dtype(cast_dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt.name not in _FP8:
+        raise ValueError(
+            f"cast_dtype must be an fp8 type ({', '.join(_FP8)}), got {cast_dtype!r}"
+        )
+    return dt
+
+
+def cast_reference(x: ArrayLike, cast_dtype: Any) -> np.ndarray:
+    """``x`` clipped to ±finfo(cast_dtype).max, rounded to ``cast_dtype`` by ml_dtypes, and returned to x's dtype.
+
+    Computed on the host with numpy/ml_dtypes, independently of JAX and of any
+    code under test.
+    """
+    dt = _fp8_dtype(cast_dtype)
+    x = np.asarray(x)
+    bound = float(ml_dtypes.finfo(dt).max)
+    return np.clip(x, -bound, bound).astype(dt).astype(x.dtype)
+
+
+def _bitwise_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def _assert_cast_exact(
+    check: str,
+    what: str,
+    reference_op: Callable[[ArrayLike, ArrayLike], ArrayLike],
+    op_under_test: Callable[[ArrayLike, ArrayLike], ArrayLike],
+    lhs: ArrayLike,
+    rhs: ArrayLike,
+    cast_dtype: Any,
+) -> None:
+    dt = _fp8_dtype(cast_dtype)
+    lhs, rhs = np.asarray(lhs), np.asarray(rhs)
+    for name, x in (("lhs", lhs), ("rhs", rhs)):
+        if not np.issubdtype(x.dtype, np.floating) or x.dtype.name in _FP8:
+            raise TypeError(f"{check}: {name} must be a float array in the compute dtype, got {x.dtype}")
+
+    def ref(t: np.dtype) -> np.ndarray:
+        return np.asarray(reference_op(cast_reference(lhs, t), cast_reference(rhs, t)))
+
+    expected, sibling = ref(dt), ref(_FP8[_SIBLING[dt.name]])
+    plain = np.asarray(reference_op(lhs, rhs))
+    if _bitwise_equal(expected, plain):
+        raise ValueError(
+            f"{check}: for these operands the {dt.name}-cast reference equals the unquantized "
+            f"{what} bitwise, so the check could not fail; use values that {dt.name} cannot "
+            "represent exactly (see probe_operands)"
+        )
+    if _bitwise_equal(expected, sibling):
+        raise ValueError(
+            f"{check}: for these operands the {dt.name} and {_SIBLING[dt.name]} references are "
+            "bitwise equal, so a wrong fp8 flavour would pass; see probe_operands"
+        )
+    got = np.asarray(op_under_test(lhs, rhs))
+    if _bitwise_equal(got, expected):
+        return
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        raise AssertionError(
+            f"{check}: result has shape {got.shape} and dtype {got.dtype}, the {dt.name}-cast "
+            f"reference has shape {expected.shape} and dtype {expected.dtype}"
+        )
+    diff = got.view(np.uint8).reshape(*got.shape, -1) != expected.view(np.uint8).reshape(*expected.shape, -1)
+    mismatch = np.any(diff, axis=-1)
+    first = tuple(int(i) for i in np.argwhere(mismatch)[0])
+    if _bitwise_equal(got, plain):
+        why = "it equals the unquantized result bitwise (silently unquantized?)"
+    elif _bitwise_equal(got, sibling):
+        why = f"it equals the {_SIBLING[dt.name]}-cast reference bitwise (wrong fp8 flavour)"
+    elif _count_nonfinite(got) > _count_nonfinite(expected):
+        why = f"it has {_count_nonfinite(got)} non-finite values (an unsaturated cast overflows to NaN)"
+    else:
+        why = f"relative norm to the reference {rel_norm(got, expected):.3g} (scale not 1? other rounding?)"
+    raise AssertionError(
+        f"{check}: {what} differs from the {dt.name}-cast reference at "
+        f"{int(mismatch.sum())} of {mismatch.size} elements, first at {first}: got "
+        f"{got[first]!r}, expected {expected[first]!r}; {why}"
+    )
+
+
+def assert_fresh_cast_exact(
+    einsum: Callable[[str, ArrayLike, ArrayLike], ArrayLike],
+    eqn: str,
+    lhs: ArrayLike,
+    rhs: ArrayLike,
+    *,
+    cast_dtype: Any,
+) -> None:
+    """Assert a freshly built fp8 einsum equals the einsum of cast operands, bitwise.
+
+    On a fresh layer the scales are still 1, so ``einsum(eqn, lhs, rhs)`` must
+    equal ``jnp.einsum(eqn, cast(lhs), cast(rhs))`` where ``cast`` clips to
+    ±finfo(cast_dtype).max, rounds to ``cast_dtype`` (ml_dtypes, on the host) and
+    returns to the compute dtype. Operands that cannot tell that reference from
+    the plain einsum or from the sibling flavour's reference are refused with a
+    ValueError, so the check never passes vacuously.
+    """
+    _assert_cast_exact(
+        "assert_fresh_cast_exact",
+        f"einsum {eqn!r}",
+        lambda a, b: jnp.einsum(eqn, jnp.asarray(a), jnp.asarray(b)),
+        lambda a, b: einsum(eqn, jnp.asarray(a), jnp.asarray(b)),
+        lhs,
+        rhs,
+        cast_dtype,
+    )
+
+
+def assert_fresh_ragged_cast_exact(
+    ragged_dot: Callable[[ArrayLike, ArrayLike, ArrayLike], ArrayLike],
+    lhs: ArrayLike,
+    rhs: ArrayLike,
+    group_sizes: ArrayLike,
+    *,
+    cast_dtype: Any,
+) -> None:
+    """:func:`assert_fresh_cast_exact` for a grouped matmul against ``jax.lax.ragged_dot``."""
+    gs = jnp.asarray(group_sizes, jnp.int32)
+    _assert_cast_exact(
+        "assert_fresh_ragged_cast_exact",
+        "ragged_dot",
+        lambda a, b: jax.lax.ragged_dot(jnp.asarray(a), jnp.asarray(b), gs),
+        lambda a, b: ragged_dot(jnp.asarray(a), jnp.asarray(b), gs),
+        lhs,
+        rhs,
+        cast_dtype,
+    )
+
+
+def probe_operands(seed: int, *shapes: tuple[int, ...], dtype: Any = np.float32) -> list[np.ndarray]:
+    """Operands that make the fp8 exact checks sharp.
+
+    Magnitudes are log-uniform over [2^-4, 2^10] with random signs: most values
+    are not representable in any fp8 flavour (so quantization shows), some lie
+    above every e4m3 maximum (so a missing clip shows), and none is subnormal in
+    any fp8 flavour (XLA on CPU may flush those, which would make a bitwise
+    reference depend on the backend).
+    """
+    rng = np.random.default_rng(seed)
+    out = []
+    for shape in shapes:
+        mag = np.exp2(rng.uniform(-4.0, 10.0, size=shape))
+        sign = rng.choice(np.array([-1.0, 1.0]), size=shape)
+        out.append((mag * sign).astype(dtype))
+    return out
+
+
+_PARAM = re.compile(r"=\s*([a-z][a-z0-9]*)\[[^\]]*\](?:\{[^}]*\})?\s+parameter\(\d+\)")
+
+
+def entry_params(fn: Callable[..., Any], *args: Any) -> dict[str, int]:
+    """Parameters of the entry computation of ``jax.jit(fn)`` compiled for ``args``, by HLO element type.
+
+    Returns e.g. ``{'f32': 12, 'u32': 2, 'total': 14}``. A raw or typed PRNG key
+    lowers to ``u32``. Arguments XLA prunes as unused are not counted, as in an
+    ``--xla_dump_to`` dump of the real step.
+    """
+    hlo = jax.jit(fn).lower(*args).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY"):]
+    body = entry[: entry.index("\n}")]
+    counts = Counter(_PARAM.findall(body))
+    return {**dict(sorted(counts.items())), "total": sum(counts.values())}

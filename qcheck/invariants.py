@@ -1,0 +1,146 @@
+"""The suite's invariants over the case table, shared by pytest and the CLI matrix.
+
+Each ``check_*`` takes a :class:`~qcheck.cases.Case`, raises ``AssertionError``
+(prefixed with the case id and, where it applies, the call site) when the
+invariant is broken, and returns the figure it measured. ``INVARIANTS`` says
+which apply to which recipe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+from flax import nnx
+
+from qcheck import cases as cases_mod
+from qcheck import checks, step
+from qcheck.bridge import Fp8Meta
+from qcheck.cases import BATCH, SEQ, Case
+from qcheck.recipes import Recipe, get_recipe
+
+__all__ = [
+    "INVARIANTS",
+    "Invariant",
+    "check_exact",
+    "check_paths_agree",
+    "check_state",
+    "check_tracks",
+    "fp8_meta_leaves",
+    "probe_group_sizes",
+]
+
+#: dense and sparse sum the same products in a different order: float32 rounding only.
+PATHS_RTOL, PATHS_ATOL = 1e-5, 1e-6
+
+
+def _prefixed(prefix: str, fn: Callable[[], object]):
+    try:
+        return fn()
+    except AssertionError as e:
+        raise AssertionError(f"{prefix}: {e}") from e
+
+
+def probe_group_sizes(rows: int, groups: int, seed: int) -> np.ndarray:
+    """Uneven group sizes summing to ``rows``, with the last group empty."""
+    rng = np.random.default_rng(seed)
+    return np.bincount(rng.integers(0, groups - 1, rows), minlength=groups).astype(np.int32)
+
+
+def check_exact(case: Case) -> None:
+    """Every call site of the fresh layer equals the einsum (or ragged_dot) of cast operands, bitwise."""
+    recipe = get_recipe(case.recipe)
+    layer = cases_mod.layer(case)
+    for i, (name, spec) in enumerate(layer.site_specs(BATCH, SEQ).items()):
+        lhs, rhs = checks.probe_operands(i, spec.lhs_shape, spec.rhs_shape)
+        site = layer.get_einsum(name)
+        if spec.eqn is not None:
+            run = lambda: checks.assert_fresh_cast_exact(  # noqa: E731
+                site, spec.eqn, lhs, rhs, cast_dtype=recipe.cast_dtype)
+        else:
+            sizes = probe_group_sizes(lhs.shape[0], rhs.shape[0], i)
+            run = lambda: checks.assert_fresh_ragged_cast_exact(  # noqa: E731
+                site.ragged_dot, lhs, rhs, sizes, cast_dtype=recipe.cast_dtype)
+        _prefixed(f"{case.id} site {name!r}", run)
+
+
+def check_tracks(case: Case) -> float:
+    """The layer output tracks its unquantized twin within the recipe's bound, and is not equal to it."""
+    recipe = get_recipe(case.recipe)
+    return _prefixed(case.id, lambda: checks.assert_tracks(
+        cases_mod.layer_output(case),
+        cases_mod.layer_output(case.reference),
+        max_rel_norm=recipe.max_rel_norm,
+    ))
+
+
+def fp8_meta_leaves(state: nnx.State) -> dict[str, np.ndarray]:
+    """The fp8 scales and amax histories in ``state``, by dotted path."""
+    return {
+        ".".join(map(str, path)): np.asarray(v.get_value())
+        for path, v in nnx.to_flat_state(nnx.filter_state(state, Fp8Meta))
+    }
+
+
+def _unmoved(before: dict[str, np.ndarray], after: dict[str, np.ndarray], suffix: str) -> list[str]:
+    return [k for k in before if k.endswith(suffix) and np.array_equal(before[k], after[k])]
+
+
+def check_state(case: Case) -> None:
+    """Fresh scales are 1 and histories 0; a forward pass moves none; backward passes move them all.
+
+    One backward pass writes every amax history. The scales it returns are still
+    computed from the (empty) history the forward pass saw, so they move on the
+    second step — delayed scaling, as in Flax and TransformerEngine.
+    """
+    layer = cases_mod.layer(case)
+    x = cases_mod.layer_input(case.variant.model)
+    fresh = fp8_meta_leaves(nnx.state(layer))
+    if not fresh:
+        raise AssertionError(f"{case.id}: the layer has no fp8 scales or amax histories")
+    wrong = [k for k, v in fresh.items() if not np.all(v == (1 if k.endswith("_scale") else 0))]
+    if wrong:
+        raise AssertionError(f"{case.id}: fresh layer has scales != 1 or histories != 0 at {wrong}")
+
+    _, after_forward = step.apply(layer, x)
+    moved = [k for k, v in fp8_meta_leaves(after_forward).items() if not np.array_equal(v, fresh[k])]
+    if moved:
+        raise AssertionError(f"{case.id}: a forward pass changed fp8 state at {moved}")
+
+    first = step.train_step(layer, x)
+    if still := _unmoved(fresh, fp8_meta_leaves(first.fp8_meta), "_history"):
+        raise AssertionError(f"{case.id}: one backward pass left amax histories unchanged at {still}")
+    second = step.train_step(layer, x, fp8_meta=first.fp8_meta)
+    if still := _unmoved(fresh, fp8_meta_leaves(second.fp8_meta), "_scale"):
+        raise AssertionError(f"{case.id}: two backward passes left scales unchanged at {still}")
+
+
+def check_paths_agree(model: str, dropping: bool) -> float:
+    """Unquantized dense and sparse layers compute the same function; returns the max abs difference."""
+    dense = cases_mod.Variant(model, "dense", dropping)
+    sparse = cases_mod.Variant(model, "sparse", dropping)
+    a = cases_mod.layer_output(Case("none", dense))
+    b = cases_mod.layer_output(Case("none", sparse))
+    if not np.allclose(a, b, rtol=PATHS_RTOL, atol=PATHS_ATOL):
+        raise AssertionError(
+            f"none-{model}{'-drop' if dropping else ''}: dense and sparse differ by up to "
+            f"{np.max(np.abs(a - b)):.3g} (rtol {PATHS_RTOL}, atol {PATHS_ATOL})"
+        )
+    return float(np.max(np.abs(a - b)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Invariant:
+    """A per-case check and the recipes it applies to."""
+
+    name: str
+    applies: Callable[[Recipe], bool]
+    run: Callable[[Case], float | None]
+
+
+INVARIANTS: tuple[Invariant, ...] = (
+    Invariant("exact", lambda r: r.cast_dtype is not None, check_exact),
+    Invariant("tracks", lambda r: r.quantized, check_tracks),
+    Invariant("state", lambda r: r.materialize_at_build, check_state),
+)

@@ -1,0 +1,275 @@
+"""Tiny Mixtral- and Gemma-style MoE layers in Flax NNX, with quantized call sites.
+
+Two routers (Mixtral: softmax over the top-k logits; Gemma: softmax over all
+experts in float32, top-k, renormalize, per-expert output scale) and two
+formulations of the same function: ``dense`` (einsums over every expert, with
+optional capacity-based token dropping through dispatch/combine einsums) and
+``sparse`` (tokens sorted by expert, grouped matmuls via ``jax.lax.ragged_dot``).
+Every matmul that touches expert weights, and dispatch/combine when tokens are
+dropped, goes through a named :class:`~qcheck.bridge.QuantSite`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from qcheck.bridge import QuantSite
+from qcheck.recipes import ApplyRngs, Recipe, get_recipe
+
+__all__ = ["MODELS", "PATHS", "MoE", "MoEConfig", "SiteSpec", "build_moe"]
+
+Path = Literal["dense", "sparse"]
+PATHS: tuple[str, ...] = ("dense", "sparse")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Shape and routing of a tiny MoE layer."""
+
+    model: str
+    emb: int
+    mlp: int
+    num_experts: int
+    top_k: int
+    router: Literal["mixtral", "gemma"]
+    activation: Literal["silu", "gelu"]
+
+
+# Small enough to build and compile in well under a second, large enough that
+# top-k routing is uneven and a block format has whole blocks (emb, mlp and the
+# token count per row are multiples of 32).
+MODELS: dict[str, MoEConfig] = {
+    "mixtral": MoEConfig("mixtral", emb=32, mlp=64, num_experts=8, top_k=2,
+                         router="mixtral", activation="silu"),
+    "gemma": MoEConfig("gemma", emb=32, mlp=32, num_experts=16, top_k=4,
+                       router="gemma", activation="gelu"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteSpec:
+    """What one call site computes for a given input: einsum ``eqn`` (None: ragged_dot) and operand shapes."""
+
+    eqn: str | None
+    lhs_shape: tuple[int, ...]
+    rhs_shape: tuple[int, ...]
+
+
+# Einsum letters: B batch, S seq, M emb, H mlp, E experts, C capacity.
+_DENSE_EQNS = {"wi": "BSM,EMH->BSEH", "wo": "BSEH,EHM->BSEM"}
+_DROP_EQNS = {
+    "dispatch": "BSM,BSEC->EBCM",
+    "wi": "EBCM,EMH->EBCH",
+    "wo": "EBCH,EHM->EBCM",
+    "combine": "EBCM,BSEC->BSM",
+}
+
+
+def _choice(kind: str, value: str, valid) -> str:
+    if value not in valid:
+        raise ValueError(f"unknown {kind} {value!r}; valid {kind}s: {', '.join(valid)}")
+    return value
+
+
+class MoE(nnx.Module):
+    """A routed MoE feed-forward layer mapping ``[batch, seq, emb]`` to ``[batch, seq, emb]``."""
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        recipe: Recipe,
+        *,
+        path: Path = "dense",
+        capacity_factor: float = -1.0,
+        rngs: nnx.Rngs,
+        dtype: jnp.dtype = jnp.float32,
+        apply_rngs: ApplyRngs | None = None,
+    ):
+        self.config = config
+        self.recipe_name = recipe.name
+        self.path = _choice("path", path, PATHS)
+        self.capacity_factor = float(capacity_factor)
+        self.dtype = jnp.dtype(dtype)
+        e, m, h = config.num_experts, config.emb, config.mlp
+
+        # Weights are drawn before any site forks the streams, in a fixed order,
+        # so the same seed gives the same weights whatever the recipe or path.
+        def init(shape, fan_in):
+            return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in))
+
+        self.gate = init((m, e), m)
+        self.wi_0 = init((e, m, h), m)
+        self.wi_1 = init((e, m, h), m)
+        self.wo = init((e, h, m), h)
+        if config.router == "gemma":
+            self.per_expert_scale = nnx.Param(jnp.ones((e,), jnp.float32))
+
+        names = ["wi_0", "wi_1", "wo"]
+        if self.dropping and self.path == "dense":
+            names = ["dispatch", *names, "combine"]
+        self.sites = nnx.Dict(
+            {n: QuantSite(recipe, n, rngs=rngs, apply_rngs=apply_rngs, dtype=self.dtype) for n in names}
+        )
+
+    @property
+    def dropping(self) -> bool:
+        return self.capacity_factor > 0
+
+    def site_names(self) -> tuple[str, ...]:
+        return tuple(self.sites.keys())
+
+    def get_einsum(self, name: str) -> QuantSite:
+        """The quantized callable ``(eqn, lhs, rhs) -> array`` used at call site ``name``."""
+        if name not in self.sites:
+            raise ValueError(
+                f"einsum name {name!r} is not registered on this layer; "
+                f"registered names: {', '.join(self.sites.keys())}"
+            )
+        return self.sites[name]
+
+    def capacity(self, seq: int) -> int:
+        """Slots per expert per batch row when dropping."""
+        c = self.config
+        return max(1, math.ceil(seq * c.top_k * self.capacity_factor / c.num_experts))
+
+    def site_specs(self, batch: int, seq: int) -> dict[str, SiteSpec]:
+        """The operand shapes each call site sees for an input of shape ``[batch, seq, emb]``."""
+        c = self.config
+        b, s, m, h, e = batch, seq, c.emb, c.mlp, c.num_experts
+        if self.path == "sparse":
+            t = b * s * c.top_k
+            return {
+                "wi_0": SiteSpec(None, (t, m), (e, m, h)),
+                "wi_1": SiteSpec(None, (t, m), (e, m, h)),
+                "wo": SiteSpec(None, (t, h), (e, h, m)),
+            }
+        if not self.dropping:
+            return {
+                "wi_0": SiteSpec(_DENSE_EQNS["wi"], (b, s, m), (e, m, h)),
+                "wi_1": SiteSpec(_DENSE_EQNS["wi"], (b, s, m), (e, m, h)),
+                "wo": SiteSpec(_DENSE_EQNS["wo"], (b, s, e, h), (e, h, m)),
+            }
+        cap = self.capacity(s)
+        return {
+            "dispatch": SiteSpec(_DROP_EQNS["dispatch"], (b, s, m), (b, s, e, cap)),
+            "wi_0": SiteSpec(_DROP_EQNS["wi"], (e, b, cap, m), (e, m, h)),
+            "wi_1": SiteSpec(_DROP_EQNS["wi"], (e, b, cap, m), (e, m, h)),
+            "wo": SiteSpec(_DROP_EQNS["wo"], (e, b, cap, h), (e, h, m)),
+            "combine": SiteSpec(_DROP_EQNS["combine"], (e, b, cap, m), (b, s, e, cap)),
+        }
+
+    # -- routing -----------------------------------------------------------
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Per-token expert weights ``[B, S, k]`` (float32) and expert indices ``[B, S, k]``."""
+        c = self.config
+        logits = jnp.einsum("BSM,ME->BSE", x.astype(jnp.float32), self.gate[...])
+        if c.router == "mixtral":
+            top, idx = jax.lax.top_k(logits, c.top_k)
+            return jax.nn.softmax(top, axis=-1), idx
+        probs = jax.nn.softmax(logits, axis=-1)
+        _, idx = jax.lax.top_k(logits, c.top_k)
+        w = jnp.take_along_axis(probs, idx, axis=-1)
+        w = w / jnp.sum(w, axis=-1, keepdims=True)
+        return w * self.per_expert_scale[...][idx], idx
+
+    def assignment_slots(self, idx: jax.Array) -> jax.Array:
+        """For each (token, choice), its position in its expert's queue within the batch row.
+
+        Tokens claim slots in sequence order, first choice before second, as in
+        MaxText's capacity dropping; a position >= capacity means dropped.
+        """
+        b, s, k = idx.shape
+        onehot = jax.nn.one_hot(idx.reshape(b, s * k), self.config.num_experts, dtype=jnp.int32)
+        pos = jnp.cumsum(onehot, axis=1) - 1
+        return jnp.sum(pos * onehot, axis=-1).reshape(b, s, k)
+
+    # -- the two formulations ---------------------------------------------
+
+    def _act(self, h0: jax.Array, h1: jax.Array) -> jax.Array:
+        if self.config.activation == "silu":
+            return jax.nn.silu(h0) * h1
+        return jax.nn.gelu(h0, approximate=True) * h1
+
+    def _weights(self):
+        return tuple(w[...].astype(self.dtype) for w in (self.wi_0, self.wi_1, self.wo))
+
+    def _dense(self, x, weights, idx):
+        wi_0, wi_1, wo = self._weights()
+        s = self.sites
+        h = self._act(s["wi_0"](_DENSE_EQNS["wi"], x, wi_0), s["wi_1"](_DENSE_EQNS["wi"], x, wi_1))
+        out = s["wo"](_DENSE_EQNS["wo"], h, wo)
+        combine = jnp.sum(jax.nn.one_hot(idx, self.config.num_experts) * weights[..., None], axis=2)
+        return jnp.einsum("BSEM,BSE->BSM", out, combine.astype(self.dtype))
+
+    def _dense_dropping(self, x, weights, idx):
+        wi_0, wi_1, wo = self._weights()
+        s = self.sites
+        cap = self.capacity(x.shape[1])
+        slot = jax.nn.one_hot(self.assignment_slots(idx), cap)  # out-of-range slot -> all zeros
+        expert = jax.nn.one_hot(idx, self.config.num_experts)
+        dispatch = jnp.einsum("BSKE,BSKC->BSEC", expert, slot).astype(self.dtype)
+        combine = jnp.einsum("BSKE,BSKC,BSK->BSEC", expert, slot, weights).astype(self.dtype)
+        xe = s["dispatch"](_DROP_EQNS["dispatch"], x, dispatch)
+        h = self._act(s["wi_0"](_DROP_EQNS["wi"], xe, wi_0), s["wi_1"](_DROP_EQNS["wi"], xe, wi_1))
+        out = s["wo"](_DROP_EQNS["wo"], h, wo)
+        return s["combine"](_DROP_EQNS["combine"], out, combine)
+
+    def _sparse(self, x, weights, idx):
+        wi_0, wi_1, wo = self._weights()
+        s = self.sites
+        b, sq, m = x.shape
+        k, e = self.config.top_k, self.config.num_experts
+        if self.dropping:
+            weights = jnp.where(self.assignment_slots(idx) < self.capacity(sq), weights, 0.0)
+        flat = idx.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        xs = x.reshape(b * sq, m)[order // k]
+        sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+        h = self._act(s["wi_0"].ragged_dot(xs, wi_0, sizes), s["wi_1"].ragged_dot(xs, wi_1, sizes))
+        out = jnp.zeros((b * sq * k, m), self.dtype).at[order].set(s["wo"].ragged_dot(h, wo, sizes))
+        y = jnp.einsum("TKM,TK->TM", out.reshape(b * sq, k, m), weights.reshape(b * sq, k).astype(self.dtype))
+        return y.reshape(b, sq, m)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        emb = self.config.emb
+        if getattr(x, "ndim", None) != 3:
+            raise ValueError(f"MoE input x must have shape [batch, seq, emb={emb}], got shape {jnp.shape(x)}")
+        if x.shape[-1] != emb:
+            raise ValueError(
+                f"MoE input x has last axis {x.shape[-1]}, but the layer's embedding width is {emb}"
+            )
+        x = x.astype(self.dtype)
+        weights, idx = self.route(x)
+        if self.path == "sparse":
+            return self._sparse(x, weights, idx)
+        if self.dropping:
+            return self._dense_dropping(x, weights, idx)
+        return self._dense(x, weights, idx)
+
+
+def build_moe(
+    model: str,
+    recipe: str | Recipe,
+    *,
+    path: Path = "dense",
+    capacity_factor: float = -1.0,
+    seed: int = 0,
+    dtype: jnp.dtype = jnp.float32,
+) -> MoE:
+    """Build a tiny MoE layer; the same ``seed`` gives the same weights for every recipe and path."""
+    config = MODELS[_choice("model", model, tuple(MODELS))]
+    return MoE(
+        config,
+        get_recipe(recipe),
+        path=path,
+        capacity_factor=capacity_factor,
+        rngs=nnx.Rngs(seed),
+        dtype=dtype,
+    )

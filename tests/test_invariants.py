@@ -1,0 +1,28 @@
+"""The invariant suite: every registered recipe, both models, both paths, with and without dropping."""
+
+import pytest
+
+from qcheck import invariants
+from qcheck.moe import MODELS
+
+
+@pytest.mark.qcheck_invariant("exact")
+def test_fresh_sites_equal_cast_reference_bitwise(qcheck_case):
+    invariants.check_exact(qcheck_case)
+
+
+@pytest.mark.qcheck_invariant("tracks")
+def test_layer_tracks_unquantized_twin(qcheck_case):
+    figure = invariants.check_tracks(qcheck_case)
+    assert figure > 0
+
+
+@pytest.mark.qcheck_invariant("state")
+def test_fp8_state_moves_only_in_backward(qcheck_case):
+    invariants.check_state(qcheck_case)
+
+
+@pytest.mark.parametrize("dropping", [False, True], ids=["no-drop", "drop"])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_dense_and_sparse_compute_the_same_function(model, dropping):
+    assert invariants.check_paths_agree(model, dropping) <= invariants.PATHS_ATOL * 10
