@@ -9,6 +9,8 @@ _xla_env.configure()  # before anything starts a JAX backend
 import jax  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+pytest_plugins = ("pytester",)  # the plugin's own tests run pytest inside pytest
+
 # Implicit rank promotion hides shape bugs in einsum-heavy code.
 jax.config.update("jax_numpy_rank_promotion", "raise")
 

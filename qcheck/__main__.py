@@ -13,6 +13,10 @@ def _parser() -> argparse.ArgumentParser:
     for parser in (p, m):
         parser.add_argument("--recipe", action="append", dest="recipes", metavar="NAME",
                             help="only this recipe (repeatable); default: every registered recipe")
+        parser.add_argument("--model", action="append", dest="models", metavar="NAME",
+                            help="only this model (repeatable): mixtral, gemma")
+        parser.add_argument("--path", action="append", dest="paths", metavar="NAME",
+                            help="only this path (repeatable): dense, sparse")
         parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
@@ -20,7 +24,8 @@ def _parser() -> argparse.ArgumentParser:
 def _matrix(args: argparse.Namespace) -> int:
     from qcheck import matrix
 
-    rows = matrix.run_matrix(tuple(args.recipes) if args.recipes else None)
+    as_tuple = lambda xs: tuple(xs) if xs else None  # noqa: E731
+    rows = matrix.run_matrix(as_tuple(args.recipes), models=as_tuple(args.models), paths=as_tuple(args.paths))
     print(matrix.to_json(rows) if args.json else matrix.format_table(rows))
     failed = [r.case.id for r in rows if not r.ok]
     if failed:

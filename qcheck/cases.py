@@ -79,12 +79,26 @@ class Case:
         return Case("none", self.variant)
 
 
-def cases(recipes: tuple[str, ...] | None = None) -> list[Case]:
-    """Every case for ``recipes`` (default: all registered), in a stable order."""
+def cases(
+    recipes: tuple[str, ...] | None = None,
+    *,
+    models: tuple[str, ...] | None = None,
+    paths: tuple[str, ...] | None = None,
+) -> list[Case]:
+    """Every case for ``recipes`` (default: all registered), optionally only some models and paths."""
     names = recipe_names() if recipes is None else recipes
     for name in names:
         get_recipe(name)  # unknown names fail here with the list of valid ones
-    return [Case(r, v) for r in names for v in VARIANTS]
+    for kind, chosen, valid in (("model", models, tuple(MODELS)), ("path", paths, PATHS)):
+        for value in chosen or ():
+            if value not in valid:
+                raise ValueError(f"unknown {kind} {value!r}; valid {kind}s: {', '.join(valid)}")
+    return [
+        Case(r, v)
+        for r in names
+        for v in VARIANTS
+        if (models is None or v.model in models) and (paths is None or v.path in paths)
+    ]
 
 
 @functools.cache

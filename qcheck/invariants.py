@@ -18,11 +18,17 @@ from qcheck import cases as cases_mod
 from qcheck import checks, step
 from qcheck.bridge import Fp8Meta
 from qcheck.cases import BATCH, SEQ, Case
+from qcheck.moe import MoE
 from qcheck.recipes import Recipe, get_recipe
 
 __all__ = [
     "INVARIANTS",
     "Invariant",
+    "assert_fp8_state_moves_only_in_backward",
+    "assert_paths_agree",
+    "assert_sites_cast_exact",
+    "assert_sites_independent",
+    "check_sites",
     "check_exact",
     "check_paths_agree",
     "check_state",
@@ -48,21 +54,50 @@ def probe_group_sizes(rows: int, groups: int, seed: int) -> np.ndarray:
     return np.bincount(rng.integers(0, groups - 1, rows), minlength=groups).astype(np.int32)
 
 
-def check_exact(case: Case) -> None:
-    """Every call site of the fresh layer equals the einsum (or ragged_dot) of cast operands, bitwise."""
-    recipe = get_recipe(case.recipe)
-    layer = cases_mod.layer(case)
+def assert_sites_cast_exact(layer: MoE, cast_dtype, label: str) -> None:
+    """Every call site of a fresh ``layer`` equals the einsum (or ragged_dot) of cast operands, bitwise."""
     for i, (name, spec) in enumerate(layer.site_specs(BATCH, SEQ).items()):
         lhs, rhs = checks.probe_operands(i, spec.lhs_shape, spec.rhs_shape)
         site = layer.get_einsum(name)
         if spec.eqn is not None:
             run = lambda: checks.assert_fresh_cast_exact(  # noqa: E731
-                site, spec.eqn, lhs, rhs, cast_dtype=recipe.cast_dtype)
+                site, spec.eqn, lhs, rhs, cast_dtype=cast_dtype)
         else:
             sizes = probe_group_sizes(lhs.shape[0], rhs.shape[0], i)
             run = lambda: checks.assert_fresh_ragged_cast_exact(  # noqa: E731
-                site.ragged_dot, lhs, rhs, sizes, cast_dtype=recipe.cast_dtype)
-        _prefixed(f"{case.id} site {name!r}", run)
+                site.ragged_dot, lhs, rhs, sizes, cast_dtype=cast_dtype)
+        _prefixed(f"{label} site {name!r}", run)
+
+
+def check_exact(case: Case) -> None:
+    """:func:`assert_sites_cast_exact` on the case's fresh layer, with the recipe's cast dtype."""
+    assert_sites_cast_exact(cases_mod.layer(case), get_recipe(case.recipe).cast_dtype, case.id)
+
+
+def assert_sites_independent(layer: MoE, label: str) -> None:
+    """No two call sites are the same object or share a quantization-state array.
+
+    RNG streams are left out: under ``ApplyRngs.SHARED`` every site holds the
+    caller's stream by design.
+    """
+    owner: dict[int, str] = {}
+    seen_sites: dict[int, str] = {}
+    for name, site in layer.sites.items():
+        if id(site) in seen_sites:
+            raise AssertionError(f"{label}: sites {seen_sites[id(site)]!r} and {name!r} are one object")
+        seen_sites[id(site)] = name
+        for path, var in nnx.to_flat_state(nnx.state(site, nnx.Not(nnx.RngState))):
+            key = id(var.get_raw_value())
+            if key in owner:
+                raise AssertionError(
+                    f"{label}: sites {owner[key]!r} and {name!r} share state ({'.'.join(map(str, path))})"
+                )
+            owner[key] = name
+
+
+def check_sites(case: Case) -> None:
+    """:func:`assert_sites_independent` on the case's fresh layer."""
+    assert_sites_independent(cases_mod.layer(case), case.id)
 
 
 def check_tracks(case: Case) -> float:
@@ -88,46 +123,57 @@ def _unmoved(before: dict[str, np.ndarray], after: dict[str, np.ndarray], suffix
 
 
 def check_state(case: Case) -> None:
+    """:func:`assert_fp8_state_moves_only_in_backward` on the case's fresh layer."""
+    layer = cases_mod.layer(case)
+    assert_fp8_state_moves_only_in_backward(layer, cases_mod.layer_input(case.variant.model), case.id)
+
+
+def assert_fp8_state_moves_only_in_backward(layer: MoE, x, label: str) -> None:
     """Fresh scales are 1 and histories 0; a forward pass moves none; backward passes move them all.
 
     One backward pass writes every amax history. The scales it returns are still
     computed from the (empty) history the forward pass saw, so they move on the
     second step — delayed scaling, as in Flax and TransformerEngine.
     """
-    layer = cases_mod.layer(case)
-    x = cases_mod.layer_input(case.variant.model)
     fresh = fp8_meta_leaves(nnx.state(layer))
     if not fresh:
-        raise AssertionError(f"{case.id}: the layer has no fp8 scales or amax histories")
+        raise AssertionError(f"{label}: the layer has no fp8 scales or amax histories")
     wrong = [k for k, v in fresh.items() if not np.all(v == (1 if k.endswith("_scale") else 0))]
     if wrong:
-        raise AssertionError(f"{case.id}: fresh layer has scales != 1 or histories != 0 at {wrong}")
+        raise AssertionError(f"{label}: fresh layer has scales != 1 or histories != 0 at {wrong}")
 
     _, after_forward = step.apply(layer, x)
     moved = [k for k, v in fp8_meta_leaves(after_forward).items() if not np.array_equal(v, fresh[k])]
     if moved:
-        raise AssertionError(f"{case.id}: a forward pass changed fp8 state at {moved}")
+        raise AssertionError(f"{label}: a forward pass changed fp8 state at {moved}")
 
     first = step.train_step(layer, x)
     if still := _unmoved(fresh, fp8_meta_leaves(first.fp8_meta), "_history"):
-        raise AssertionError(f"{case.id}: one backward pass left amax histories unchanged at {still}")
+        raise AssertionError(f"{label}: one backward pass left amax histories unchanged at {still}")
     second = step.train_step(layer, x, fp8_meta=first.fp8_meta)
     if still := _unmoved(fresh, fp8_meta_leaves(second.fp8_meta), "_scale"):
-        raise AssertionError(f"{case.id}: two backward passes left scales unchanged at {still}")
+        raise AssertionError(f"{label}: two backward passes left scales unchanged at {still}")
 
 
 def check_paths_agree(model: str, dropping: bool) -> float:
     """Unquantized dense and sparse layers compute the same function; returns the max abs difference."""
     dense = cases_mod.Variant(model, "dense", dropping)
     sparse = cases_mod.Variant(model, "sparse", dropping)
-    a = cases_mod.layer_output(Case("none", dense))
-    b = cases_mod.layer_output(Case("none", sparse))
-    if not np.allclose(a, b, rtol=PATHS_RTOL, atol=PATHS_ATOL):
+    return assert_paths_agree(
+        cases_mod.layer_output(Case("none", dense)),
+        cases_mod.layer_output(Case("none", sparse)),
+        f"none-{model}{'-drop' if dropping else ''}",
+    )
+
+
+def assert_paths_agree(dense: np.ndarray, sparse: np.ndarray, label: str) -> float:
+    """Dense and sparse outputs agree to float32 rounding; returns the max abs difference."""
+    worst = float(np.max(np.abs(dense - sparse)))
+    if not np.allclose(dense, sparse, rtol=PATHS_RTOL, atol=PATHS_ATOL):
         raise AssertionError(
-            f"none-{model}{'-drop' if dropping else ''}: dense and sparse differ by up to "
-            f"{np.max(np.abs(a - b)):.3g} (rtol {PATHS_RTOL}, atol {PATHS_ATOL})"
+            f"{label}: dense and sparse differ by up to {worst:.3g} (rtol {PATHS_RTOL}, atol {PATHS_ATOL})"
         )
-    return float(np.max(np.abs(a - b)))
+    return worst
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +186,7 @@ class Invariant:
 
 
 INVARIANTS: tuple[Invariant, ...] = (
+    Invariant("sites", lambda r: r.quantized, check_sites),
     Invariant("exact", lambda r: r.cast_dtype is not None, check_exact),
     Invariant("tracks", lambda r: r.quantized, check_tracks),
     Invariant("state", lambda r: r.materialize_at_build, check_state),

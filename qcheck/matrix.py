@@ -43,9 +43,14 @@ def _run(check, case: Case) -> Cell:
     return Cell("pass", figure=figure)
 
 
-def run_matrix(recipes: tuple[str, ...] | None = None) -> list[Row]:
+def run_matrix(
+    recipes: tuple[str, ...] | None = None,
+    *,
+    models: tuple[str, ...] | None = None,
+    paths: tuple[str, ...] | None = None,
+) -> list[Row]:
     rows = []
-    for case in cases(recipes):
+    for case in cases(recipes, models=models, paths=paths):
         recipe = get_recipe(case.recipe)
         cells = {
             inv.name: _run(inv.run, case) if inv.applies(recipe) else Cell("n/a")

@@ -26,3 +26,8 @@ def test_fp8_state_moves_only_in_backward(qcheck_case):
 @pytest.mark.parametrize("model", list(MODELS))
 def test_dense_and_sparse_compute_the_same_function(model, dropping):
     assert invariants.check_paths_agree(model, dropping) <= invariants.PATHS_ATOL * 10
+
+
+@pytest.mark.qcheck_invariant("sites")
+def test_call_sites_share_no_state(qcheck_case):
+    invariants.check_sites(qcheck_case)

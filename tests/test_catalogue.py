@@ -1,0 +1,175 @@
+"""The catalogue of bugs qcheck catches: each invariant fed the bug it exists for.
+
+Every test here builds a broken layer on purpose and asserts that the
+invariant fails on it with a message that names the problem. If one of these
+starts passing silently, the invariant has gone blind.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+from qcheck import cases, checks, get_recipe, invariants, step
+from qcheck.bridge import QuantSite
+from qcheck.moe import MODELS, MoE
+from qcheck.recipes import ApplyRngs, Recipe
+from qcheck.recipes._sites import SiteOps
+
+E4M3FN, E4M3FNUZ = jnp.float8_e4m3fn, jnp.float8_e4m3fnuz
+X = cases.layer_input("mixtral")
+
+
+def layer(recipe, *, dropping=False, path="dense", cls=MoE) -> MoE:
+    return cls(MODELS["mixtral"], get_recipe(recipe), path=path,
+               capacity_factor=1.0 if dropping else -1.0, rngs=nnx.Rngs(cases.SEED))
+
+
+def swap_site(target: MoE, name: str, recipe, cls=QuantSite) -> None:
+    target.sites[name] = cls(get_recipe(recipe), name, rngs=nnx.Rngs(7))
+
+
+class FlaxFp8EinsumNanoo(Recipe):
+    """NANOO fp8 built on flax.linen.Fp8Einsum, which ignores e4m3_dtype."""
+
+    def __init__(self):
+        super().__init__("flax_fp8einsum_nanoo", apply_rngs=ApplyRngs.NONE,
+                         cast_dtype=E4M3FNUZ, materialize_at_build=True)
+
+    def site_module(self):
+        return nn.Fp8Einsum(e4m3_dtype=E4M3FNUZ, e5m2_dtype=jnp.float8_e5m2fnuz)
+
+
+class UnsaturatedSite(SiteOps, nn.Module):
+    def quantize_operands(self, lhs, rhs, lhs_axes, rhs_axes):
+        cast = lambda x: x.astype(E4M3FN).astype(x.dtype)  # noqa: E731 - the bug: no clip
+        return cast(lhs), cast(rhs)
+
+
+class Unsaturated(Recipe):
+    def __init__(self):
+        super().__init__("unsaturated_fp8", apply_rngs=ApplyRngs.NONE, cast_dtype=E4M3FN)
+
+    def site_module(self):
+        return UnsaturatedSite()
+
+
+class ForwardWritesHistory(QuantSite):
+    """Records the input amax during the forward pass, as an eager port might."""
+
+    def __call__(self, eqn, lhs, rhs):
+        out = super().__call__(eqn, lhs, rhs)
+        self.input_amax_history[...] = self.input_amax_history[...].at[0].set(jnp.max(jnp.abs(lhs)))
+        return out
+
+
+class UnnormalizedSparseRouter(MoE):
+    """A sparse path whose router forgets to renormalize the top-k weights."""
+
+    def route(self, x):
+        w, idx = super().route(x)
+        return w * 0.9, idx
+
+
+# -- fresh-layer exactness ------------------------------------------------------
+
+
+def test_exact_catches_a_silently_unquantized_call_site():
+    broken = layer("fp8")
+    swap_site(broken, "wi_1", "none")
+    with pytest.raises(AssertionError, match="site 'wi_1'.*silently unquantized"):
+        invariants.assert_sites_cast_exact(broken, E4M3FN, "bug")
+
+
+def test_exact_catches_nanoo_built_on_flax_fp8einsum():
+    broken = MoE(MODELS["mixtral"], FlaxFp8EinsumNanoo(), rngs=nnx.Rngs(0))
+    with pytest.raises(AssertionError, match="site 'wi_0'.*wrong fp8 flavour"):
+        invariants.assert_sites_cast_exact(broken, E4M3FNUZ, "bug")
+
+
+def test_exact_catches_the_wrong_flavour_on_the_sparse_path():
+    with pytest.raises(AssertionError, match="ragged_dot differs.*wrong fp8 flavour"):
+        invariants.assert_sites_cast_exact(layer("fp8", path="sparse"), E4M3FNUZ, "bug")
+
+
+def test_exact_catches_a_cast_without_saturation():
+    broken = MoE(MODELS["mixtral"], Unsaturated(), capacity_factor=1.0, rngs=nnx.Rngs(0))
+    with pytest.raises(AssertionError, match="site 'dispatch'.*unsaturated cast"):
+        invariants.assert_sites_cast_exact(broken, E4M3FN, "bug")
+
+
+def test_exact_and_state_catch_a_fresh_scale_that_is_not_one():
+    broken = layer("nanoo_fp8")
+    broken.sites["wo"].kernel_scale[...] = jnp.full((1,), 2.0)
+    with pytest.raises(AssertionError, match="site 'wo'.*scale not 1"):
+        invariants.assert_sites_cast_exact(broken, E4M3FNUZ, "bug")
+    with pytest.raises(AssertionError, match=r"fresh layer has scales != 1 .*sites\.wo\.kernel_scale"):
+        invariants.assert_fp8_state_moves_only_in_backward(broken, X, "bug")
+
+
+# -- fp8 state -------------------------------------------------------------------
+
+
+def test_state_catches_a_forward_pass_that_writes_amax_history():
+    broken = layer("fp8")
+    swap_site(broken, "wo", "fp8", cls=ForwardWritesHistory)
+    broken.sites["wo"].input_amax_history[...] = jnp.zeros(1024)  # undo what lazy_init's call wrote
+    with pytest.raises(AssertionError, match=r"forward pass changed fp8 state at \['sites\.wo\.input_amax_history'\]"):
+        invariants.assert_fp8_state_moves_only_in_backward(broken, X, "bug")
+
+
+def test_state_catches_a_layer_that_lost_its_fp8_state():
+    with pytest.raises(AssertionError, match="no fp8 scales or amax histories"):
+        invariants.assert_fp8_state_moves_only_in_backward(layer("int8"), X, "bug")
+
+
+# -- tracking the unquantized twin ----------------------------------------------
+
+
+def test_tracks_catches_a_layer_whose_quantization_silently_fell_away():
+    broken = layer("fp8")
+    for name in broken.site_names():
+        swap_site(broken, name, "none")
+    out, _ = step.apply(broken, X)
+    with pytest.raises(AssertionError, match="bitwise equal to the unquantized reference"):
+        checks.assert_tracks(out, cases.layer_output(cases.Case("none", cases.Variant("mixtral", "dense", False))))
+
+
+# -- independent call sites -------------------------------------------------------
+
+
+def test_sites_catches_two_names_bound_to_one_site():
+    broken = layer("fp8")
+    broken.sites["wi_1"] = broken.sites["wi_0"]
+    with pytest.raises(AssertionError, match="sites 'wi_0' and 'wi_1' are one object"):
+        invariants.assert_sites_independent(broken, "bug")
+
+
+def test_sites_catches_two_sites_sharing_a_scale():
+    broken = layer("fp8")
+    broken.sites["wo"].input_scale = broken.sites["wi_0"].input_scale
+    with pytest.raises(AssertionError, match=r"sites 'wi_0' and 'wo' share state \(input_scale\)"):
+        invariants.assert_sites_independent(broken, "bug")
+
+
+# -- dense and sparse agree --------------------------------------------------------
+
+
+def test_paths_agree_catches_a_sparse_routing_bug():
+    dense = cases.layer_output(cases.Case("none", cases.Variant("mixtral", "dense", False)))
+    sparse, _ = step.apply(layer("none", path="sparse", cls=UnnormalizedSparseRouter), X)
+    with pytest.raises(AssertionError, match="dense and sparse differ by up to"):
+        invariants.assert_paths_agree(dense, np.asarray(sparse), "bug")
+
+
+def test_catalogue_controls_pass():
+    """The healthy versions of the layers above pass the same assertions."""
+    healthy = layer("fp8", dropping=True)
+    invariants.assert_sites_cast_exact(healthy, E4M3FN, "ok")
+    invariants.assert_sites_independent(healthy, "ok")
+    dense = cases.layer_output(cases.Case("none", cases.Variant("mixtral", "dense", False)))
+    sparse, _ = step.apply(layer("none", path="sparse"), X)
+    invariants.assert_paths_agree(dense, np.asarray(sparse), "ok")
+    assert jax.tree.leaves(nnx.state(healthy, nnx.Param))

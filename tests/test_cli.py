@@ -1,0 +1,54 @@
+"""``python -m qcheck``: the matrix the seeds tabulate by hand."""
+
+import json
+import subprocess
+import sys
+
+from qcheck.__main__ import main
+
+
+def test_matrix_prints_every_case_of_a_recipe_and_passes(capsys):
+    assert main(["--recipe", "nanoo_fp8", "--model", "mixtral", "--path", "dense"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split() == ["recipe", "model", "path", "sites", "exact", "tracks", "state"]
+    rows = [line.split() for line in out.splitlines() if line.startswith("nanoo_fp8")]
+    assert [r[2] for r in rows] == ["dense", "dense-drop"]
+    assert all(r[3:6] == ["pass", "pass", "pass"] and r[7] == "pass" for r in rows)
+    assert "all 2 cases pass" in out
+
+
+def test_matrix_json_has_each_cell_with_its_figure(capsys):
+    assert main(["matrix", "--recipe", "int8", "--model", "mixtral", "--json"]) == 0
+    cells = json.loads(capsys.readouterr().out)
+    assert set(cells) == {f"int8-mixtral-{p}" for p in ("dense", "dense-drop", "sparse", "sparse-drop")}
+    assert cells["int8-mixtral-dense"]["exact"]["status"] == "n/a"
+    assert 0 < cells["int8-mixtral-dense"]["tracks"]["figure"] < 0.22
+
+
+def test_unknown_names_exit_2_listing_the_valid_ones(capsys):
+    assert main(["--recipe", "fp4"]) == 2
+    assert "unknown recipe 'fp4'; registered recipes: none, int8" in capsys.readouterr().err
+    assert main(["--model", "llama"]) == 2
+    assert "unknown model 'llama'; valid models: mixtral, gemma" in capsys.readouterr().err
+
+
+def test_a_failing_cell_fails_the_matrix(capsys, monkeypatch):
+    from qcheck import invariants
+
+    def broken(case):
+        raise AssertionError(f"{case.id}: relative norm 0.9 exceeds the bound 0.22")
+
+    patched = tuple(
+        invariants.Invariant(i.name, i.applies, broken if i.name == "tracks" else i.run)
+        for i in invariants.INVARIANTS
+    )
+    monkeypatch.setattr(invariants, "INVARIANTS", patched)
+    assert main(["--recipe", "int8", "--model", "gemma", "--path", "sparse"]) == 1
+    captured = capsys.readouterr()
+    assert "FAIL AssertionError: int8-gemma-sparse: relative norm 0.9 exceeds the bound 0.22" in captured.out
+    assert "2 of 2 cases failed: int8-gemma-sparse, int8-gemma-sparse-drop" in captured.err
+
+
+def test_module_entry_point_runs():
+    done = subprocess.run([sys.executable, "-m", "qcheck", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "matrix" in done.stdout
