@@ -17,6 +17,7 @@ __all__ = [
     "MoEConfig",
     "QuantSite",
     "Recipe",
+    "build_decoder",
     "build_moe",
     "checks",
     "formats",
@@ -31,6 +32,7 @@ _WHERE = {
     "MoE": "qcheck.moe",
     "MoEConfig": "qcheck.moe",
     "build_moe": "qcheck.moe",
+    "build_decoder": "qcheck.models",
     "QuantSite": "qcheck.bridge",
     "ApplyRngs": "qcheck.recipes",
     "Recipe": "qcheck.recipes",
@@ -42,6 +44,7 @@ _WHERE = {
 if TYPE_CHECKING:
     from qcheck import checks, formats
     from qcheck.bridge import QuantSite
+    from qcheck.models import build_decoder
     from qcheck.moe import MODELS, PATHS, MoE, MoEConfig, build_moe
     from qcheck.recipes import ApplyRngs, Recipe, get_recipe, recipe_names, register_recipe
 

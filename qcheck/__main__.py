@@ -18,7 +18,43 @@ def _parser() -> argparse.ArgumentParser:
         parser.add_argument("--path", action="append", dest="paths", metavar="NAME",
                             help="only this path (repeatable): dense, sparse")
         parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    r = sub.add_parser("rng", help="entry parameters of an unrolled decoder's train step, per depth")
+    r.add_argument("--model", required=True, help="mixtral or gemma")
+    r.add_argument("--recipe", required=True, help="a registered recipe")
+    r.add_argument("--layers", type=int, nargs="+", default=[1, 2, 8], metavar="N",
+                   help="layer counts to compile (default: 1 2 8)")
+    r.add_argument("--apply-rngs", choices=("none", "shared", "private"),
+                   help="override the recipe's RNG mode (private: the control)")
+    r.add_argument("--json", action="store_true",
+                   help='print {"1": {"total": n, "u32": m}, ...} instead of a table')
     return p
+
+
+def _rng(args: argparse.Namespace) -> int:
+    import json
+
+    from qcheck import checks, step
+    from qcheck.cases import layer_input
+    from qcheck.models import build_decoder
+
+    if any(n < 1 for n in args.layers):
+        raise ValueError(f"--layers must be positive integers, got {args.layers}")
+    table = {}
+    for n in args.layers:
+        stack = build_decoder(args.model, args.recipe, layers=n, apply_rngs=args.apply_rngs)
+        graphdef, params, meta, rest = step.split_for_step(stack)
+        counts = checks.entry_params(step.train_step_fn(graphdef), params, meta, rest,
+                                     layer_input(args.model), compile=False)
+        table[str(n)] = {"total": counts["total"], "u32": counts.get("u32", 0)}
+    if args.json:
+        print(json.dumps(table))
+        return 0
+    mode = args.apply_rngs or "the recipe's own"
+    print(f"{args.recipe} on {args.model}, RNG mode: {mode}; entry parameters of the train step")
+    print(f"{'layers':>6}  {'total':>6}  {'u32':>5}")
+    for n, c in table.items():
+        print(f"{n:>6}  {c['total']:>6}  {c['u32']:>5}")
+    return 0
 
 
 def _matrix(args: argparse.Namespace) -> int:
@@ -37,9 +73,12 @@ def _matrix(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from qcheck import _xla_env
+
+    _xla_env.configure()  # before JAX starts a backend; see qcheck/_xla_env.py
     args = _parser().parse_args(argv)
     try:
-        return _matrix(args)
+        return _rng(args) if args.command == "rng" else _matrix(args)
     except ValueError as e:  # bad names: the message lists the valid ones
         print(f"qcheck: error: {e}", file=sys.stderr)
         return 2

@@ -1,25 +1,49 @@
 """XLA settings for qcheck's own processes (the test suite and the CLI), applied before JAX starts.
 
-qcheck's programs are tiny: LLVM's optimization passes buy no run time and
-cost about 40% of every compilation on CPU (63 s -> 44 s for the matrix on a
-2-core machine), so the backend optimization level is 0. Outputs are
-deterministic under a fixed setting; a user who sets the flag themselves wins.
-Under pytest-xdist each worker gets one intra-op thread, so ``-n auto`` does not
-oversubscribe the cores.
+qcheck's programs are tiny, so what costs time is compiling them, not running
+them. ``--xla_backend_optimization_level=0`` skips LLVM passes that buy no run
+time here: the matrix went from 63 s to 44 s on one process of a 2-core machine.
+
+Tried and rejected: ``--xla_cpu_use_fusion_emitters=false`` halves compile
+time again on jaxlib 0.10.2, but the nanoo_fp8 layers then output NaN (the
+tracks invariant caught it), and jaxlib 0.12 aborts on the flag as unknown.
+
+Outputs are deterministic under a fixed setting, but not bitwise identical
+across settings; a flag the user already set in ``XLA_FLAGS`` wins. Under
+pytest-xdist each worker gets one intra-op thread, so ``-n auto`` does not
+oversubscribe the cores. Worker processes inherit the controller's setting.
 """
 
 from __future__ import annotations
 
 import os
+from importlib import metadata
 
-_OPT_FLAG = "--xla_backend_optimization_level"
+_ALWAYS = {"--xla_backend_optimization_level": "0"}
+#: jaxlib version prefix -> flags only that version accepts (an unknown flag aborts).
+_BY_JAXLIB: dict[str, dict[str, str]] = {}
 
 
-def configure(environ: os._Environ | dict = os.environ) -> None:
+def _jaxlib_version() -> str:
+    try:
+        return metadata.version("jaxlib")
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+def flags_for(jaxlib_version: str) -> dict[str, str]:
+    """The compile-speed flags qcheck adds for this jaxlib version."""
+    extra = dict(_ALWAYS)
+    for prefix, flags in _BY_JAXLIB.items():
+        if jaxlib_version.startswith(prefix):
+            extra.update(flags)
+    return extra
+
+
+def configure(environ=os.environ) -> None:
+    """Add qcheck's XLA flags to ``environ['XLA_FLAGS']`` unless already named there."""
     flags = environ.get("XLA_FLAGS", "")
-    extra = []
-    if _OPT_FLAG not in flags:
-        extra.append(f"{_OPT_FLAG}=0")
+    extra = [f"{k}={v}" for k, v in flags_for(_jaxlib_version()).items() if k not in flags]
     if environ.get("PYTEST_XDIST_WORKER") and "xla_cpu_multi_thread_eigen" not in flags:
         extra += ["--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1"]
     if extra:

@@ -44,7 +44,7 @@ class QuantSite(nnx.bridge.ToNNX):
         apply_rngs: ApplyRngs | None = None,
         dtype: jnp.dtype = jnp.float32,
     ):
-        super().__init__(recipe.site_module(), rngs=rngs)
+        super().__init__(recipe.site_module(name), rngs=rngs)
         # ToNNX turns every attribute not prefixed "to_nnx__" into Linen variables.
         self.to_nnx__site_name = name
         self.to_nnx__recipe_name = recipe.name

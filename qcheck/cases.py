@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from qcheck import step
+from qcheck.models import Decoder, build_decoder
 from qcheck.moe import MODELS, PATHS, MoE, build_moe
-from qcheck.recipes import get_recipe, recipe_names
+from qcheck.recipes import ApplyRngs, get_recipe, recipe_names
 
 __all__ = [
     "BATCH",
@@ -28,6 +29,7 @@ __all__ = [
     "Case",
     "Variant",
     "cases",
+    "decoder",
     "layer",
     "layer_input",
     "layer_output",
@@ -57,8 +59,11 @@ class Variant:
         return f"{self.model}-{self.path}" + ("-drop" if self.dropping else "")
 
 
+#: Token dropping on the sparse path only zeroes some combine weights: its call
+#: sites are the sparse path's, so quantized recipes are not run on it. It is
+#: still checked against dense dropping for ``none`` (invariants.check_paths_agree).
 VARIANTS: tuple[Variant, ...] = tuple(
-    Variant(m, p, d) for m in MODELS for p in PATHS for d in (False, True)
+    Variant(m, p, d) for m in MODELS for p, d in (("dense", False), ("dense", True), ("sparse", False))
 )
 
 
@@ -120,3 +125,10 @@ def layer_output(case: Case) -> np.ndarray:
     """The fresh layer's forward output on :func:`layer_input`, as a host array."""
     y, _ = step.apply(layer(case), layer_input(case.variant.model))
     return np.asarray(y)
+
+
+@functools.cache
+def decoder(model: str, recipe: str, layers: int, *, scan: bool = False,
+            apply_rngs: ApplyRngs | None = None) -> Decoder:
+    """A fresh decoder stack, built once per process."""
+    return build_decoder(model, recipe, layers=layers, scan=scan, seed=SEED, apply_rngs=apply_rngs)

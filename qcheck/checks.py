@@ -248,18 +248,38 @@ def probe_operands(seed: int, *shapes: tuple[int, ...], dtype: Any = np.float32)
     return out
 
 
-_PARAM = re.compile(r"=\s*([a-z][a-z0-9]*)\[[^\]]*\](?:\{[^}]*\})?\s+parameter\(\d+\)")
+_HLO_PARAM = re.compile(r"=\s*([a-z][a-z0-9]*)\[[^\]]*\](?:\{[^}]*\})?\s+parameter\(\d+\)")
+_MLIR_ARG = re.compile(r"%arg\d+: tensor<(?:[0-9?]+x)*([a-z][a-z0-9]*)>")
 
 
-def entry_params(fn: Callable[..., Any], *args: Any) -> dict[str, int]:
+def _hlo_type(mlir: str) -> str:
+    """StableHLO element type -> HLO's name for it (ui32 -> u32, i32 -> s32, i1 -> pred)."""
+    if mlir == "i1":
+        return "pred"
+    if mlir.startswith("ui"):
+        return "u" + mlir[2:]
+    if mlir.startswith("i"):
+        return "s" + mlir[1:]
+    return mlir
+
+
+def entry_params(fn: Callable[..., Any], *args: Any, compile: bool = True) -> dict[str, int]:
     """Parameters of the entry computation of ``jax.jit(fn)`` compiled for ``args``, by HLO element type.
 
     Returns e.g. ``{'f32': 12, 'u32': 2, 'total': 14}``. A raw or typed PRNG key
-    lowers to ``u32``. Arguments XLA prunes as unused are not counted, as in an
-    ``--xla_dump_to`` dump of the real step.
+    lowers to ``u32``. Arguments JAX prunes as unused are not counted, as in an
+    ``--xla_dump_to`` dump of the real step. ``compile=False`` reads the same
+    signature off the lowered module without running XLA — much cheaper for
+    deep unrolled steps; the suite checks that both agree.
     """
-    hlo = jax.jit(fn).lower(*args).compile().as_text()
-    entry = hlo[hlo.index("\nENTRY"):]
-    body = entry[: entry.index("\n}")]
-    counts = Counter(_PARAM.findall(body))
+    lowered = jax.jit(fn).lower(*args)
+    if compile:
+        hlo = lowered.compile().as_text()
+        entry = hlo[hlo.index("\nENTRY"):]
+        types = _HLO_PARAM.findall(entry[: entry.index("\n}")])
+    else:
+        text = lowered.as_text()
+        main = text[text.index("func.func public @main("):]
+        types = [_hlo_type(t) for t in _MLIR_ARG.findall(main[: main.index(") -> ")])]
+    counts = Counter(types)
     return {**dict(sorted(counts.items())), "total": sum(counts.values())}

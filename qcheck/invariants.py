@@ -17,15 +17,19 @@ from flax import nnx
 from qcheck import cases as cases_mod
 from qcheck import checks, step
 from qcheck.bridge import Fp8Meta
-from qcheck.cases import BATCH, SEQ, Case
+from qcheck.cases import BATCH, SEQ, Case, Variant
 from qcheck.moe import MoE
-from qcheck.recipes import Recipe, get_recipe
+from qcheck.recipes import ApplyRngs, Recipe, get_recipe
 
 __all__ = [
     "INVARIANTS",
     "Invariant",
     "assert_fp8_state_moves_only_in_backward",
     "assert_paths_agree",
+    "assert_rng_state_constant",
+    "assert_rng_state_grows",
+    "check_rng",
+    "rng_entry_params",
     "assert_sites_cast_exact",
     "assert_sites_independent",
     "check_sites",
@@ -176,18 +180,77 @@ def assert_paths_agree(dense: np.ndarray, sparse: np.ndarray, label: str) -> flo
     return worst
 
 
+#: Depths of the unrolled decoder whose train steps the RNG invariant compares.
+RNG_DEPTHS = (1, 2, 8)
+#: The PRIVATE control only has to show growth; two depths do, at a third of the tracing.
+RNG_CONTROL_DEPTHS = (1, 2)
+
+
+def rng_entry_params(
+    model: str, recipe: str, *, depths=RNG_DEPTHS, apply_rngs: ApplyRngs | None = None
+) -> dict[int, dict[str, int]]:
+    """Entry parameters of the jitted train step of an unrolled decoder, per depth."""
+    out = {}
+    for n in depths:
+        stack = cases_mod.decoder(model, recipe, n, apply_rngs=apply_rngs)
+        graphdef, params, meta, rest = step.split_for_step(stack)
+        x = cases_mod.layer_input(model)
+        out[n] = checks.entry_params(step.train_step_fn(graphdef), params, meta, rest, x, compile=False)
+    return out
+
+
+def assert_rng_state_constant(u32_by_depth: dict[int, int], label: str) -> int:
+    """The step's u32 entry parameters do not depend on the number of layers."""
+    if len(set(u32_by_depth.values())) != 1:
+        raise AssertionError(
+            f"{label}: RNG state grows with depth — u32 entry parameters by layer count: "
+            f"{u32_by_depth} (a forked stream per wrapper per layer?)"
+        )
+    return next(iter(u32_by_depth.values()))
+
+
+def assert_rng_state_grows(u32_by_depth: dict[int, int], label: str) -> None:
+    """Control: with a private stream per site, u32 entry parameters strictly grow with depth."""
+    counts = [u32_by_depth[n] for n in sorted(u32_by_depth)]
+    if not all(a < b for a, b in zip(counts, counts[1:])):
+        raise AssertionError(
+            f"{label}: forced PRIVATE, u32 entry parameters should grow with depth but are "
+            f"{u32_by_depth}; the measurement is not seeing per-site streams"
+        )
+
+
+def check_rng(case: Case) -> int:
+    """The recipe's own RNG mode keeps step RNG state flat over 1/2/8 layers; forced PRIVATE grows."""
+    model, label = case.variant.model, f"{case.recipe}-{case.variant.model}"
+
+    def u32(mode, depths):
+        counts = rng_entry_params(model, case.recipe, depths=depths, apply_rngs=mode)
+        return {n: c.get("u32", 0) for n, c in counts.items()}
+
+    flat = assert_rng_state_constant(u32(None, RNG_DEPTHS), label)
+    assert_rng_state_grows(u32(ApplyRngs.PRIVATE, RNG_CONTROL_DEPTHS), f"{label} (private control)")
+    return flat
+
+
+def _rng_applies(recipe: Recipe, variant: Variant) -> bool:
+    # Once per model: on the plain dense layer, for recipes that do not want private streams.
+    return (recipe.quantized and recipe.apply_rngs is not ApplyRngs.PRIVATE
+            and variant == Variant(variant.model, "dense", False))
+
+
 @dataclasses.dataclass(frozen=True)
 class Invariant:
-    """A per-case check and the recipes it applies to."""
+    """A per-case check and the cases it applies to."""
 
     name: str
-    applies: Callable[[Recipe], bool]
+    applies: Callable[[Recipe, Variant], bool]
     run: Callable[[Case], float | None]
 
 
 INVARIANTS: tuple[Invariant, ...] = (
-    Invariant("sites", lambda r: r.quantized, check_sites),
-    Invariant("exact", lambda r: r.cast_dtype is not None, check_exact),
-    Invariant("tracks", lambda r: r.quantized, check_tracks),
-    Invariant("state", lambda r: r.materialize_at_build, check_state),
+    Invariant("sites", lambda r, v: r.quantized, check_sites),
+    Invariant("exact", lambda r, v: r.cast_dtype is not None, check_exact),
+    Invariant("tracks", lambda r, v: r.quantized, check_tracks),
+    Invariant("state", lambda r, v: r.materialize_at_build, check_state),
+    Invariant("rng", _rng_applies, check_rng),
 )

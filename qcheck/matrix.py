@@ -16,11 +16,13 @@ __all__ = ["Cell", "Row", "format_table", "run_matrix", "to_json"]
 class Cell:
     status: str  #: "pass", "fail" or "n/a"
     detail: str = ""  #: the figure, or the exception type and message
-    figure: float | None = None
+    figure: float | int | None = None
 
     def text(self) -> str:
         if self.status == "pass":
-            return "pass" if self.figure is None else f"pass {self.figure:.4f}"
+            if self.figure is None:
+                return "pass"
+            return f"pass {self.figure}" if isinstance(self.figure, int) else f"pass {self.figure:.4f}"
         return "-" if self.status == "n/a" else f"FAIL {self.detail}"
 
 
@@ -53,7 +55,7 @@ def run_matrix(
     for case in cases(recipes, models=models, paths=paths):
         recipe = get_recipe(case.recipe)
         cells = {
-            inv.name: _run(inv.run, case) if inv.applies(recipe) else Cell("n/a")
+            inv.name: _run(inv.run, case) if inv.applies(recipe, case.variant) else Cell("n/a")
             for inv in invariants.INVARIANTS
         }
         rows.append(Row(case, cells))

@@ -68,7 +68,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             raise pytest.UsageError(
                 f"unknown qcheck_invariant {name!r}; known invariants: {', '.join(by_name)}"
             )
-        selected = [c for c in selected if by_name[name].applies(get_recipe(c.recipe))]
+        selected = [c for c in selected if by_name[name].applies(get_recipe(c.recipe), c.variant)]
     metafunc.parametrize(
         "qcheck_case",
         [pytest.param(c, id=c.id, marks=pytest.mark.xdist_group(c.variant.id)) for c in selected],

@@ -38,12 +38,12 @@ class FlaxFp8EinsumNanoo(Recipe):
         super().__init__("flax_fp8einsum_nanoo", apply_rngs=ApplyRngs.NONE,
                          cast_dtype=E4M3FNUZ, materialize_at_build=True)
 
-    def site_module(self):
+    def site_module(self, name):
         return nn.Fp8Einsum(e4m3_dtype=E4M3FNUZ, e5m2_dtype=jnp.float8_e5m2fnuz)
 
 
 class UnsaturatedSite(SiteOps, nn.Module):
-    def quantize_operands(self, lhs, rhs, lhs_axes, rhs_axes):
+    def quantize_operands(self, lhs, rhs, axes):
         cast = lambda x: x.astype(E4M3FN).astype(x.dtype)  # noqa: E731 - the bug: no clip
         return cast(lhs), cast(rhs)
 
@@ -52,7 +52,7 @@ class Unsaturated(Recipe):
     def __init__(self):
         super().__init__("unsaturated_fp8", apply_rngs=ApplyRngs.NONE, cast_dtype=E4M3FN)
 
-    def site_module(self):
+    def site_module(self, name):
         return UnsaturatedSite()
 
 
@@ -173,3 +173,28 @@ def test_catalogue_controls_pass():
     sparse, _ = step.apply(layer("none", path="sparse"), X)
     invariants.assert_paths_agree(dense, np.asarray(sparse), "ok")
     assert jax.tree.leaves(nnx.state(healthy, nnx.Param))
+
+
+# -- RNG state of the compiled step ----------------------------------------------
+
+
+def test_rng_catches_a_forked_stream_per_layer():
+    # The seed's bug: every wrapper keeps its fork, so the step's RNG state grows per layer.
+    forked = invariants.rng_entry_params("mixtral", "nvfp4", depths=(1, 2), apply_rngs=ApplyRngs.PRIVATE)
+    with pytest.raises(AssertionError, match=r"RNG state grows with depth .*\{1: 8, 2: 14\}"):
+        invariants.assert_rng_state_constant({n: c["u32"] for n, c in forked.items()}, "bug")
+
+
+def test_rng_control_catches_a_measurement_that_sees_nothing():
+    with pytest.raises(AssertionError, match="forced PRIVATE, u32 entry parameters should grow"):
+        invariants.assert_rng_state_grows({1: 2, 2: 2, 8: 2}, "bug")
+
+
+def test_reused_stochastic_rounding_bits_are_visible(monkeypatch):
+    # Without the per-quantizer hash, two SHARED quantizers at one stream state draw
+    # the same bits — the property test_rng.py asserts against.
+    from qcheck.recipes import _nvfp4
+    from tests.helpers import nvfp4_dgrad
+
+    monkeypatch.setattr(_nvfp4, "quantizer_key", lambda base, quantizer: base)
+    assert np.array_equal(nvfp4_dgrad("wi_0", 5), nvfp4_dgrad("wi_1", 5))

@@ -31,3 +31,8 @@ def test_dense_and_sparse_compute_the_same_function(model, dropping):
 @pytest.mark.qcheck_invariant("sites")
 def test_call_sites_share_no_state(qcheck_case):
     invariants.check_sites(qcheck_case)
+
+
+@pytest.mark.qcheck_invariant("rng")
+def test_rng_state_is_flat_across_depth_and_private_control_grows(qcheck_case):
+    assert invariants.check_rng(qcheck_case) >= 0

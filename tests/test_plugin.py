@@ -56,7 +56,7 @@ def test_unknown_invariant_marker_is_a_usage_error(pytester):
     result = pytester.runpytest("-p", "no:cacheprovider")
     assert result.ret != 0
     output = result.stdout.str() + result.stderr.str()
-    assert "unknown qcheck_invariant 'bitwise'; known invariants: sites, exact, tracks, state" in output
+    assert "unknown qcheck_invariant 'bitwise'; known invariants: sites, exact, tracks, state, rng" in output
 
 
 def test_unknown_hardware_marker_name_is_rejected():

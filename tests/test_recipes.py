@@ -9,7 +9,7 @@ from qcheck.recipes import ApplyRngs, Recipe
 
 
 def test_builtin_recipes_are_registered_in_order():
-    assert qcheck.recipe_names()[:4] == ("none", "int8", "fp8", "nanoo_fp8")
+    assert qcheck.recipe_names()[:5] == ("none", "int8", "fp8", "nanoo_fp8", "nvfp4")
 
 
 @pytest.mark.parametrize(
@@ -19,6 +19,7 @@ def test_builtin_recipes_are_registered_in_order():
         ("int8", ApplyRngs.PRIVATE, None),
         ("fp8", ApplyRngs.NONE, jnp.float8_e4m3fn),
         ("nanoo_fp8", ApplyRngs.NONE, jnp.float8_e4m3fnuz),
+        ("nvfp4", ApplyRngs.SHARED, None),
     ],
 )
 def test_builtin_recipe_declarations(name, mode, cast):
@@ -28,7 +29,7 @@ def test_builtin_recipe_declarations(name, mode, cast):
 
 
 def test_nanoo_fp8_quantizes_gradients_to_e5m2fnuz():
-    site = qcheck.get_recipe("nanoo_fp8").site_module()
+    site = qcheck.get_recipe("nanoo_fp8").site_module("wi_0")
     assert (site.e4m3_dtype, site.e5m2_dtype) == (jnp.float8_e4m3fnuz, jnp.float8_e5m2fnuz)
     assert site.amax_history_length == 1024
 
@@ -62,5 +63,9 @@ def test_recipe_constructor_validates(kwargs, message):
 
 
 def test_a_recipe_without_site_module_says_so():
-    with pytest.raises(NotImplementedError, match="Recipe must define site_module"):
-        Recipe("bare").site_module()
+    with pytest.raises(NotImplementedError, match=r"Recipe must define site_module\(name\)"):
+        Recipe("bare").site_module("wi_0")
+
+
+def test_nvfp4_declares_its_own_bound():
+    assert 0.22 < qcheck.get_recipe("nvfp4").max_rel_norm < 0.5

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import re
 from collections.abc import Callable
@@ -31,7 +32,7 @@ class ApplyRngs(enum.Enum):
 class Recipe:
     """A quantization recipe: what every einsum call site of a layer does.
 
-    A subclass supplies :meth:`site_module`, a Linen module with
+    A subclass supplies :meth:`site_module`, which returns a Linen module with
     ``__call__(eqn, lhs, rhs)`` and ``ragged_dot(lhs, rhs, group_sizes)``. qcheck
     bridges one instance per call site into NNX, so no two sites share state.
 
@@ -72,8 +73,9 @@ class Recipe:
         """False only for the unquantized reference recipe."""
         return True
 
-    def site_module(self) -> nn.Module:
-        raise NotImplementedError(f"{type(self).__name__} must define site_module()")
+    def site_module(self, name: str) -> nn.Module:
+        """A new Linen module for the call site called ``name``."""
+        raise NotImplementedError(f"{type(self).__name__} must define site_module(name)")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
@@ -109,8 +111,26 @@ def get_recipe(name: str | Recipe) -> Recipe:
         ) from None
 
 
-def contraction_axes(eqn: str, lhs_ndim: int, rhs_ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Positions of the contracted letters of an explicit einsum ``eqn`` in each operand."""
+@dataclasses.dataclass(frozen=True)
+class MatmulAxes:
+    """Contraction axes of a two-operand matmul, forward and backward.
+
+    ``lhs``/``rhs``: the operands' contracted axes. ``dgrad``/``wgrad``: the
+    axes of the output gradient contracted to form the lhs and rhs gradients.
+    """
+
+    lhs: tuple[int, ...]
+    rhs: tuple[int, ...]
+    dgrad: tuple[int, ...]
+    wgrad: tuple[int, ...]
+
+
+#: ragged_dot(lhs[m, k], rhs[g, k, n]) -> [m, n].
+RAGGED_AXES = MatmulAxes(lhs=(1,), rhs=(1,), dgrad=(1,), wgrad=(0,))
+
+
+def einsum_axes(eqn: str, lhs_ndim: int, rhs_ndim: int) -> MatmulAxes:
+    """The :class:`MatmulAxes` of an explicit two-operand einsum ``eqn``."""
     if "->" not in eqn or "..." in eqn:
         raise ValueError(f"einsum equation must be explicit ('ab,bc->ac') without '...', got {eqn!r}")
     inputs, out = eqn.replace(" ", "").split("->")
@@ -124,7 +144,12 @@ def contraction_axes(eqn: str, lhs_ndim: int, rhs_ndim: int) -> tuple[tuple[int,
             f"got rank {lhs_ndim} and {rhs_ndim}"
         )
     contracted = [c for c in lhs if c in rhs and c not in out]
-    return tuple(lhs.index(c) for c in contracted), tuple(rhs.index(c) for c in contracted)
+    return MatmulAxes(
+        lhs=tuple(lhs.index(c) for c in contracted),
+        rhs=tuple(rhs.index(c) for c in contracted),
+        dgrad=tuple(i for i, c in enumerate(out) if c in rhs and c not in lhs),
+        wgrad=tuple(i for i, c in enumerate(out) if c in lhs and c not in rhs),
+    )
 
 
 def straight_through(quantize: Callable[[jax.Array], jax.Array]) -> Callable[[jax.Array], jax.Array]:

@@ -29,7 +29,7 @@ class DelayedScalingFp8Site(SiteOps, fp8_ops.Fp8DotGeneralBase):
     variables, so only a backward pass moves them.
     """
 
-    def quantize_operands(self, lhs, rhs, lhs_axes, rhs_axes):
+    def quantize_operands(self, lhs, rhs, axes):
         dtype = rhs.dtype
         q_lhs = fp8_ops.in_qdq(
             dtype, self.e4m3_dtype, lhs, self.input_scale.value, self.input_amax_history.value
@@ -63,7 +63,7 @@ class DelayedScalingFp8(Recipe):
         self.e5m2_dtype = np.dtype(e5m2_dtype)
         self.amax_history_length = amax_history_length
 
-    def site_module(self) -> nn.Module:
+    def site_module(self, name: str) -> nn.Module:
         return DelayedScalingFp8Site(
             amax_history_length=self.amax_history_length,
             e4m3_dtype=self.e4m3_dtype,

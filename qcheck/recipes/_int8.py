@@ -16,9 +16,9 @@ class Int8Site(SiteOps, nn.Module):
     recomputed every call, so there is nothing to materialize at build time.
     """
 
-    def quantize_operands(self, lhs, rhs, lhs_axes, rhs_axes):
-        q_lhs = straight_through(lambda x: formats.qdq(x, "int8", axis=lhs_axes))
-        q_rhs = straight_through(lambda x: formats.qdq(x, "int8", axis=rhs_axes))
+    def quantize_operands(self, lhs, rhs, axes):
+        q_lhs = straight_through(lambda x: formats.qdq(x, "int8", axis=axes.lhs))
+        q_rhs = straight_through(lambda x: formats.qdq(x, "int8", axis=axes.rhs))
         return q_lhs(lhs), q_rhs(rhs)
 
 
@@ -27,5 +27,5 @@ class Int8(Recipe):
         # PRIVATE, as AQT is upstream: each bridged site keeps its own forked stream.
         super().__init__(name, apply_rngs=ApplyRngs.PRIVATE)
 
-    def site_module(self) -> nn.Module:
+    def site_module(self, name: str) -> nn.Module:
         return Int8Site()

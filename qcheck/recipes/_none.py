@@ -16,5 +16,5 @@ class NoQuant(Recipe):
     def quantized(self) -> bool:
         return False
 
-    def site_module(self) -> nn.Module:
+    def site_module(self, name: str) -> nn.Module:
         return PlainSite()

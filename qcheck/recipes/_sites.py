@@ -11,33 +11,39 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from qcheck.recipes._base import contraction_axes
+from collections.abc import Callable
+from functools import partial
 
-# ragged_dot(lhs[m, k], rhs[g, k, n]) contracts lhs axis 1 with rhs axis 1.
-RAGGED_AXES = ((1,), (1,))
+from qcheck.recipes._base import RAGGED_AXES, MatmulAxes, einsum_axes
 
 
 class SiteOps:
-    """Mixin: the two matmul forms of a call site, built on ``quantize_operands``."""
+    """Mixin: the two matmul forms of a call site, built on :meth:`matmul`.
 
-    def quantize_operands(self, lhs, rhs, lhs_axes, rhs_axes):
+    The default :meth:`matmul` quantizes the operands, runs the op, and hands
+    the output to :meth:`quantize_output`; a recipe that quantizes gradients
+    itself overrides :meth:`matmul` instead.
+    """
+
+    def quantize_operands(self, lhs, rhs, axes: MatmulAxes):
         return lhs, rhs
 
     def quantize_output(self, y):
         return y
 
+    def matmul(self, op: Callable, lhs: jax.Array, rhs: jax.Array, axes: MatmulAxes) -> jax.Array:
+        lhs, rhs = self.quantize_operands(lhs, rhs, axes)
+        return self.quantize_output(op(lhs, rhs))
+
     def __call__(self, eqn: str, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
         dtype = jnp.result_type(lhs, rhs)
         lhs, rhs = jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype)
-        lhs_axes, rhs_axes = contraction_axes(eqn, lhs.ndim, rhs.ndim)
-        lhs, rhs = self.quantize_operands(lhs, rhs, lhs_axes, rhs_axes)
-        return self.quantize_output(jnp.einsum(eqn, lhs, rhs))
+        return self.matmul(partial(jnp.einsum, eqn), lhs, rhs, einsum_axes(eqn, lhs.ndim, rhs.ndim))
 
     def ragged_dot(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
         dtype = jnp.result_type(lhs, rhs)
         lhs, rhs = jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype)
-        lhs, rhs = self.quantize_operands(lhs, rhs, *RAGGED_AXES)
-        return self.quantize_output(jax.lax.ragged_dot(lhs, rhs, group_sizes))
+        return self.matmul(partial(jax.lax.ragged_dot, group_sizes=group_sizes), lhs, rhs, RAGGED_AXES)
 
 
 class PlainSite(SiteOps, nn.Module):

@@ -1,0 +1,23 @@
+"""Helpers shared by several test modules."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import qcheck
+from qcheck.bridge import QuantSite
+
+EQN = "bd,de->be"
+
+
+def nvfp4_dgrad(site_name: str, seed: int) -> np.ndarray:
+    """The lhs gradient through one NVFP4 site, whose stream starts from ``seed``."""
+    site = QuantSite(qcheck.get_recipe("nvfp4"), site_name, rngs=nnx.Rngs(seed))
+    graphdef, state = nnx.split(site)
+    lhs, rhs = (jax.random.normal(jax.random.key(i), s) for i, s in ((1, (16, 32)), (2, (32, 16))))
+
+    def loss(a):
+        return jnp.sum(nnx.merge(graphdef, state, copy=True)(EQN, a, rhs) * jnp.linspace(0.1, 1.0, 16)[None, :])
+
+    return np.asarray(jax.jit(jax.grad(loss))(lhs))
