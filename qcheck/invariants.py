@@ -135,6 +135,9 @@ def check_state(case: Case) -> None:
 def assert_fp8_state_moves_only_in_backward(layer: MoE, x, label: str) -> None:
     """Fresh scales are 1 and histories 0; a forward pass moves none; backward passes move them all.
 
+    The forward pass is the one inside the train step: its effect on the fp8
+    variables is read right after the call, before gradients overwrite them.
+
     One backward pass writes every amax history. The scales it returns are still
     computed from the (empty) history the forward pass saw, so they move on the
     second step — delayed scaling, as in Flax and TransformerEngine.
@@ -146,12 +149,11 @@ def assert_fp8_state_moves_only_in_backward(layer: MoE, x, label: str) -> None:
     if wrong:
         raise AssertionError(f"{label}: fresh layer has scales != 1 or histories != 0 at {wrong}")
 
-    _, after_forward = step.apply(layer, x)
-    moved = [k for k, v in fp8_meta_leaves(after_forward).items() if not np.array_equal(v, fresh[k])]
-    if moved:
+    first = step.train_step(layer, x)
+    after_forward = fp8_meta_leaves(first.fp8_meta_after_forward)
+    if moved := [k for k, v in after_forward.items() if not np.array_equal(v, fresh[k])]:
         raise AssertionError(f"{label}: a forward pass changed fp8 state at {moved}")
 
-    first = step.train_step(layer, x)
     if still := _unmoved(fresh, fp8_meta_leaves(first.fp8_meta), "_history"):
         raise AssertionError(f"{label}: one backward pass left amax histories unchanged at {still}")
     second = step.train_step(layer, x, fp8_meta=first.fp8_meta)

@@ -27,6 +27,8 @@ class StepOutput(NamedTuple):
     grads: Any  #: gradients of the Param state
     fp8_meta: Any  #: the next fp8 scales and amax histories (their "gradients")
     rest: Any  #: the rest of the non-parameter state after the step (RNG counts, ...)
+    output: jax.Array  #: the forward output the loss was computed from
+    fp8_meta_after_forward: Any  #: fp8 state as the module holds it after its forward pass
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -50,8 +52,10 @@ def split_for_step(module: nnx.Module):
 def _loss(graphdef, params, meta, rest, x):
     module = nnx.merge(graphdef, params, meta, rest, copy=True)
     y = module(x)
-    # Only the non-trainable remainder is aux: RNG counts advanced by the call.
-    return jnp.mean(jnp.square(y.astype(jnp.float32))), nnx.state(module, nnx.Not(_TRAINABLE))
+    # The forward's side effects ride along as aux: RNG counts it advanced, and
+    # whatever it did to fp8 state (nothing, if the recipe is right).
+    aux = (nnx.state(module, nnx.Not(_TRAINABLE)), y, nnx.state(module, Fp8Meta))
+    return jnp.mean(jnp.square(y.astype(jnp.float32))), aux
 
 
 def train_step_fn(graphdef):
@@ -59,8 +63,8 @@ def train_step_fn(graphdef):
 
     def step(params, meta, rest, x):
         grad_fn = jax.value_and_grad(functools.partial(_loss, graphdef), argnums=(0, 1), has_aux=True)
-        (loss, new_rest), (grads, new_meta) = grad_fn(params, meta, rest, x)
-        return StepOutput(loss, grads, new_meta, new_rest)
+        (loss, (new_rest, y, meta_after_forward)), (grads, new_meta) = grad_fn(params, meta, rest, x)
+        return StepOutput(loss, grads, new_meta, new_rest, y, meta_after_forward)
 
     return step
 

@@ -1,5 +1,7 @@
 """Helpers shared by several test modules."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ from qcheck.bridge import QuantSite
 EQN = "bd,de->be"
 
 
+@functools.cache
 def nvfp4_dgrad(site_name: str, seed: int) -> np.ndarray:
     """The lhs gradient through one NVFP4 site, whose stream starts from ``seed``."""
     site = QuantSite(qcheck.get_recipe("nvfp4"), site_name, rngs=nnx.Rngs(seed))

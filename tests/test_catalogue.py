@@ -2,7 +2,9 @@
 
 Every test here builds a broken layer on purpose and asserts that the
 invariant fails on it with a message that names the problem. If one of these
-starts passing silently, the invariant has gone blind.
+starts passing silently, the invariant has gone blind. The controls — the same
+invariants passing on healthy layers — are the invariant suite itself
+(tests/test_invariants.py).
 """
 
 import jax
@@ -164,17 +166,6 @@ def test_paths_agree_catches_a_sparse_routing_bug():
         invariants.assert_paths_agree(dense, np.asarray(sparse), "bug")
 
 
-def test_catalogue_controls_pass():
-    """The healthy versions of the layers above pass the same assertions."""
-    healthy = layer("fp8", dropping=True)
-    invariants.assert_sites_cast_exact(healthy, E4M3FN, "ok")
-    invariants.assert_sites_independent(healthy, "ok")
-    dense = cases.layer_output(cases.Case("none", cases.Variant("mixtral", "dense", False)))
-    sparse, _ = step.apply(layer("none", path="sparse"), X)
-    invariants.assert_paths_agree(dense, np.asarray(sparse), "ok")
-    assert jax.tree.leaves(nnx.state(healthy, nnx.Param))
-
-
 # -- RNG state of the compiled step ----------------------------------------------
 
 
@@ -197,4 +188,4 @@ def test_reused_stochastic_rounding_bits_are_visible(monkeypatch):
     from tests.helpers import nvfp4_dgrad
 
     monkeypatch.setattr(_nvfp4, "quantizer_key", lambda base, quantizer: base)
-    assert np.array_equal(nvfp4_dgrad("wi_0", 5), nvfp4_dgrad("wi_1", 5))
+    assert np.array_equal(nvfp4_dgrad.__wrapped__("wi_0", 5), nvfp4_dgrad.__wrapped__("wi_1", 5))

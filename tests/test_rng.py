@@ -84,8 +84,11 @@ def _neighbours(x):
     return lo, hi
 
 
+_stochastic_qdq = jax.jit(lambda x, key: formats.qdq(x, "nvfp4", rng=key))
+
+
 def test_stochastic_rounding_lands_on_a_neighbouring_grid_point():
-    out = np.asarray(formats.qdq(BLOCK, "nvfp4", rng=jax.random.key(0)))
+    out = np.asarray(_stochastic_qdq(BLOCK, jax.random.key(0)))
     lo, hi = _neighbours(BLOCK)
     assert np.all((out == lo) | (out == hi))
 
@@ -103,10 +106,10 @@ def test_stochastic_rounding_is_unbiased_where_nearest_is_not():
 
 
 def test_stochastic_rounding_is_deterministic_per_key():
-    x = jax.random.normal(jax.random.key(3), (4, 64))
-    a = formats.qdq(x, "nvfp4", rng=jax.random.key(1))
-    assert np.array_equal(a, formats.qdq(x, "nvfp4", rng=jax.random.key(1)))
-    assert not np.array_equal(a, formats.qdq(x, "nvfp4", rng=jax.random.key(2)))
+    x = jax.random.normal(jax.random.key(3), (1, 16))
+    a = _stochastic_qdq(x, jax.random.key(1))
+    assert np.array_equal(a, _stochastic_qdq(x, jax.random.key(1)))
+    assert not np.array_equal(a, _stochastic_qdq(x, jax.random.key(2)))
 
 
 def test_nvfp4_qdq_rejects_a_partial_block_and_other_formats_reject_rng():
