@@ -52,6 +52,8 @@ _FP8_FORMATS: dict[str, np.dtype] = {
 NVFP4_BLOCK = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
+#: Below this tensor amax the NVFP4 tensor scale 6·448/amax would overflow float32.
+NVFP4_MIN_AMAX = float(E2M1_MAX * E4M3_MAX / np.finfo(np.float32).max)
 #: The non-negative values of float4_e2m1fn.
 E2M1_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 
@@ -76,7 +78,10 @@ def _int8_qdq(x: Array, axis: int | tuple[int, ...]) -> Array:
     # axes, round half to even, clip to ±127. An all-zero slice keeps scale 1 so
     # zeros stay zeros instead of becoming NaN.
     amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
-    scale = jnp.where(amax > 0, amax / INT8_MAX, jnp.ones_like(amax))
+    # Test the scale, not amax: XLA on CPU flushes subnormals, so a slice whose
+    # amax/127 is subnormal would otherwise divide by zero and come back NaN.
+    scale = amax / INT8_MAX
+    scale = jnp.where(scale > 0, scale, jnp.ones_like(scale))
     codes = jnp.clip(jnp.round(x / scale), -INT8_MAX, INT8_MAX)
     return (codes * scale).astype(x.dtype)
 
@@ -134,11 +139,13 @@ def _nvfp4_qdq(x: Array, axes: tuple[int, ...], rng: Array | None) -> Array:
     # jit, fusion may still move a result by one ulp against eager execution.
     blocks, restore = _to_blocks(x.astype(jnp.float32), axes, NVFP4_BLOCK, "nvfp4")
     amax = jnp.max(jnp.abs(blocks))
-    # Per-tensor encode scale maps the global amax onto e2m1 max × e4m3 max.
-    s_enc = jnp.where(amax > 0, jnp.float32(E2M1_MAX * E4M3_MAX) / amax, jnp.float32(1.0))
+    # Per-tensor encode scale maps the global amax onto e2m1 max × e4m3 max. A
+    # tensor so small that this scale overflows float32 is flushed to zero.
+    representable = amax > NVFP4_MIN_AMAX
+    s_enc = jnp.where(representable, jnp.float32(E2M1_MAX * E4M3_MAX) / amax, jnp.float32(1.0))
     block_amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
     s_block = saturating_cast(block_amax * (s_enc / E2M1_MAX), _FP8_FORMATS["e4m3fn"]).astype(jnp.float32)
-    nonzero = s_block > 0
+    nonzero = (s_block > 0) & representable
     encode = jnp.broadcast_to(s_enc, s_block.shape) / jnp.where(nonzero, s_block, 1.0)
     v = jnp.clip(blocks * encode, -E2M1_MAX, E2M1_MAX)
     if rng is None:

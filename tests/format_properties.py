@@ -1,0 +1,216 @@
+"""Properties every number format must have, as predicates that raise AssertionError.
+
+The hypothesis tests (test_format_properties.py) run them on qcheck.formats;
+the failing twins run them on broken quantizers, so each property is shown to
+be able to fail. References here are numpy/ml_dtypes arithmetic on the output,
+never a second call into qcheck.formats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import ml_dtypes
+import numpy as np
+
+from qcheck import formats
+
+SHAPE = (4, 32)  # four slices of 32: two NVFP4 blocks each; int8 scales per slice (axis -1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """One row of the table: a format and what its properties may tolerate."""
+
+    name: str
+    block: int  #: values sharing one scale along the last axis
+    idempotent_ulps: int  #: a second qdq may move a value this far (a recomputed scale rounds)
+    dtype: np.dtype | None = None  #: element type for grid formats
+    fnuz: bool = False
+
+
+FORMATS = (
+    Format("int8", block=32, idempotent_ulps=4),
+    Format("e4m3fn", block=32, idempotent_ulps=0, dtype=np.dtype(ml_dtypes.float8_e4m3fn)),
+    Format("e4m3fnuz", block=32, idempotent_ulps=0, dtype=np.dtype(ml_dtypes.float8_e4m3fnuz), fnuz=True),
+    Format("e5m2", block=32, idempotent_ulps=0, dtype=np.dtype(ml_dtypes.float8_e5m2)),
+    Format("e5m2fnuz", block=32, idempotent_ulps=0, dtype=np.dtype(ml_dtypes.float8_e5m2fnuz), fnuz=True),
+    Format("nvfp4", block=formats.NVFP4_BLOCK, idempotent_ulps=8),
+)
+BY_NAME = {f.name: f for f in FORMATS}
+
+Qdq = Callable[[np.ndarray], np.ndarray]
+REL = 1e-5  # float32 slack for figures recomputed from the output
+
+
+def _blocks(x: np.ndarray, fmt: Format) -> np.ndarray:
+    return x.reshape(x.shape[0], -1, fmt.block)
+
+
+#: An NVFP4 block scale is 448 · block_amax / tensor_amax rounded to e4m3, so a
+#: block more than about 2^14.8 below the tensor's amax gets a subnormal (coarse)
+#: or zero scale and is flushed: a limit of the format, pinned by its own test.
+NVFP4_NORMAL_RANGE = 2.0**-14
+
+
+def with_normal_block_scales(x: np.ndarray, fmt: Format) -> np.ndarray:
+    """``x`` with every NVFP4 block lifted into the range where its e4m3 scale is normal."""
+    if fmt.name != "nvfp4" or not np.any(x):
+        return x
+    blocks = _blocks(x, fmt).copy()
+    floor = np.float32(np.max(np.abs(x)) * NVFP4_NORMAL_RANGE)
+    low = np.max(np.abs(blocks), axis=-1) < floor
+    blocks[..., 0] = np.where(low, floor, blocks[..., 0])
+    return blocks.reshape(x.shape)
+
+
+def assert_finite(qdq: Qdq, x: np.ndarray, fmt: Format) -> None:
+    out = qdq(x)
+    if bad := int(np.sum(~np.isfinite(out))):
+        raise AssertionError(f"{fmt.name}: {bad} non-finite outputs from finite inputs (no saturation?)")
+
+
+def assert_idempotent(qdq: Qdq, x: np.ndarray, fmt: Format) -> None:
+    once = qdq(x)
+    twice = qdq(once)
+    ulps = np.abs(once.view(np.int32).astype(np.int64) - twice.view(np.int32).astype(np.int64))
+    if ulps.max() > fmt.idempotent_ulps:
+        i = np.unravel_index(np.argmax(ulps), ulps.shape)
+        raise AssertionError(
+            f"{fmt.name}: qdq(qdq(x)) moved {once[i]!r} to {twice[i]!r} ({ulps[i]} ulps, "
+            f"allowed {fmt.idempotent_ulps})"
+        )
+
+
+def assert_sign_symmetric(qdq: Qdq, x: np.ndarray, fmt: Format) -> None:
+    pos, neg = qdq(x), qdq(-x)
+    if not np.array_equal(neg, -pos):
+        i = np.argwhere(neg != -pos)[0]
+        raise AssertionError(f"{fmt.name}: qdq(-x) != -qdq(x) at {tuple(i)}: {neg[tuple(i)]} vs {-pos[tuple(i)]}")
+    if fmt.fnuz and np.any((pos == 0) & np.signbit(pos) | (neg == 0) & np.signbit(neg)):
+        raise AssertionError(f"{fmt.name}: a negative zero, which fnuz formats do not have")
+
+
+def assert_zero_stays_zero(qdq: Qdq, x: np.ndarray, fmt: Format) -> None:
+    x = x.copy()
+    x[:, ::3] = 0.0
+    out = qdq(x)
+    if np.any(out[:, ::3] != 0):
+        raise AssertionError(f"{fmt.name}: zero inputs came back as {np.unique(out[:, ::3])}")
+
+
+def assert_monotonic(qdq: Qdq, x: np.ndarray, fmt: Format) -> None:
+    """Within values sharing one scale, order is preserved (ties allowed)."""
+    ordered = np.sort(_blocks(x, fmt), axis=-1).reshape(x.shape)
+    out = _blocks(qdq(ordered), fmt)
+    if np.any(np.diff(out, axis=-1) < 0):
+        raise AssertionError(f"{fmt.name}: qdq is not monotonic within a block")
+
+
+def _decode_scales(out: np.ndarray, fmt: Format) -> np.ndarray:
+    """The per-block step implied by the output itself: the largest code is the format's max."""
+    top = np.max(np.abs(_blocks(out, fmt)), axis=-1, keepdims=True)
+    code_max = formats.INT8_MAX if fmt.name == "int8" else formats.E2M1_MAX
+    return top / code_max
+
+
+def _codes(out: np.ndarray, fmt: Format) -> tuple[np.ndarray, np.ndarray]:
+    scale = _decode_scales(out, fmt)
+    safe = np.where(scale > 0, scale, 1.0)
+    return _blocks(out, fmt) / safe, scale
+
+
+def _grid(fmt: Format) -> np.ndarray:
+    if fmt.name == "int8":
+        return np.arange(formats.INT8_MAX + 1, dtype=np.float32)
+    return formats.E2M1_GRID
+
+
+def assert_on_grid(qdq: Qdq, x: np.ndarray, fmt: Format) -> None:
+    out = qdq(x)
+    if fmt.dtype is not None:
+        if not np.array_equal(out.astype(fmt.dtype).astype(np.float32), out):
+            raise AssertionError(f"{fmt.name}: outputs not representable in {fmt.dtype.name}")
+        return
+    codes, _ = _codes(out, fmt)
+    grid = _grid(fmt)
+    nearest = grid[np.abs(np.abs(codes)[..., None] - grid).argmin(-1)]
+    if np.any(np.abs(np.abs(codes) - nearest) > REL * grid[-1]):
+        raise AssertionError(f"{fmt.name}: outputs off the grid at their block's scale")
+
+
+def _fp8_half_step(y: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    info = ml_dtypes.finfo(dtype)
+    tiny = float(info.smallest_normal)
+    exp = np.floor(np.log2(np.maximum(np.abs(y), tiny)))
+    return np.where(np.abs(y) < tiny, float(info.smallest_subnormal), np.exp2(exp) * float(info.eps)) / 2
+
+
+def _neighbours(v: np.ndarray, grid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    a = np.minimum(np.abs(v), grid[-1])
+    i = np.clip(np.searchsorted(grid, a, side="right") - 1, 0, grid.size - 1)
+    return grid[i], grid[np.minimum(i + 1, grid.size - 1)]
+
+
+def assert_error_within_half_step(qdq: Qdq, x: np.ndarray, fmt: Format) -> None:
+    """Round to nearest: each value moves at most half the grid step around it (after saturation)."""
+    out = qdq(x)
+    if fmt.dtype is not None:
+        bound = float(ml_dtypes.finfo(fmt.dtype).max)
+        y = np.clip(x, -bound, bound)
+        err, allowed = np.abs(out - y), _fp8_half_step(y, fmt.dtype) * (1 + REL)
+    else:
+        codes, scale = _codes(out, fmt)
+        v = _blocks(x, fmt) / np.where(scale > 0, scale, 1.0)
+        lo, hi = _neighbours(v, _grid(fmt))
+        # Beyond the largest code (possible for NVFP4, whose block scale is itself
+        # rounded to e4m3) the value saturates to it.
+        clipped = np.maximum(np.abs(v) - _grid(fmt)[-1], 0)
+        # Plus a few ulps of x: rebuilding code × scale in float32 rounds too.
+        allowed = ((hi - lo) / 2 + clipped) * scale * (1 + REL) + 4 * np.spacing(np.abs(_blocks(x, fmt)))
+        err = np.abs(_blocks(out, fmt) - _blocks(x, fmt))
+    if np.any(err > allowed):
+        i = tuple(np.argwhere(err > allowed)[0])
+        raise AssertionError(f"{fmt.name}: error {err[i]:.3g} exceeds half a step ({allowed[i]:.3g})")
+
+
+def nvfp4_spec_scales(x: np.ndarray, fmt: Format) -> np.ndarray:
+    """Per-block decode scales from NVIDIA's definition, in numpy/ml_dtypes.
+
+    Stochastic rounding may take a block's largest value down a grid point, so
+    the scale cannot be read off the output as it is for round-to-nearest.
+    """
+    amax = np.float32(np.max(np.abs(x)))
+    block_amax = np.max(np.abs(_blocks(x, fmt)), axis=-1, keepdims=True)
+    if amax <= formats.NVFP4_MIN_AMAX:  # the tensor scale would overflow: flushed
+        return np.zeros_like(block_amax)
+    s_enc = np.float32(formats.E2M1_MAX * formats.E4M3_MAX) / amax
+    s_block = np.clip(block_amax * (s_enc / np.float32(formats.E2M1_MAX)), -448, 448)
+    return s_block.astype(ml_dtypes.float8_e4m3fn).astype(np.float32) / s_enc
+
+
+def assert_stochastic_lands_on_neighbours(qdq: Qdq, x: np.ndarray, fmt: Format) -> None:
+    """Stochastic rounding picks one of the two grid points around each value."""
+    out = qdq(x)
+    scale = nvfp4_spec_scales(x, fmt)
+    codes = _blocks(out, fmt) / np.where(scale > 0, scale, 1.0)
+    v = _blocks(x, fmt) / np.where(scale > 0, scale, 1.0)
+    lo, hi = _neighbours(v, _grid(fmt))
+    got = np.abs(codes)
+    ok = (np.abs(got - lo) <= REL * hi) | (np.abs(got - hi) <= REL * hi) | (scale == 0)
+    if not np.all(ok):
+        i = tuple(np.argwhere(~ok)[0])
+        raise AssertionError(f"{fmt.name}: stochastic rounding gave code {got[i]} for {np.abs(v)[i]:.4g}, "
+                             f"not {lo[i]} or {hi[i]}")
+
+
+PROPERTIES = (
+    assert_finite,
+    assert_idempotent,
+    assert_sign_symmetric,
+    assert_zero_stays_zero,
+    assert_monotonic,
+    assert_on_grid,
+    assert_error_within_half_step,
+)

@@ -1,0 +1,102 @@
+"""Property tests (hypothesis) for every format in qcheck.formats, and each property's failing twin.
+
+ml_dtypes types have no hypothesis strategy: examples are float32 arrays, cast
+inside the code under test. Shapes are fixed so each format compiles once.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from qcheck import formats
+from tests import format_properties as fp
+
+# Magnitudes from far below every format's smallest value to beyond every
+# maximum, so saturation and underflow are both exercised.
+VALUES = hnp.arrays(
+    np.float32,
+    fp.SHAPE,
+    elements=st.floats(-1e5, 1e5, width=32, allow_nan=False, allow_infinity=False, allow_subnormal=False),
+)
+
+
+@functools.cache
+def jitted(fmt: str, stochastic: bool = False):
+    if stochastic:
+        f = jax.jit(lambda x, key: formats.qdq(x, fmt, rng=key))
+        return lambda x: np.asarray(f(jnp.asarray(x), jax.random.key(int(np.abs(x).sum()) % 1000)))
+    f = jax.jit(lambda x: formats.qdq(x, fmt))
+    return lambda x: np.asarray(f(jnp.asarray(x)))
+
+
+def test_every_format_has_a_property_row():
+    assert {f.name for f in fp.FORMATS} == set(formats.format_names())
+
+
+@pytest.mark.parametrize("prop", fp.PROPERTIES, ids=lambda p: p.__name__.removeprefix("assert_"))
+@pytest.mark.parametrize("fmt", fp.FORMATS, ids=lambda f: f.name)
+@given(x=VALUES)
+def test_format_property(fmt, prop, x):
+    prop(jitted(fmt.name), fp.with_normal_block_scales(x, fmt), fmt)
+
+
+@given(x=VALUES)
+def test_nvfp4_stochastic_rounding_lands_on_a_neighbour(x):
+    fmt = fp.BY_NAME["nvfp4"]
+    fp.assert_stochastic_lands_on_neighbours(jitted("nvfp4", stochastic=True), fp.with_normal_block_scales(x, fmt), fmt)
+
+
+def test_nvfp4_flushes_a_block_far_below_the_tensor_amax():
+    x = np.zeros(fp.SHAPE, np.float32)
+    x[0, 0], x[0, 16:] = 1000.0, 1000.0 * 2.0**-20  # second block: scale underflows e4m3
+    out = jitted("nvfp4")(x)
+    assert out[0, 0] == pytest.approx(1000.0, rel=0.1) and not np.any(out[0, 16:])
+
+
+# -- failing twins: each property on the quantizer bug it exists for -------------
+
+PROBE = np.linspace(-600.0, 600.0, 128, dtype=np.float32).reshape(fp.SHAPE) + 0.3
+
+
+def _astype(dtype):
+    return lambda x: np.asarray(x, np.float32).astype(dtype).astype(np.float32)
+
+
+def _truncating_e4m3fn(x):
+    # Rounds toward zero instead of to nearest: same grid, wrong rounding.
+    out = _astype(ml_dtypes.float8_e4m3fn)(np.clip(x, -448, 448))
+    step = fp._fp8_half_step(out, np.dtype(ml_dtypes.float8_e4m3fn)) * 2
+    return np.where(np.abs(out) > np.abs(x), out - np.sign(out) * step, out).astype(np.float32)
+
+
+@pytest.mark.parametrize(
+    "prop, fmt, broken, message",
+    [
+        (fp.assert_finite, "e4m3fn", _astype(ml_dtypes.float8_e4m3fn), "non-finite outputs"),
+        (fp.assert_on_grid, "e4m3fnuz", lambda x: jitted("e4m3fn")(x), "not representable in float8_e4m3fnuz"),
+        (fp.assert_sign_symmetric, "e4m3fnuz", lambda x: jitted("e4m3fn")(x), "negative zero"),
+        (fp.assert_sign_symmetric, "int8", lambda x: jitted("int8")(x + 0.5), r"qdq\(-x\) != -qdq\(x\)"),
+        (fp.assert_error_within_half_step, "e4m3fn", _truncating_e4m3fn, "exceeds half a step"),
+        (fp.assert_idempotent, "int8", lambda x: jitted("int8")(x) * np.float32(1.01), "ulps"),
+        (fp.assert_zero_stays_zero, "nvfp4", lambda x: jitted("nvfp4")(x) + 1e-3, "zero inputs came back"),
+        (fp.assert_monotonic, "int8", lambda x: jitted("int8")(x)[:, ::-1].copy(), "not monotonic"),
+        (fp.assert_on_grid, "nvfp4", lambda x: jitted("nvfp4")(x) * np.float32(1.07) ** np.arange(32), "off the grid"),
+        (fp.assert_stochastic_lands_on_neighbours, "nvfp4", lambda x: jitted("nvfp4")(x * 1.9), "not"),
+    ],
+    ids=["no-saturation", "wrong-flavour-grid", "wrong-flavour-negzero", "asymmetric", "truncation",
+         "drifting-scale", "zero-leak", "reversed", "off-grid", "far-from-neighbours"],
+)
+def test_property_fails_on_its_bug(prop, fmt, broken, message):
+    x = PROBE.copy()
+    if prop is fp.assert_sign_symmetric and fmt == "e4m3fnuz":
+        x[0, :4] = [-1e-6, 1e-6, -3e-7, 3e-7]  # tiny values that e4m3fn rounds to -0.0
+    with pytest.raises(AssertionError, match=message):
+        prop(broken, x, fp.BY_NAME[fmt])
+    prop(jitted(fmt, stochastic=prop is fp.assert_stochastic_lands_on_neighbours), x, fp.BY_NAME[fmt])
