@@ -25,8 +25,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     for name, needs in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: needs {needs}; skipped elsewhere")
-    # pytest-xdist registers this too; repeated here so --strict-markers holds without it.
-    config.addinivalue_line("markers", "xdist_group(name): run in one xdist worker")
     config.addinivalue_line(
         "markers", "qcheck_invariant(name): parametrize qcheck_case over the cases `name` applies to"
     )
@@ -50,8 +48,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Parametrize ``qcheck_case`` over the case table.
 
     ``@pytest.mark.qcheck_invariant("name")`` keeps only the cases that invariant
-    applies to. Cases of one variant share an xdist group, so the worker that
-    builds a variant's unquantized twin also runs every recipe against it.
+    applies to.
     """
     if "qcheck_case" not in metafunc.fixturenames:
         return
@@ -71,7 +68,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         selected = [c for c in selected if by_name[name].applies(get_recipe(c.recipe), c.variant)]
     metafunc.parametrize(
         "qcheck_case",
-        [pytest.param(c, id=c.id, marks=pytest.mark.xdist_group(c.variant.id)) for c in selected],
+        [pytest.param(c, id=c.id) for c in selected],
     )
 
 
