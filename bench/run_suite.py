@@ -3,6 +3,9 @@
     python bench/run_suite.py                     # pytest -n auto, once
     python bench/run_suite.py --workers auto 2 1 --repeat 2 --out bench/local.json
 
+With more than one run it also compares every test's outcome across runs
+(worker count and order must not change a result) and fails on a difference.
+
 Each run is a fresh pytest process with the cache provider off, so every run is
 cold as far as pytest is concerned (JAX's persistent compilation cache is off
 unless you enable it yourself). Prints a table and, with --out, writes JSON with
@@ -18,9 +21,11 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
+from xml.etree import ElementTree
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,15 +40,39 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def _outcomes(junit: Path) -> dict[str, str]:
+    out = {}
+    for case in ElementTree.parse(junit).getroot().iter("testcase"):
+        verdict = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
+        out[f"{case.get('classname')}::{case.get('name')}"] = verdict
+    return out
+
+
 def _run(workers: str, extra: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", workers, *extra]
-    start = time.perf_counter()
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    wall = time.perf_counter() - start
+    with tempfile.TemporaryDirectory() as tmp:
+        junit = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", workers,
+               f"--junitxml={junit}", *extra]
+        start = time.perf_counter()
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        outcomes = _outcomes(junit) if junit.exists() else {}
     tail = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed)", tail)}
     return {"workers": workers, "wall_s": round(wall, 2), "exit": done.returncode, "counts": counts,
-            "summary": tail}
+            "summary": tail, "outcomes": outcomes}
+
+
+def _differences(runs: list[dict]) -> list[str]:
+    """Tests whose outcome differs between runs (worker count or order must not matter)."""
+    base = runs[0]["outcomes"]
+    diffs = []
+    for r in runs[1:]:
+        for test in sorted(set(base) | set(r["outcomes"])):
+            a, b = base.get(test, "absent"), r["outcomes"].get(test, "absent")
+            if a != b:
+                diffs.append(f"{test}: {a} with -n {runs[0]['workers']}, {b} with -n {r['workers']}")
+    return diffs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,18 +87,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'workers':>8}  {'wall s':>7}  exit  summary")
     for r in runs:
         print(f"{r['workers']:>8}  {r['wall_s']:>7.2f}  {r['exit']:>4}  {r['summary']}")
+    diffs = _differences(runs)
+    if len(runs) > 1:
+        print(f"outcomes identical across runs: {not diffs}")
+        for d in diffs:
+            print(f"  {d}")
     if args.out:
         record = {
             "date": time.strftime("%Y-%m-%d"),
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
             "versions": _versions(),
-            "runs": runs,
+            "runs": [{k: v for k, v in r.items() if k != "outcomes"} for r in runs],
+            "outcome_differences": diffs,
         }
         tmp = args.out.with_suffix(args.out.suffix + ".tmp")
         tmp.write_text(json.dumps(record, indent=2) + "\n")
         tmp.replace(args.out)
         print(f"wrote {args.out}")
-    return 0 if all(r["exit"] == 0 for r in runs) else 1
+    return 0 if all(r["exit"] == 0 for r in runs) and not diffs else 1
 
 
 if __name__ == "__main__":

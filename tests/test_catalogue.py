@@ -7,6 +7,8 @@ invariants passing on healthy layers — are the invariant suite itself
 (tests/test_invariants.py).
 """
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -189,3 +191,61 @@ def test_reused_stochastic_rounding_bits_are_visible(monkeypatch):
 
     monkeypatch.setattr(_nvfp4, "quantizer_key", lambda base, quantizer: base)
     assert np.array_equal(nvfp4_dgrad.__wrapped__("wi_0", 5), nvfp4_dgrad.__wrapped__("wi_1", 5))
+
+
+# -- the catalogue, as the README shows it ------------------------------------------
+
+#: (bug, what catches it, the test above that shows it). The README's table is
+#: rendered from this list and checked against it, so the two cannot drift.
+CATALOGUE = [
+    ("an fp8 call site that silently stopped quantizing", "`exact`, `tracks` (not bitwise equal)",
+     test_exact_catches_a_silently_unquantized_call_site),
+    ("NANOO fp8 built on `flax.linen.Fp8Einsum`, which ignores `e4m3_dtype`", "`exact` (wrong fp8 flavour)",
+     test_exact_catches_nanoo_built_on_flax_fp8einsum),
+    ("the wrong e4m3 flavour on the sparse (ragged_dot) path", "`exact` via `assert_fresh_ragged_cast_exact`",
+     test_exact_catches_the_wrong_flavour_on_the_sparse_path),
+    ("a cast without saturation (e4m3 overflow becomes NaN)", "`exact`",
+     test_exact_catches_a_cast_without_saturation),
+    ("a fresh layer whose scale is not 1", "`exact`, `state`",
+     test_exact_and_state_catch_a_fresh_scale_that_is_not_one),
+    ("a forward pass that writes fp8 state", "`state`",
+     test_state_catches_a_forward_pass_that_writes_amax_history),
+    ("an fp8 layer that lost its scales and histories", "`state`",
+     test_state_catches_a_layer_that_lost_its_fp8_state),
+    ("a layer whose quantization fell away everywhere", "`tracks`",
+     test_tracks_catches_a_layer_whose_quantization_silently_fell_away),
+    ("two call-site names bound to one wrapper", "`sites`", test_sites_catches_two_names_bound_to_one_site),
+    ("two call sites sharing a scale", "`sites`", test_sites_catches_two_sites_sharing_a_scale),
+    ("a sparse router that forgets to renormalize", "dense == sparse",
+     test_paths_agree_catches_a_sparse_routing_bug),
+    ("a forked RNG stream per wrapper per layer under SHARED", "`rng`",
+     test_rng_catches_a_forked_stream_per_layer),
+    ("an RNG measurement that sees nothing", "`rng`'s PRIVATE control",
+     test_rng_control_catches_a_measurement_that_sees_nothing),
+    ("stochastic-rounding bits reused across quantizers", "the per-quantizer-bits test in `tests/test_rng.py`",
+     test_reused_stochastic_rounding_bits_are_visible),
+]
+
+
+def render_catalogue() -> str:
+    rows = [f"| {bug} | {check} | `{test.__name__}` |" for bug, check, test in CATALOGUE]
+    return "\n".join(["| bug | caught by | shown in tests/test_catalogue.py |", "|---|---|---|", *rows])
+
+
+def test_catalogue_lists_every_failing_twin():
+    listed = {test.__name__ for _, _, test in CATALOGUE}
+    meta = {"test_catalogue_lists_every_failing_twin", "test_readme_shows_the_catalogue"}
+    defined = {name for name in globals() if name.startswith("test_")} - meta
+    assert defined == listed, f"CATALOGUE and the tests differ: {sorted(defined ^ listed)}"
+
+
+def test_readme_shows_the_catalogue():
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert render_catalogue() in readme, (
+        "README.md's bug catalogue is out of date; print the table with "
+        "`python -m tests.test_catalogue` and paste it over the old one"
+    )
+
+
+if __name__ == "__main__":
+    print(render_catalogue())
