@@ -33,24 +33,22 @@ def _parser() -> argparse.ArgumentParser:
 def _rng(args: argparse.Namespace) -> int:
     import json
 
-    from qcheck import checks, step
-    from qcheck.cases import layer_input
-    from qcheck.models import build_decoder
+    from qcheck.invariants import rng_entry_params
+    from qcheck.moe import MODELS, _choice
+    from qcheck.recipes import ApplyRngs, get_recipe
 
     if any(n < 1 for n in args.layers):
         raise ValueError(f"--layers must be positive integers, got {args.layers}")
-    table = {}
-    for n in args.layers:
-        stack = build_decoder(args.model, args.recipe, layers=n, apply_rngs=args.apply_rngs)
-        graphdef, params, meta, rest = step.split_for_step(stack)
-        counts = checks.entry_params(step.train_step_fn(graphdef), params, meta, rest,
-                                     layer_input(args.model), compile=False)
-        table[str(n)] = {"total": counts["total"], "u32": counts.get("u32", 0)}
+    _choice("model", args.model, tuple(MODELS))
+    get_recipe(args.recipe)
+    mode = None if args.apply_rngs is None else ApplyRngs(args.apply_rngs)
+    counts = rng_entry_params(args.model, args.recipe, depths=tuple(args.layers), apply_rngs=mode)
+    table = {str(n): {"total": c["total"], "u32": c.get("u32", 0)} for n, c in counts.items()}
     if args.json:
         print(json.dumps(table))
         return 0
-    mode = args.apply_rngs or "the recipe's own"
-    print(f"{args.recipe} on {args.model}, RNG mode: {mode}; entry parameters of the train step")
+    said = args.apply_rngs or "the recipe's own"
+    print(f"{args.recipe} on {args.model}, RNG mode: {said}; entry parameters of the train step")
     print(f"{'layers':>6}  {'total':>6}  {'u32':>5}")
     for n, c in table.items():
         print(f"{n:>6}  {c['total']:>6}  {c['u32']:>5}")

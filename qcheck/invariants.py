@@ -9,6 +9,7 @@ which apply to which recipe.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -192,13 +193,15 @@ def rng_entry_params(
     model: str, recipe: str, *, depths=RNG_DEPTHS, apply_rngs: ApplyRngs | None = None
 ) -> dict[int, dict[str, int]]:
     """Entry parameters of the jitted train step of an unrolled decoder, per depth."""
-    out = {}
-    for n in depths:
-        stack = cases_mod.decoder(model, recipe, n, apply_rngs=apply_rngs)
-        graphdef, params, meta, rest = step.split_for_step(stack)
-        x = cases_mod.layer_input(model)
-        out[n] = checks.entry_params(step.train_step_fn(graphdef), params, meta, rest, x, compile=False)
-    return out
+    return {n: _step_entry_params(model, recipe, n, apply_rngs) for n in depths}
+
+
+@functools.cache
+def _step_entry_params(model: str, recipe: str, layers: int, apply_rngs: ApplyRngs | None) -> dict[str, int]:
+    stack = cases_mod.decoder(model, recipe, layers, apply_rngs=apply_rngs)
+    graphdef, params, meta, rest = step.split_for_step(stack)
+    x = cases_mod.layer_input(model)
+    return checks.entry_params(step.train_step_fn(graphdef), params, meta, rest, x, compile=False)
 
 
 def assert_rng_state_constant(u32_by_depth: dict[int, int], label: str) -> int:

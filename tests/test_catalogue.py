@@ -94,8 +94,9 @@ def test_exact_catches_nanoo_built_on_flax_fp8einsum():
 
 
 def test_exact_catches_the_wrong_flavour_on_the_sparse_path():
+    healthy_fp8 = cases.layer(cases.Case("fp8", cases.Variant("mixtral", "sparse", False)))
     with pytest.raises(AssertionError, match="ragged_dot differs.*wrong fp8 flavour"):
-        invariants.assert_sites_cast_exact(layer("fp8", path="sparse"), E4M3FNUZ, "bug")
+        invariants.assert_sites_cast_exact(healthy_fp8, E4M3FNUZ, "bug")
 
 
 def test_exact_catches_a_cast_without_saturation():
@@ -126,7 +127,8 @@ def test_state_catches_a_forward_pass_that_writes_amax_history():
 
 def test_state_catches_a_layer_that_lost_its_fp8_state():
     with pytest.raises(AssertionError, match="no fp8 scales or amax histories"):
-        invariants.assert_fp8_state_moves_only_in_backward(layer("int8"), X, "bug")
+        invariants.assert_fp8_state_moves_only_in_backward(
+            cases.layer(cases.Case("int8", cases.Variant("mixtral", "dense", False))), X, "bug")
 
 
 # -- tracking the unquantized twin ----------------------------------------------

@@ -5,33 +5,38 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 
 from qcheck import cases, matrix, step
 
 # A layer that draws random bits (NVFP4's stochastic rounding in the backward
-# pass), with token dropping, hashed after a forward pass and a train step.
-SCRIPT = """
+# pass), hashed after a train step, which also returns the forward output.
+CASE = cases.Case("nvfp4", cases.Variant("mixtral", "sparse", False))
+SCRIPT = f"""
 import hashlib, numpy as np, jax
 from qcheck import cases, step
-h = hashlib.sha256()
-case = cases.Case("nvfp4", cases.Variant("mixtral", "dense", True))
-out = step.train_step(cases.layer(case), cases.layer_input("mixtral"))
-for leaf in jax.tree.leaves((out.output, out.loss, out.grads)):
-    h.update(np.asarray(leaf).tobytes())
-print(h.hexdigest())
+case = cases.Case("{CASE.recipe}", cases.Variant("{CASE.variant.model}", "{CASE.variant.path}", False))
+out = step.train_step(cases.layer(case), cases.layer_input("{CASE.variant.model}"))
+leaves = jax.tree.leaves((out.output, out.loss, out.grads, out.fp8_meta))
+print(hashlib.sha256(b"".join(np.asarray(a).tobytes() for a in leaves)).hexdigest())
 """
 
 
-def test_same_layer_in_two_fresh_processes_gives_the_same_bits():
-    env = {**os.environ, "PYTHONHASHSEED": "random"}
-    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env) for _ in range(2)]
-    results = [p.communicate() for p in procs]
-    for p, (_, err) in zip(procs, results, strict=True):
-        assert p.returncode == 0, err[-2000:]
-    first, second = (out.strip() for out, _ in results)
-    assert len(first) == 64 and first == second
+def _digest(out: step.StepOutput) -> str:
+    leaves = jax.tree.leaves((out.output, out.loss, out.grads, out.fp8_meta))
+    return hashlib.sha256(b"".join(np.asarray(a).tobytes() for a in leaves)).hexdigest()
+
+
+def test_same_seed_same_bits_in_this_process_and_a_fresh_one():
+    layer, x = cases.layer(CASE), cases.layer_input(CASE.variant.model)
+    here = _digest(step.train_step(layer, x))
+    assert here == _digest(step.train_step(layer, x))
+    # The fresh process inherits this one's XLA_FLAGS, so only the process differs.
+    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONHASHSEED": "random"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == here
 
 
 def test_matrix_prints_the_same_table_twice():
@@ -39,11 +44,3 @@ def test_matrix_prints_the_same_table_twice():
     first = matrix.format_table(matrix.run_matrix(("int8", "nvfp4"), **subset))
     second = matrix.format_table(matrix.run_matrix(("int8", "nvfp4"), **subset))
     assert first == second and "pass" in first
-
-
-def test_a_train_step_repeated_in_one_process_gives_the_same_bits():
-    layer = cases.layer(cases.Case("nvfp4", cases.Variant("mixtral", "sparse", False)))
-    x = cases.layer_input("mixtral")
-    a, b = step.train_step(layer, x), step.train_step(layer, x)
-    digest = lambda out: hashlib.sha256(np.asarray(out.grads["wi_0"][...]).tobytes()).hexdigest()  # noqa: E731
-    assert digest(a) == digest(b)
