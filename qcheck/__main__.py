@@ -62,12 +62,34 @@ def _matrix(args: argparse.Namespace) -> int:
     rows = matrix.run_matrix(as_tuple(args.recipes), models=as_tuple(args.models), paths=as_tuple(args.paths))
     print(matrix.to_json(rows) if args.json else matrix.format_table(rows))
     failed = [r.case.id for r in rows if not r.ok]
+    if args.recipes is None and args.paths is None and not args.json:
+        failed += _paths_agree(as_tuple(args.models))
     if failed:
-        print(f"\n{len(failed)} of {len(rows)} cases failed: {', '.join(failed)}", file=sys.stderr)
+        print(f"\n{len(failed)} checks failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     if not args.json:
         print(f"\nall {len(rows)} cases pass")
     return 0
+
+
+def _paths_agree(models: tuple[str, ...] | None) -> list[str]:
+    """Print the dense == sparse rows for ``none``; returns the labels that failed."""
+    from qcheck.invariants import check_paths_agree
+    from qcheck.moe import MODELS
+
+    print()
+    failed = []
+    for model in models or tuple(MODELS):
+        for dropping in (False, True):
+            label = f"none-{model}{'-drop' if dropping else ''}"
+            try:
+                worst = check_paths_agree(model, dropping)
+            except AssertionError as e:
+                failed.append(label)
+                print(f"dense == sparse  {label:<18} FAIL {e}")
+            else:
+                print(f"dense == sparse  {label:<18} pass (max |diff| {worst:.2g})")
+    return failed
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,9 +47,21 @@ def test_a_failing_cell_fails_the_matrix(capsys, monkeypatch):
     assert main(["--recipe", "int8", "--model", "gemma", "--path", "sparse"]) == 1
     captured = capsys.readouterr()
     assert "FAIL AssertionError: int8-gemma-sparse: relative norm 0.9 exceeds the bound 0.22" in captured.out
-    assert "1 of 1 cases failed: int8-gemma-sparse" in captured.err
+    assert "1 checks failed: int8-gemma-sparse" in captured.err
 
 
 def test_module_entry_point_runs():
     done = subprocess.run([sys.executable, "-m", "qcheck", "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "matrix" in done.stdout
+
+
+def test_dense_sparse_rows_report_a_failure(capsys, monkeypatch):
+    from qcheck import __main__ as cli
+    from qcheck import invariants
+
+    def broken(model, dropping):
+        raise AssertionError(f"none-{model}: dense and sparse differ by up to 0.5")
+
+    monkeypatch.setattr(invariants, "check_paths_agree", broken)
+    assert cli._paths_agree(("gemma",)) == ["none-gemma", "none-gemma-drop"]
+    assert "dense == sparse  none-gemma         FAIL none-gemma: dense and sparse differ" in capsys.readouterr().out
