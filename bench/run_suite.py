@@ -40,6 +40,32 @@ def _versions() -> dict[str, str]:
     return out
 
 
+# A fixed compile workload, to tell a slower suite from a slower machine: the
+# fp8 and nvfp4 forward and train programs of the mixtral variants.
+CALIBRATION = """
+import time, jax
+from flax import nnx
+from qcheck import _xla_env
+_xla_env.configure()
+from qcheck import cases, step
+x = cases.layer_input("mixtral")
+start = time.perf_counter()
+for v in [v for v in cases.VARIANTS if v.model == "mixtral"]:
+    for r in ("fp8", "nvfp4"):
+        layer = cases.layer(cases.Case(r, v))
+        graphdef, state = nnx.split(layer)
+        step._apply.lower(graphdef, state, x).compile()
+        graphdef, *parts = step.split_for_step(layer)
+        step._train_step.lower(graphdef, *parts, x).compile()
+print(round(time.perf_counter() - start, 2))
+"""
+
+
+def _calibrate() -> float:
+    done = subprocess.run([sys.executable, "-c", CALIBRATION], cwd=ROOT, capture_output=True, text=True)
+    return float(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else float("nan")
+
+
 def _outcomes(junit: Path) -> dict[str, str]:
     out = {}
     for case in ElementTree.parse(junit).getroot().iter("testcase"):
@@ -83,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("pytest_args", nargs="*", help="extra arguments for pytest (after --)")
     args = p.parse_args(argv)
 
+    calibration = _calibrate()
     runs = [_run(w, args.pytest_args) for w in args.workers for _ in range(args.repeat)]
+    print(f"calibration (fixed compile workload): {calibration} s")
     print(f"{'workers':>8}  {'wall s':>7}  exit  summary")
     for r in runs:
         print(f"{r['workers']:>8}  {r['wall_s']:>7.2f}  {r['exit']:>4}  {r['summary']}")
@@ -95,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         record = {
             "date": time.strftime("%Y-%m-%d"),
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                        "calibration_s": calibration},
             "versions": _versions(),
             "runs": [{k: v for k, v in r.items() if k != "outcomes"} for r in runs],
             "outcome_differences": diffs,
