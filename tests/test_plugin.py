@@ -39,6 +39,7 @@ def test_require_hardware_turns_the_skip_into_a_failure(marked):
 
 def test_markers_are_registered(pytester):
     result = pytester.runpytest("--markers")
+    assert result.ret == 0
     for name in hardware.MARKERS:
         result.stdout.fnmatch_lines([f"@pytest.mark.{name}: needs *"])
 
