@@ -34,12 +34,13 @@ def _rng(args: argparse.Namespace) -> int:
     import json
 
     from qcheck.invariants import rng_entry_params
-    from qcheck.moe import MODELS, _choice
+    from qcheck._choices import check_choice
+    from qcheck.moe import MODELS
     from qcheck.recipes import ApplyRngs, get_recipe
 
     if any(n < 1 for n in args.layers):
         raise ValueError(f"--layers must be positive integers, got {args.layers}")
-    _choice("model", args.model, tuple(MODELS))
+    check_choice("model", args.model, tuple(MODELS))
     get_recipe(args.recipe)
     mode = None if args.apply_rngs is None else ApplyRngs(args.apply_rngs)
     counts = rng_entry_params(args.model, args.recipe, depths=tuple(args.layers), apply_rngs=mode)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qcheck import step
+from qcheck._choices import check_choice
 from qcheck.models import Decoder, build_decoder
 from qcheck.moe import MODELS, PATHS, MoE, build_moe
 from qcheck.recipes import ApplyRngs, get_recipe, recipe_names
@@ -95,10 +96,9 @@ def cases(
     names = recipe_names() if recipes is None else recipes
     for name in names:
         get_recipe(name)  # unknown names fail here with the list of valid ones
-    for kind, chosen, valid in (("model", models, tuple(MODELS)), ("path", paths, PATHS)):
+    for kind, chosen, valid in (("model", models, MODELS), ("path", paths, PATHS)):
         for value in chosen or ():
-            if value not in valid:
-                raise ValueError(f"unknown {kind} {value!r}; valid {kind}s: {', '.join(valid)}")
+            check_choice(kind, value, valid)
     return [
         Case(r, v)
         for r in names

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qcheck.moe import MODELS, MoE, MoEConfig, _choice
+from qcheck._choices import check_choice
+from qcheck.moe import MODELS, MoE, MoEConfig
 from qcheck.recipes import ApplyRngs, Recipe, get_recipe
 
 __all__ = ["Decoder", "build_decoder"]
@@ -75,10 +76,10 @@ def build_decoder(
     apply_rngs: ApplyRngs | str | None = None,
 ) -> Decoder:
     """A stack of ``layers`` MoE layers; ``apply_rngs`` overrides the recipe's RNG mode (e.g. force PRIVATE)."""
-    config = MODELS[_choice("model", model, tuple(MODELS))]
+    config = MODELS[check_choice("model", model, tuple(MODELS))]
     if isinstance(apply_rngs, str):
         valid = tuple(m.value for m in ApplyRngs)
-        apply_rngs = ApplyRngs(_choice("apply_rngs mode", apply_rngs, valid))
+        apply_rngs = ApplyRngs(check_choice("apply_rngs mode", apply_rngs, valid))
     return Decoder(
         config, get_recipe(recipe), layers=layers, scan=scan, rngs=nnx.Rngs(seed), apply_rngs=apply_rngs
     )

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from qcheck._choices import check_choice
 from qcheck.bridge import QuantSite
 from qcheck.recipes import ApplyRngs, Recipe, get_recipe
 
@@ -71,12 +72,6 @@ _DROP_EQNS = {
 }
 
 
-def _choice(kind: str, value: str, valid) -> str:
-    if value not in valid:
-        raise ValueError(f"unknown {kind} {value!r}; valid {kind}s: {', '.join(valid)}")
-    return value
-
-
 class MoE(nnx.Module):
     """A routed MoE feed-forward layer mapping ``[batch, seq, emb]`` to ``[batch, seq, emb]``."""
 
@@ -93,7 +88,7 @@ class MoE(nnx.Module):
     ):
         self.config = config
         self.recipe_name = recipe.name
-        self.path = _choice("path", path, PATHS)
+        self.path = check_choice("path", path, PATHS)
         self.capacity_factor = float(capacity_factor)
         self.dtype = jnp.dtype(dtype)
         e, m, h = config.num_experts, config.emb, config.mlp
@@ -264,7 +259,7 @@ def build_moe(
     dtype: jnp.dtype = jnp.float32,
 ) -> MoE:
     """Build a tiny MoE layer; the same ``seed`` gives the same weights for every recipe and path."""
-    config = MODELS[_choice("model", model, tuple(MODELS))]
+    config = MODELS[check_choice("model", model, tuple(MODELS))]
     return MoE(
         config,
         get_recipe(recipe),
