@@ -1,15 +1,21 @@
-"""Number formats: saturating casts and quantize→dequantize (qdq) in a named format.
+"""Number formats: saturating casts, quantize/dequantize with the codes, and qdq in a named format.
 
 Everything here is plain ``jax.numpy`` on top of ml_dtypes types, so a user can
 check values against a format without building a layer. The fp8 formats are the
 raw element types at scale 1 — exactly what a freshly built delayed-scaling fp8
 layer applies — and saturate, unlike a bare ``astype`` (ml_dtypes turns e4m3fn
-overflow into NaN).
+overflow into NaN). ``e4m3fn_current`` and ``e5m2_current`` scale the whole
+tensor by its own amax (TransformerEngine's Float8CurrentScaling); ``nvfp4`` and
+``mxfp8`` are block formats. :func:`quantize` returns the element codes and the
+scales in their storage types, :func:`dequantize` maps them back, and
+:func:`qdq` is the one after the other.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -19,11 +25,16 @@ from jax import Array
 from jax.typing import ArrayLike
 
 __all__ = [
+    "CURRENT_MAX_SCALE",
     "E2M1_GRID",
     "FP8_DTYPES",
+    "MX_BLOCK",
     "NVFP4_BLOCK",
+    "Quantized",
+    "dequantize",
     "format_names",
     "qdq",
+    "quantize",
     "saturating_cast",
     "stochastic_round_e2m1",
 ]
@@ -57,12 +68,37 @@ NVFP4_MIN_AMAX = float(E2M1_MAX * E4M3_MAX / np.finfo(np.float32).max)
 #: The non-negative values of float4_e2m1fn.
 E2M1_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 
-_BLOCK_FORMATS = {"nvfp4": NVFP4_BLOCK}
+#: MXFP8 (OCP Microscaling v1.0): float8_e4m3fn elements in blocks of 32 along
+#: the contraction axes, one float8_e8m0fnu (power of two) scale per block. A
+#: block whose amax is below 2^-119 takes the clamped scale 2^-127 and no longer
+#: reaches 448. XLA on CPU reads subnormal float32 as zero, so a subnormal x
+#: comes back 0 there (a block of them is an all-zero block: scale 2^-127).
+MX_BLOCK = 32
+#: Exponent of e4m3's largest binade (448 = 1.75 · 2^8): a block's scale is
+#: 2^(floor(log2 amax) − 8), so its amax lands in [256, 512) and saturates above 448.
+E4M3_EMAX = 8
+#: The exponents float8_e8m0fnu encodes (bits 0..254; 255 is NaN).
+E8M0_MIN_EXP, E8M0_MAX_EXP = -127, 127
+
+# Current-scaled formats: one float32 scale per tensor from the tensor's own amax.
+_CURRENT_FORMATS: dict[str, np.dtype] = {
+    "e4m3fn_current": FP8_DTYPES["float8_e4m3fn"],
+    "e5m2_current": FP8_DTYPES["float8_e5m2"],
+}
+#: Cap on a current-scaled tensor's scale fmax / amax. Uncapped it would overflow
+#: float32 for amax below fmax / float32 max (TransformerEngine clamps it to the
+#: float32 max there); capped at 2^126 its inverse, the decode scale, stays a
+#: normal float32 that XLA on CPU does not flush to zero. A tensor whose amax is
+#: below fmax · 2^-126 (about 5e-36 for e4m3fn, 7e-34 for e5m2) so no longer
+#: reaches the format's largest value; it is still quantized, not flushed.
+CURRENT_MAX_SCALE = 2.0**126
+
+_BLOCK_FORMATS = {"nvfp4": NVFP4_BLOCK, "mxfp8": MX_BLOCK}
 
 
 def format_names() -> tuple[str, ...]:
-    """The format names :func:`qdq` accepts."""
-    return ("int8", *_FP8_FORMATS, *_BLOCK_FORMATS)
+    """The format names :func:`qdq` and :func:`quantize` accept."""
+    return ("int8", *_FP8_FORMATS, *_CURRENT_FORMATS, *_BLOCK_FORMATS)
 
 
 def saturating_cast(x: ArrayLike, dtype: np.dtype | type) -> Array:
@@ -71,19 +107,6 @@ def saturating_cast(x: ArrayLike, dtype: np.dtype | type) -> Array:
     x = jnp.asarray(x)
     bound = float(ml_dtypes.finfo(dtype).max)
     return jnp.clip(x, -bound, bound).astype(dtype)
-
-
-def _int8_qdq(x: Array, axis: int | tuple[int, ...]) -> Array:
-    # AQT's default: symmetric, scale from the absolute max over the contraction
-    # axes, round half to even, clip to ±127. An all-zero slice keeps scale 1 so
-    # zeros stay zeros instead of becoming NaN.
-    amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
-    # Test the scale, not amax: XLA on CPU flushes subnormals, so a slice whose
-    # amax/127 is subnormal would otherwise divide by zero and come back NaN.
-    scale = amax / INT8_MAX
-    scale = jnp.where(scale > 0, scale, jnp.ones_like(scale))
-    codes = jnp.clip(jnp.round(x / scale), -INT8_MAX, INT8_MAX)
-    return (codes * scale).astype(x.dtype)
 
 
 def _normalize_axis(axis: int | tuple[int, ...], ndim: int) -> tuple[int, ...]:
@@ -132,7 +155,101 @@ def stochastic_round_e2m1(v: Array, key: Array) -> Array:
     return jnp.sign(v) * jnp.where(u < p_up, hi, lo)
 
 
-def _nvfp4_qdq(x: Array, axes: tuple[int, ...], rng: Array | None) -> Array:
+@dataclasses.dataclass(frozen=True)
+class Quantized:
+    """``x`` in a format: the element codes and the scales, each in its storage type.
+
+    ``codes`` has ``x``'s shape, in the format's element type: int8 for
+    ``int8``, the float8 type for the fp8, current-scaled and ``mxfp8`` formats,
+    float4_e2m1fn for ``nvfp4``. ``scales`` by format (a block format's
+    ``[..., n_blocks]`` is the non-contraction axes of ``x`` in order, then one
+    entry per block along the flattened contraction axes):
+
+    - ``int8``: ``"slice"``, float32 (float64 for a float64 ``x``), ``x``'s
+      shape with ``axis`` kept as 1: x ≈ codes · slice.
+    - fp8 formats: none (scale 1).
+    - ``*_current``: ``"tensor"``, a float32 scalar, the encode scale
+      fmax / amax: x ≈ codes · (1 / tensor).
+    - ``nvfp4``: ``"block"``, float8_e4m3fn ``[..., n_blocks]``, and
+      ``"tensor"``, a float32 scalar, the encode scale 6 · 448 / amax:
+      x ≈ codes · block / tensor. A flushed block has block scale 0.
+    - ``mxfp8``: ``"block"``, float8_e8m0fnu ``[..., n_blocks]``: x ≈ codes · block.
+
+    ``axis`` is the normalized contraction axes; ``dtype`` is ``x``'s dtype,
+    which :func:`dequantize` returns. A pytree, so it crosses ``jax.jit``.
+    """
+
+    format: str
+    codes: Array
+    scales: dict[str, Array]
+    axis: tuple[int, ...]
+    dtype: np.dtype
+
+
+jax.tree_util.register_dataclass(Quantized, data_fields=["codes", "scales"], meta_fields=["format", "axis", "dtype"])
+
+_Codes = tuple[Array, dict[str, Array]]
+
+
+def _int8_quantize(x: Array, axes: tuple[int, ...]) -> _Codes:
+    # AQT's default: symmetric, scale from the absolute max over the contraction
+    # axes, round half to even, clip to ±127. An all-zero slice keeps scale 1 so
+    # zeros stay zeros instead of becoming NaN. Arithmetic stays in x's dtype, as
+    # it always has; the scale is stored widened, which is exact.
+    amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
+    # Test the scale, not amax: XLA on CPU flushes subnormals, so a slice whose
+    # amax/127 is subnormal would otherwise divide by zero and come back NaN.
+    scale = amax / INT8_MAX
+    scale = jnp.where(scale > 0, scale, jnp.ones_like(scale))
+    codes = jnp.clip(jnp.round(x / scale), -INT8_MAX, INT8_MAX)
+    return codes.astype(jnp.int8), {"slice": scale.astype(jnp.promote_types(x.dtype, jnp.float32))}
+
+
+def _int8_dequantize(q: Quantized) -> Array:
+    # codes (7 bits) × scale (at most 24) is exact in float32, so the one rounding
+    # is to q.dtype: the same bits as multiplying in x's dtype. int8 has no
+    # negative zero, so a negative value that rounds to code 0 comes back +0.0
+    # (qdq kept its codes in float before codes existed and returned -0.0 there).
+    scale = q.scales["slice"]
+    return (q.codes.astype(scale.dtype) * scale).astype(q.dtype)
+
+
+def _fp8_quantize(x: Array, dtype: np.dtype) -> _Codes:
+    return saturating_cast(x, dtype), {}
+
+
+def _current_quantize(x: Array, dtype: np.dtype) -> _Codes:
+    # TransformerEngine's Float8CurrentScaling: the scale maps this tensor's own
+    # amax (over all of it, whatever the contraction axes) onto the format's max.
+    # XLA rewrites a division by a broadcast operand into a multiplication by its
+    # reciprocal, so both scale divisions are scalar/scalar.
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
+    fmax = jnp.float32(ml_dtypes.finfo(dtype).max)
+    scale = jnp.where(amax > 0, jnp.minimum(fmax / amax, jnp.float32(CURRENT_MAX_SCALE)), jnp.float32(1.0))
+    return saturating_cast(x.astype(jnp.float32) * scale, dtype), {"tensor": scale}
+
+
+def _current_dequantize(q: Quantized) -> Array:
+    # XLA on CPU flushes a product below 2^-126 to zero, so an x just above
+    # float32's smallest normal whose code rounds down may come back 0.
+    scale_inv = jnp.float32(1.0) / q.scales["tensor"]
+    return (q.codes.astype(jnp.float32) * scale_inv).astype(q.dtype)
+
+
+def _nvfp4_decode(s_block: Array, s_enc: Array) -> tuple[Array, Array, Array]:
+    """``(nonzero, encode, decode)`` per block from the e4m3 block scales ``[..., n_blocks, 1]``."""
+    # Shared by quantize and dequantize so that dequantize recomputes encode from
+    # the stored scales by the very same operations (s_enc / s_block, then
+    # 1 / encode) and so matches the historical qdq bit for bit; q · (block /
+    # tensor), the textbook order, differs by an ulp.
+    s_block = s_block.astype(jnp.float32)
+    nonzero = s_block > 0
+    encode = jnp.broadcast_to(s_enc, s_block.shape) / jnp.where(nonzero, s_block, 1.0)
+    decode = jnp.ones_like(encode) / encode
+    return nonzero, encode, decode
+
+
+def _nvfp4_quantize(x: Array, axes: tuple[int, ...], rng: Array | None) -> _Codes:
     # XLA rewrites a division by a broadcast operand into a multiplication by its
     # reciprocal (one ulp off: 2688 / 448 -> 6.0000005), so every division here is
     # scalar/scalar or has a per-block divisor, and exact scales stay exact. Under
@@ -140,20 +257,113 @@ def _nvfp4_qdq(x: Array, axes: tuple[int, ...], rng: Array | None) -> Array:
     blocks, restore = _to_blocks(x.astype(jnp.float32), axes, NVFP4_BLOCK, "nvfp4")
     amax = jnp.max(jnp.abs(blocks))
     # Per-tensor encode scale maps the global amax onto e2m1 max × e4m3 max. A
-    # tensor so small that this scale overflows float32 is flushed to zero.
+    # tensor so small that this scale overflows float32 is flushed to zero: its
+    # block scales are zero (they would round to zero in e4m3 anyway).
     representable = amax > NVFP4_MIN_AMAX
     s_enc = jnp.where(representable, jnp.float32(E2M1_MAX * E4M3_MAX) / amax, jnp.float32(1.0))
     block_amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
-    s_block = saturating_cast(block_amax * (s_enc / E2M1_MAX), _FP8_FORMATS["e4m3fn"]).astype(jnp.float32)
-    nonzero = (s_block > 0) & representable
-    encode = jnp.broadcast_to(s_enc, s_block.shape) / jnp.where(nonzero, s_block, 1.0)
+    s_block = saturating_cast(block_amax * (s_enc / E2M1_MAX), _FP8_FORMATS["e4m3fn"])
+    s_block = jnp.where(representable, s_block, jnp.zeros_like(s_block))
+    nonzero, encode, _ = _nvfp4_decode(s_block, s_enc)
     v = jnp.clip(blocks * encode, -E2M1_MAX, E2M1_MAX)
     if rng is None:
-        q = v.astype(jnp.float4_e2m1fn).astype(jnp.float32)  # round to nearest even
+        q = v.astype(jnp.float4_e2m1fn)  # round to nearest even
     else:
-        q = stochastic_round_e2m1(v, rng)
-    decode = jnp.ones_like(encode) / encode
-    return restore(jnp.where(nonzero, q * decode, 0.0)).astype(x.dtype)
+        q = stochastic_round_e2m1(v, rng).astype(jnp.float4_e2m1fn)  # already on the grid: exact
+    codes = restore(jnp.where(nonzero, q, jnp.zeros_like(q)))
+    return codes, {"block": s_block[..., 0], "tensor": s_enc}
+
+
+def _nvfp4_dequantize(q: Quantized) -> Array:
+    blocks, restore = _to_blocks(q.codes.astype(jnp.float32), q.axis, NVFP4_BLOCK, "nvfp4")
+    nonzero, _, decode = _nvfp4_decode(q.scales["block"][..., None], q.scales["tensor"])
+    return restore(jnp.where(nonzero, blocks * decode, 0.0)).astype(q.dtype)
+
+
+def _pow2(e: Array) -> Array:
+    """2^e as float32, built from its bits so it is exact; ``e`` must lie in [-126, 127]."""
+    return jax.lax.bitcast_convert_type((e.astype(jnp.int32) + 127) << 23, jnp.float32)
+
+
+def _mxfp8_quantize(x: Array, axes: tuple[int, ...]) -> _Codes:
+    blocks, restore = _to_blocks(x.astype(jnp.float32), axes, MX_BLOCK, "mxfp8")
+    amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+    # floor(log2 amax) exactly: amax = m · 2^e with m in [0.5, 1). A zero block
+    # (or a subnormal one, which XLA on CPU reads as zero anyway) takes the
+    # smallest scale, as log2(0) = -inf clamped to the e8m0 range would.
+    _, e = jnp.frexp(amax)
+    normal = amax >= np.finfo(np.float32).tiny
+    exp = jnp.where(normal, jnp.clip(e - 1 - E4M3_EMAX, E8M0_MIN_EXP, E8M0_MAX_EXP), E8M0_MIN_EXP)
+    # Divide by multiplying by 2^-exp, exact: a float32 amax is below 2^128, so
+    # exp <= 119 and 2^-exp lies in [2^-119, 2^127], normal.
+    codes = saturating_cast(blocks * _pow2(-exp), _FP8_FORMATS["e4m3fn"])
+    bits = (exp - E8M0_MIN_EXP).astype(jnp.uint8)
+    return restore(codes), {"block": jax.lax.bitcast_convert_type(bits, jnp.float8_e8m0fnu)[..., 0]}
+
+
+def _mxfp8_dequantize(q: Quantized) -> Array:
+    blocks, restore = _to_blocks(q.codes.astype(jnp.float32), q.axis, MX_BLOCK, "mxfp8")
+    bits = jax.lax.bitcast_convert_type(q.scales["block"], jnp.uint8)[..., None]
+    exp = bits.astype(jnp.int32) + E8M0_MIN_EXP
+    # The smallest e8m0 scale, 2^-127, is subnormal in float32 and XLA on CPU
+    # would flush it to zero, so the scale is applied in two normal halves. Each
+    # product is exact; only a result below 2^-126 (a subnormal x) flushes.
+    half = exp // 2
+    return restore(blocks * _pow2(half) * _pow2(exp - half)).astype(q.dtype)
+
+
+def quantize(
+    x: ArrayLike,
+    fmt: str,
+    *,
+    axis: int | tuple[int, ...] = -1,
+    rng: Array | None = None,
+) -> Quantized:
+    """``x`` in format ``fmt``: its element codes and scales, saturating (see :class:`Quantized`).
+
+    ``int8`` scales each slice by its absolute max over ``axis`` (the contraction
+    axes of the matmul it feeds). The fp8 formats are the element type at scale 1,
+    and the ``*_current`` formats scale the whole tensor by fmax / amax, so
+    ``axis`` does not change them. ``nvfp4`` (blocks of 16) and ``mxfp8`` (blocks
+    of 32) flatten ``axis`` into blocks, a ValueError if that is not a whole
+    number of blocks. ``nvfp4`` rounds to nearest even, or stochastically when
+    ``rng`` (a PRNG key) is given; no other format takes ``rng``.
+    """
+    if fmt not in format_names():
+        raise ValueError(f"unknown format {fmt!r}; valid formats: {', '.join(format_names())}")
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"x must be a floating-point array, got dtype {x.dtype}")
+    axes = _normalize_axis(axis, x.ndim)
+    if rng is not None and fmt != "nvfp4":
+        raise ValueError(f"format {fmt!r} has no stochastic rounding; only nvfp4 takes rng")
+    if fmt == "int8":
+        codes, scales = _int8_quantize(x, axes)
+    elif fmt == "nvfp4":
+        codes, scales = _nvfp4_quantize(x, axes, rng)
+    elif fmt == "mxfp8":
+        codes, scales = _mxfp8_quantize(x, axes)
+    elif fmt in _CURRENT_FORMATS:
+        codes, scales = _current_quantize(x, _CURRENT_FORMATS[fmt])
+    else:
+        codes, scales = _fp8_quantize(x, _FP8_FORMATS[fmt])
+    return Quantized(format=fmt, codes=codes, scales=scales, axis=axes, dtype=np.dtype(x.dtype))
+
+
+_DEQUANTIZE: dict[str, Callable[[Quantized], Array]] = {
+    "int8": _int8_dequantize,
+    **{name: lambda q: q.codes.astype(q.dtype) for name in _FP8_FORMATS},
+    **{name: _current_dequantize for name in _CURRENT_FORMATS},
+    "nvfp4": _nvfp4_dequantize,
+    "mxfp8": _mxfp8_dequantize,
+}
+
+
+def dequantize(q: Quantized) -> Array:
+    """The values ``q`` stands for, in the dtype of the array it was quantized from."""
+    if q.format not in _DEQUANTIZE:
+        raise ValueError(f"unknown format {q.format!r}; valid formats: {', '.join(format_names())}")
+    return _DEQUANTIZE[q.format](q)
 
 
 def qdq(
@@ -163,25 +373,9 @@ def qdq(
     axis: int | tuple[int, ...] = -1,
     rng: Array | None = None,
 ) -> Array:
-    """Quantize then dequantize ``x`` in format ``fmt``, saturating.
+    """Quantize then dequantize ``x`` in format ``fmt``, saturating: ``dequantize(quantize(x, ...))``.
 
-    ``int8`` scales each slice by its absolute max over ``axis`` (the contraction
-    axes of the matmul it feeds). The fp8 formats are the element type at scale 1,
-    so ``axis`` does not change them. ``nvfp4`` flattens ``axis`` into blocks of
-    16 (a ValueError if that is not a whole number of blocks) and rounds to
-    nearest even, or stochastically when ``rng`` (a PRNG key) is given. The
-    result has ``x``'s dtype.
+    See :func:`quantize` for the formats, ``axis`` and ``rng``. The result has
+    ``x``'s dtype.
     """
-    if fmt not in format_names():
-        raise ValueError(f"unknown format {fmt!r}; valid formats: {', '.join(format_names())}")
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"qdq: x must be a floating-point array, got dtype {x.dtype}")
-    axes = _normalize_axis(axis, x.ndim)
-    if rng is not None and fmt not in ("nvfp4",):
-        raise ValueError(f"format {fmt!r} has no stochastic rounding; only nvfp4 takes rng")
-    if fmt == "int8":
-        return _int8_qdq(x, axes)
-    if fmt == "nvfp4":
-        return _nvfp4_qdq(x, axes, rng)
-    return saturating_cast(x, _FP8_FORMATS[fmt]).astype(x.dtype)
+    return dequantize(quantize(x, fmt, axis=axis, rng=rng))

@@ -16,7 +16,7 @@ import numpy as np
 
 from qcheck import formats
 
-SHAPE = (4, 32)  # four slices of 32: two NVFP4 blocks each; int8 scales per slice (axis -1)
+SHAPE = (4, 32)  # four slices of 32: two NVFP4 blocks or one MXFP8 block each; int8 scales per slice (axis -1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,9 +26,37 @@ class Format:
     name: str
     block: int  #: values sharing one scale along the last axis
     idempotent_ulps: int  #: a second qdq may move a value this far (a recomputed scale rounds)
-    dtype: np.dtype | None = None  #: element type for grid formats
+    dtype: np.dtype | None = None  #: element type for fp8-element formats
     fnuz: bool = False
+    #: For fp8 elements under a scale: the decode scale of each block, ``[rows, n_blocks, 1]``,
+    #: from the format's definition (numpy); None is scale 1.
+    spec_scales: Callable[[np.ndarray, Format], np.ndarray] | None = None
 
+
+def mx_spec_scales(x: np.ndarray, fmt: Format) -> np.ndarray:
+    """OCP MX v1.0: 2^(floor(log2 block amax) − emax of the element type), clamped to e8m0's 2^±127.
+
+    A zero block takes the smallest scale, as log2(0) = -inf clamped would.
+    """
+    amax = np.max(np.abs(_blocks(x, fmt)), axis=-1, keepdims=True)
+    emax = np.frexp(float(ml_dtypes.finfo(fmt.dtype).max))[1] - 1  # 448 = 1.75 · 2^8 -> 8
+    exp = np.where(amax > 0, np.clip(np.frexp(amax)[1] - 1 - emax, -127, 127), -127)
+    return np.ldexp(np.ones(amax.shape, np.float32), exp.astype(np.int32))
+
+
+def current_spec_scales(x: np.ndarray, fmt: Format) -> np.ndarray:
+    """TransformerEngine's current scaling: decode scale 1 / (fmax / amax) over the whole tensor.
+
+    The encode scale is capped at formats.CURRENT_MAX_SCALE, a documented limit.
+    """
+    amax = np.float32(np.max(np.abs(x)))
+    fmax = np.float32(ml_dtypes.finfo(fmt.dtype).max)
+    with np.errstate(over="ignore", divide="ignore"):
+        scale = np.minimum(fmax / amax, np.float32(formats.CURRENT_MAX_SCALE)) if amax > 0 else np.float32(1)
+    return np.full((x.shape[0], x.shape[1] // fmt.block, 1), np.float32(1) / scale, np.float32)
+
+
+E4M3FN, E5M2 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)
 
 FORMATS = (
     Format("int8", block=32, idempotent_ulps=4),
@@ -37,6 +65,10 @@ FORMATS = (
     Format("e5m2", block=32, idempotent_ulps=0, dtype=np.dtype(ml_dtypes.float8_e5m2)),
     Format("e5m2fnuz", block=32, idempotent_ulps=0, dtype=np.dtype(ml_dtypes.float8_e5m2fnuz), fnuz=True),
     Format("nvfp4", block=formats.NVFP4_BLOCK, idempotent_ulps=8),
+    # One scale per tensor: the "block" is just the slice the per-block predicates walk.
+    Format("e4m3fn_current", block=32, idempotent_ulps=4, dtype=E4M3FN, spec_scales=current_spec_scales),
+    Format("e5m2_current", block=32, idempotent_ulps=4, dtype=E5M2, spec_scales=current_spec_scales),
+    Format("mxfp8", block=formats.MX_BLOCK, idempotent_ulps=0, dtype=E4M3FN, spec_scales=mx_spec_scales),
 )
 BY_NAME = {f.name: f for f in FORMATS}
 
@@ -127,11 +159,26 @@ def _grid(fmt: Format) -> np.ndarray:
     return formats.E2M1_GRID
 
 
+def _element_scales(x: np.ndarray, fmt: Format) -> tuple[np.ndarray, bool]:
+    """An fp8-element format's decode scale per block, and whether all are powers of two (so exact)."""
+    if fmt.spec_scales is None:
+        return np.ones((x.shape[0], x.shape[1] // fmt.block, 1), np.float32), True
+    scale = fmt.spec_scales(x, fmt)
+    return scale, bool(np.all(np.frexp(scale)[0] == 0.5))
+
+
 def assert_on_grid(qdq: Qdq, x: np.ndarray, fmt: Format) -> None:
     out = qdq(x)
     if fmt.dtype is not None:
-        if not np.array_equal(out.astype(fmt.dtype).astype(np.float32), out):
-            raise AssertionError(f"{fmt.name}: outputs not representable in {fmt.dtype.name}")
+        # codes = output / decode scale. A power-of-two scale divides out exactly;
+        # any other leaves the rounding of code × scale, a few float32 ulps.
+        scale, exact = _element_scales(x, fmt)
+        codes = _blocks(out, fmt) / scale
+        nearest = codes.astype(fmt.dtype).astype(np.float32)  # NaN or inf beyond the format's max
+        tol = 0.0 if exact else REL * np.abs(nearest)
+        if not np.all(np.abs(codes - nearest) <= tol):
+            at = "" if fmt.spec_scales is None else " at its scale"
+            raise AssertionError(f"{fmt.name}: outputs not representable in {fmt.dtype.name}{at}")
         return
     codes, _ = _codes(out, fmt)
     grid = _grid(fmt)
@@ -158,8 +205,16 @@ def assert_error_within_half_step(qdq: Qdq, x: np.ndarray, fmt: Format) -> None:
     out = qdq(x)
     if fmt.dtype is not None:
         bound = float(ml_dtypes.finfo(fmt.dtype).max)
-        y = np.clip(x, -bound, bound)
-        err, allowed = np.abs(out - y), _fp8_half_step(y, fmt.dtype) * (1 + REL)
+        scale, exact = _element_scales(x, fmt)
+        v = _blocks(x, fmt) / scale
+        y = np.clip(v, -bound, bound)
+        # Beyond the format's max the value saturates (MXFP8 maps a block's amax into [256, 512)).
+        allowed = (_fp8_half_step(y, fmt.dtype) * (1 + REL) + (np.abs(v) - np.abs(y))) * scale
+        if not exact:
+            # Plus a few ulps of x for x · scale and code · (1 / scale) rounding in
+            # float32, and XLA on CPU flushing a result below 2^-126 to zero.
+            allowed = allowed + 4 * np.spacing(np.abs(_blocks(x, fmt))) + np.finfo(np.float32).tiny
+        err = np.abs(_blocks(out, fmt) - _blocks(x, fmt))
     else:
         codes, scale = _codes(out, fmt)
         v = _blocks(x, fmt) / np.where(scale > 0, scale, 1.0)

@@ -76,6 +76,43 @@ def _truncating_e4m3fn(x):
     return np.where(np.abs(out) > np.abs(x), out - np.sign(out) * step, out).astype(np.float32)
 
 
+def _mxfp8(block_exponent, *, saturate=True, block=formats.MX_BLOCK):
+    """MXFP8 qdq in numpy with the block exponent rule plugged in, for the bugs in it."""
+
+    def qdq(x):
+        blocks = np.asarray(x, np.float32).reshape(x.shape[0], -1, block)
+        exp = block_exponent(np.max(np.abs(blocks), axis=-1, keepdims=True)).astype(np.int32)
+        v = np.ldexp(blocks, -exp)
+        codes = (np.clip(v, -448, 448) if saturate else v).astype(ml_dtypes.float8_e4m3fn)
+        return np.ldexp(codes.astype(np.float32), exp).reshape(x.shape)
+
+    return qdq
+
+
+def _current(dtype, amax_of):
+    """Current-scaled fp8 qdq in numpy with the amax taken by ``amax_of``, for the bugs in it."""
+
+    def qdq(x):
+        fmax = np.float32(ml_dtypes.finfo(dtype).max)
+        scale = fmax / np.float32(amax_of(np.asarray(x, np.float32)))
+        codes = np.clip(x * scale, -fmax, fmax).astype(dtype)
+        return codes.astype(np.float32) * (np.float32(1) / scale)
+
+    return qdq
+
+
+def _floor_exponent(amax):
+    return np.floor(np.log2(amax)) - 8  # the spec's rule; a float log2 is exact enough on PROBE
+
+
+def _nearest_exponent(amax):
+    return np.round(np.log2(amax)) - 8  # the bug: nearest power of two instead of floor
+
+
+def _row_amax(x):
+    return np.max(np.abs(x), axis=-1, keepdims=True)
+
+
 @pytest.mark.parametrize(
     "prop, fmt, broken, message",
     [
@@ -89,14 +126,30 @@ def _truncating_e4m3fn(x):
         (fp.assert_monotonic, "int8", lambda x: jitted("int8")(x)[:, ::-1].copy(), "not monotonic"),
         (fp.assert_on_grid, "nvfp4", lambda x: jitted("nvfp4")(x) * np.float32(1.07) ** np.arange(32), "off the grid"),
         (fp.assert_stochastic_lands_on_neighbours, "nvfp4", lambda x: jitted("nvfp4")(x * 1.9), "not"),
+        # Round log2(amax) to nearest instead of floor: amax 500 gets scale 2, 250 rounds up to 256,
+        # and 512 is off e4m3's grid at the true scale 1.
+        (fp.assert_on_grid, "mxfp8", _mxfp8(_nearest_exponent), "not representable in float8_e4m3fn"),
+        # Elements cast without clipping: 500 at scale 1 is past 448, and e4m3fn overflow is NaN.
+        (fp.assert_finite, "mxfp8", _mxfp8(_floor_exponent, saturate=False), "non-finite outputs"),
+        # Blocks of 16 (NVFP4's): a half-row whose amax, 240, is below its row's gets scale 2^-1 and saturates.
+        (fp.assert_error_within_half_step, "mxfp8", _mxfp8(_floor_exponent, block=16), "exceeds half a step"),
+        # A stale amax (the previous step's, 500) instead of this tensor's (600.3): clipping beyond 500.
+        (fp.assert_error_within_half_step, "e4m3fn_current", _current(fp.E4M3FN, lambda x: 500.0), "exceeds half"),
+        # Each row's amax instead of the whole tensor's: codes at another scale than the tensor's.
+        (fp.assert_on_grid, "e5m2_current", _current(fp.E5M2, _row_amax), "not representable in float8_e5m2"),
     ],
     ids=["no-saturation", "wrong-flavour-grid", "wrong-flavour-negzero", "asymmetric", "truncation",
-         "drifting-scale", "zero-leak", "reversed", "off-grid", "far-from-neighbours"],
+         "drifting-scale", "zero-leak", "reversed", "off-grid", "far-from-neighbours",
+         "mx-nearest-scale", "mx-no-saturation", "mx-block-16", "current-stale-amax", "current-row-amax"],
 )
 def test_property_fails_on_its_bug(prop, fmt, broken, message):
     x = PROBE.copy()
     if prop is fp.assert_sign_symmetric and fmt == "e4m3fnuz":
         x[0, :4] = [-1e-6, 1e-6, -3e-7, 3e-7]  # tiny values that e4m3fn rounds to -0.0
+    if fmt == "mxfp8":
+        # Block amaxes whose mantissa is past e4m3's 1.75 (448 = 1.75 · 2^8): row 1's 500
+        # saturates at its scale 2^0; row 2's first half, 240, would at a 16-block's 2^-1.
+        x[1, 0], x[2, 0] = -500.0, 240.0
     with pytest.raises(AssertionError, match=message):
         prop(broken, x, fp.BY_NAME[fmt])
     prop(jitted(fmt, stochastic=prop is fp.assert_stochastic_lands_on_neighbours), x, fp.BY_NAME[fmt])

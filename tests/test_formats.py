@@ -61,3 +61,202 @@ def test_int8_slice_with_a_subnormal_scale_stays_finite():
     x = jnp.array([[np.finfo(np.float32).tiny, 0.0, -np.finfo(np.float32).tiny, 0.0]])
     out = np.asarray(jax.jit(lambda v: formats.qdq(v, "int8"))(x))
     assert np.all(np.isfinite(out)) and out[0, 1] == 0.0
+
+
+def test_int8_has_no_negative_zero():
+    # An int8 code carries no sign at zero, so a small negative value comes back +0.0.
+    out = np.asarray(formats.qdq(jnp.array([-0.1, 127.0]), "int8"))
+    assert out[0] == 0.0 and not np.signbit(out[0])
+
+
+# -- references: numpy/ml_dtypes from the formats' definitions ------------------
+
+
+def _mxfp8_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """OCP MX v1.0 MXFP8 along the last axis: (dequantized, e4m3fn codes, e8m0 scale bits)."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    amax = np.max(np.abs(blocks), axis=-1, keepdims=True)
+    _, e = np.frexp(amax)  # amax = m · 2^e, m in [0.5, 1): floor(log2 amax) = e - 1
+    exp = np.where(amax > 0, np.clip(e - 1 - 8, -127, 127), -127).astype(np.int32)
+    codes = np.clip(np.ldexp(blocks, -exp), -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    out = np.ldexp(codes.astype(np.float32), exp)
+    return out.reshape(x.shape), codes.reshape(x.shape), (exp[..., 0] + 127).astype(np.uint8)
+
+
+def _current_reference(x: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray, np.float32]:
+    """TransformerEngine's current scaling: (dequantized, codes, scale = fmax / amax)."""
+    amax = np.float32(np.max(np.abs(x)))
+    fmax = np.float32(ml_dtypes.finfo(dtype).max)
+    scale = fmax / amax if amax > 0 else np.float32(1.0)
+    codes = np.clip(x * scale, -fmax, fmax).astype(dtype)
+    return codes.astype(np.float32) * (np.float32(1.0) / scale), codes, scale
+
+
+def _wide_blocks(rows: int, seed: int) -> np.ndarray:
+    """Rows of two 32-blocks: each block its own binade, from 2^-110 to 2^110, zeros and saturating amaxes."""
+    r = np.random.default_rng(seed)
+    x = r.uniform(-2.0, 2.0, (rows, 2, 32)) * np.exp2(r.integers(-110, 111, (rows, 2, 1)))
+    x *= np.exp2(-r.integers(0, 14, x.shape))  # small elements inside a block: e4m3 subnormals and zeros
+    x[0, 0] = 0.0  # an all-zero block
+    x[1, 0, 5] = 1.9 * np.abs(x[1, 0]).max()  # an amax past e4m3's 1.75 · 2^k: saturates
+    x[2, 1] = np.exp2(-125) * r.uniform(1.0, 2.0, 32)  # amax below 2^-119: the scale clamps to 2^-127
+    return x.astype(np.float32).reshape(rows, 64)
+
+
+def _bits(a) -> bytes:
+    return np.asarray(a).tobytes()
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_mxfp8_matches_the_ocp_reference_bitwise(jit):
+    x = _wide_blocks(8, seed=0)
+    f = (lambda v, ax: jax.jit(lambda u: formats.qdq(u, "mxfp8", axis=ax))(v)) if jit else (
+        lambda v, ax: formats.qdq(v, "mxfp8", axis=ax))
+    ref, _, _ = _mxfp8_reference(x)
+    assert _bits(f(x, -1)) == _bits(ref)
+    # Along axis 0 the blocks run down the columns.
+    assert _bits(f(np.ascontiguousarray(x.T), 0)) == _bits(np.ascontiguousarray(ref.T))
+
+
+def test_mxfp8_codes_and_scales_match_the_reference():
+    x = _wide_blocks(8, seed=1)
+    _, codes, scale_bits = _mxfp8_reference(x)
+    q = formats.quantize(x, "mxfp8")
+    assert _bits(q.codes) == _bits(codes)
+    assert np.array_equal(np.asarray(q.scales["block"]).view(np.uint8), scale_bits)
+
+
+def test_mxfp8_scale_bits_are_127_plus_floor_log2_amax_minus_8():
+    # Block amaxes m · 2^k with floor(log2) = k by construction, m at both ends of
+    # [1, 2): a float log2 of (2 - 2^-23) · 2^k rounds up to k + 1.
+    ks = np.array([-100, -20, -1, 0, 3, 8, 9, 60, 120])
+    ms = np.array([1.0, np.nextafter(np.float32(2.0), np.float32(0.0))], np.float32)
+    amax = (ms[None, :] * np.exp2(ks)[:, None].astype(np.float32)).astype(np.float32)  # [k, m]
+    x = np.zeros((*amax.shape, 32), np.float32)
+    x[..., 7] = -amax
+    x[..., 3] = amax / 3
+    bits = np.asarray(formats.quantize(x.reshape(-1, 32), "mxfp8").scales["block"]).view(np.uint8)
+    expected = np.broadcast_to(127 + ks[:, None] - 8, amax.shape).reshape(-1, 1)
+    np.testing.assert_array_equal(bits, expected)
+
+
+def test_mxfp8_smallest_scale_keeps_normal_values():
+    # Limit: 2^-127, e8m0's smallest scale, is subnormal in float32 and XLA on CPU
+    # flushes subnormals; dequantize applies it in two normal halves instead.
+    x = np.zeros((2, 32), np.float32)
+    x[0, :9] = np.exp2(-127) * np.linspace(2.0, 4.0, 9)  # e4m3 codes 2, 2.25, ..., 4 at 2^-127: normal floats
+    x[0, 9:18] = -x[0, :9]
+    q = formats.quantize(x, "mxfp8")
+    # Block amax 2^-125 asks for 2^(-125 - 8), clamped to 2^-127; the all-zero row 1 gets it too.
+    assert np.asarray(q.scales["block"]).view(np.uint8).tolist() == [[0], [0]]
+    assert _bits(formats.dequantize(q)) == _bits(x)
+
+
+def test_mxfp8_subnormal_input_comes_back_zero_or_exact():
+    # Limit: XLA on CPU reads a subnormal as zero; a backend that keeps them must be exact.
+    x = np.zeros((1, 32), np.float32)
+    x[0, 0], x[0, 1] = np.exp2(-125), np.exp2(-128)  # 2^-128 is code 0.5 at scale 2^-127, but subnormal
+    out = np.asarray(formats.qdq(x, "mxfp8"))
+    assert out[0, 0] == x[0, 0] and out[0, 1] in (0.0, x[0, 1]) and not np.any(out[0, 2:])
+
+
+def test_mxfp8_on_an_axis_of_48_says_so():
+    with pytest.raises(ValueError, match=r"mxfp8 needs whole blocks of 32 .* axis 1 has 48 elements"):
+        formats.qdq(jnp.ones((2, 48)), "mxfp8")
+
+
+@pytest.mark.parametrize("fmt, dtype", [("e4m3fn_current", ml_dtypes.float8_e4m3fn),
+                                        ("e5m2_current", ml_dtypes.float8_e5m2)])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_current_scaling_matches_the_reference_bitwise(fmt, dtype, jit):
+    r = np.random.default_rng(2)
+    x = (r.standard_normal((6, 40)) * np.exp2(r.integers(-30, 20, (6, 40)))).astype(np.float32)
+    x[0, :3] = 0.0
+    f = jax.jit(lambda v: formats.quantize(v, fmt)) if jit else (lambda v: formats.quantize(v, fmt))
+    # Many amaxes, so a scale that is one rounding off (fmax · (1 / amax)) shows.
+    for factor in r.uniform(0.5, 2.0, 16).astype(np.float32):
+        xs = x * factor
+        ref, codes, scale = _current_reference(xs, dtype)
+        q = f(xs)
+        assert q.scales["tensor"].dtype == np.float32 and _bits(q.scales["tensor"]) == _bits(scale)
+        assert _bits(q.codes) == _bits(codes)
+        assert _bits(formats.dequantize(q)) == _bits(ref)
+    # One scale for the whole tensor, whatever the contraction axis.
+    assert _bits(formats.qdq(xs, fmt, axis=0)) == _bits(ref)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn_current", "e5m2_current"])
+def test_current_scaling_all_zero_tensor_has_scale_one(fmt):
+    q = formats.quantize(jnp.zeros((2, 8)), fmt)
+    assert float(q.scales["tensor"]) == 1.0
+    out = np.asarray(formats.dequantize(q))
+    assert not np.any(out) and not np.any(np.isnan(out))
+
+
+@pytest.mark.parametrize("fmt, dtype", [("e4m3fn_current", ml_dtypes.float8_e4m3fn),
+                                        ("e5m2_current", ml_dtypes.float8_e5m2)])
+def test_current_scale_is_capped_at_2_to_126(fmt, dtype):
+    # Limit: below amax = fmax · 2^-126 the scale fmax / amax is capped at 2^126
+    # (uncapped it overflows float32 to inf, and 1 / scale would be subnormal).
+    x = (np.exp2(-120) * np.array([[1.5, -1.0, 0.75, 0.0]])).astype(np.float32)
+    q = formats.quantize(x, fmt)
+    assert float(q.scales["tensor"]) == 2.0**126
+    codes = np.clip(x * np.float32(2.0**126), -448, 448).astype(dtype)
+    assert _bits(q.codes) == _bits(codes)
+    assert _bits(formats.dequantize(q)) == _bits(x)  # these values are on the grid: exact
+
+
+# -- the quantize/dequantize API -----------------------------------------------
+
+E4M3FN, E5M2 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)
+F32 = np.dtype(np.float32)
+#: format -> (codes dtype, {scale name: (dtype, shape)}) for x of shape (4, 64) along axis -1.
+LAYOUT = {
+    "int8": (np.dtype(np.int8), {"slice": (F32, (4, 1))}),
+    "e4m3fn": (E4M3FN, {}),
+    "e4m3fnuz": (np.dtype(ml_dtypes.float8_e4m3fnuz), {}),
+    "e5m2": (E5M2, {}),
+    "e5m2fnuz": (np.dtype(ml_dtypes.float8_e5m2fnuz), {}),
+    "e4m3fn_current": (E4M3FN, {"tensor": (F32, ())}),
+    "e5m2_current": (E5M2, {"tensor": (F32, ())}),
+    "nvfp4": (np.dtype(ml_dtypes.float4_e2m1fn), {"block": (E4M3FN, (4, 4)), "tensor": (F32, ())}),
+    "mxfp8": (E4M3FN, {"block": (np.dtype(ml_dtypes.float8_e8m0fnu), (4, 2))}),
+}
+
+
+def test_every_format_has_a_layout_row():
+    assert set(LAYOUT) == set(formats.format_names())
+
+
+@pytest.mark.parametrize("fmt", LAYOUT)
+def test_quantize_stores_codes_and_scales_in_their_types(fmt):
+    x = np.random.default_rng(0).standard_normal((4, 64), np.float32) * 10
+    q = jax.eval_shape(lambda x: formats.quantize(x, fmt), x)  # types and shapes: nothing to compile
+    codes_dtype, scales = LAYOUT[fmt]
+    assert (q.format, q.axis, q.dtype) == (fmt, (1,), np.dtype(np.float32))
+    assert q.codes.dtype == codes_dtype and q.codes.shape == x.shape
+    assert {k: (v.dtype, v.shape) for k, v in q.scales.items()} == scales
+
+
+@pytest.mark.parametrize("fmt", LAYOUT)
+@pytest.mark.parametrize("dtype, axis", [(np.float32, (1, 2)), (jnp.bfloat16, -1)])
+def test_dequantize_of_quantize_is_qdq_bitwise(fmt, dtype, axis):
+    # Jitted, each side its own program: one compilation instead of dozens of eager ops.
+    x = (np.random.default_rng(1).standard_normal((3, 2, 64), np.float32) * 30).astype(dtype)
+    out = jax.jit(lambda x: formats.dequantize(formats.quantize(x, fmt, axis=axis)))(x)
+    assert out.dtype == x.dtype and _bits(out) == _bits(jax.jit(lambda x: formats.qdq(x, fmt, axis=axis))(x))
+
+
+def test_nvfp4_stochastic_quantize_is_qdq_bitwise():
+    x = jax.random.normal(jax.random.key(2), (4, 64))
+    key = jax.random.key(5)
+    q = formats.quantize(x, "nvfp4", rng=key)
+    assert _bits(formats.dequantize(q)) == _bits(formats.qdq(x, "nvfp4", rng=key))
+    # The codes are e2m1 values: exactly the grid, signed.
+    assert np.all(np.isin(np.abs(np.asarray(q.codes, np.float32)), formats.E2M1_GRID))
+
+
+def test_nvfp4_flushed_tensor_has_zero_codes_and_block_scales():
+    q = formats.quantize(jnp.full((2, 16), formats.NVFP4_MIN_AMAX / 2), "nvfp4")
+    assert not np.any(np.asarray(q.codes, np.float32)) and not np.any(np.asarray(q.scales["block"], np.float32))
+    assert not np.any(formats.dequantize(q))
