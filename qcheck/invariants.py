@@ -31,6 +31,7 @@ __all__ = [
     "assert_rng_state_grows",
     "check_rng",
     "rng_entry_params",
+    "assert_sites_carry_no_rng_stream",
     "assert_sites_cast_exact",
     "assert_sites_independent",
     "check_sites",
@@ -100,9 +101,22 @@ def assert_sites_independent(layer: MoE, label: str) -> None:
             owner[key] = name
 
 
+def assert_sites_carry_no_rng_stream(layer: MoE, label: str) -> None:
+    """The call sites of a recipe that never draws (ApplyRngs.NONE) hold no RNG stream.
+
+    A stream kept anyway is the seed's cost: RNG state in the compiled step, once per site per layer.
+    """
+    if carrying := [name for name, site in layer.sites.items() if nnx.state(site, nnx.RngState)]:
+        raise AssertionError(
+            f"{label}: sites {carrying} of a recipe that never draws carry RNG streams (forked per site?)")
+
+
 def check_sites(case: Case) -> None:
-    """:func:`assert_sites_independent` on the case's fresh layer."""
-    assert_sites_independent(cases_mod.layer(case), case.id)
+    """:func:`assert_sites_independent` on the case's fresh layer; no streams if the recipe never draws."""
+    layer = cases_mod.layer(case)
+    assert_sites_independent(layer, case.id)
+    if get_recipe(case.recipe).apply_rngs is ApplyRngs.NONE:
+        assert_sites_carry_no_rng_stream(layer, case.id)
 
 
 def check_tracks(case: Case) -> float:
@@ -243,9 +257,10 @@ def check_rng(case: Case) -> int:
 
 
 def _rng_applies(recipe: Recipe, variant: Variant) -> bool:
-    # Once per model: on the plain dense layer, for recipes that do not want private streams.
-    return (recipe.quantized and recipe.apply_rngs is not ApplyRngs.PRIVATE
-            and variant == Variant(variant.model, "dense", False))
+    # Once per model, on the plain dense layer, for recipes that draw from a shared
+    # stream. Recipes that never draw are held to carrying no stream at all by
+    # `sites`, and their u32 entry parameters are pinned by their golden cases.
+    return recipe.apply_rngs is ApplyRngs.SHARED and variant == Variant(variant.model, "dense", False)
 
 
 @dataclasses.dataclass(frozen=True)

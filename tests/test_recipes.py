@@ -62,9 +62,41 @@ def test_recipe_constructor_validates(kwargs, message):
         Recipe(args.pop("name"), **args)
 
 
-def test_a_recipe_without_site_module_says_so():
-    with pytest.raises(NotImplementedError, match=r"Recipe must define site_module\(name\)"):
-        Recipe("bare").site_module("wi_0")
+def test_a_recipe_without_formats_or_site_module_says_so():
+    with pytest.raises(TypeError, match=r"Recipe 'bare' needs lhs= and rhs= formats \(one of int8, .*\), or a subclass"):
+        Recipe("bare")
+    with pytest.raises(TypeError, match="give both lhs= and rhs="):
+        Recipe("half", lhs="int8")
+    with pytest.raises(ValueError, match="unknown grad format 'e3m4'; valid grad formats: int8, e4m3fn"):
+        Recipe("bad", lhs="int8", rhs="int8", grad="e3m4")
+
+
+def test_a_declarative_recipe_fake_quantizes_operands_and_gradients():
+    import jax
+
+    recipe = Recipe("probe_mx", lhs="mxfp8", rhs="e4m3fn", grad="e5m2")
+    site = recipe.site_module("wi_0")
+    q = qcheck.formats.qdq
+    lhs = np.linspace(-3, 3, 64 * 32, dtype=np.float32).reshape(64, 32)
+    rhs = np.linspace(0.3, 0.7, 32 * 8, dtype=np.float32).reshape(32, 8)
+    g = np.linspace(-1, 1, 64 * 8, dtype=np.float32).reshape(64, 8) * 1.37
+    y, vjp = jax.vjp(lambda a, b: site.apply({}, "ab,bc->ac", a, b), lhs, rhs)
+    ql, qr, qg = np.asarray(q(lhs, "mxfp8", axis=1)), np.asarray(q(rhs, "e4m3fn")), np.asarray(q(g, "e5m2"))
+    assert np.array_equal(np.asarray(y), np.asarray(jnp.einsum("ab,bc->ac", ql, qr)))
+    dlhs, drhs = (np.asarray(d) for d in vjp(g))
+    # Gradient wiring, not an exact check: the transposed dot may sum in another order.
+    np.testing.assert_allclose(dlhs, qg @ qr.T, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(drhs, ql.T @ qg, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(dlhs, g @ qr.T, rtol=1e-4)  # the gradient really was quantized
+    assert recipe.apply_rngs is ApplyRngs.NONE and recipe.max_rel_norm == 0.22
+
+
+def test_plugin_recipes_come_from_entry_points():
+    from qcheck.recipes import recipe_source
+
+    assert qcheck.recipe_names()[5:7] == ("fp8_current", "mxfp8")
+    assert repr(qcheck.get_recipe("mxfp8")) == "Recipe('mxfp8', lhs='mxfp8', rhs='mxfp8', grad='mxfp8')"
+    assert recipe_source("mxfp8") is None  # installed, so `golden add` needs no --recipes
 
 
 def test_nvfp4_declares_its_own_bound():

@@ -1,27 +1,46 @@
 """Quantization recipes and their registry.
 
 Built-in recipes register themselves on import; users add their own with
-:func:`register_recipe`.
+:func:`register_recipe`, an installed package's ``qcheck.recipes`` entry point,
+or a module named with ``--recipes`` / ``--qcheck-recipes``.
 """
 
-from qcheck.recipes._base import ApplyRngs, Recipe, get_recipe, recipe_names, register_recipe
+from qcheck.recipes._axes import MatmulAxes, einsum_axes
+from qcheck.recipes._base import ApplyRngs, Recipe
 from qcheck.recipes._fp8 import DelayedScalingFp8, fp8, nanoo_fp8
-from qcheck.recipes._int8 import Int8
 from qcheck.recipes._none import NoQuant
 from qcheck.recipes._nvfp4 import NVFP4
+from qcheck.recipes._registry import (
+    ENTRY_POINT_GROUP,
+    get_recipe,
+    import_recipes,
+    recipe_names,
+    recipe_source,
+    register_recipe,
+)
+from qcheck.recipes._sites import SiteOps
 
 __all__ = [
+    "ENTRY_POINT_GROUP",
     "ApplyRngs",
     "DelayedScalingFp8",
-    "Int8",
+    "MatmulAxes",
     "NVFP4",
     "NoQuant",
     "Recipe",
+    "SiteOps",
+    "einsum_axes",
     "get_recipe",
+    "import_recipes",
     "recipe_names",
+    "recipe_source",
     "register_recipe",
 ]
 
-for _recipe in (NoQuant(), Int8(), fp8(), nanoo_fp8(), NVFP4()):
+# AQT's default int8 is declarative: per-slice absmax over the contraction axes,
+# gradients straight through; PRIVATE streams, as AQT keeps them upstream.
+_INT8 = Recipe("int8", lhs="int8", rhs="int8", apply_rngs=ApplyRngs.PRIVATE)
+
+for _recipe in (NoQuant(), _INT8, fp8(), nanoo_fp8(), NVFP4()):
     register_recipe(_recipe)
 del _recipe

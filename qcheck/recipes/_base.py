@@ -1,17 +1,18 @@
-"""The Recipe type, the ApplyRngs modes and the recipe registry."""
+"""The Recipe type and the ApplyRngs modes."""
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import re
-from collections.abc import Callable
 
-import jax
 import numpy as np
 from flax import linen as nn
 
-__all__ = ["ApplyRngs", "Recipe", "get_recipe", "recipe_names", "register_recipe"]
+from qcheck import formats
+from qcheck._choices import check_choice
+from qcheck.recipes._sites import FormatSite
+
+__all__ = ["ApplyRngs", "Recipe"]
 
 
 class ApplyRngs(enum.Enum):
@@ -21,7 +22,7 @@ class ApplyRngs(enum.Enum):
     SHARED: it draws, but folds a per-site hash into what it draws, so every site
       can use the caller's stream; the compiled step pays for RNG state once.
     PRIVATE: each site keeps its own forked stream, which an unrolled model pays
-      for once per site per layer. The default for a recipe that does not say.
+      for once per site per layer (AQT's behaviour upstream).
     """
 
     NONE = "none"
@@ -32,12 +33,24 @@ class ApplyRngs(enum.Enum):
 class Recipe:
     """A quantization recipe: what every einsum call site of a layer does.
 
-    A subclass supplies :meth:`site_module`, which returns a Linen module with
-    ``__call__(eqn, lhs, rhs)`` and ``ragged_dot(lhs, rhs, group_sizes)``. qcheck
+    Declarative (the common case)::
+
+        qcheck.Recipe("fp8_current", lhs="e4m3fn_current", rhs="e4m3fn_current",
+                      grad="e5m2_current")
+
+    fake-quantizes both operands in formats :mod:`qcheck.formats` knows (along
+    the contraction axes of each matmul) and, if ``grad`` is given, the output
+    gradient of each gradient matmul; without ``grad`` gradients pass straight
+    through. For anything stateful, subclass and override :meth:`site_module`,
+    which returns a Linen module with ``__call__(eqn, lhs, rhs)`` and
+    ``ragged_dot(lhs, rhs, group_sizes)`` (inherit
+    :class:`qcheck.recipes.SiteOps` to get both from one ``matmul``). qcheck
     bridges one instance per call site into NNX, so no two sites share state.
 
     Attributes:
       name: registry key, also the golden directory name.
+      lhs, rhs, grad: format names; on a subclass, ``lhs``/``rhs`` say what a
+        fresh site does to the operands, which the golden cases record as codes.
       max_rel_norm: the bound ``assert_tracks`` uses against the ``none`` twin.
       apply_rngs: how the sites use random numbers (:class:`ApplyRngs`).
       cast_dtype: the fp8 element type a freshly built site casts both operands
@@ -51,18 +64,34 @@ class Recipe:
         self,
         name: str,
         *,
+        lhs: str | None = None,
+        rhs: str | None = None,
+        grad: str | None = None,
+        apply_rngs: ApplyRngs = ApplyRngs.NONE,
         max_rel_norm: float = 0.22,
-        apply_rngs: ApplyRngs = ApplyRngs.PRIVATE,
         cast_dtype: np.dtype | type | None = None,
         materialize_at_build: bool = False,
     ):
-        if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+        if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", name):
             raise ValueError(f"recipe name must match [a-z][a-z0-9_]*, got {name!r}")
         if not 0.0 < max_rel_norm < 1.0:
             raise ValueError(f"max_rel_norm must lie in (0, 1), got {max_rel_norm}")
         if not isinstance(apply_rngs, ApplyRngs):
             raise TypeError(f"apply_rngs must be an ApplyRngs, got {apply_rngs!r}")
+        for arg, fmt in (("lhs", lhs), ("rhs", rhs), ("grad", grad)):
+            if fmt is not None:
+                check_choice(f"{arg} format", fmt, formats.format_names())
+        if (lhs is None) != (rhs is None):
+            raise TypeError(f"Recipe {name!r}: give both lhs= and rhs=, or neither")
+        if lhs is None and type(self).site_module is Recipe.site_module:
+            raise TypeError(
+                f"Recipe {name!r} needs lhs= and rhs= formats (one of {', '.join(formats.format_names())}), "
+                "or a subclass that defines site_module(name)"
+            )
+        if grad is not None and lhs is None:
+            raise TypeError(f"Recipe {name!r}: grad= needs lhs= and rhs= too")
         self.name = name
+        self.lhs, self.rhs, self.grad = lhs, rhs, grad
         self.max_rel_norm = float(max_rel_norm)
         self.apply_rngs = apply_rngs
         self.cast_dtype = None if cast_dtype is None else np.dtype(cast_dtype)
@@ -75,89 +104,10 @@ class Recipe:
 
     def site_module(self, name: str) -> nn.Module:
         """A new Linen module for the call site called ``name``."""
-        raise NotImplementedError(f"{type(self).__name__} must define site_module(name)")
+        return FormatSite(lhs=self.lhs, rhs=self.rhs, grad=self.grad)
 
     def __repr__(self) -> str:
+        if type(self).site_module is Recipe.site_module:
+            grad = "" if self.grad is None else f", grad={self.grad!r}"
+            return f"Recipe({self.name!r}, lhs={self.lhs!r}, rhs={self.rhs!r}{grad})"
         return f"{type(self).__name__}({self.name!r})"
-
-
-_REGISTRY: dict[str, Recipe] = {}
-
-
-def register_recipe(recipe: Recipe) -> Recipe:
-    """Add ``recipe`` to the registry; a name already taken is a ValueError."""
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"register_recipe expects a qcheck.Recipe, got {type(recipe).__name__}")
-    if recipe.name in _REGISTRY:
-        raise ValueError(f"a recipe named {recipe.name!r} is already registered")
-    _REGISTRY[recipe.name] = recipe
-    return recipe
-
-
-def recipe_names() -> tuple[str, ...]:
-    """Registered recipe names, in registration order."""
-    return tuple(_REGISTRY)
-
-
-def get_recipe(name: str | Recipe) -> Recipe:
-    """The registered recipe called ``name`` (a Recipe passes through)."""
-    if isinstance(name, Recipe):
-        return name
-    try:
-        return _REGISTRY[name]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown recipe {name!r}; registered recipes: {', '.join(_REGISTRY)}"
-        ) from None
-
-
-@dataclasses.dataclass(frozen=True)
-class MatmulAxes:
-    """Contraction axes of a two-operand matmul, forward and backward.
-
-    ``lhs``/``rhs``: the operands' contracted axes. ``dgrad``/``wgrad``: the
-    axes of the output gradient contracted to form the lhs and rhs gradients.
-    """
-
-    lhs: tuple[int, ...]
-    rhs: tuple[int, ...]
-    dgrad: tuple[int, ...]
-    wgrad: tuple[int, ...]
-
-
-#: ragged_dot(lhs[m, k], rhs[g, k, n]) -> [m, n].
-RAGGED_AXES = MatmulAxes(lhs=(1,), rhs=(1,), dgrad=(1,), wgrad=(0,))
-
-
-def einsum_axes(eqn: str, lhs_ndim: int, rhs_ndim: int) -> MatmulAxes:
-    """The :class:`MatmulAxes` of an explicit two-operand einsum ``eqn``."""
-    if "->" not in eqn or "..." in eqn:
-        raise ValueError(f"einsum equation must be explicit ('ab,bc->ac') without '...', got {eqn!r}")
-    inputs, out = eqn.replace(" ", "").split("->")
-    parts = inputs.split(",")
-    if len(parts) != 2:
-        raise ValueError(f"einsum equation must have two operands, got {eqn!r}")
-    lhs, rhs = parts
-    if (len(lhs), len(rhs)) != (lhs_ndim, rhs_ndim):
-        raise ValueError(
-            f"einsum {eqn!r} expects operands of rank {len(lhs)} and {len(rhs)}, "
-            f"got rank {lhs_ndim} and {rhs_ndim}"
-        )
-    contracted = [c for c in lhs if c in rhs and c not in out]
-    return MatmulAxes(
-        lhs=tuple(lhs.index(c) for c in contracted),
-        rhs=tuple(rhs.index(c) for c in contracted),
-        dgrad=tuple(i for i, c in enumerate(out) if c in rhs and c not in lhs),
-        wgrad=tuple(i for i, c in enumerate(out) if c in lhs and c not in rhs),
-    )
-
-
-def straight_through(quantize: Callable[[jax.Array], jax.Array]) -> Callable[[jax.Array], jax.Array]:
-    """``quantize`` in the forward pass, identity in the backward pass, bit for bit."""
-
-    @jax.custom_vjp
-    def f(x):
-        return quantize(x)
-
-    f.defvjp(lambda x: (quantize(x), None), lambda _, g: (g,))
-    return f

@@ -53,8 +53,12 @@ class DelayedScalingFp8(Recipe):
     """fp8 with Flax's delayed scaling, in a chosen e4m3 (forward) / e5m2 (gradient) flavour."""
 
     def __init__(self, name: str, *, e4m3_dtype, e5m2_dtype, amax_history_length: int = 1024):
+        # lhs/rhs: what a fresh site does (scale 1), which the golden codes record.
+        fresh = np.dtype(e4m3_dtype).name.removeprefix("float8_")
         super().__init__(
             name,
+            lhs=fresh,
+            rhs=fresh,
             apply_rngs=ApplyRngs.NONE,
             cast_dtype=e4m3_dtype,
             materialize_at_build=True,

@@ -22,8 +22,9 @@ import jax
 from flax import linen as nn
 
 from qcheck import formats
-from qcheck.recipes._base import ApplyRngs, MatmulAxes, Recipe
-from qcheck.recipes._sites import SiteOps
+from qcheck.recipes._axes import MatmulAxes
+from qcheck.recipes._base import ApplyRngs, Recipe
+from qcheck.recipes._sites import SiteOps, fake_quant_matmul
 
 # fp8's 0.22 does not fit a 4-bit format. One NVFP4 matmul of normal operands
 # (64x256 @ 256x128) is already at 0.135; a layer chains three (0.21-0.25 against
@@ -42,27 +43,13 @@ def quantizer_key(base: jax.Array, quantizer: str) -> jax.Array:
 
 def nvfp4_matmul(op: Callable, axes: MatmulAxes, lhs: jax.Array, rhs: jax.Array, dgrad_key: jax.Array):
     """``op(lhs, rhs)`` with NVFP4 operands; gradients quantized as NVIDIA's recipe does."""
-
-    def quantize(lhs, rhs):
-        return formats.qdq(lhs, "nvfp4", axis=axes.lhs), formats.qdq(rhs, "nvfp4", axis=axes.rhs)
-
-    @jax.custom_vjp
-    def f(lhs, rhs, key):
-        return op(*quantize(lhs, rhs))
-
-    def fwd(lhs, rhs, key):
-        q_lhs, q_rhs = quantize(lhs, rhs)
-        return op(q_lhs, q_rhs), (q_lhs, q_rhs, key)
-
-    def bwd(res, g):
-        q_lhs, q_rhs, key = res
-        _, vjp = jax.vjp(op, q_lhs, q_rhs)
-        dgrad = vjp(formats.qdq(g, "nvfp4", axis=axes.dgrad, rng=key))[0]
-        wgrad = vjp(formats.qdq(g, "nvfp4", axis=axes.wgrad))[1]
-        return dgrad, wgrad, None
-
-    f.defvjp(fwd, bwd)
-    return f(lhs, rhs, dgrad_key)
+    return fake_quant_matmul(
+        op, lhs, rhs, dgrad_key,
+        q_lhs=lambda x: formats.qdq(x, "nvfp4", axis=axes.lhs),
+        q_rhs=lambda x: formats.qdq(x, "nvfp4", axis=axes.rhs),
+        q_dgrad=lambda g, key: formats.qdq(g, "nvfp4", axis=axes.dgrad, rng=key),
+        q_wgrad=lambda g: formats.qdq(g, "nvfp4", axis=axes.wgrad),
+    )
 
 
 class NVFP4Site(SiteOps, nn.Module):
@@ -79,7 +66,8 @@ class NVFP4Site(SiteOps, nn.Module):
 class NVFP4(Recipe):
     def __init__(self, name: str = "nvfp4"):
         # SHARED: it draws, but the per-quantizer hash means it needs no stream of its own.
-        super().__init__(name, apply_rngs=ApplyRngs.SHARED, max_rel_norm=NVFP4_MAX_REL_NORM)
+        super().__init__(name, lhs="nvfp4", rhs="nvfp4", grad="nvfp4",
+                         apply_rngs=ApplyRngs.SHARED, max_rel_norm=NVFP4_MAX_REL_NORM)
 
     def site_module(self, name: str) -> nn.Module:
         return NVFP4Site(quantizer=name)

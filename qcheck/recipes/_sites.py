@@ -7,14 +7,19 @@ layer quantize identically and differ only in the matmul itself.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from collections.abc import Callable
-from functools import partial
+from qcheck import formats
+from qcheck.recipes._axes import RAGGED_AXES, MatmulAxes, einsum_axes
 
-from qcheck.recipes._base import RAGGED_AXES, MatmulAxes, einsum_axes
+__all__ = ["FormatSite", "PlainSite", "SiteOps", "fake_quant_matmul", "straight_through"]
+
+Quantizer = Callable[[jax.Array], jax.Array]
 
 
 class SiteOps:
@@ -48,3 +53,77 @@ class SiteOps:
 
 class PlainSite(SiteOps, nn.Module):
     """The unquantized site: the ``none`` recipe and the reference twin of every layer."""
+
+
+def straight_through(quantize: Quantizer) -> Quantizer:
+    """``quantize`` in the forward pass, identity in the backward pass, bit for bit."""
+
+    @jax.custom_vjp
+    def f(x):
+        return quantize(x)
+
+    f.defvjp(lambda x: (quantize(x), None), lambda _, g: (g,))
+    return f
+
+
+def fake_quant_matmul(
+    op: Callable[[jax.Array, jax.Array], jax.Array],
+    lhs: jax.Array,
+    rhs: jax.Array,
+    key: jax.Array | None,
+    *,
+    q_lhs: Quantizer,
+    q_rhs: Quantizer,
+    q_dgrad: Callable[[jax.Array, jax.Array | None], jax.Array],
+    q_wgrad: Quantizer,
+) -> jax.Array:
+    """``op(q_lhs(lhs), q_rhs(rhs))`` whose backward pass quantizes the output gradient again.
+
+    Each gradient matmul gets its own copy of the output gradient, quantized
+    along the axes that matmul contracts: ``q_dgrad(g, key)`` for the input
+    gradient (``key`` is there for stochastic rounding; a custom_vjp may not
+    close over a traced key), ``q_wgrad(g)`` for the weight gradient. The
+    operands reuse their forward quantization.
+    """
+
+    @jax.custom_vjp
+    def f(lhs, rhs, key):
+        return op(q_lhs(lhs), q_rhs(rhs))
+
+    def fwd(lhs, rhs, key):
+        ql, qr = q_lhs(lhs), q_rhs(rhs)
+        return op(ql, qr), (ql, qr, key)
+
+    def bwd(res, g):
+        ql, qr, key = res
+        _, vjp = jax.vjp(op, ql, qr)
+        return vjp(q_dgrad(g, key))[0], vjp(q_wgrad(g))[1], None
+
+    f.defvjp(fwd, bwd)
+    return f(lhs, rhs, key)
+
+
+class FormatSite(SiteOps, nn.Module):
+    """A declarative recipe's site: operands (and optionally the output gradient) qdq'd in named formats.
+
+    Without ``grad`` the gradients pass straight through the operand
+    quantizers; with it, the output gradient is quantized for each gradient
+    matmul along the axes that matmul contracts.
+    """
+
+    lhs: str
+    rhs: str
+    grad: str | None = None
+
+    def matmul(self, op, lhs, rhs, axes):
+        q_lhs = lambda x: formats.qdq(x, self.lhs, axis=axes.lhs)  # noqa: E731
+        q_rhs = lambda x: formats.qdq(x, self.rhs, axis=axes.rhs)  # noqa: E731
+        if self.grad is None:
+            return op(straight_through(q_lhs)(lhs), straight_through(q_rhs)(rhs))
+        return fake_quant_matmul(
+            op, lhs, rhs, None,
+            q_lhs=q_lhs,
+            q_rhs=q_rhs,
+            q_dgrad=lambda g, _: formats.qdq(g, self.grad, axis=axes.dgrad),
+            q_wgrad=lambda g: formats.qdq(g, self.grad, axis=axes.wgrad),
+        )
