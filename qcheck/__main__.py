@@ -6,8 +6,14 @@ import argparse
 import sys
 
 
+def _add_recipes_option(parser: argparse.ArgumentParser, default=None) -> None:
+    parser.add_argument("--recipes", action="append", dest="recipe_modules", metavar="MODULE", default=default,
+                        help="import this recipe module (a dotted name or a .py path) first; repeatable")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qcheck", description=__doc__)
+    _add_recipes_option(p)
     sub = p.add_subparsers(dest="command")
     m = sub.add_parser("matrix", help="run every invariant on every case (the default)")
     for parser in (p, m):
@@ -27,7 +33,57 @@ def _parser() -> argparse.ArgumentParser:
                    help="override the recipe's RNG mode (private: the control)")
     r.add_argument("--json", action="store_true",
                    help='print {"1": {"total": n, "u32": m}, ...} instead of a table')
+    g = sub.add_parser("golden", help="write, rewrite or check golden cases")
+    gsub = g.add_subparsers(dest="golden_command", required=True, metavar="{add,update,check}")
+    for name, nargs, text in (
+        ("add", "+", "write the golden cases of new recipes (refuses to overwrite)"),
+        ("update", "*", "rewrite golden cases (default: every registered recipe) and say what changed"),
+        ("check", "*", "check golden cases against this run (default: every case in the directory)"),
+    ):
+        x = gsub.add_parser(name, help=text, description=text)
+        x.add_argument("names", nargs=nargs, metavar="RECIPE")
+        x.add_argument("--golden-dir", metavar="DIR",
+                       help="golden directory (default: $QCHECK_GOLDEN_DIR, else ./golden)")
+    for parser in (m, r, g, *gsub.choices.values()):
+        _add_recipes_option(parser, default=argparse.SUPPRESS)  # does not clobber the top level's
     return p
+
+
+def _golden(args: argparse.Namespace) -> int:
+    from qcheck import golden
+
+    root = golden.golden_dir(args.golden_dir, default="golden")
+    if args.golden_command == "check":
+        found, strays = golden.collect(root)
+        chosen = [c for c in found if not args.names or c.recipe in args.names]
+        for name in args.names:
+            from qcheck.recipes import get_recipe
+
+            get_recipe(name)
+        failed = [str(e) for e in strays if not args.names]
+        for case in chosen:
+            try:
+                golden.check_case(case, root)
+            except (AssertionError, ValueError) as e:
+                failed.append(str(e))
+                print(f"FAIL {case.id}")
+            else:
+                print(f"ok   {case.id}")
+        for text in failed:
+            print(f"\n{text}", file=sys.stderr)
+        return 1 if failed else 0
+    cases = golden.golden_cases(tuple(args.names) if args.names else None)
+    if args.golden_command == "add":
+        if taken := [str(c.file(root)) for c in cases if c.file(root).exists()]:
+            print(f"qcheck: error: golden files exist, nothing written: {', '.join(taken)}; rewrite "
+                  f"them with `{golden.update_command(cases[0].recipe, root)}`", file=sys.stderr)
+            return 1
+    lines = [golden.write_case(c, root, overwrite=args.golden_command == "update") for c in cases]
+    for line in lines:
+        print(line)
+    counts = {k: sum(f": {k}" in line for line in lines) for k in ("new", "changed", "replaced", "unchanged")}
+    print(", ".join(f"{n} {k}" for k, n in counts.items()))
+    return 0
 
 
 def _rng(args: argparse.Namespace) -> int:
@@ -98,9 +154,14 @@ def main(argv: list[str] | None = None) -> int:
 
     _xla_env.configure()  # before JAX starts a backend; see qcheck/_xla_env.py
     args = _parser().parse_args(argv)
+    commands = {"rng": _rng, "golden": _golden}
     try:
-        return _rng(args) if args.command == "rng" else _matrix(args)
-    except ValueError as e:  # bad names: the message lists the valid ones
+        from qcheck.recipes import import_recipes
+
+        for spec in args.recipe_modules or ():
+            import_recipes(spec)
+        return commands.get(args.command, _matrix)(args)
+    except (ValueError, ImportError) as e:  # bad names list the valid ones; bad files are named
         print(f"qcheck: error: {e}", file=sys.stderr)
         return 2
 

@@ -26,6 +26,7 @@ __all__ = [
     "assert_tracks",
     "cast_reference",
     "entry_params",
+    "lowered_entry_params",
     "probe_operands",
     "rel_norm",
 ]
@@ -272,7 +273,11 @@ def entry_params(fn: Callable[..., Any], *args: Any, compile: bool = True) -> di
     signature off the lowered module without running XLA — much cheaper for
     deep unrolled steps; the suite checks that both agree.
     """
-    lowered = jax.jit(fn).lower(*args)
+    return lowered_entry_params(jax.jit(fn).lower(*args), compile=compile)
+
+
+def lowered_entry_params(lowered: jax.stages.Lowered, *, compile: bool = False) -> dict[str, int]:
+    """:func:`entry_params` of an already lowered program (read off StableHLO unless ``compile``)."""
     if compile:
         hlo = lowered.compile().as_text()
         entry = hlo[hlo.index("\nENTRY"):]

@@ -17,7 +17,7 @@ from flax import nnx
 
 from qcheck.bridge import Fp8Meta
 
-__all__ = ["StepOutput", "apply", "split_for_step", "train_step", "train_step_fn"]
+__all__ = ["StepOutput", "apply", "lower_train_step", "split_for_step", "train_step", "train_step_fn"]
 
 _TRAINABLE = nnx.Any(nnx.Param, Fp8Meta)
 
@@ -82,3 +82,8 @@ def train_step(module: nnx.Module, x: jax.Array, *, fp8_meta: nnx.State | None =
     """
     graphdef, params, meta, rest = split_for_step(module)
     return _train_step(graphdef, params, meta if fp8_meta is None else fp8_meta, rest, x)
+
+
+def lower_train_step(graphdef, params, meta, rest, x) -> jax.stages.Lowered:
+    """The lowering of exactly the program :func:`train_step` runs (shared trace and lowering caches)."""
+    return _train_step.lower(graphdef, params, meta, rest, x)

@@ -7,6 +7,7 @@ invariants passing on healthy layers — are the invariant suite itself
 (tests/test_invariants.py).
 """
 
+import json
 from pathlib import Path
 
 import jax
@@ -16,7 +17,7 @@ import pytest
 from flax import linen as nn
 from flax import nnx
 
-from qcheck import cases, checks, get_recipe, invariants, step
+from qcheck import cases, checks, get_recipe, golden, invariants, step
 from qcheck.bridge import QuantSite
 from qcheck.moe import MODELS, MoE
 from qcheck.recipes import ApplyRngs, Recipe
@@ -160,6 +161,12 @@ def test_sites_catches_two_sites_sharing_a_scale():
         invariants.assert_sites_independent(broken, "bug")
 
 
+def test_sites_catches_streams_kept_by_a_recipe_that_never_draws():
+    broken = MoE(MODELS["mixtral"], get_recipe("fp8"), rngs=nnx.Rngs(0), apply_rngs=ApplyRngs.PRIVATE)
+    with pytest.raises(AssertionError, match=r"sites \['wi_0', 'wi_1', 'wo'\] of a recipe that never draws carry"):
+        invariants.assert_sites_carry_no_rng_stream(broken, "bug")
+
+
 # -- dense and sparse agree --------------------------------------------------------
 
 
@@ -195,6 +202,32 @@ def test_reused_stochastic_rounding_bits_are_visible(monkeypatch):
     assert np.array_equal(nvfp4_dgrad.__wrapped__("wi_0", 5), nvfp4_dgrad.__wrapped__("wi_1", 5))
 
 
+# -- golden cases ------------------------------------------------------------------
+
+GOLDEN_CASE = golden.GoldenCase("int8", "mixtral", "dense")
+
+
+def test_golden_catches_numerics_drift(tmp_path, monkeypatch):
+    golden.write_case(GOLDEN_CASE, tmp_path, overwrite=False)
+    real = cases.layer_output
+    drifted = lambda case: real(case) * np.float32(1 + 2**-12) if case.recipe == "int8" else real(case)  # noqa: E731
+    monkeypatch.setattr(cases, "layer_output", drifted)
+    with pytest.raises(AssertionError, match=r"(?s)int8-mixtral-dense does not match .*output: \d+ of 2048 values "
+                       r"outside rtol.*golden written with: jax .*this run: .*golden update int8"):
+        golden.check_case(GOLDEN_CASE, tmp_path)
+
+
+def test_golden_catches_a_file_edited_by_hand(tmp_path):
+    golden.write_case(GOLDEN_CASE, tmp_path, overwrite=False)
+    path = GOLDEN_CASE.file(tmp_path)
+    record = json.loads(path.read_text())
+    row = record["output"]["bits"][0]
+    record["output"]["bits"][0] = ("0" if row[0] != "0" else "1") + row[1:]  # a plausible-looking edit
+    path.write_text(json.dumps(record, indent=1))
+    with pytest.raises(golden.GoldenFileError, match="does not match its digest: it was edited by hand"):
+        golden.check_case(GOLDEN_CASE, tmp_path)
+
+
 # -- the catalogue, as the README shows it ------------------------------------------
 
 #: (bug, what catches it, the test above that shows it). The README's table is
@@ -218,6 +251,8 @@ CATALOGUE = [
      test_tracks_catches_a_layer_whose_quantization_silently_fell_away),
     ("two call-site names bound to one wrapper", "`sites`", test_sites_catches_two_names_bound_to_one_site),
     ("two call sites sharing a scale", "`sites`", test_sites_catches_two_sites_sharing_a_scale),
+    ("RNG streams kept by the sites of a recipe that never draws", "`sites`",
+     test_sites_catches_streams_kept_by_a_recipe_that_never_draws),
     ("a sparse router that forgets to renormalize", "dense == sparse",
      test_paths_agree_catches_a_sparse_routing_bug),
     ("a forked RNG stream per wrapper per layer under SHARED", "`rng`",
@@ -226,6 +261,9 @@ CATALOGUE = [
      test_rng_control_catches_a_measurement_that_sees_nothing),
     ("stochastic-rounding bits reused across quantizers", "the per-quantizer-bits test in `tests/test_rng.py`",
      test_reused_stochastic_rounding_bits_are_visible),
+    ("a recipe's layer output drifting from its golden case", "golden (`tests/test_golden.py`)",
+     test_golden_catches_numerics_drift),
+    ("a golden file edited by hand", "golden (content digest)", test_golden_catches_a_file_edited_by_hand),
 ]
 
 

@@ -1,0 +1,503 @@
+"""Golden cases: what pins a recipe's numerics on a fixed seed, one JSON file per recipe × model × path.
+
+A case holds the layer output, the quantized codes of one canonical einsum's
+operands (raw bits plus the ml_dtypes name, since .npz does not round-trip
+those types), the relative norm against ``none``, the train step's entry
+parameters, the tolerance floats are compared with, the provenance of whoever
+wrote it, and a digest of all that. Files are written only by
+``python -m qcheck golden add/update`` or ``pytest --update-golden``, atomically;
+a file that fails to parse, has another schema or does not match its digest is
+reported by name and never silently replaced by a check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import hashlib
+import json
+import os
+import re
+import shlex
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from qcheck import cases as cases_mod
+from qcheck import checks, formats, step
+from qcheck.cases import SEED, Case, Variant
+from qcheck.moe import MODELS, PATHS
+from qcheck.recipes import einsum_axes, get_recipe, recipe_names, recipe_source
+
+__all__ = [
+    "DEFAULT_TOLERANCE",
+    "ENV",
+    "SCHEMA",
+    "GoldenCase",
+    "GoldenFileError",
+    "add_command",
+    "check_case",
+    "collect",
+    "golden_cases",
+    "golden_dir",
+    "measure",
+    "read_case",
+    "write_case",
+]
+
+SCHEMA = "qcheck.golden/1"
+#: Environment variable naming the golden directory (``--golden-dir`` wins over it).
+ENV = "QCHECK_GOLDEN_DIR"
+#: Floats compare elementwise, |got − golden| <= atol + rtol·|golden|; codes and
+#: entry parameters compare exactly. Measured: jax 0.10.2 and 0.12.0.1 on CPU give
+#: identical codes and Gemma outputs, and Mixtral outputs up to 3.6e-7 apart
+#: (about 1100 of 2048 values move by an ulp or two); a 2^-12 relative drift fails.
+DEFAULT_TOLERANCE = {"output": {"rtol": 1e-5, "atol": 1e-6}, "rel_norm": {"atol": 1e-6}}
+#: The einsum whose operand codes a case records (see :func:`canonical_operands`).
+CANONICAL_EQN = "tm,mh->th"
+_ROW_BYTES = 32  # one hex line of a stored array: a diff shows which rows moved
+_KEYS = ("schema", "digest", "case", "provenance", "tolerance", "rel_norm", "entry_params",
+         "output_summary", "codes", "output")
+
+
+class GoldenFileError(ValueError):
+    """A golden file that cannot be trusted: unreadable, truncated, another schema, or edited by hand."""
+
+    def __init__(self, path: Path, problem: str):
+        self.path = path
+        super().__init__(f"golden file {path}: {problem}")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class GoldenCase:
+    """One golden case: a recipe on a model and path, without token dropping."""
+
+    recipe: str
+    model: str
+    path: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.recipe}-{self.model}-{self.path}"
+
+    @property
+    def case(self) -> Case:
+        return Case(self.recipe, Variant(self.model, self.path, False))
+
+    def file(self, root: Path) -> Path:
+        return Path(root) / self.recipe / f"{self.model}-{self.path}.json"
+
+
+def golden_cases(recipes: tuple[str, ...] | None = None) -> list[GoldenCase]:
+    """The cases every registered recipe (or each of ``recipes``) must have."""
+    names = recipe_names() if recipes is None else tuple(get_recipe(r).name for r in recipes)
+    return [GoldenCase(r, m, p) for r in names for m in MODELS for p in PATHS]
+
+
+def golden_dir(explicit: str | os.PathLike | None = None, *, default: str | os.PathLike) -> Path:
+    """The golden directory: ``explicit`` (a flag), else ``$QCHECK_GOLDEN_DIR``, else ``default``."""
+    return Path(explicit or os.environ.get(ENV) or default)
+
+
+def collect(root: Path) -> tuple[list[GoldenCase], list[GoldenFileError]]:
+    """Every case expected or found under ``root``, and the files there that are not a case.
+
+    Expected: every registered recipe × model × path. Found: any
+    ``<recipe>/<model>-<path>.json``, so a case for a recipe nobody registered
+    shows up instead of being ignored.
+    """
+    expected = golden_cases()
+    known = set(expected)
+    found, strays = [], []
+    for path in sorted(Path(root).glob("*/*.json")):
+        model, _, p = path.stem.partition("-")
+        case = GoldenCase(path.parent.name, model, p)
+        if case in known:
+            continue
+        if model in MODELS and p in PATHS:
+            found.append(case)
+        else:
+            strays.append(GoldenFileError(
+                path, f"is not named after a case: expected <model>-<path>.json with model in "
+                f"{', '.join(MODELS)} and path in {', '.join(PATHS)}"))
+    return sorted(expected + found), strays
+
+
+def add_command(recipe: str, root: Path) -> str:
+    """The exact command that writes ``recipe``'s cases into ``root``."""
+    parts = ["python", "-m", "qcheck", "golden", "add", recipe]
+    if (source := recipe_source(recipe)) is not None:
+        parts += ["--recipes", source]
+    if Path(root).resolve() != golden_dir(default="golden").resolve():
+        parts += ["--golden-dir", str(root)]
+    return shlex.join(parts)
+
+
+# -- measuring ----------------------------------------------------------------
+
+
+def canonical_operands(model: str) -> tuple[np.ndarray, np.ndarray]:
+    """The canonical einsum's operands on ``model``: ``[4, emb]`` tokens, ``[emb, 32]`` weights.
+
+    Four tokens of the layer input against the first 32 columns of expert 0's
+    first input projection (the same weights for every recipe and path).
+    """
+    x = np.asarray(cases_mod.layer_input(model))[0, :4]
+    w = np.asarray(cases_mod.layer(Case("none", Variant(model, "dense", False))).wi_0[...])[0, :, :32]
+    return x, w
+
+
+@functools.cache
+def operand_codes(recipe_name: str, model: str) -> dict[str, np.ndarray]:
+    """The codes and scales a fresh site of the recipe gives the canonical einsum's operands."""
+    lhs, rhs = canonical_operands(model)
+    recipe = get_recipe(recipe_name)
+    axes = einsum_axes(CANONICAL_EQN, lhs.ndim, rhs.ndim)
+    out = {}
+    for side, fmt, x, axis in (("lhs", recipe.lhs, lhs, axes.lhs), ("rhs", recipe.rhs, rhs, axes.rhs)):
+        if fmt is None:
+            continue
+        q = _quantize(x, fmt, axis)
+        out[side] = np.asarray(q.codes)
+        out.update({f"{side}.scale.{k}": np.asarray(v) for k, v in sorted(q.scales.items())})
+    return out
+
+
+#: One program per format and shape instead of dozens of eager ops (2 s -> 0.2 s a case).
+_quantize = jax.jit(lambda x, fmt, axis: formats.quantize(x, fmt, axis=axis), static_argnums=(1, 2))
+
+
+@functools.cache
+def train_step_entry_params(case: Case) -> dict[str, int]:
+    """Entry parameters of the case's jitted train step, read off its lowering.
+
+    Lowers the same jitted function the suite runs, so a step already traced is not traced again.
+    """
+    graphdef, params, meta, rest = step.split_for_step(cases_mod.layer(case))
+    lowered = step.lower_train_step(graphdef, params, meta, rest, cases_mod.layer_input(case.variant.model))
+    return checks.lowered_entry_params(lowered)
+
+
+def measure(case: GoldenCase) -> dict[str, Any]:
+    """The values a golden case pins, measured now: output, codes, rel_norm, entry params."""
+    recipe = get_recipe(case.recipe)
+    output = cases_mod.layer_output(case.case)
+    rel = checks.rel_norm(output, cases_mod.layer_output(case.case.reference)) if recipe.quantized else 0.0
+    return {
+        "rel_norm": rel,
+        "entry_params": train_step_entry_params(case.case),
+        "output": output,
+        "codes": operand_codes(case.recipe, case.model),
+    }
+
+
+def provenance() -> dict[str, Any]:
+    """Where and with what a case was written (or a check run)."""
+    import flax
+    import jaxlib
+
+    device = jax.devices()[0]
+    return {
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "flax": flax.__version__,
+        "ml_dtypes": ml_dtypes.__version__,
+        "numpy": np.__version__,
+        "backend": jax.default_backend(),
+        "device_kind": device.device_kind,
+        "seed": SEED,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+    }
+
+
+# -- the file format -----------------------------------------------------------
+
+
+def _dtype(name: str) -> np.dtype:
+    # ml_dtypes' types are not known to numpy by name.
+    try:
+        return np.dtype(getattr(ml_dtypes, name) if hasattr(ml_dtypes, name) else name)
+    except TypeError:
+        raise ValueError(f"unknown dtype {name!r}") from None
+
+
+def encode_array(a: np.ndarray) -> dict[str, Any]:
+    """``{"dtype", "shape", "bits"}``: the raw little-endian bytes in hex lines of 32 bytes."""
+    a = np.asarray(a)  # not ascontiguousarray: it turns a scalar into shape (1,)
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    hexed = a.tobytes(order="C").hex()
+    step_ = 2 * _ROW_BYTES
+    return {"dtype": a.dtype.name, "shape": list(a.shape),
+            "bits": [hexed[i:i + step_] for i in range(0, len(hexed), step_)]}
+
+
+def decode_array(d: Any, where: str) -> np.ndarray:
+    """Inverse of :func:`encode_array`; a ValueError naming ``where`` on anything malformed."""
+    if not isinstance(d, dict) or set(d) != {"dtype", "shape", "bits"}:
+        raise ValueError(f"{where}: expected an object with keys dtype, shape, bits")
+    try:
+        dtype = _dtype(d["dtype"])
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}: {e}") from None
+    shape = d["shape"]
+    if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)):
+        raise ValueError(f"{where}: shape must be a list of non-negative integers, got {shape!r}")
+    if not (isinstance(d["bits"], list) and all(isinstance(r, str) for r in d["bits"])):
+        raise ValueError(f"{where}: bits must be a list of hex strings")
+    try:
+        raw = bytes.fromhex("".join(d["bits"]))
+    except ValueError:
+        raise ValueError(f"{where}: bits are not valid hex") from None
+    need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if len(raw) != need:
+        raise ValueError(
+            f"{where}: bits hold {len(raw)} bytes, but shape {tuple(shape)} of {dtype.name} needs {need} (truncated?)")
+    return np.frombuffer(raw, dtype=dtype).reshape(shape)
+
+
+def _digest(record: dict[str, Any]) -> str:
+    body = {k: v for k, v in record.items() if k != "digest"}
+    return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _summary(a: np.ndarray) -> dict[str, float]:
+    a = a.astype(np.float64)
+    return {"norm": float(np.linalg.norm(a)), "mean": float(a.mean()), "absmax": float(np.abs(a).max())}
+
+
+def to_record(case: GoldenCase, values: dict[str, Any], *, tolerance=None) -> dict[str, Any]:
+    """The JSON object for ``case`` holding ``values`` (from :func:`measure`)."""
+    record = {
+        "schema": SCHEMA,
+        "digest": "",
+        "case": {"recipe": case.recipe, "model": case.model, "path": case.path,
+                 "seed": SEED, "batch": cases_mod.BATCH, "seq": cases_mod.SEQ, "einsum": CANONICAL_EQN},
+        "provenance": provenance(),
+        "tolerance": tolerance or DEFAULT_TOLERANCE,
+        "rel_norm": float(values["rel_norm"]),
+        "entry_params": dict(values["entry_params"]),
+        "output_summary": _summary(values["output"]),
+        "codes": {k: encode_array(v) for k, v in sorted(values["codes"].items())},
+        "output": encode_array(values["output"]),
+    }
+    record["digest"] = _digest(record)
+    return record
+
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """A golden file, parsed and validated."""
+
+    path: Path
+    record: dict[str, Any]
+    output: np.ndarray
+    codes: dict[str, np.ndarray]
+
+    @property
+    def tolerance(self) -> dict[str, Any]:
+        return self.record["tolerance"]
+
+
+def read_case(case: GoldenCase, root: Path) -> Stored:
+    """Parse and validate ``case``'s file; any problem is a :class:`GoldenFileError` naming the file."""
+    path = case.file(root)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise
+    except (OSError, UnicodeDecodeError) as e:
+        raise GoldenFileError(path, f"cannot be read: {e}") from None
+    if not text.strip():
+        raise GoldenFileError(path, "is empty")
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise GoldenFileError(path, f"is not valid JSON (truncated or corrupted?): {e}") from None
+    if not isinstance(record, dict):
+        raise GoldenFileError(path, f"holds a JSON {type(record).__name__}, not a golden case object")
+    if record.get("schema") != SCHEMA:
+        raise GoldenFileError(
+            path, f"has schema {record.get('schema')!r}, expected {SCHEMA!r}; rewrite it with "
+            f"`{update_command(case.recipe, root)}`")
+    if missing := [k for k in _KEYS if k not in record]:
+        raise GoldenFileError(path, f"is missing keys: {', '.join(missing)}")
+    if extra := sorted(set(record) - set(_KEYS)):
+        raise GoldenFileError(path, f"has unknown keys: {', '.join(extra)}")
+    if record["digest"] != _digest(record):
+        raise GoldenFileError(
+            path, "does not match its digest: it was edited by hand or corrupted. Golden files are "
+            f"written only by qcheck; to change it, run `{update_command(case.recipe, root)}`")
+    stated = {k: record["case"].get(k) for k in ("recipe", "model", "path")}
+    if stated != dataclasses.asdict(case):
+        raise GoldenFileError(path, f"holds case {stated}, but its name says {dataclasses.asdict(case)}")
+    try:
+        output = decode_array(record["output"], "output")
+        codes = {k: decode_array(v, f"codes[{k!r}]") for k, v in record["codes"].items()}
+        tol = record["tolerance"]
+        for key, fields in (("output", ("rtol", "atol")), ("rel_norm", ("atol",))):
+            for f in fields:
+                if not isinstance(tol.get(key, {}).get(f), (int, float)):
+                    raise ValueError(f"tolerance.{key}.{f} must be a number")
+    except (ValueError, AttributeError) as e:
+        raise GoldenFileError(path, str(e)) from None
+    return Stored(path, record, output, codes)
+
+
+def update_command(recipe: str, root: Path) -> str:
+    return add_command(recipe, root).replace(" golden add ", " golden update ", 1)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a golden file is an ordinary file
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+_INT_LIST = re.compile(r"\[\s*(-?\d+(?:,\s*-?\d+)*)\s*\]")
+
+
+def _render(record: dict[str, Any]) -> str:
+    # One hex row per line; shapes on one line.
+    text = json.dumps(record, indent=1)
+    return _INT_LIST.sub(lambda m: "[" + ", ".join(m.group(1).replace(",", " ").split()) + "]", text) + "\n"
+
+
+# -- comparing and writing ------------------------------------------------------
+
+
+def differences(stored: Stored, values: dict[str, Any]) -> list[str]:
+    """What differs between a stored case and measured ``values``, one line per key; empty if it matches."""
+    tol, out = stored.tolerance, []
+    got, want = np.asarray(values["output"]), stored.output
+    if got.shape != want.shape or got.dtype != want.dtype:
+        out.append(f"output: got shape {got.shape} {got.dtype}, golden {want.shape} {want.dtype}")
+    else:
+        rtol, atol = tol["output"]["rtol"], tol["output"]["atol"]
+        diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
+        bad = ~(diff <= atol + rtol * np.abs(want.astype(np.float64)))
+        if bad.any():
+            i = np.unravel_index(np.argmax(np.where(bad, diff, -1)), diff.shape)
+            i = tuple(int(j) for j in i)
+            out.append(
+                f"output: {int(bad.sum())} of {bad.size} values outside rtol {rtol}, atol {atol}; "
+                f"worst at {i}: got {got[i]!r}, golden {want[i]!r} (|diff| {diff[i]:.3g})")
+    rel, golden_rel = float(values["rel_norm"]), float(stored.record["rel_norm"])
+    if not abs(rel - golden_rel) <= tol["rel_norm"]["atol"]:
+        out.append(f"rel_norm: got {rel:.6g}, golden {golden_rel:.6g} (atol {tol['rel_norm']['atol']})")
+    if dict(values["entry_params"]) != stored.record["entry_params"]:
+        out.append(f"entry_params: got {dict(values['entry_params'])}, golden {stored.record['entry_params']}")
+    codes = values["codes"]
+    if set(codes) != set(stored.codes):
+        out.append(f"codes: got keys {sorted(codes)}, golden {sorted(stored.codes)}")
+    for k in sorted(set(codes) & set(stored.codes)):
+        g, w = np.asarray(codes[k]), stored.codes[k]
+        if g.shape != w.shape or g.dtype != w.dtype:
+            out.append(f"codes[{k!r}]: got shape {g.shape} {g.dtype.name}, golden {w.shape} {w.dtype.name}")
+            continue
+        # Bytes per element, flattened: a view cannot change the itemsize of a 0-d array.
+        gb = g.reshape(-1).view(np.uint8).reshape(g.size, -1)
+        wb = w.reshape(-1).view(np.uint8).reshape(w.size, -1)
+        mismatch = np.any(gb != wb, axis=-1)
+        if mismatch.any():
+            j = int(np.argmax(mismatch))
+            i = tuple(int(n) for n in np.unravel_index(j, g.shape))
+            out.append(
+                f"codes[{k!r}]: {int(mismatch.sum())} of {mismatch.size} differ, first at {i}: "
+                f"got {g[i]!r} (0x{gb[j].tobytes()[::-1].hex()}), golden {w[i]!r} (0x{wb[j].tobytes()[::-1].hex()})")
+    return out
+
+
+def _bitwise_same(stored: Stored, values: dict[str, Any]) -> bool:
+    fresh = to_record(GoldenCase(**{k: stored.record["case"][k] for k in ("recipe", "model", "path")}),
+                      values, tolerance=stored.tolerance)
+    keys = ("rel_norm", "entry_params", "codes", "output")
+    return all(fresh[k] == stored.record[k] for k in keys)
+
+
+def _moved_within_tolerance(stored: Stored, values: dict[str, Any]) -> str:
+    got, want = np.asarray(values["output"], np.float64), stored.output.astype(np.float64)
+    moved = int(np.sum(got != want))
+    rel = abs(float(values["rel_norm"]) - float(stored.record["rel_norm"]))
+    return (f"within tolerance: output {moved} of {got.size} values moved, max |diff| "
+            f"{float(np.max(np.abs(got - want))):.2g}; rel_norm moved {rel:.2g}")
+
+
+def _provenance_line(p: dict[str, Any]) -> str:
+    return (f"jax {p.get('jax')}, jaxlib {p.get('jaxlib')}, flax {p.get('flax')}, ml_dtypes {p.get('ml_dtypes')}, "
+            f"numpy {p.get('numpy')}, backend {p.get('backend')} ({p.get('device_kind')}), "
+            f"seed {p.get('seed')}, {p.get('date')}")
+
+
+def check_case(case: GoldenCase, root: Path) -> None:
+    """Assert the case's current numerics match its golden file.
+
+    A missing file fails with the exact command that creates it; an unusable
+    file raises :class:`GoldenFileError`; a mismatch says which key, how far,
+    and both sides' provenance.
+    """
+    path = case.file(root)
+    if not path.exists():
+        recipe_names_ = recipe_names()
+        if case.recipe not in recipe_names_:
+            raise AssertionError(f"golden case {case.id}: no recipe {case.recipe!r} is registered")
+        raise AssertionError(
+            f"golden case {case.id} has no file ({path}); create the recipe's cases with:\n"
+            f"  {add_command(case.recipe, root)}")
+    if case.recipe not in recipe_names():
+        raise AssertionError(
+            f"golden case {case.id} ({path}) is for recipe {case.recipe!r}, which is not registered "
+            f"(registered: {', '.join(recipe_names())}); name its module with --qcheck-recipes / "
+            "--recipes, or install the package that provides it")
+    stored = read_case(case, root)
+    problems = differences(stored, measure(case))
+    if problems:
+        raise AssertionError(
+            f"golden case {case.id} does not match {path}:\n  " + "\n  ".join(problems)
+            + f"\ngolden written with: {_provenance_line(stored.record['provenance'])}"
+            + f"\nthis run:            {_provenance_line(provenance())}"
+            + f"\nif the change is intended: `{update_command(case.recipe, root)}` or `pytest --update-golden`")
+
+
+def write_case(case: GoldenCase, root: Path, *, overwrite: bool) -> str:
+    """Measure ``case`` and write its file atomically; returns a one-line summary of what changed.
+
+    Without ``overwrite`` an existing file is a FileExistsError. With it, a file
+    whose values are bitwise unchanged is left alone (its provenance too).
+    """
+    path = case.file(root)
+    get_recipe(case.recipe)
+    values = measure(case)
+    if path.exists():
+        if not overwrite:
+            raise FileExistsError(
+                f"golden file {path} exists; rewrite it with `{update_command(case.recipe, root)}` "
+                "or `pytest --update-golden`")
+        try:
+            stored = read_case(case, root)
+        except GoldenFileError as e:
+            _atomic_write(path, _render(to_record(case, values)))
+            return f"{path}: replaced an unusable file ({e})"
+        if _bitwise_same(stored, values):
+            return f"{path}: unchanged"
+        what = differences(stored, values) or [_moved_within_tolerance(stored, values)]
+        _atomic_write(path, _render(to_record(case, values, tolerance=stored.tolerance)))
+        return f"{path}: changed: " + "; ".join(what)
+    _atomic_write(path, _render(to_record(case, values)))
+    return f"{path}: new"

@@ -1,0 +1,71 @@
+"""docs/adding-a-recipe.md, followed step by step with a recipe module outside the repository.
+
+The recipe module and the commands are read out of the guide itself, so the
+guide cannot drift from what works. The qcheck commands run in this process
+(the registry is restored afterwards); the pytest step runs in a subprocess on
+one model and path of the new recipe, to keep the suite fast.
+"""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qcheck import golden
+from qcheck.__main__ import main
+from qcheck.recipes import _registry
+
+REPO = Path(__file__).parent.parent
+GUIDE = (REPO / "docs" / "adding-a-recipe.md").read_text()
+PLACEHOLDER = "/path/to/my_recipes.py"
+
+
+def guide_blocks(kind: str) -> list[str]:
+    return re.findall(rf"<!-- guide: {kind} -->\n```\w+\n(.*?)```", GUIDE, re.S)
+
+
+@pytest.fixture
+def registry():
+    """Whatever the guide registers is gone again after the test."""
+    saved = [dict(d) for d in (_registry._REGISTRY, _registry._SOURCE, _registry._IMPORTED)]
+    yield
+    for d, old in zip((_registry._REGISTRY, _registry._SOURCE, _registry._IMPORTED), saved):
+        d.clear()
+        d.update(old)
+
+
+def test_the_guide_takes_a_new_recipe_from_nothing_to_a_passing_suite(tmp_path, monkeypatch, capsys, registry):
+    (module_text,) = guide_blocks("recipe module")
+    add, matrix, suite = (shlex.split(b.strip()) for b in guide_blocks("step"))
+    module = tmp_path / "elsewhere" / "my_recipes.py"
+    module.parent.mkdir()
+    module.write_text(module_text)
+    golden_root = tmp_path / "golden"
+    monkeypatch.setenv(golden.ENV, str(golden_root))
+    fill = lambda argv: [str(module) if a == PLACEHOLDER else a for a in argv]  # noqa: E731
+    name = add[add.index("add") + 1]
+
+    # Step 2: one command writes the four cases.
+    assert add[:3] == ["python", "-m", "qcheck"]
+    assert main(fill(add)[3:]) == 0
+    assert sorted(p.name for p in (golden_root / name).iterdir()) == [
+        "gemma-dense.json", "gemma-sparse.json", "mixtral-dense.json", "mixtral-sparse.json"]
+    assert "4 new" in capsys.readouterr().out
+
+    # Step 3: it appears in the matrix, and passes there.
+    assert main(fill(matrix)[3:] + ["--model", "mixtral"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith(name)]
+    assert len(rows) == 3 and all(r[3] == "pass" and r[5] != "FAIL" for r in rows)
+
+    # Step 4: the suite picks it up from the flag and the golden directory, with no test code.
+    assert suite[:3] == ["pytest", "-n", "auto"]
+    args = fill(suite)[3:] + ["-p", "no:cacheprovider", "-q", "-k", f"{name}-mixtral-dense and not drop",
+                              str(REPO / "tests" / "test_golden.py"), str(REPO / "tests" / "test_invariants.py")]
+    done = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, golden.ENV: str(golden_root)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert re.search(r"\b3 passed\b", done.stdout), done.stdout[-2000:]  # golden, sites, tracks
