@@ -19,7 +19,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # Derandomized for CI (same examples every run, whatever the worker); no deadline
 # since the first example of a test pays for JIT compilation.
 settings.register_profile(
-    "ci", derandomize=True, deadline=None, max_examples=30, print_blob=True,
+    "ci", derandomize=True, deadline=None, max_examples=20, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile("dev", deadline=None, max_examples=200)

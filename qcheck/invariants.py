@@ -12,6 +12,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -65,13 +66,15 @@ def assert_sites_cast_exact(layer: MoE, cast_dtype, label: str) -> None:
     for i, (name, spec) in enumerate(layer.site_specs(BATCH, SEQ).items()):
         lhs, rhs = checks.probe_operands(i, spec.lhs_shape, spec.rhs_shape)
         site = layer.get_einsum(name)
+        # Jitted, as the layer runs it: one program per site, not dozens of eager ops.
         if spec.eqn is not None:
+            einsum = jax.jit(lambda a, b, site=site, eqn=spec.eqn: site(eqn, a, b))
             run = lambda: checks.assert_fresh_cast_exact(  # noqa: E731
-                site, spec.eqn, lhs, rhs, cast_dtype=cast_dtype)
+                lambda eqn, a, b: einsum(a, b), spec.eqn, lhs, rhs, cast_dtype=cast_dtype)
         else:
             sizes = probe_group_sizes(lhs.shape[0], rhs.shape[0], i)
             run = lambda: checks.assert_fresh_ragged_cast_exact(  # noqa: E731
-                site.ragged_dot, lhs, rhs, sizes, cast_dtype=cast_dtype)
+                jax.jit(site.ragged_dot), lhs, rhs, sizes, cast_dtype=cast_dtype)
         _prefixed(f"{label} site {name!r}", run)
 
 

@@ -1,16 +1,14 @@
 """docs/adding-a-recipe.md, followed step by step with a recipe module outside the repository.
 
 The recipe module and the commands are read out of the guide itself, so the
-guide cannot drift from what works. The qcheck commands run in this process
-(the registry is restored afterwards); the pytest step runs in a subprocess on
-one model and path of the new recipe, to keep the suite fast.
+guide cannot drift from what works. Everything runs in this process, so the
+layers it shares with the rest of the suite are not built twice (the registry
+is restored afterwards); the pytest step runs one model and path of the new
+recipe, without -n.
 """
 
-import os
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -38,7 +36,8 @@ def registry():
         d.update(old)
 
 
-def test_the_guide_takes_a_new_recipe_from_nothing_to_a_passing_suite(tmp_path, monkeypatch, capsys, registry):
+def test_the_guide_takes_a_new_recipe_from_nothing_to_a_passing_suite(tmp_path, monkeypatch, capsys, registry,
+                                                                      pytester):
     (module_text,) = guide_blocks("recipe module")
     add, matrix, suite = (shlex.split(b.strip()) for b in guide_blocks("step"))
     module = tmp_path / "elsewhere" / "my_recipes.py"
@@ -63,9 +62,12 @@ def test_the_guide_takes_a_new_recipe_from_nothing_to_a_passing_suite(tmp_path, 
 
     # Step 4: the suite picks it up from the flag and the golden directory, with no test code.
     assert suite[:3] == ["pytest", "-n", "auto"]
-    args = fill(suite)[3:] + ["-p", "no:cacheprovider", "-q", "-k", f"{name}-mixtral-dense and not drop",
+    args = fill(suite)[3:] + ["-p", "no:cacheprovider", "-k", f"{name}-mixtral-dense and not drop",
                               str(REPO / "tests" / "test_golden.py"), str(REPO / "tests" / "test_invariants.py")]
-    done = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, golden.ENV: str(golden_root)})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert re.search(r"\b3 passed\b", done.stdout), done.stdout[-2000:]  # golden, sites, tracks
+    run = pytester.inline_run(*args)
+    assert run.ret == 0
+    passed = sorted(r.nodeid.split("::")[-1] for r in run.getreports("pytest_runtest_logreport")
+                    if r.when == "call" and r.passed)
+    assert passed == [f"test_call_sites_share_no_state[{name}-mixtral-dense]",
+                      f"test_golden_case[{name}-mixtral-dense]",
+                      f"test_layer_tracks_unquantized_twin[{name}-mixtral-dense]"]
