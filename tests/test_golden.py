@@ -184,3 +184,36 @@ def test_checking_never_writes(root):
     with pytest.raises(AssertionError, match="rel_norm: got"):
         golden.check_case(CASE, root)
     assert (path.read_bytes(), path.stat().st_mtime_ns) == before
+
+
+# -- the commands ---------------------------------------------------------------------
+
+REPO = Path(__file__).parent.parent
+
+
+def test_pytest_update_golden_writes_then_the_suite_checks(pytester, tmp_path):
+    root = tmp_path / "golden"
+    args = ["-p", "no:cacheprovider", f"--golden-dir={root}", "-k", "int8-mixtral-dense",
+            str(REPO / "tests" / "test_golden.py::test_golden_case")]
+    missing = pytester.inline_run(*args)
+    assert missing.ret != 0  # no case yet: the failure names the command
+    assert "python -m qcheck golden add int8 --golden-dir" in str(missing.getfailures()[0].longrepr)
+    written = pytester.runpytest_inprocess("--update-golden", *args)
+    assert written.ret == 0
+    written.stdout.fnmatch_lines(["*qcheck golden update*", "*int8/mixtral-dense.json: new", "1 new, 0 changed*"])
+    before = CASE.file(root).read_bytes()
+    assert pytester.inline_run(*args).ret == 0
+    assert CASE.file(root).read_bytes() == before
+
+
+def test_cli_add_refuses_existing_cases_and_check_reports_a_bad_one(root, capsys):
+    from qcheck.__main__ import main
+
+    assert main(["golden", "add", "int8", "--golden-dir", str(root)]) == 1
+    assert "golden files exist, nothing written" in capsys.readouterr().err
+    assert main(["golden", "add", "fp9", "--golden-dir", str(root)]) == 2
+    assert "unknown recipe 'fp9'" in capsys.readouterr().err
+    _truncate(CASE.file(root))
+    assert main(["golden", "check", "int8", "--golden-dir", str(root)]) == 1
+    captured = capsys.readouterr()
+    assert "FAIL int8-mixtral-dense" in captured.out and "is not valid JSON" in captured.err
