@@ -24,6 +24,8 @@ def _parser() -> argparse.ArgumentParser:
         parser.add_argument("--path", action="append", dest="paths", metavar="NAME",
                             help="only this path (repeatable): dense, sparse")
         parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        parser.add_argument("--golden-dir", metavar="DIR", default=argparse.SUPPRESS if parser is m else None,
+                            help="golden directory for the golden column (default: $QCHECK_GOLDEN_DIR, else ./golden)")
     r = sub.add_parser("rng", help="entry parameters of an unrolled decoder's train step, per depth")
     r.add_argument("--model", required=True, help="mixtral or gemma")
     r.add_argument("--recipe", required=True, help="a registered recipe")
@@ -113,7 +115,12 @@ def _rng(args: argparse.Namespace) -> int:
 
 
 def _matrix(args: argparse.Namespace) -> int:
-    from qcheck import matrix
+    import os
+
+    from qcheck import golden, matrix
+
+    if getattr(args, "golden_dir", None):
+        os.environ[golden.ENV] = args.golden_dir  # the golden column reads it; this process only
 
     as_tuple = lambda xs: tuple(xs) if xs else None  # noqa: E731
     rows = matrix.run_matrix(as_tuple(args.recipes), models=as_tuple(args.models), paths=as_tuple(args.paths))

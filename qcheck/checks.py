@@ -23,6 +23,7 @@ from jax.typing import ArrayLike
 __all__ = [
     "assert_fresh_cast_exact",
     "assert_fresh_ragged_cast_exact",
+    "assert_no_recompiles",
     "assert_tracks",
     "cast_reference",
     "entry_params",
@@ -288,3 +289,24 @@ def lowered_entry_params(lowered: jax.stages.Lowered, *, compile: bool = False) 
         types = [_hlo_type(t) for t in _MLIR_ARG.findall(main[: main.index(") -> ")])]
     counts = Counter(types)
     return {**dict(sorted(counts.items())), "total": sum(counts.values())}
+
+
+def assert_no_recompiles(fn: Callable[[], Any], *, label: str = "") -> None:
+    """Run ``fn`` twice; the second run must request no XLA compilation.
+
+    ``fn`` should do what a test run does (build, jit, run). A second run that
+    compiles means a program is not cached where it should be: a ``jax.jit``
+    made anew on every call, a static argument that does not compare equal, a
+    shape that changes. The message names each function and its argument types.
+    """
+    from qcheck._compiles import counting_compilations
+
+    fn()
+    with counting_compilations() as counts:
+        fn()
+    if counts:
+        lines = "\n  ".join(f"{name} x{n}" for name, n in sorted(counts.items()))
+        raise AssertionError(
+            f"assert_no_recompiles{': ' + label if label else ''}: the second run compiled "
+            f"{sum(counts.values())} programs again:\n  {lines}"
+        )

@@ -37,6 +37,7 @@ __all__ = [
     "assert_sites_independent",
     "check_sites",
     "check_exact",
+    "check_golden",
     "check_paths_agree",
     "check_state",
     "check_tracks",
@@ -61,20 +62,32 @@ def probe_group_sizes(rows: int, groups: int, seed: int) -> np.ndarray:
     return np.bincount(rng.integers(0, groups - 1, rows), minlength=groups).astype(np.int32)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _site_einsum(graphdef, eqn: str, state, lhs, rhs):
+    return nnx.merge(graphdef, state, copy=True)(eqn, lhs, rhs)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _site_ragged_dot(graphdef, state, lhs, rhs, group_sizes):
+    return nnx.merge(graphdef, state, copy=True).ragged_dot(lhs, rhs, group_sizes)
+
+
 def assert_sites_cast_exact(layer: MoE, cast_dtype, label: str) -> None:
     """Every call site of a fresh ``layer`` equals the einsum (or ragged_dot) of cast operands, bitwise."""
     for i, (name, spec) in enumerate(layer.site_specs(BATCH, SEQ).items()):
         lhs, rhs = checks.probe_operands(i, spec.lhs_shape, spec.rhs_shape)
-        site = layer.get_einsum(name)
-        # Jitted, as the layer runs it: one program per site, not dozens of eager ops.
+        # Jitted, as the layer runs it: one program per kind of site (cached on its
+        # graph definition, so equal sites of any layer share it), not dozens of eager ops.
+        graphdef, state = nnx.split(layer.get_einsum(name))
         if spec.eqn is not None:
-            einsum = jax.jit(lambda a, b, site=site, eqn=spec.eqn: site(eqn, a, b))
             run = lambda: checks.assert_fresh_cast_exact(  # noqa: E731
-                lambda eqn, a, b: einsum(a, b), spec.eqn, lhs, rhs, cast_dtype=cast_dtype)
+                lambda eqn, a, b: _site_einsum(graphdef, eqn, state, a, b), spec.eqn, lhs, rhs,
+                cast_dtype=cast_dtype)
         else:
             sizes = probe_group_sizes(lhs.shape[0], rhs.shape[0], i)
             run = lambda: checks.assert_fresh_ragged_cast_exact(  # noqa: E731
-                jax.jit(site.ragged_dot), lhs, rhs, sizes, cast_dtype=cast_dtype)
+                lambda a, b, gs: _site_ragged_dot(graphdef, state, a, b, gs), lhs, rhs, sizes,
+                cast_dtype=cast_dtype)
         _prefixed(f"{label} site {name!r}", run)
 
 
@@ -266,6 +279,14 @@ def _rng_applies(recipe: Recipe, variant: Variant) -> bool:
     return recipe.apply_rngs is ApplyRngs.SHARED and variant == Variant(variant.model, "dense", False)
 
 
+def check_golden(case: Case) -> None:
+    """The case matches its golden file in ``$QCHECK_GOLDEN_DIR`` or ./golden (see :mod:`qcheck.golden`)."""
+    from qcheck import golden
+
+    v = case.variant
+    golden.check_case(golden.GoldenCase(case.recipe, v.model, v.path), golden.golden_dir(default="golden"))
+
+
 @dataclasses.dataclass(frozen=True)
 class Invariant:
     """A per-case check and the cases it applies to."""
@@ -281,4 +302,6 @@ INVARIANTS: tuple[Invariant, ...] = (
     Invariant("tracks", lambda r, v: r.quantized, check_tracks),
     Invariant("state", lambda r, v: r.materialize_at_build, check_state),
     Invariant("rng", _rng_applies, check_rng),
+    # Golden cases exist per model and path, without token dropping.
+    Invariant("golden", lambda r, v: not v.dropping, check_golden),
 )

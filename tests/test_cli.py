@@ -11,9 +11,10 @@ def test_matrix_prints_every_case_of_a_recipe_and_passes(capsys):
     # The same layers the invariant tests use, so this costs little beyond them.
     assert main(["--recipe", "nanoo_fp8", "--model", "mixtral", "--path", "sparse"]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[0].split() == ["recipe", "model", "path", "sites", "exact", "tracks", "state", "rng"]
+    assert out.splitlines()[0].split() == ["recipe", "model", "path", "sites", "exact", "tracks", "state", "rng",
+                                           "golden"]
     (row,) = [line.split() for line in out.splitlines() if line.startswith("nanoo_fp8")]
-    assert row[2] == "sparse" and row[3:6] == ["pass", "pass", "pass"] and row[7:] == ["pass", "-"]
+    assert row[2] == "sparse" and row[3:6] == ["pass", "pass", "pass"] and row[7:] == ["pass", "-", "pass"]
     assert 0 < float(row[6]) < 0.22
     assert "all 1 cases pass" in out
 

@@ -254,12 +254,13 @@ def test_dequantize_of_quantize_is_qdq_bitwise(fmt, dtype, axis):
 
 
 def test_nvfp4_stochastic_quantize_is_qdq_bitwise():
-    x = jax.random.normal(jax.random.key(2), (4, 64))
+    x = np.random.default_rng(2).standard_normal((4, 64), np.float32)
     key = jax.random.key(5)
-    # Eager on purpose: split into two jitted programs, XLA's reciprocal rewrite
-    # moves a value by one ulp against the fused one (see formats._nvfp4_qdq).
-    q = formats.quantize(x, "nvfp4", rng=key)
-    assert _bits(formats.dequantize(q)) == _bits(formats.qdq(x, "nvfp4", rng=key))
+    # Each side one whole program: split into two jitted programs, XLA's
+    # reciprocal rewrite moves a value by an ulp (see formats._nvfp4_qdq).
+    q = jax.jit(lambda v, k: formats.quantize(v, "nvfp4", rng=k))(x, key)
+    round_trip = jax.jit(lambda v, k: formats.dequantize(formats.quantize(v, "nvfp4", rng=k)))(x, key)
+    assert _bits(round_trip) == _bits(jax.jit(lambda v, k: formats.qdq(v, "nvfp4", rng=k))(x, key))
     # The codes are e2m1 values: exactly the grid, signed.
     assert np.all(np.isin(np.abs(np.asarray(q.codes, np.float32)), formats.E2M1_GRID))
 

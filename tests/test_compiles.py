@@ -1,0 +1,53 @@
+"""No recompiles: each distinct program compiles at most once per process.
+
+The suite's fixtures are run twice on layers built afresh each time; the second
+pass must not compile anything (checks.assert_no_recompiles counts compile
+requests in JAX's own compile log). A jit made anew per call, a static graph
+definition that does not compare equal, or a shape that drifts would show here
+by function name.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from qcheck import checks, golden, invariants, step
+from qcheck.cases import SEED, Case, Variant, layer_input
+from qcheck.moe import build_moe
+from qcheck.recipes import get_recipe
+
+#: Every kind of program the suite compiles: fp8 state with dropping (train
+#: steps, per-site exact programs), a drawing recipe on the sparse path (ragged
+#: dot, stochastic rounding), golden's lowering and codes.
+REPRESENTATIVE = (
+    Case("fp8", Variant("mixtral", "dense", True)),
+    Case("nvfp4", Variant("mixtral", "sparse", False)),
+)
+
+
+def suite_pass() -> None:
+    """What the suite does for each case, on a freshly built layer."""
+    for case in REPRESENTATIVE:
+        v, recipe = case.variant, get_recipe(case.recipe)
+        layer = build_moe(v.model, case.recipe, path=v.path, capacity_factor=v.capacity_factor, seed=SEED)
+        x = layer_input(v.model)
+        step.lower_train_step(*step.split_for_step(layer), x)  # golden's entry parameters
+        invariants.assert_sites_independent(layer, case.id)
+        if recipe.materialize_at_build:  # as cases.layer_output: the output comes from the train step
+            first = step.train_step(layer, x)
+            step.train_step(layer, x, fp8_meta=first.fp8_meta)
+        else:
+            step.apply(layer, x)
+        if recipe.cast_dtype is not None:
+            invariants.assert_sites_cast_exact(layer, recipe.cast_dtype, case.id)
+    golden.operand_codes.__wrapped__("mxfp8", "gemma")
+
+
+def test_each_program_compiles_once_per_process():
+    checks.assert_no_recompiles(suite_pass, label="the suite's fixtures on fresh layers")
+
+
+def test_a_jit_made_per_call_is_named_as_a_recompile():
+    x = jnp.ones((2, 3))
+    with pytest.raises(AssertionError, match=r"compiled 1 programs again:\n  jit\(<lambda>\) \(ShapedArray\(float32\[2,3\]\),\) x1"):
+        checks.assert_no_recompiles(lambda: jax.jit(lambda v: v * 3)(x), label="bug")
