@@ -9,6 +9,7 @@ from qcheck import _xla_env
 _xla_env.configure()  # before anything starts a JAX backend
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 pytest_plugins = ("pytester",)  # the plugin's own tests run pytest inside pytest
@@ -29,12 +30,41 @@ settings.load_profile(os.environ.get("QCHECK_HYPOTHESIS_PROFILE", "ci"))
 # as the run, so a program two workers need (an unquantized twin, an eager op) is
 # compiled once: 144 s -> 110 s of CPU on 2 cores. Runs stay cold: the controller
 # makes a new directory per run, the workers inherit its path, and it is removed
-# at the end.
+# at the end. QCHECK_XLA_CACHE=DIR opts into a cache that persists across runs
+# instead (see the README's Speed section for what it buys).
 _CACHE_ENV = "QCHECK_RUN_XLA_CACHE"
-if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get(_CACHE_ENV):
-    jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+if os.environ.get(_xla_env.PERSISTENT_CACHE_ENV):
+    _xla_env.use_compilation_cache(os.environ[_xla_env.PERSISTENT_CACHE_ENV])
+elif os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get(_CACHE_ENV):
+    _xla_env.use_compilation_cache(os.environ[_CACHE_ENV])
+
+# For bench/run_suite.py: each process counts its compile requests and leaves
+# them in this directory at the end of the session.
+_COUNT_ENV = "QCHECK_COUNT_COMPILES"
+_COUNTS = pytest.StashKey[object]()
+_counting = None
+
+
+def pytest_sessionstart(session):
+    global _counting
+    if os.environ.get(_COUNT_ENV):
+        from qcheck._compiles import counting_compilations
+
+        _counting = counting_compilations()
+        session.config.stash[_COUNTS] = _counting.__enter__()
+
+
+def pytest_sessionfinish(session):
+    if _counting is not None and _COUNTS in session.config.stash:
+        import json
+
+        log = session.config.stash[_COUNTS]
+        counts = {"requests": dict(log), "cache_hits": log.cache_hits}
+        _counting.__exit__(None, None, None)
+        who = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        out = os.path.join(os.environ[_COUNT_ENV], f"{who}-{os.getpid()}.json")
+        with open(out, "w") as f:
+            json.dump(counts, f)
 
 
 def pytest_configure(config):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -161,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
 
     _xla_env.configure()  # before JAX starts a backend; see qcheck/_xla_env.py
     args = _parser().parse_args(argv)
+    if cache := os.environ.get(_xla_env.PERSISTENT_CACHE_ENV):
+        _xla_env.use_compilation_cache(cache)
     commands = {"rng": _rng, "golden": _golden}
     try:
         from qcheck.recipes import import_recipes

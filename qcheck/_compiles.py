@@ -14,21 +14,31 @@ import jax
 # a program served from the persistent cache still counts: it was traced,
 # lowered and looked up again.
 _COMPILING = re.compile(r"^Compiling (\S+) with global shapes and types (.*?)\. Argument mapping")
+_CACHE_HIT = re.compile(r"^Persistent compilation cache hit")
+
+
+class CompileLog(collections.Counter):
+    """Compile requests by ``"jit(name) (arg types)"``; ``cache_hits``: how many the persistent cache served."""
+
+    cache_hits: int = 0
 
 
 class _Collector(logging.Handler):
     def __init__(self) -> None:
         super().__init__(level=logging.DEBUG)
-        self.counts: collections.Counter[str] = collections.Counter()
+        self.counts = CompileLog()
 
     def emit(self, record: logging.LogRecord) -> None:
-        if m := _COMPILING.match(record.getMessage()):
+        message = record.getMessage()
+        if m := _COMPILING.match(message):
             self.counts[f"{m.group(1)} {m.group(2)}"] += 1
+        elif _CACHE_HIT.match(message):
+            self.counts.cache_hits += 1
 
 
 @contextlib.contextmanager
-def counting_compilations() -> Iterator[collections.Counter[str]]:
-    """Yield a Counter of compile requests inside the block, keyed by ``"jit(name) (arg types)"``."""
+def counting_compilations() -> Iterator[CompileLog]:
+    """Yield a :class:`CompileLog` of the compile requests made inside the block."""
     collector = _Collector()
     logger = logging.getLogger("jax")
     previous_level, previous_flag = logger.level, jax.config.jax_log_compiles

@@ -19,6 +19,9 @@ from __future__ import annotations
 import os
 from importlib import metadata
 
+#: Opt-in persistent compilation cache shared by every qcheck process and run.
+PERSISTENT_CACHE_ENV = "QCHECK_XLA_CACHE"
+
 _ALWAYS = {"--xla_backend_optimization_level": "0"}
 #: jaxlib version prefix -> flags only that version accepts (an unknown flag aborts).
 _BY_JAXLIB: dict[str, dict[str, str]] = {}
@@ -48,3 +51,16 @@ def configure(environ=os.environ) -> None:
         extra += ["--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1"]
     if extra:
         environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
+
+
+def use_compilation_cache(path: str) -> None:
+    """Cache every compiled program under ``path`` (JAX's persistent cache), however small or fast.
+
+    Call after importing JAX, before compiling. qcheck's programs each compile
+    in well under JAX's default one-second threshold, so the threshold is 0.
+    """
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
