@@ -24,3 +24,10 @@ def nvfp4_dgrad(site_name: str, seed: int) -> np.ndarray:
         return jnp.sum(nnx.merge(graphdef, state, copy=True)(EQN, a, rhs) * jnp.linspace(0.1, 1.0, 16)[None, :])
 
     return np.asarray(jax.jit(jax.grad(loss))(lhs))
+
+
+#: Arguments for a pytest run inside this one (pytester.inline_run) on the repository's
+#: own test files. The outer session has imported qcheck's plugin already, so the inner
+#: one cannot assertion-rewrite it; with an editable install that warning is an error
+#: under the project's filterwarnings.
+INNER = ("-p", "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning")

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from qcheck import golden
+from tests.helpers import INNER
 
 CASE = golden.GoldenCase("int8", "mixtral", "dense")
 
@@ -193,7 +194,7 @@ REPO = Path(__file__).parent.parent
 
 def test_pytest_update_golden_writes_then_the_suite_checks(pytester, tmp_path):
     root = tmp_path / "golden"
-    args = ["-p", "no:cacheprovider", f"--golden-dir={root}", "-k", "int8-mixtral-dense",
+    args = [*INNER, f"--golden-dir={root}", "-k", "int8-mixtral-dense",
             str(REPO / "tests" / "test_golden.py::test_golden_case")]
     missing = pytester.inline_run(*args)
     assert missing.ret != 0  # no case yet: the failure names the command

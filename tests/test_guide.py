@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from qcheck import golden
+from tests.helpers import INNER
 from qcheck.__main__ import main
 from qcheck.recipes import _registry
 
@@ -62,7 +63,7 @@ def test_the_guide_takes_a_new_recipe_from_nothing_to_a_passing_suite(tmp_path, 
 
     # Step 4: the suite picks it up from the flag and the golden directory, with no test code.
     assert suite[:3] == ["pytest", "-n", "auto"]
-    args = fill(suite)[3:] + ["-p", "no:cacheprovider", "-k", f"{name}-mixtral-dense and not drop",
+    args = fill(suite)[3:] + [*INNER, "-k", f"{name}-mixtral-dense and not drop",
                               str(REPO / "tests" / "test_golden.py"), str(REPO / "tests" / "test_invariants.py")]
     run = pytester.inline_run(*args)
     assert run.ret == 0
