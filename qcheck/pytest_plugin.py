@@ -30,7 +30,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=[],
         metavar="MODULE",
         help="import this recipe module (a dotted name or a .py path) before collecting, so its "
-        "recipes get the whole suite; repeatable",
+        "recipes get the whole suite; repeatable. Write --qcheck-recipes=PATH: pytest takes a "
+        "separate path argument into account when it picks the root directory",
     )
     group.addoption(
         "--golden-dir",

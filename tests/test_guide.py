@@ -29,8 +29,14 @@ def guide_blocks(kind: str) -> list[str]:
 
 @pytest.fixture
 def registry():
-    """Whatever the guide registers is gone again after the test."""
+    """Whatever the guide registers is gone again after the test.
+
+    A recipe of the same name registered by the run itself (someone following
+    the guide, then running the suite with --qcheck-recipes) steps aside meanwhile.
+    """
     saved = [dict(d) for d in (_registry._REGISTRY, _registry._SOURCE, _registry._IMPORTED)]
+    for name in re.findall(r'qcheck\.Recipe\(\s*"(\w+)"', guide_blocks("recipe module")[0]):
+        _registry._REGISTRY.pop(name, None)
     yield
     for d, old in zip((_registry._REGISTRY, _registry._SOURCE, _registry._IMPORTED), saved):
         d.clear()
@@ -46,7 +52,7 @@ def test_the_guide_takes_a_new_recipe_from_nothing_to_a_passing_suite(tmp_path, 
     module.write_text(module_text)
     golden_root = tmp_path / "golden"
     monkeypatch.setenv(golden.ENV, str(golden_root))
-    fill = lambda argv: [str(module) if a == PLACEHOLDER else a for a in argv]  # noqa: E731
+    fill = lambda argv: [a.replace(PLACEHOLDER, str(module)) for a in argv]  # noqa: E731
     name = add[add.index("add") + 1]
 
     # Step 2: one command writes the four cases.
