@@ -10,6 +10,12 @@ _xla_env.configure()  # before anything starts a JAX backend
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# pytester's in-process runs (the plugin's and the guide's tests) unload every
+# module first imported during them, which would leave a second copy of these
+# behind for later tests, and monkeypatches on one copy that the other ignores.
+import qcheck.golden  # noqa: E402, F401
+import qcheck.invariants  # noqa: E402, F401
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 pytest_plugins = ("pytester",)  # the plugin's own tests run pytest inside pytest

@@ -57,12 +57,9 @@ def _golden(args: argparse.Namespace) -> int:
 
     root = golden.golden_dir(args.golden_dir, default="golden")
     if args.golden_command == "check":
+        golden.golden_cases(tuple(args.names) or None)  # unknown names fail here, listing the valid ones
         found, strays = golden.collect(root)
         chosen = [c for c in found if not args.names or c.recipe in args.names]
-        for name in args.names:
-            from qcheck.recipes import get_recipe
-
-            get_recipe(name)
         failed = [str(e) for e in strays if not args.names]
         for case in chosen:
             try:
@@ -84,8 +81,7 @@ def _golden(args: argparse.Namespace) -> int:
     lines = [golden.write_case(c, root, overwrite=args.golden_command == "update") for c in cases]
     for line in lines:
         print(line)
-    counts = {k: sum(f": {k}" in line for line in lines) for k in ("new", "changed", "replaced", "unchanged")}
-    print(", ".join(f"{n} {k}" for k, n in counts.items()))
+    print(golden.summarize(lines))
     return 0
 
 

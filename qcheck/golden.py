@@ -47,6 +47,7 @@ __all__ = [
     "golden_dir",
     "measure",
     "read_case",
+    "summarize",
     "write_case",
 ]
 
@@ -454,8 +455,7 @@ def check_case(case: GoldenCase, root: Path) -> None:
     """
     path = case.file(root)
     if not path.exists():
-        recipe_names_ = recipe_names()
-        if case.recipe not in recipe_names_:
+        if case.recipe not in recipe_names():
             raise AssertionError(f"golden case {case.id}: no recipe {case.recipe!r} is registered")
         raise AssertionError(
             f"golden case {case.id} has no file ({path}); create the recipe's cases with:\n"
@@ -473,6 +473,15 @@ def check_case(case: GoldenCase, root: Path) -> None:
             + f"\ngolden written with: {_provenance_line(stored.record['provenance'])}"
             + f"\nthis run:            {_provenance_line(provenance())}"
             + f"\nif the change is intended: `{update_command(case.recipe, root)}` or `pytest --update-golden`")
+
+
+_OUTCOMES = ("new", "changed", "replaced", "unchanged")
+
+
+def summarize(lines: list[str]) -> str:
+    """``"2 new, 1 changed, 0 replaced, 25 unchanged"`` for the lines :func:`write_case` returned."""
+    counts = {k: sum(f": {k}" in line for line in lines) for k in _OUTCOMES}
+    return ", ".join(f"{n} {k}" for k, n in counts.items())
 
 
 def write_case(case: GoldenCase, root: Path, *, overwrite: bool) -> str:

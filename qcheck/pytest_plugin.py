@@ -170,11 +170,11 @@ class _GoldenSummary:
             self.lines += [v for k, v in report.user_properties if k == "qcheck_golden"]
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
+        from qcheck.golden import summarize
+
         lines = sorted(self.lines)
-        kinds = ("new", "changed", "replaced", "unchanged")
-        counts = {k: sum(f": {k}" in line for line in lines) for k in kinds}
         terminalreporter.section("qcheck golden update")
         for line in lines:
             if not line.endswith(": unchanged"):
                 terminalreporter.write_line(line)
-        terminalreporter.write_line(", ".join(f"{counts[k]} {k}" for k in kinds))
+        terminalreporter.write_line(summarize(lines))

@@ -2,10 +2,6 @@
 
 import pytest
 
-# pytester's in-process runs unload every module first imported during them, which
-# would leave a second copy of these behind for later tests (and their monkeypatches).
-import qcheck.golden  # noqa: F401
-import qcheck.invariants  # noqa: F401
 from qcheck import hardware
 
 MARKED = """
