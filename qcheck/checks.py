@@ -291,17 +291,19 @@ def lowered_entry_params(lowered: jax.stages.Lowered, *, compile: bool = False) 
     return {**dict(sorted(counts.items())), "total": sum(counts.values())}
 
 
-def assert_no_recompiles(fn: Callable[[], Any], *, label: str = "") -> None:
-    """Run ``fn`` twice; the second run must request no XLA compilation.
+def assert_no_recompiles(fn: Callable[[], Any], *, warmup: Callable[[], Any] | None = None,
+                         label: str = "") -> None:
+    """Run ``warmup`` (default: ``fn``), then ``fn``; that run must request no XLA compilation.
 
-    ``fn`` should do what a test run does (build, jit, run). A second run that
-    compiles means a program is not cached where it should be: a ``jax.jit``
-    made anew on every call, a static argument that does not compare equal, a
-    shape that changes. The message names each function and its argument types.
+    ``fn`` should do what a test run does (build, jit, run). A run after the
+    warm-up that compiles means a program is not cached where it should be: a
+    ``jax.jit`` made anew on every call, a static argument that does not compare
+    equal, a shape that changes. The message names each function and its
+    argument types.
     """
     from qcheck._compiles import counting_compilations
 
-    fn()
+    (warmup or fn)()
     with counting_compilations() as counts:
         fn()
     if counts:
