@@ -22,7 +22,12 @@ from importlib import metadata
 #: Opt-in persistent compilation cache shared by every qcheck process and run.
 PERSISTENT_CACHE_ENV = "QCHECK_XLA_CACHE"
 
-_ALWAYS = {"--xla_backend_optimization_level": "0"}
+_ALWAYS = {
+    "--xla_backend_optimization_level": "0",
+    # Eight host CPU devices, so sharded layers run on a real ("data", "expert")
+    # mesh in the ordinary run; everything else keeps running on device 0.
+    "--xla_force_host_platform_device_count": "8",
+}
 #: jaxlib version prefix -> flags only that version accepts (an unknown flag aborts).
 _BY_JAXLIB: dict[str, dict[str, str]] = {}
 

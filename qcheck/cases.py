@@ -14,11 +14,12 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from qcheck import step
 from qcheck._choices import check_choice
 from qcheck.models import Decoder, build_decoder
-from qcheck.moe import MODELS, PATHS, MoE, build_moe
+from qcheck.moe import MESH_AXES, MODELS, PATHS, MoE, build_moe
 from qcheck.recipes import ApplyRngs, get_recipe, recipe_names
 
 __all__ = [
@@ -35,7 +36,10 @@ __all__ = [
     "layer",
     "layer_input",
     "layer_output",
+    "forward_output",
     "layer_step",
+    "mesh",
+    "sharded_output",
 ]
 
 SEED = 0
@@ -145,8 +149,34 @@ def layer_output(case: Case) -> np.ndarray:
     """
     if get_recipe(case.recipe).materialize_at_build:
         return np.asarray(layer_step(case).output)
-    y, _ = step.apply(layer(case), layer_input(case.variant.model))
-    return np.asarray(y)
+    return forward_output(case)
+
+
+@functools.cache
+def forward_output(case: Case) -> np.ndarray:
+    """The fresh layer's output from the forward program alone (for fp8-class recipes, not the train step)."""
+    return np.asarray(step.apply(layer(case), layer_input(case.variant.model))[0])
+
+
+@functools.cache
+def mesh() -> Mesh:
+    """The suite's device mesh: eight devices as ("data", "expert") = (2, 4)."""
+    devices = jax.devices()
+    if len(devices) < 8:
+        raise RuntimeError(
+            f"the sharded cases need 8 devices, found {len(devices)}; qcheck._xla_env.configure() "
+            "asks the host platform for 8, but only if it runs before JAX starts"
+        )
+    return Mesh(np.array(devices[:8]).reshape(2, 4), MESH_AXES)
+
+
+@functools.cache
+def sharded_output(case: Case) -> np.ndarray:
+    """:func:`forward_output` of the same layer built on :func:`mesh`, its input split over "data"."""
+    v, m = case.variant, mesh()
+    sharded = build_moe(v.model, case.recipe, path=v.path, capacity_factor=v.capacity_factor, seed=SEED, mesh=m)
+    x = jax.device_put(layer_input(v.model), NamedSharding(m, PartitionSpec("data")))
+    return np.asarray(step.apply(sharded, x)[0])
 
 
 @functools.cache

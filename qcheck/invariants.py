@@ -38,6 +38,8 @@ __all__ = [
     "check_sites",
     "check_exact",
     "check_golden",
+    "check_sharded",
+    "assert_sharded_matches",
     "check_paths_agree",
     "check_state",
     "check_tracks",
@@ -279,6 +281,28 @@ def _rng_applies(recipe: Recipe, variant: Variant) -> bool:
     return recipe.apply_rngs is ApplyRngs.SHARED and variant == Variant(variant.model, "dense", False)
 
 
+def assert_sharded_matches(single: np.ndarray, sharded: np.ndarray, label: str) -> None:
+    """The layer on the mesh computes bit for bit what it computes on one device.
+
+    Bitwise, because the arithmetic allows it: the mesh splits tokens and
+    experts, never a contraction, and a per-tensor amax reduces to the same
+    maximum in any order.
+    """
+    if single.shape != sharded.shape or single.dtype != sharded.dtype:
+        raise AssertionError(f"{label}: sharded output is {sharded.shape} {sharded.dtype}, "
+                             f"single-device {single.shape} {single.dtype}")
+    if single.tobytes() != sharded.tobytes():
+        differ = single != sharded
+        raise AssertionError(
+            f"{label}: the sharded layer differs from the single-device one at {int(differ.sum())} of "
+            f"{differ.size} values, by up to {float(np.max(np.abs(single - sharded))):.3g}")
+
+
+def check_sharded(case: Case) -> None:
+    """:func:`assert_sharded_matches` for the case's layer on the ("data", "expert") mesh."""
+    assert_sharded_matches(cases_mod.forward_output(case), cases_mod.sharded_output(case), case.id)
+
+
 def check_golden(case: Case) -> None:
     """The case matches its golden file in ``$QCHECK_GOLDEN_DIR`` or ./golden (see :mod:`qcheck.golden`)."""
     from qcheck import golden
@@ -302,6 +326,7 @@ INVARIANTS: tuple[Invariant, ...] = (
     Invariant("tracks", lambda r, v: r.quantized, check_tracks),
     Invariant("state", lambda r, v: r.materialize_at_build, check_state),
     Invariant("rng", _rng_applies, check_rng),
-    # Golden cases exist per model and path, without token dropping.
+    # Golden cases exist per model and path, without token dropping; so do sharded twins.
+    Invariant("sharded", lambda r, v: not v.dropping, check_sharded),
     Invariant("golden", lambda r, v: not v.dropping, check_golden),
 )

@@ -18,12 +18,17 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from qcheck._choices import check_choice
 from qcheck.bridge import QuantSite
 from qcheck.recipes import ApplyRngs, Recipe, get_recipe
 
-__all__ = ["MODELS", "PATHS", "MoE", "MoEConfig", "SiteSpec", "build_moe"]
+__all__ = ["MESH_AXES", "MODELS", "PATHS", "MoE", "MoEConfig", "SiteSpec", "build_moe"]
+
+#: The mesh axes a sharded layer expects: tokens split over "data", experts over "expert".
+MESH_AXES = ("data", "expert")
 
 Path = Literal["dense", "sparse"]
 PATHS: tuple[str, ...] = ("dense", "sparse")
@@ -85,8 +90,10 @@ class MoE(nnx.Module):
         rngs: nnx.Rngs,
         dtype: jnp.dtype = jnp.float32,
         apply_rngs: ApplyRngs | None = None,
+        mesh: Mesh | None = None,
     ):
         self.config = config
+        self.mesh = _check_mesh(mesh, config)
         self.recipe_name = recipe.name
         self.path = check_choice("path", path, PATHS)
         self.capacity_factor = float(capacity_factor)
@@ -104,6 +111,11 @@ class MoE(nnx.Module):
         self.wo = init((e, h, m), h)
         if config.router == "gemma":
             self.per_expert_scale = nnx.Param(jnp.ones((e,), jnp.float32))
+        if mesh is not None:  # expert weights split over "expert", the router replicated
+            for name in ("wi_0", "wi_1", "wo", "per_expert_scale"):
+                if hasattr(self, name):
+                    getattr(self, name)[...] = jax.device_put(getattr(self, name)[...], self._sharding("expert"))
+            self.gate[...] = jax.device_put(self.gate[...], self._sharding())
 
         names = ["wi_0", "wi_1", "wo"]
         if self.dropping and self.path == "dense":
@@ -111,6 +123,13 @@ class MoE(nnx.Module):
         self.sites = nnx.Dict(
             {n: QuantSite(recipe, n, rngs=rngs, apply_rngs=apply_rngs, dtype=self.dtype) for n in names}
         )
+
+    def _sharding(self, *spec) -> NamedSharding:
+        return NamedSharding(self.mesh, P(*spec))
+
+    def _constrain(self, x: jax.Array, *spec) -> jax.Array:
+        """Pin ``x``'s layout on the mesh (tokens over "data", experts over "expert"); a no-op without one."""
+        return x if self.mesh is None else jax.lax.with_sharding_constraint(x, self._sharding(*spec))
 
     @property
     def dropping(self) -> bool:
@@ -198,8 +217,14 @@ class MoE(nnx.Module):
     def _dense(self, x, weights, idx):
         wi_0, wi_1, wo = self._weights()
         s = self.sites
-        h = self._act(s["wi_0"](_DENSE_EQNS["wi"], x, wi_0), s["wi_1"](_DENSE_EQNS["wi"], x, wi_1))
-        out = s["wo"](_DENSE_EQNS["wo"], h, wo)
+        by_expert = ("data", None, "expert")  # [B, S, E, ...]
+        h = self._act(self._constrain(s["wi_0"](_DENSE_EQNS["wi"], x, wi_0), *by_expert),
+                      self._constrain(s["wi_1"](_DENSE_EQNS["wi"], x, wi_1), *by_expert))
+        out = self._constrain(s["wo"](_DENSE_EQNS["wo"], h, wo), *by_expert)
+        # The combine sums over experts. Summed shard by shard and then across
+        # shards, Gemma's output moved by an ulp in 1 value of 6; gathering the
+        # experts first keeps the single-device order, and the layer bitwise.
+        out = self._constrain(out, "data")
         combine = jnp.sum(jax.nn.one_hot(idx, self.config.num_experts) * weights[..., None], axis=2)
         return jnp.einsum("BSEM,BSE->BSM", out, combine.astype(self.dtype))
 
@@ -211,7 +236,7 @@ class MoE(nnx.Module):
         expert = jax.nn.one_hot(idx, self.config.num_experts)
         dispatch = jnp.einsum("BSKE,BSKC->BSEC", expert, slot).astype(self.dtype)
         combine = jnp.einsum("BSKE,BSKC,BSK->BSEC", expert, slot, weights).astype(self.dtype)
-        xe = s["dispatch"](_DROP_EQNS["dispatch"], x, dispatch)
+        xe = self._constrain(s["dispatch"](_DROP_EQNS["dispatch"], x, dispatch), "expert", "data")
         h = self._act(s["wi_0"](_DROP_EQNS["wi"], xe, wi_0), s["wi_1"](_DROP_EQNS["wi"], xe, wi_1))
         out = s["wo"](_DROP_EQNS["wo"], h, wo)
         return s["combine"](_DROP_EQNS["combine"], out, combine)
@@ -240,7 +265,7 @@ class MoE(nnx.Module):
             raise ValueError(
                 f"MoE input x has last axis {x.shape[-1]}, but the layer's embedding width is {emb}"
             )
-        x = x.astype(self.dtype)
+        x = self._constrain(x.astype(self.dtype), "data")
         weights, idx = self.route(x)
         if self.path == "sparse":
             return self._sparse(x, weights, idx)
@@ -257,8 +282,15 @@ def build_moe(
     capacity_factor: float = -1.0,
     seed: int = 0,
     dtype: jnp.dtype = jnp.float32,
+    mesh: Mesh | None = None,
 ) -> MoE:
-    """Build a tiny MoE layer; the same ``seed`` gives the same weights for every recipe and path."""
+    """Build a tiny MoE layer; the same ``seed`` gives the same weights for every recipe and path.
+
+    With a ``mesh`` (axes ``("data", "expert")``) the expert weights are split
+    over "expert" and the layer pins tokens to "data" and its per-expert
+    activations to both; XLA's SPMD partitioner does the rest, ragged matmuls
+    included. The function computed is the same as without one.
+    """
     config = MODELS[check_choice("model", model, tuple(MODELS))]
     return MoE(
         config,
@@ -267,4 +299,20 @@ def build_moe(
         capacity_factor=capacity_factor,
         rngs=nnx.Rngs(seed),
         dtype=dtype,
+        mesh=mesh,
     )
+
+
+def _check_mesh(mesh: Mesh | None, config: MoEConfig) -> Mesh | None:
+    if mesh is None:
+        return None
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
+    if tuple(mesh.axis_names) != MESH_AXES:
+        raise ValueError(f"mesh must have axes {MESH_AXES}, got {tuple(mesh.axis_names)}")
+    if config.num_experts % mesh.shape["expert"]:
+        raise ValueError(
+            f"mesh axis 'expert' has {mesh.shape['expert']} devices, which does not divide "
+            f"{config.model}'s {config.num_experts} experts"
+        )
+    return mesh

@@ -77,4 +77,5 @@ def test_the_guide_takes_a_new_recipe_from_nothing_to_a_passing_suite(tmp_path, 
                     if r.when == "call" and r.passed)
     assert passed == [f"test_call_sites_share_no_state[{name}-mixtral-dense]",
                       f"test_golden_case[{name}-mixtral-dense]",
-                      f"test_layer_tracks_unquantized_twin[{name}-mixtral-dense]"]
+                      f"test_layer_tracks_unquantized_twin[{name}-mixtral-dense]",
+                      f"test_sharded_layer_computes_the_same_bits[{name}-mixtral-dense]"]

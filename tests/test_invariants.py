@@ -36,3 +36,8 @@ def test_call_sites_share_no_state(qcheck_case):
 @pytest.mark.qcheck_invariant("rng")
 def test_rng_state_is_flat_across_depth_and_private_control_grows(qcheck_case):
     assert invariants.check_rng(qcheck_case) >= 0
+
+
+@pytest.mark.qcheck_invariant("sharded")
+def test_sharded_layer_computes_the_same_bits(qcheck_case):
+    invariants.check_sharded(qcheck_case)

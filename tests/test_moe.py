@@ -170,3 +170,21 @@ def test_input_with_wrong_embedding_width_names_both_numbers():
         fresh()(jnp.ones((1, 4, 48)))
     with pytest.raises(ValueError, match=r"shape \[batch, seq, emb=32\], got shape \(4, 32\)"):
         fresh()(jnp.ones((4, 32)))
+
+
+def test_a_bad_mesh_is_refused_naming_what_is_wrong():
+    import jax
+    from jax.sharding import Mesh
+
+    devices = np.array(jax.devices()[:8])
+    with pytest.raises(ValueError, match=r"mesh must have axes \('data', 'expert'\), got \('x', 'y'\)"):
+        qcheck.build_moe("mixtral", "none", mesh=Mesh(devices.reshape(2, 4), ("x", "y")))
+    with pytest.raises(ValueError, match="mesh axis 'expert' has 3 devices, which does not divide mixtral's 8 experts"):
+        qcheck.build_moe("mixtral", "none", mesh=Mesh(devices[:6].reshape(2, 3), ("data", "expert")))
+    with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh or None, got tuple"):
+        qcheck.build_moe("mixtral", "none", mesh=(2, 4))
+
+
+def test_a_sharded_layer_keeps_its_expert_weights_split():
+    layer = qcheck.build_moe("gemma", "int8", mesh=cases.mesh())
+    assert layer.wi_0[...].sharding.spec[0] == "expert" and len(layer.wi_0[...].sharding.device_set) == 8
