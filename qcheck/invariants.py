@@ -281,26 +281,36 @@ def _rng_applies(recipe: Recipe, variant: Variant) -> bool:
     return recipe.apply_rngs is ApplyRngs.SHARED and variant == Variant(variant.model, "dense", False)
 
 
-def assert_sharded_matches(single: np.ndarray, sharded: np.ndarray, label: str) -> None:
-    """The layer on the mesh computes bit for bit what it computes on one device.
+#: The sharded layer against the single-device one: float32 rounding, as dense == sparse.
+SHARDED_RTOL, SHARDED_ATOL = 1e-5, 1e-6
 
-    Bitwise, because the arithmetic allows it: the mesh splits tokens and
-    experts, never a contraction, and a per-tensor amax reduces to the same
-    maximum in any order.
+
+def assert_sharded_matches(single: np.ndarray, sharded: np.ndarray, label: str) -> float:
+    """The layer on the mesh computes what it computes on one device, to float32 rounding.
+
+    The mesh splits tokens and experts, never a contraction, and the dense
+    combine gathers the experts before summing them, so on jax 0.10.2 every case
+    is bitwise equal. jax 0.12's XLA fuses Gemma's router differently inside the
+    sharded program (a few ulps: up to 6e-7 on outputs of order 1), so the check
+    allows float32 rounding and returns the largest difference. A sharding bug
+    that changes the function (experts reassembled in the wrong order, a scale
+    from one shard's amax) is orders of magnitude beyond it.
     """
     if single.shape != sharded.shape or single.dtype != sharded.dtype:
         raise AssertionError(f"{label}: sharded output is {sharded.shape} {sharded.dtype}, "
                              f"single-device {single.shape} {single.dtype}")
-    if single.tobytes() != sharded.tobytes():
-        differ = single != sharded
+    worst = float(np.max(np.abs(single.astype(np.float64) - sharded)))
+    if not np.allclose(sharded, single, rtol=SHARDED_RTOL, atol=SHARDED_ATOL):
+        differ = ~np.isclose(sharded, single, rtol=SHARDED_RTOL, atol=SHARDED_ATOL)
         raise AssertionError(
             f"{label}: the sharded layer differs from the single-device one at {int(differ.sum())} of "
-            f"{differ.size} values, by up to {float(np.max(np.abs(single - sharded))):.3g}")
+            f"{differ.size} values, by up to {worst:.3g} (rtol {SHARDED_RTOL}, atol {SHARDED_ATOL})")
+    return worst
 
 
-def check_sharded(case: Case) -> None:
+def check_sharded(case: Case) -> float:
     """:func:`assert_sharded_matches` for the case's layer on the ("data", "expert") mesh."""
-    assert_sharded_matches(cases_mod.forward_output(case), cases_mod.sharded_output(case), case.id)
+    return assert_sharded_matches(cases_mod.forward_output(case), cases_mod.sharded_output(case), case.id)
 
 
 def check_golden(case: Case) -> None:

@@ -223,7 +223,7 @@ class MoE(nnx.Module):
         out = self._constrain(s["wo"](_DENSE_EQNS["wo"], h, wo), *by_expert)
         # The combine sums over experts. Summed shard by shard and then across
         # shards, Gemma's output moved by an ulp in 1 value of 6; gathering the
-        # experts first keeps the single-device order, and the layer bitwise.
+        # experts first keeps the single-device order (bitwise on jax 0.10.2).
         out = self._constrain(out, "data")
         combine = jnp.sum(jax.nn.one_hot(idx, self.config.num_experts) * weights[..., None], axis=2)
         return jnp.einsum("BSEM,BSE->BSM", out, combine.astype(self.dtype))

@@ -180,20 +180,18 @@ def test_paths_agree_catches_a_sparse_routing_bug():
 # -- sharded layers ---------------------------------------------------------------
 
 
-class CombinesShardByShard(MoE):
-    """Leaves the expert outputs split when it combines them: partial sums, then a cross-shard sum."""
-
-    def _constrain(self, x, *spec):
-        return x if spec == ("data",) and x.ndim == 4 else super()._constrain(x, *spec)
-
-
-def test_sharded_catches_a_combine_that_sums_across_shards():
+def test_sharded_catches_experts_reassembled_in_the_wrong_order():
+    # Each of the four 'expert' shards holds two experts; a bug that stitches the
+    # shards back in the wrong order swaps whole blocks of experts.
     mesh = cases.mesh()
-    broken = CombinesShardByShard(MODELS["gemma"], get_recipe("none"), rngs=nnx.Rngs(cases.SEED), mesh=mesh)
-    x = jax.device_put(cases.layer_input("gemma"), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+    broken = MoE(MODELS["mixtral"], get_recipe("int8"), rngs=nnx.Rngs(cases.SEED), mesh=mesh)
+    order = np.array([2, 3, 0, 1, 4, 5, 6, 7])
+    broken.wi_0[...] = broken.wi_0[...][order]
+    x = jax.device_put(cases.layer_input("mixtral"), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
     out = np.asarray(step.apply(broken, x)[0])
-    single = cases.layer_output(cases.Case("none", cases.Variant("gemma", "dense", False)))
-    with pytest.raises(AssertionError, match=r"sharded layer differs from the single-device one at \d+ of 2048"):
+    single = cases.forward_output(cases.Case("int8", cases.Variant("mixtral", "dense", False)))
+    with pytest.raises(AssertionError, match=r"sharded layer differs from the single-device one at \d+ of 2048 "
+                       r"values, by up to .*\(rtol 1e-05, atol 1e-06\)"):
         invariants.assert_sharded_matches(single, out, "bug")
 
 
@@ -284,8 +282,8 @@ CATALOGUE = [
     ("a recipe's layer output drifting from its golden case", "golden (`tests/test_golden.py`)",
      test_golden_catches_numerics_drift),
     ("a golden file edited by hand", "golden (content digest)", test_golden_catches_a_file_edited_by_hand),
-    ("a sharded MoE that sums expert outputs shard by shard (Gemma moves by an ulp)", "`sharded` (bitwise)",
-     test_sharded_catches_a_combine_that_sums_across_shards),
+    ("expert shards reassembled in the wrong order", "`sharded`",
+     test_sharded_catches_experts_reassembled_in_the_wrong_order),
 ]
 
 

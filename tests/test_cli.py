@@ -14,7 +14,7 @@ def test_matrix_prints_every_case_of_a_recipe_and_passes(capsys):
     assert out.splitlines()[0].split() == ["recipe", "model", "path", "sites", "exact", "tracks", "state", "rng",
                                            "sharded", "golden"]
     (row,) = [line.split() for line in out.splitlines() if line.startswith("nanoo_fp8")]
-    assert row[2] == "sparse" and row[3:6] == ["pass", "pass", "pass"] and row[7:] == ["pass", "-", "pass", "pass"]
+    assert row[2] == "sparse" and row[3:6] == ["pass", "pass", "pass"] and row[7:] == ["pass", "-", "pass", "0.0000", "pass"]
     assert 0 < float(row[6]) < 0.22
     assert "all 1 cases pass" in out
 

@@ -78,4 +78,4 @@ def test_the_guide_takes_a_new_recipe_from_nothing_to_a_passing_suite(tmp_path, 
     assert passed == [f"test_call_sites_share_no_state[{name}-mixtral-dense]",
                       f"test_golden_case[{name}-mixtral-dense]",
                       f"test_layer_tracks_unquantized_twin[{name}-mixtral-dense]",
-                      f"test_sharded_layer_computes_the_same_bits[{name}-mixtral-dense]"]
+                      f"test_sharded_layer_computes_the_same_function[{name}-mixtral-dense]"]

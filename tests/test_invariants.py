@@ -39,5 +39,5 @@ def test_rng_state_is_flat_across_depth_and_private_control_grows(qcheck_case):
 
 
 @pytest.mark.qcheck_invariant("sharded")
-def test_sharded_layer_computes_the_same_bits(qcheck_case):
-    invariants.check_sharded(qcheck_case)
+def test_sharded_layer_computes_the_same_function(qcheck_case):
+    assert invariants.check_sharded(qcheck_case) <= invariants.SHARDED_ATOL
