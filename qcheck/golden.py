@@ -334,6 +334,13 @@ def read_case(case: GoldenCase, root: Path) -> Stored:
         raise GoldenFileError(
             path, "does not match its digest: it was edited by hand or corrupted. Golden files are "
             f"written only by qcheck; to change it, run `{update_command(case.recipe, root)}`")
+    for key, kind in (("case", dict), ("provenance", dict), ("tolerance", dict), ("entry_params", dict),
+                      ("codes", dict), ("rel_norm", (int, float))):
+        if not isinstance(record[key], kind) or isinstance(record[key], bool):
+            raise GoldenFileError(path, f"has a {type(record[key]).__name__} under {key!r}, where the schema "
+                                  f"wants {'a number' if key == 'rel_norm' else 'an object'}")
+    if not all(isinstance(n, int) for n in record["entry_params"].values()):
+        raise GoldenFileError(path, "has entry_params that are not all integers")
     stated = {k: record["case"].get(k) for k in ("recipe", "model", "path")}
     if stated != dataclasses.asdict(case):
         raise GoldenFileError(path, f"holds case {stated}, but its name says {dataclasses.asdict(case)}")

@@ -133,6 +133,14 @@ def _unknown_dtype(path):
     edit(path, lambda r: (r["output"].__setitem__("dtype", "float7"), redigest(r)))
 
 
+def _string_rel_norm(path):
+    edit(path, lambda r: (r.__setitem__("rel_norm", "0.01"), redigest(r)))
+
+
+def _case_not_an_object(path):
+    edit(path, lambda r: (r.__setitem__("case", ["int8"]), redigest(r)))
+
+
 def _wrong_case(path):
     edit(path, lambda r: (r["case"].__setitem__("model", "gemma"), redigest(r)))
 
@@ -149,9 +157,11 @@ def _wrong_case(path):
         (_short_bits, r"codes\['rhs'\]: bits hold 992 bytes, but shape \(32, 32\) of int8 needs 1024 \(truncated\?\)"),
         (_unknown_dtype, "output: unknown dtype 'float7'"),
         (_wrong_case, "holds case .*'gemma'.* but its name says"),
+        (_string_rel_norm, "has a str under 'rel_norm', where the schema wants a number"),
+        (_case_not_an_object, "has a list under 'case', where the schema wants an object"),
     ],
     ids=["truncated", "binary-garbage", "empty", "not-an-object", "wrong-schema", "missing-key", "short-bits",
-         "unknown-dtype", "wrong-case"],
+         "unknown-dtype", "wrong-case", "string-rel-norm", "case-not-an-object"],
 )
 def test_a_bad_golden_file_is_named_with_what_is_wrong(root, spoil, message):
     path = CASE.file(root)
