@@ -4,9 +4,11 @@ qcheck's programs are tiny, so what costs time is compiling them, not running
 them. ``--xla_backend_optimization_level=0`` skips LLVM passes that buy no run
 time here: the matrix went from 63 s to 44 s on one process of a 2-core machine.
 
-Tried and rejected: ``--xla_cpu_use_fusion_emitters=false`` halves compile
-time again on jaxlib 0.10.2, but the nanoo_fp8 layers then output NaN (the
-tracks invariant caught it), and jaxlib 0.12 aborts on the flag as unknown.
+``--xla_cpu_use_fusion_emitters=false`` halves compile time again on jaxlib
+0.10.2, but as a flag it would apply to every program, and those emitters
+convert wrongly to fnuz and e2m1 types (nanoo_fp8 layers output NaN; jaxlib
+0.12 aborts on the flag as unknown): qcheck's layer programs ask for it one by
+one, where it is exact (:mod:`qcheck._fast_jit`).
 
 Outputs are deterministic under a fixed setting, but not bitwise identical
 across settings; a flag the user already set in ``XLA_FLAGS`` wins. Under

@@ -18,6 +18,7 @@ from flax import nnx
 
 from qcheck import cases as cases_mod
 from qcheck import checks, step
+from qcheck._fast_jit import fast_jit
 from qcheck.bridge import Fp8Meta
 from qcheck.cases import BATCH, SEQ, Case, Variant
 from qcheck.moe import MoE
@@ -64,12 +65,12 @@ def probe_group_sizes(rows: int, groups: int, seed: int) -> np.ndarray:
     return np.bincount(rng.integers(0, groups - 1, rows), minlength=groups).astype(np.int32)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
+@fast_jit(static_argnums=(0, 1))
 def _site_einsum(graphdef, eqn: str, state, lhs, rhs):
     return nnx.merge(graphdef, state, copy=True)(eqn, lhs, rhs)
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@fast_jit(static_argnums=0)
 def _site_ragged_dot(graphdef, state, lhs, rhs, group_sizes):
     return nnx.merge(graphdef, state, copy=True).ragged_dot(lhs, rhs, group_sizes)
 

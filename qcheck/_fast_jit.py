@@ -1,0 +1,121 @@
+"""``jax.jit`` that compiles qcheck's layer programs with XLA CPU's legacy fusion emitters where that is exact.
+
+Compiling is most of the suite's time. On jaxlib 0.10, XLA CPU's legacy
+fusion emitters (``xla_cpu_use_fusion_emitters=False``) compile qcheck's
+layers about twice as fast as the default MLIR emitters, and give the same
+forward outputs bit for bit — except that they convert wrongly to some
+low-precision types (measured on jaxlib 0.10.2, pinned by
+``tests/test_fast_jit.py``):
+
+- f32 -> f8E4M3FNUZ / f8E5M2FNUZ: a negative value that underflows to zero
+  becomes 0x80, which is NaN in those formats (NANOO fp8 layers output NaN);
+- f32 -> f4E2M1FN: values next to a rounding midpoint round the wrong way
+  (-3.4999998 -> -4 instead of -3).
+
+So a program takes the legacy emitters only if every element type in it is
+one whose conversions the tests check bitwise against ml_dtypes
+(:data:`LEGACY_SAFE_TYPES`); any other program, on any other backend or
+jaxlib (0.12 has no such option), or when the user's ``XLA_FLAGS`` name the
+option, compiles exactly as ``jax.jit`` would.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["LEGACY_EMITTERS", "LEGACY_SAFE_TYPES", "FastJit", "fast_jit", "legacy_emitter_options", "legacy_safe"]
+
+LEGACY_EMITTERS: dict[str, Any] = {"xla_cpu_use_fusion_emitters": False}
+
+#: StableHLO element types whose conversions the legacy emitters get bitwise right.
+LEGACY_SAFE_TYPES = frozenset({
+    "i1", "i8", "i32", "i64", "ui8", "ui32", "ui64",
+    "f32", "bf16", "f8E4M3FN", "f8E5M2", "f8E8M0FNU",
+})
+
+_ELEMENT_TYPE = re.compile(r"tensor<(?:[0-9?]+x)*([A-Za-z][A-Za-z0-9]*)>")
+
+
+def element_types(stablehlo: str) -> set[str]:
+    """The element types of every tensor named in a StableHLO module's text."""
+    return set(_ELEMENT_TYPE.findall(stablehlo))
+
+
+def legacy_safe(stablehlo: str) -> bool:
+    """Whether a program may compile with the legacy emitters: it holds only :data:`LEGACY_SAFE_TYPES`."""
+    return element_types(stablehlo) <= LEGACY_SAFE_TYPES
+
+
+@functools.cache
+def legacy_emitter_options() -> dict[str, Any]:
+    """:data:`LEGACY_EMITTERS` where the default backend takes them, else ``{}``.
+
+    Empty off CPU, when ``XLA_FLAGS`` already names the option (the user's
+    choice then applies to every program), or when this jaxlib does not know
+    it. Asked once per process, with a one-op program.
+    """
+    if jax.default_backend() != "cpu" or any(k in os.environ.get("XLA_FLAGS", "") for k in LEGACY_EMITTERS):
+        return {}
+    try:
+        jax.jit(lambda x: x + 1).lower(jnp.float32(0)).compile(compiler_options=LEGACY_EMITTERS)
+    except Exception:  # noqa: BLE001 - jaxlib 0.12: "No such compile option"
+        return {}
+    return dict(LEGACY_EMITTERS)
+
+
+class FastJit:
+    """``jax.jit(fun, static_argnums=...)``, compiled with :func:`legacy_emitter_options` where :func:`legacy_safe`.
+
+    Each distinct program is lowered once (by the plain jit, so ``lower`` and
+    calls share its caches) and compiled once; a program that is not legacy-safe
+    runs through the plain jit unchanged.
+    """
+
+    def __init__(self, fun: Callable, *, static_argnums: int | tuple[int, ...] = ()) -> None:
+        self._static = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+        self._jit = jax.jit(fun, static_argnums=self._static)
+        self._compiled: dict[Any, Any] = {}  # program key -> Compiled, or None for the plain jit
+        functools.update_wrapper(self, fun)
+
+    def lower(self, *args) -> jax.stages.Lowered:
+        return self._jit.lower(*args)
+
+    def _key(self, args: tuple):
+        dynamic = [a for i, a in enumerate(args) if i not in self._static]
+        leaves, tree = jax.tree.flatten(dynamic)
+        static = tuple(args[i] for i in self._static)
+        return static, tree, tuple((jax.typeof(x), getattr(x, "sharding", None)) for x in leaves)
+
+    def compiler_options(self, *args) -> dict[str, Any]:
+        """The compiler options the program for ``args`` compiles with (``{}``: jax's defaults)."""
+        return self._choose(args)[1]
+
+    def _choose(self, args: tuple):
+        key = self._key(args)
+        if key not in self._compiled:
+            options = legacy_emitter_options()
+            if options and legacy_safe((lowered := self._jit.lower(*args)).as_text()):
+                self._compiled[key] = (lowered.compile(compiler_options=options), options)
+            else:
+                self._compiled[key] = (None, {})
+        return self._compiled[key]
+
+    def __call__(self, *args):
+        if not legacy_emitter_options():
+            return self._jit(*args)
+        compiled, _ = self._choose(args)
+        if compiled is None:
+            return self._jit(*args)
+        return compiled(*[a for i, a in enumerate(args) if i not in self._static])
+
+
+def fast_jit(*, static_argnums: int | tuple[int, ...] = ()) -> Callable[[Callable], FastJit]:
+    """Decorator form of :class:`FastJit`."""
+    return functools.partial(FastJit, static_argnums=static_argnums)

@@ -1,0 +1,123 @@
+"""The legacy-emitter fast path: which programs take it, and the measurements that say which may."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from qcheck import _fast_jit as fj
+from qcheck import cases, step
+
+needs_legacy = pytest.mark.skipif(
+    not fj.legacy_emitter_options(),
+    reason="this backend or jaxlib has no legacy fusion emitters (jaxlib 0.12 dropped the option)",
+)
+
+#: ml_dtypes type -> its StableHLO name, for every float type qcheck quantizes to.
+FLOAT_TYPES = {
+    ml_dtypes.float8_e4m3fn: "f8E4M3FN",
+    ml_dtypes.float8_e5m2: "f8E5M2",
+    ml_dtypes.float8_e8m0fnu: "f8E8M0FNU",
+    ml_dtypes.bfloat16: "bf16",
+    ml_dtypes.float8_e4m3fnuz: "f8E4M3FNUZ",
+    ml_dtypes.float8_e5m2fnuz: "f8E5M2FNUZ",
+    ml_dtypes.float4_e2m1fn: "f4E2M1FN",
+}
+SAFE = [t for t, name in FLOAT_TYPES.items() if name in fj.LEGACY_SAFE_TYPES]
+LEFT_OUT = [t for t, name in FLOAT_TYPES.items() if name not in fj.LEGACY_SAFE_TYPES]
+
+
+def conversion_probes(dtype) -> np.ndarray:
+    """Every finite value of ``dtype``, its rounding midpoints and their float32 neighbours, both signs, and underflow."""
+    if dtype == ml_dtypes.bfloat16:
+        grid = np.random.default_rng(0).normal(size=4096).astype(dtype)
+    else:
+        grid = np.arange(2 ** (ml_dtypes.finfo(dtype).bits), dtype=np.uint8).view(dtype)
+    grid = np.unique(grid.astype(np.float32)[np.isfinite(grid.astype(np.float32))])
+    mids = (grid[1:] + grid[:-1]) / 2
+    near = np.concatenate([mids, np.nextafter(mids, np.inf), np.nextafter(mids, -np.inf)])
+    tiny = np.array([1e-30, 1e-9, float(ml_dtypes.finfo(dtype).smallest_subnormal) / 3], np.float32)
+    values = np.concatenate([grid, near, tiny, -grid, -near, -tiny, [0.0, -0.0]]).astype(np.float32)
+    return np.abs(values) if dtype == ml_dtypes.float8_e8m0fnu else values  # e8m0 has no sign
+
+
+def roundtrip_mismatches(dtype, compiler_options) -> np.ndarray:
+    """Probes where jitted f32 -> ``dtype`` -> f32 differs bitwise from ml_dtypes' cast."""
+    x = conversion_probes(dtype)
+    got = np.asarray(jax.jit(lambda a: a.astype(dtype).astype(jnp.float32),
+                             compiler_options=compiler_options)(jnp.asarray(x)))
+    want = x.astype(dtype).astype(np.float32)
+    same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+    return x[~same]
+
+
+@needs_legacy
+@pytest.mark.parametrize("dtype", SAFE, ids=lambda t: np.dtype(t).name)
+def test_legacy_emitters_convert_the_safe_types_exactly(dtype):
+    bad = roundtrip_mismatches(dtype, fj.LEGACY_EMITTERS)
+    assert bad.size == 0, f"legacy emitters round {np.dtype(dtype).name} wrongly at {bad[:8]}"
+
+
+@needs_legacy
+@pytest.mark.parametrize("dtype", LEFT_OUT, ids=lambda t: np.dtype(t).name)
+def test_legacy_emitters_get_the_types_left_out_wrong(dtype):
+    # Why these are not in LEGACY_SAFE_TYPES. If this fails, the installed XLA
+    # converts them exactly: measure the layers and add the type.
+    assert roundtrip_mismatches(dtype, fj.LEGACY_EMITTERS).size > 0
+    assert roundtrip_mismatches(dtype, {}).size == 0  # the default emitters get them right
+
+
+def test_element_types_names_every_tensor_type():
+    text = jax.jit(lambda a, b: (a.astype(jnp.float8_e4m3fnuz), b.sum())).lower(
+        jnp.ones((2, 3)), jnp.ones((), jnp.int8)).as_text()
+    assert {"f32", "f8E4M3FNUZ", "i8"} <= fj.element_types(text)
+
+
+@pytest.mark.parametrize(("types", "safe"), [
+    ("tensor<2x3xf32>, tensor<i8>, tensor<4xf8E4M3FN>", True),
+    ("tensor<2x3xf32>, tensor<4xf8E4M3FNUZ>", False),
+    ("tensor<16xf4E2M1FN>", False),
+    ("tensor<2xf16>", False),  # never measured: not safe until it is
+])
+def test_legacy_safe_needs_every_type_on_the_list(types, safe):
+    assert fj.legacy_safe(types) is safe
+
+
+def _fnuz_roundtrip(x):
+    return x.astype(jnp.float8_e4m3fnuz).astype(jnp.float32)
+
+
+def test_fast_jit_keeps_programs_with_unsafe_types_on_the_default_emitters():
+    x = jnp.asarray(conversion_probes(ml_dtypes.float8_e4m3fnuz))
+    fast = fj.FastJit(_fnuz_roundtrip)
+    assert fast.compiler_options(x) == {}
+    got = np.asarray(fast(x))
+    want = np.asarray(x).astype(ml_dtypes.float8_e4m3fnuz).astype(np.float32)
+    assert np.array_equal(got, want, equal_nan=True)
+
+
+@needs_legacy
+def test_fast_jit_compiles_safe_programs_with_the_legacy_emitters():
+    fast = fj.FastJit(lambda n, x: x.astype(jnp.float8_e4m3fn).astype(jnp.float32) * n, static_argnums=0)
+    x = jnp.linspace(-500, 500, 64)
+    assert fast.compiler_options(2.0, x) == fj.LEGACY_EMITTERS
+    want = np.asarray(x).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * 2
+    assert np.array_equal(fast(2.0, x), want, equal_nan=True)
+
+
+@needs_legacy
+def test_a_layer_on_the_fast_path_outputs_what_the_default_emitters_do():
+    # mxfp8 has the most conversions of the legacy-safe recipes (e8m0 scales, e4m3fn elements).
+    case = cases.Case("mxfp8", cases.VARIANTS[0])
+    graphdef, state = nnx.split(cases.layer(case))
+    x = cases.layer_input(case.variant.model)
+    assert step._apply.compiler_options(graphdef, state, x) == fj.LEGACY_EMITTERS
+    plain = jax.jit(step._apply.__wrapped__, static_argnums=0)(graphdef, state, x)[0]
+    assert np.array_equal(np.asarray(plain), cases.forward_output(case))
+
+
+def test_an_emitter_flag_in_xla_flags_wins(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=true")
+    assert fj.legacy_emitter_options.__wrapped__() == {}
