@@ -36,6 +36,7 @@ __all__ = [
     "qdq",
     "quantize",
     "saturating_cast",
+    "round_e2m1",
     "stochastic_round_e2m1",
 ]
 
@@ -138,6 +139,21 @@ def _to_blocks(x: Array, axes: tuple[int, ...], block: int, fmt: str):
         return jnp.transpose(y.reshape(moved.shape), np.argsort((*rest, *axes)))
 
     return blocks, restore
+
+
+def round_e2m1(v: Array) -> Array:
+    """``v`` (in e2m1 units, |v| <= 6) rounded to nearest e2m1 value, ties to even, in float32.
+
+    Exactly ``v.astype(float4_e2m1fn).astype(float32)``, without the e2m1 type:
+    XLA CPU's legacy fusion emitters get that conversion wrong next to
+    midpoints, and a program with no e2m1 type may compile with them (see
+    ``qcheck._fast_jit``). The grid's step is 1/2 below 2, 1 below 4 and 2 up to
+    6; scaling by a power of two is exact and ``round`` is half to even, so a tie
+    goes to the even mantissa (1.75 -> 2, 2.5 -> 2, 5 -> 4).
+    """
+    a = jnp.abs(v)
+    on_grid = jnp.where(a < 2, jnp.round(a * 2) * 0.5, jnp.where(a < 4, jnp.round(a), jnp.round(a * 0.5) * 2))
+    return jnp.copysign(on_grid, v)
 
 
 def stochastic_round_e2m1(v: Array, key: Array) -> Array:
@@ -266,10 +282,8 @@ def _nvfp4_quantize(x: Array, axes: tuple[int, ...], rng: Array | None) -> _Code
     s_block = jnp.where(representable, s_block, jnp.zeros_like(s_block))
     nonzero, encode, _ = _nvfp4_decode(s_block, s_enc)
     v = jnp.clip(blocks * encode, -E2M1_MAX, E2M1_MAX)
-    if rng is None:
-        q = v.astype(jnp.float4_e2m1fn)  # round to nearest even
-    else:
-        q = stochastic_round_e2m1(v, rng).astype(jnp.float4_e2m1fn)  # already on the grid: exact
+    q = round_e2m1(v) if rng is None else stochastic_round_e2m1(v, rng)
+    # The e2m1 values as float32; quantize stores them as float4_e2m1fn (exact).
     codes = restore(jnp.where(nonzero, q, jnp.zeros_like(q)))
     return codes, {"block": s_block[..., 0], "tensor": s_enc}
 
@@ -329,6 +343,15 @@ def quantize(
     number of blocks. ``nvfp4`` rounds to nearest even, or stochastically when
     ``rng`` (a PRNG key) is given; no other format takes ``rng``.
     """
+    q = _quantize(x, fmt, axis, rng)
+    if fmt == "nvfp4":
+        q = dataclasses.replace(q, codes=q.codes.astype(jnp.float4_e2m1fn))
+    return q
+
+
+def _quantize(x: ArrayLike, fmt: str, axis: int | tuple[int, ...], rng: Array | None) -> Quantized:
+    # quantize() without storing nvfp4's codes as e2m1: qdq() leaves the type out
+    # of the program (round_e2m1 says why), with the same values.
     if fmt not in format_names():
         raise ValueError(f"unknown format {fmt!r}; valid formats: {', '.join(format_names())}")
     x = jnp.asarray(x)
@@ -373,9 +396,9 @@ def qdq(
     axis: int | tuple[int, ...] = -1,
     rng: Array | None = None,
 ) -> Array:
-    """Quantize then dequantize ``x`` in format ``fmt``, saturating: ``dequantize(quantize(x, ...))``.
+    """Quantize then dequantize ``x`` in format ``fmt``, saturating: the values of ``dequantize(quantize(x, ...))``.
 
     See :func:`quantize` for the formats, ``axis`` and ``rng``. The result has
     ``x``'s dtype.
     """
-    return dequantize(quantize(x, fmt, axis=axis, rng=rng))
+    return dequantize(_quantize(x, fmt, axis, rng))

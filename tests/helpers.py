@@ -4,6 +4,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 
@@ -11,6 +12,20 @@ import qcheck
 from qcheck.bridge import QuantSite
 
 EQN = "bd,de->be"
+
+
+def conversion_probes(dtype) -> np.ndarray:
+    """Every finite value of ``dtype``, its rounding midpoints and their float32 neighbours, both signs, and underflow."""
+    if dtype == ml_dtypes.bfloat16:
+        grid = np.random.default_rng(0).normal(size=4096).astype(dtype)
+    else:
+        grid = np.arange(2 ** (ml_dtypes.finfo(dtype).bits), dtype=np.uint8).view(dtype)
+    grid = np.unique(grid.astype(np.float32)[np.isfinite(grid.astype(np.float32))])
+    mids = (grid[1:] + grid[:-1]) / 2
+    near = np.concatenate([mids, np.nextafter(mids, np.inf), np.nextafter(mids, -np.inf)])
+    tiny = np.array([1e-30, 1e-9, float(ml_dtypes.finfo(dtype).smallest_subnormal) / 3], np.float32)
+    values = np.concatenate([grid, near, tiny, -grid, -near, -tiny, [0.0, -0.0]]).astype(np.float32)
+    return np.abs(values) if dtype == ml_dtypes.float8_e8m0fnu else values  # e8m0 has no sign
 
 
 @functools.cache

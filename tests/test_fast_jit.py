@@ -9,6 +9,7 @@ from flax import nnx
 
 from qcheck import _fast_jit as fj
 from qcheck import cases, step
+from tests.helpers import conversion_probes
 
 needs_legacy = pytest.mark.skipif(
     not fj.legacy_emitter_options(),
@@ -27,20 +28,6 @@ FLOAT_TYPES = {
 }
 SAFE = [t for t, name in FLOAT_TYPES.items() if name in fj.LEGACY_SAFE_TYPES]
 LEFT_OUT = [t for t, name in FLOAT_TYPES.items() if name not in fj.LEGACY_SAFE_TYPES]
-
-
-def conversion_probes(dtype) -> np.ndarray:
-    """Every finite value of ``dtype``, its rounding midpoints and their float32 neighbours, both signs, and underflow."""
-    if dtype == ml_dtypes.bfloat16:
-        grid = np.random.default_rng(0).normal(size=4096).astype(dtype)
-    else:
-        grid = np.arange(2 ** (ml_dtypes.finfo(dtype).bits), dtype=np.uint8).view(dtype)
-    grid = np.unique(grid.astype(np.float32)[np.isfinite(grid.astype(np.float32))])
-    mids = (grid[1:] + grid[:-1]) / 2
-    near = np.concatenate([mids, np.nextafter(mids, np.inf), np.nextafter(mids, -np.inf)])
-    tiny = np.array([1e-30, 1e-9, float(ml_dtypes.finfo(dtype).smallest_subnormal) / 3], np.float32)
-    values = np.concatenate([grid, near, tiny, -grid, -near, -tiny, [0.0, -0.0]]).astype(np.float32)
-    return np.abs(values) if dtype == ml_dtypes.float8_e8m0fnu else values  # e8m0 has no sign
 
 
 def roundtrip_mismatches(dtype, compiler_options) -> np.ndarray:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from qcheck import formats
+from tests.helpers import conversion_probes
 
 # Jitted once per format and axis: the tests below run one program each instead
 # of dozens of eager ops. Eager execution is pinned where it is the subject.
@@ -269,3 +270,25 @@ def test_nvfp4_flushed_tensor_has_zero_codes_and_block_scales():
     q = quantize_jit(jnp.full((2, 16), formats.NVFP4_MIN_AMAX / 2), "nvfp4")
     assert not np.any(np.asarray(q.codes, np.float32)) and not np.any(np.asarray(q.scales["block"], np.float32))
     assert not np.any(dequantize_jit(q))
+
+
+def _round_e2m1_mismatches(round_fn) -> np.ndarray:
+    v = conversion_probes(ml_dtypes.float4_e2m1fn)
+    got = np.asarray(jax.jit(round_fn)(jnp.asarray(v)))
+    want = v.astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    return v[got.view(np.uint32) != want.view(np.uint32)]
+
+
+def test_round_e2m1_is_the_e2m1_cast_bitwise():
+    # Every e2m1 value, every midpoint and its float32 neighbours, both signs, signed zeros.
+    assert _round_e2m1_mismatches(formats.round_e2m1).size == 0
+
+
+def test_round_e2m1_probes_catch_ties_rounded_away_from_zero():
+    def half_away(v):
+        a = jnp.abs(v)
+        on_grid = jnp.where(a < 2, jnp.floor(a * 2 + 0.5) * 0.5,
+                            jnp.where(a < 4, jnp.floor(a + 0.5), jnp.floor(a * 0.5 + 0.5) * 2))
+        return jnp.copysign(on_grid, v)
+
+    assert {0.25, 1.25, 2.5, 5.0} <= set(np.abs(_round_e2m1_mismatches(half_away)).tolist())
