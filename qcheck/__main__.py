@@ -12,6 +12,14 @@ def _add_recipes_option(parser: argparse.ArgumentParser, default=None) -> None:
                         help="import this recipe module (a dotted name or a .py path) first; repeatable")
 
 
+def _jobs(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--jobs takes a positive integer or 'auto', got {text!r}")
+    return int(text)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qcheck", description=__doc__)
     _add_recipes_option(p)
@@ -25,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
         parser.add_argument("--path", action="append", dest="paths", metavar="NAME",
                             help="only this path (repeatable): dense, sparse")
         parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        parser.add_argument("--jobs", type=_jobs, default=argparse.SUPPRESS if parser is m else "auto",
+                            metavar="N",
+                            help="worker processes (default: auto, one per CPU on CPU-only JAX; 1: this process)")
         parser.add_argument("--golden-dir", metavar="DIR", default=argparse.SUPPRESS if parser is m else None,
                             help="golden directory for the golden column (default: $QCHECK_GOLDEN_DIR, else ./golden)")
     r = sub.add_parser("rng", help="entry parameters of an unrolled decoder's train step, per depth")
@@ -115,16 +126,23 @@ def _matrix(args: argparse.Namespace) -> int:
     import os
 
     from qcheck import golden, matrix
+    from qcheck.cases import cases
 
     if getattr(args, "golden_dir", None):
         os.environ[golden.ENV] = args.golden_dir  # the golden column reads it; this process only
 
     as_tuple = lambda xs: tuple(xs) if xs else None  # noqa: E731
-    rows = matrix.run_matrix(as_tuple(args.recipes), models=as_tuple(args.models), paths=as_tuple(args.paths))
-    print(matrix.to_json(rows) if args.json else matrix.format_table(rows))
-    failed = [r.case.id for r in rows if not r.ok]
-    if args.recipes is None and args.paths is None and not args.json:
-        failed += _paths_agree(as_tuple(args.models))
+    selected = cases(as_tuple(args.recipes), models=as_tuple(args.models), paths=as_tuple(args.paths))
+    with_paths = args.recipes is None and args.paths is None and not args.json
+    jobs = matrix.default_jobs() if args.jobs == "auto" else args.jobs
+    tasks = len(selected) + (4 if with_paths else 0)
+    with matrix.worker_pool(min(jobs, tasks), tuple(args.recipe_modules or ())) as pool:
+        rows = matrix.run_matrix(as_tuple(args.recipes), models=as_tuple(args.models), paths=as_tuple(args.paths),
+                                 executor=pool)
+        print(matrix.to_json(rows) if args.json else matrix.format_table(rows), flush=True)
+        failed = [r.case.id for r in rows if not r.ok]
+        if with_paths:
+            failed += _paths_agree(as_tuple(args.models), executor=pool)
     if failed:
         print(f"\n{len(failed)} checks failed: {', '.join(failed)}", file=sys.stderr)
         return 1
@@ -133,23 +151,19 @@ def _matrix(args: argparse.Namespace) -> int:
     return 0
 
 
-def _paths_agree(models: tuple[str, ...] | None) -> list[str]:
+def _paths_agree(models: tuple[str, ...] | None, executor=None) -> list[str]:
     """Print the dense == sparse rows for ``none``; returns the labels that failed."""
-    from qcheck.invariants import check_paths_agree
+    from qcheck.matrix import run_paths_agree
     from qcheck.moe import MODELS
 
     print()
     failed = []
-    for model in models or tuple(MODELS):
-        for dropping in (False, True):
-            label = f"none-{model}{'-drop' if dropping else ''}"
-            try:
-                worst = check_paths_agree(model, dropping)
-            except AssertionError as e:
-                failed.append(label)
-                print(f"dense == sparse  {label:<18} FAIL {e}")
-            else:
-                print(f"dense == sparse  {label:<18} pass (max |diff| {worst:.2g})")
+    for row in run_paths_agree(models or tuple(MODELS), executor=executor):
+        if row.cell.status == "fail":
+            failed.append(row.label)
+            print(f"dense == sparse  {row.label:<18} FAIL {row.cell.detail.removeprefix('AssertionError: ')}")
+        else:
+            print(f"dense == sparse  {row.label:<18} pass (max |diff| {row.cell.figure:.2g})")
     return failed
 
 

@@ -50,11 +50,17 @@ def flags_for(jaxlib_version: str) -> dict[str, str]:
     return extra
 
 
-def configure(environ=os.environ) -> None:
-    """Add qcheck's XLA flags to ``environ['XLA_FLAGS']`` unless already named there."""
+def configure(environ=os.environ, *, one_thread: bool | None = None) -> None:
+    """Add qcheck's XLA flags to ``environ['XLA_FLAGS']`` unless already named there.
+
+    ``one_thread``: one intra-op thread, for one of several worker processes
+    (default: under pytest-xdist).
+    """
     flags = environ.get("XLA_FLAGS", "")
     extra = [f"{k}={v}" for k, v in flags_for(_jaxlib_version()).items() if k not in flags]
-    if environ.get("PYTEST_XDIST_WORKER") and "xla_cpu_multi_thread_eigen" not in flags:
+    if one_thread is None:
+        one_thread = bool(environ.get("PYTEST_XDIST_WORKER"))
+    if one_thread and "xla_cpu_multi_thread_eigen" not in flags:
         extra += ["--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1"]
     if extra:
         environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()

@@ -1,15 +1,28 @@
-"""The matrix the seeds tabulate by hand: every case, every invariant, pass or how it failed."""
+"""The matrix the seeds tabulate by hand: every case, every invariant, pass or how it failed.
+
+Cases are independent (same seed, same bits in any process), so the matrix can
+run them in worker processes (:func:`worker_pool`): compiling dominates and is
+single-threaded, so two processes on two cores take little more than half the time.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import multiprocessing
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from concurrent.futures import Executor, ProcessPoolExecutor
 
-from qcheck import invariants
+from qcheck import _xla_env, invariants
 from qcheck.cases import Case, cases
 from qcheck.recipes import get_recipe
 
-__all__ = ["Cell", "Row", "format_table", "run_matrix", "to_json"]
+__all__ = ["Cell", "PathsRow", "Row", "default_jobs", "format_table", "run_matrix", "run_paths_agree", "to_json",
+           "worker_pool"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,21 +58,103 @@ def _run(check, case: Case) -> Cell:
     return Cell("pass", figure=figure)
 
 
+def _row(case: Case) -> Row:
+    recipe = get_recipe(case.recipe)
+    return Row(case, {
+        inv.name: _run(inv.run, case) if inv.applies(recipe, case.variant) else Cell("n/a")
+        for inv in invariants.INVARIANTS
+    })
+
+
 def run_matrix(
     recipes: tuple[str, ...] | None = None,
     *,
     models: tuple[str, ...] | None = None,
     paths: tuple[str, ...] | None = None,
+    executor: Executor | None = None,
 ) -> list[Row]:
-    rows = []
-    for case in cases(recipes, models=models, paths=paths):
-        recipe = get_recipe(case.recipe)
-        cells = {
-            inv.name: _run(inv.run, case) if inv.applies(recipe, case.variant) else Cell("n/a")
-            for inv in invariants.INVARIANTS
-        }
-        rows.append(Row(case, cells))
-    return rows
+    """A row per case, in table order; computed in ``executor``'s workers when given."""
+    selected = cases(recipes, models=models, paths=paths)
+    if executor is None:
+        return [_row(c) for c in selected]
+    # The costliest cases (the RNG invariant's decoder stacks) first, so no
+    # worker is left with one at the end while the others idle.
+    rng = next(inv for inv in invariants.INVARIANTS if inv.name == "rng")
+    order = sorted(selected, key=lambda c: not rng.applies(get_recipe(c.recipe), c.variant))
+    done = dict(zip(order, executor.map(_row, order)))
+    return [done[c] for c in selected]
+
+
+@dataclasses.dataclass(frozen=True)
+class PathsRow:
+    """Dense against sparse for the unquantized layer of one model, with or without dropping."""
+
+    model: str
+    dropping: bool
+    cell: Cell
+
+    @property
+    def label(self) -> str:
+        return f"none-{self.model}" + ("-drop" if self.dropping else "")
+
+
+def _paths_row(model: str, dropping: bool) -> PathsRow:
+    return PathsRow(model, dropping, _run(lambda _: invariants.check_paths_agree(model, dropping), None))
+
+
+def run_paths_agree(models: tuple[str, ...], *, executor: Executor | None = None) -> list[PathsRow]:
+    """:func:`~qcheck.invariants.check_paths_agree` per model, without and with dropping."""
+    pairs = [(m, d) for m in models for d in (False, True)]
+    run = map if executor is None else executor.map
+    return list(run(_paths_row, *zip(*pairs)))
+
+
+def default_jobs() -> int:
+    """Worker processes for ``--jobs auto``: one per CPU, on CPU-only JAX; one process with an accelerator.
+
+    Every process would claim the accelerator's memory, and the programs are
+    not what is slow there.
+    """
+    from importlib import metadata
+
+    if os.environ.get("JAX_PLATFORMS", "cpu") != "cpu" or any(
+        (d.metadata["Name"] or "").lower().replace("_", "-").startswith(("jax-cuda", "jax-rocm", "libtpu"))
+        for d in metadata.distributions()
+    ):
+        return 1
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _init_worker(recipe_modules: tuple[str, ...], cache_dir: str) -> None:
+    from qcheck.recipes import import_recipes
+
+    _xla_env.configure(one_thread=True)  # this process has not started a backend yet
+    _xla_env.use_compilation_cache(cache_dir)
+    for spec in recipe_modules:
+        import_recipes(spec)
+
+
+@contextlib.contextmanager
+def worker_pool(jobs: int, recipe_modules: tuple[str, ...] = ()) -> Iterator[Executor | None]:
+    """``jobs`` worker processes for :func:`run_matrix` (``None`` for one: run in this process).
+
+    Each worker imports ``recipe_modules``, runs one intra-op thread, and shares
+    a compilation cache with the others (``$QCHECK_XLA_CACHE`` if set, else one
+    made for the pool and removed after it), so a program two workers need is
+    compiled once. Workers are spawned, not forked: JAX does not survive a fork.
+    """
+    if jobs <= 1:
+        yield None
+        return
+    cache = os.environ.get(_xla_env.PERSISTENT_CACHE_ENV)
+    made = None if cache else tempfile.mkdtemp(prefix="qcheck-xla-")
+    try:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
+                                 initargs=(tuple(recipe_modules), cache or made)) as executor:
+            yield executor
+    finally:
+        if made:
+            shutil.rmtree(made, ignore_errors=True)
 
 
 def format_table(rows: list[Row]) -> str:
