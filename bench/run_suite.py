@@ -1,19 +1,21 @@
-"""Time the whole test suite and record the figures (a benchmark, never a test).
+"""Time the whole test suite and the matrix, and record the figures (a benchmark, never a test).
 
     python bench/run_suite.py                                  # -n auto, cold; compare with bench/baseline.json
-    python bench/run_suite.py --runs auto 2 1 auto:warm --out bench/results-py311.json
-    python bench/run_suite.py --runs auto --write-baseline     # make this machine's figures the baseline
+    python bench/run_suite.py --runs auto 2 1 auto:warm matrix matrix:1 --out bench/results-py311.json
+    python bench/run_suite.py --runs auto matrix --write-baseline   # this machine's figures become the baseline
 
-Each run is a fresh pytest process with the cache provider off. A run named
+Each pytest run is a fresh process with the cache provider off. A run named
 ``W`` is cold (no persistent compilation cache; the xdist workers share one for
 the run only); ``W:warm`` first fills a persistent cache (QCHECK_XLA_CACHE) with
-one run, then times a second. For every run it reports wall time, the XLA
-compile requests every process made (counted from JAX's compile log, so cache
-hits count too) and how many the persistent cache served, the slowest tests, and
-whether any test's outcome differs between runs (worker count and order must
-not change a result). Wall times depend on the machine's speed, so a fixed
-compile workload is timed first (the calibration) and comparisons with the
-baseline are scaled by it.
+one run, then times a second. ``matrix`` times ``python -m qcheck`` (its default
+worker processes), ``matrix:J`` with ``--jobs J``, always cold. For every run it
+reports wall time, the XLA compilations every process made (through
+jax.monitoring, so counting costs nothing; persistent-cache hits count too, and
+how many the cache served), the slowest tests, and whether any test's outcome
+differs between runs (worker count and order must not change a result). This
+machine's speed drifts, so a fixed workload of plain JAX programs is timed
+before and after every run (the calibration), and comparisons with the baseline
+are scaled by it.
 """
 
 from __future__ import annotations
@@ -44,23 +46,23 @@ def _versions() -> dict[str, str]:
     return out
 
 
-# A fixed compile workload, to tell a slower suite from a slower machine: the
-# fp8 and nvfp4 forward and train programs of the mixtral variants.
+# A fixed workload, to tell a slower suite from a slower machine (this one's
+# speed drifts by a third within an hour): plain JAX programs, independent of
+# qcheck's code, each traced, lowered, compiled and run, as the suite's are.
+# Timed before and after every run; the run is scaled by the mean.
 CALIBRATION = """
-import time, jax
-from flax import nnx
+import time
 from qcheck import _xla_env
 _xla_env.configure()
-from qcheck import cases, step
-x = cases.layer_input("mixtral")
+import jax, jax.numpy as jnp
 start = time.perf_counter()
-for v in [v for v in cases.VARIANTS if v.model == "mixtral"]:
-    for r in ("fp8", "nvfp4"):
-        layer = cases.layer(cases.Case(r, v))
-        graphdef, state = nnx.split(layer)
-        step._apply.lower(graphdef, state, x).compile()
-        graphdef, *parts = step.split_for_step(layer)
-        step._train_step.lower(graphdef, *parts, x).compile()
+x = jnp.ones((64, 64))
+for n in range(8):
+    def f(a, n=n):
+        for k in range(30 + n):
+            a = jnp.tanh(a) @ a * 0.5 + k
+        return a
+    jax.jit(f)(x).block_until_ready()
 print(round(time.perf_counter() - start, 2))
 """
 
@@ -81,6 +83,28 @@ def _outcomes(junit: Path) -> tuple[dict[str, str], dict[str, float]]:
 
 
 def _run(spec: str, extra: list[str]) -> dict:
+    """One timed run, between two calibrations: ``W`` / ``W:warm`` for pytest, ``matrix[:J]`` for the CLI."""
+    before = _calibrate()
+    record = _run_matrix(spec) if spec.startswith("matrix") else _run_pytest(spec, extra)
+    after = _calibrate()
+    record["calibration_s"] = round((before + after) / 2, 2)
+    record["calibration_before_after_s"] = [before, after]
+    return record
+
+
+def _run_matrix(spec: str) -> dict:
+    _, _, jobs = spec.partition(":")
+    cmd = [sys.executable, "-m", "qcheck", *(["--jobs", jobs] if jobs else [])]
+    env = {k: v for k, v in os.environ.items() if k != "QCHECK_XLA_CACHE"}
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - start
+    tail = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr.strip()[-200:]
+    return {"run": spec, "wall_s": round(wall, 2), "exit": done.returncode, "counts": {}, "compiles": None,
+            "persistent_cache_hits": None, "summary": tail, "slowest": {}, "outcomes": {}}
+
+
+def _run_pytest(spec: str, extra: list[str]) -> dict:
     workers, _, mode = spec.partition(":")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -99,21 +123,21 @@ def _run(spec: str, extra: list[str]) -> dict:
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
         wall = time.perf_counter() - start
         outcomes, durations = _outcomes(junit) if junit.exists() else ({}, {})
-        requests, hits = 0, 0
-        for f in counts.glob("*.json"):
-            record = json.loads(f.read_text())
-            requests += sum(record["requests"].values())
-            hits += record["cache_hits"]
+        tallies = [json.loads(f.read_text()) for f in counts.glob("*.json")]
     tail = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     found = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed)", tail)}
     slowest = dict(sorted(durations.items(), key=lambda kv: -kv[1])[:15])
     return {"run": spec, "wall_s": round(wall, 2), "exit": done.returncode, "counts": found,
-            "compile_requests": requests, "persistent_cache_hits": hits, "summary": tail,
+            "compiles": sum(t["compiles"] for t in tallies),
+            "compile_s": round(sum(t["seconds"] for t in tallies), 1),
+            "persistent_cache_hits": sum(t["cache_hits"] for t in tallies), "summary": tail,
             "slowest": slowest, "outcomes": outcomes}
 
 
 def _differences(runs: list[dict]) -> list[str]:
     """Tests whose outcome differs between runs (worker count and order must not matter)."""
+    if not runs:
+        return []
     base = runs[0]["outcomes"]
     diffs = []
     for r in runs[1:]:
@@ -124,20 +148,24 @@ def _differences(runs: list[dict]) -> list[str]:
     return diffs
 
 
-def _slower(runs: list[dict], calibration: float, baseline: dict) -> list[str]:
-    """What got slower than the baseline, after scaling by the two calibrations (10% and 0.5 s of slack)."""
-    scale = baseline["machine"]["calibration_s"] / calibration
+def _slower(runs: list[dict], baseline: dict) -> list[str]:
+    """What got slower than the baseline, each run scaled by its own and the baseline's calibration.
+
+    Slack: 10% of a run's time, and 50% + 0.5 s of a test's (a single test's
+    time depends on which worker built the layers it shares).
+    """
     base_runs = {r["run"]: r for r in baseline["runs"]}
     out = []
     for r in runs:
         b = base_runs.get(r["run"])
-        if b is None:
+        if b is None or "calibration_s" not in b:
             continue
+        scale = b["calibration_s"] / r["calibration_s"]
         wall = r["wall_s"] * scale
         if wall > b["wall_s"] * 1.1:
             out.append(f"run {r['run']}: {wall:.1f} s (scaled) against {b['wall_s']:.1f} s")
-        if r["compile_requests"] > b.get("compile_requests", r["compile_requests"]):
-            out.append(f"run {r['run']}: {r['compile_requests']} compile requests against {b['compile_requests']}")
+        if (r.get("compiles") or 0) > (b.get("compiles") or r.get("compiles") or 0):
+            out.append(f"run {r['run']}: {r['compiles']} compilations against {b['compiles']}")
         for test, t in r["slowest"].items():
             was = b.get("slowest", {}).get(test)
             if was is not None and t * scale > was * 1.5 + 0.5:
@@ -155,31 +183,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("pytest_args", nargs="*", help="extra arguments for pytest (after --)")
     args = p.parse_args(argv)
 
-    calibration = _calibrate()
     runs = [_run(spec, args.pytest_args) for spec in args.runs]
-    print(f"calibration (fixed compile workload): {calibration} s")
-    print(f"{'run':>8}  {'wall s':>7}  {'compiles':>8}  {'cache hits':>10}  exit  summary")
+    print(f"{'run':>8}  {'wall s':>7}  {'calib. s':>8}  {'compiles':>8}  {'cache hits':>10}  exit  summary")
     for r in runs:
-        print(f"{r['run']:>8}  {r['wall_s']:>7.2f}  {r['compile_requests']:>8}  "
-              f"{r['persistent_cache_hits']:>10}  {r['exit']:>4}  {r['summary']}")
+        print(f"{r['run']:>8}  {r['wall_s']:>7.2f}  {r['calibration_s']:>8.2f}  {r['compiles'] or '-':>8}  "
+              f"{r['persistent_cache_hits'] if r['persistent_cache_hits'] is not None else '-':>10}  "
+              f"{r['exit']:>4}  {r['summary']}")
     print("slowest tests (first run):")
     for test, t in runs[0]["slowest"].items():
         print(f"  {t:6.2f} s  {test}")
-    diffs = _differences(runs)
+    diffs = _differences([r for r in runs if r["outcomes"]])
     if len(runs) > 1:
         print(f"outcomes identical across runs: {not diffs}")
         for d in diffs:
             print(f"  {d}")
     record = {
         "date": time.strftime("%Y-%m-%d"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "calibration_s": calibration},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "versions": _versions(),
         "runs": [{k: v for k, v in r.items() if k != "outcomes"} for r in runs],
         "outcome_differences": diffs,
     }
     slower = []
     if args.baseline.exists() and not args.write_baseline:
-        slower = _slower(runs, calibration, json.loads(args.baseline.read_text()))
+        slower = _slower(runs, json.loads(args.baseline.read_text()))
         print(f"against {args.baseline.relative_to(ROOT)}: " + ("nothing slower" if not slower else "slower:"))
         for line in slower:
             print(f"  {line}")
