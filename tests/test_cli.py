@@ -4,12 +4,14 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from qcheck.__main__ import main
 
 
 def test_matrix_prints_every_case_of_a_recipe_and_passes(capsys):
     # The same layers the invariant tests use, so this costs little beyond them.
-    assert main(["--recipe", "nanoo_fp8", "--model", "mixtral", "--path", "sparse"]) == 0
+    assert main(["--recipe", "nanoo_fp8", "--model", "mixtral", "--path", "sparse", "--jobs", "1"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].split() == ["recipe", "model", "path", "sites", "exact", "tracks", "state", "rng",
                                            "sharded", "golden"]
@@ -20,7 +22,7 @@ def test_matrix_prints_every_case_of_a_recipe_and_passes(capsys):
 
 
 def test_matrix_json_has_each_cell_with_its_figure(capsys):
-    assert main(["matrix", "--recipe", "int8", "--model", "mixtral", "--path", "dense", "--json"]) == 0
+    assert main(["matrix", "--recipe", "int8", "--model", "mixtral", "--path", "dense", "--json", "--jobs", "1"]) == 0
     cells = json.loads(capsys.readouterr().out)
     assert set(cells) == {"int8-mixtral-dense", "int8-mixtral-dense-drop"}
     assert cells["int8-mixtral-dense"]["exact"]["status"] == "n/a"
@@ -45,10 +47,16 @@ def test_a_failing_cell_fails_the_matrix(capsys, monkeypatch):
         for i in invariants.INVARIANTS
     )
     monkeypatch.setattr(invariants, "INVARIANTS", patched)
-    assert main(["--recipe", "int8", "--model", "gemma", "--path", "sparse"]) == 1
+    assert main(["--recipe", "int8", "--model", "gemma", "--path", "sparse", "--jobs", "1"]) == 1  # patched here
     captured = capsys.readouterr()
     assert "FAIL AssertionError: int8-gemma-sparse: relative norm 0.9 exceeds the bound 0.22" in captured.out
     assert "1 checks failed: int8-gemma-sparse" in captured.err
+
+
+def test_jobs_must_be_a_positive_number_or_auto(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--jobs", "0"])
+    assert exit_.value.code == 2 and "--jobs takes a positive integer or 'auto', got '0'" in capsys.readouterr().err
 
 
 def test_module_entry_point_runs():
