@@ -12,13 +12,12 @@ low-precision types (measured on jaxlib 0.10.2, pinned by
 - f32 -> f4E2M1FN: values next to a rounding midpoint round the wrong way
   (-3.4999998 -> -4 instead of -3).
 
-``formats.qdq`` keeps e2m1 out of NVFP4 layers (``formats.round_e2m1``), so
-they qualify; NANOO fp8 layers do not. A program takes the legacy emitters
-only if every element type in it is
-one whose conversions the tests check bitwise against ml_dtypes
-(:data:`LEGACY_SAFE_TYPES`); any other program, on any other backend or
-jaxlib (0.12 has no such option), or when the user's ``XLA_FLAGS`` name the
-option, compiles exactly as ``jax.jit`` would.
+A program takes the legacy emitters only if every element type in it is one
+whose conversions the tests check bitwise against ml_dtypes
+(:data:`LEGACY_SAFE_TYPES`). ``formats.qdq`` keeps e2m1 out of NVFP4 layers
+(``formats.round_e2m1``), so they qualify; NANOO fp8 layers do not. Any other
+program, on any other backend or jaxlib (0.12 has no such option), or when the
+user's ``XLA_FLAGS`` name the option, compiles exactly as ``jax.jit`` would.
 """
 
 from __future__ import annotations
