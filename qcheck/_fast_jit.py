@@ -41,7 +41,8 @@ LEGACY_SAFE_TYPES = frozenset({
     "f32", "bf16", "f8E4M3FN", "f8E5M2", "f8E8M0FNU",
 })
 
-_ELEMENT_TYPE = re.compile(r"tensor<(?:[0-9?]+x)*([A-Za-z][A-Za-z0-9]*)>")
+_TENSOR = re.compile(r"tensor<")
+_ELEMENT_TYPE = re.compile(r"tensor<(?:[0-9?]+x)*([A-Za-z][A-Za-z0-9]*)[,>]")
 
 
 def element_types(stablehlo: str) -> set[str]:
@@ -50,7 +51,13 @@ def element_types(stablehlo: str) -> set[str]:
 
 
 def legacy_safe(stablehlo: str) -> bool:
-    """Whether a program may compile with the legacy emitters: it holds only :data:`LEGACY_SAFE_TYPES`."""
+    """Whether a program may compile with the legacy emitters: it holds only :data:`LEGACY_SAFE_TYPES`.
+
+    Fails closed: a tensor type this cannot read (a quantized or nested element
+    type) makes the program unsafe rather than unexamined.
+    """
+    if len(_ELEMENT_TYPE.findall(stablehlo)) != len(_TENSOR.findall(stablehlo)):
+        return False
     return element_types(stablehlo) <= LEGACY_SAFE_TYPES
 
 

@@ -67,6 +67,8 @@ def test_element_types_names_every_tensor_type():
     ("tensor<2x3xf32>, tensor<4xf8E4M3FNUZ>", False),
     ("tensor<16xf4E2M1FN>", False),
     ("tensor<2xf16>", False),  # never measured: not safe until it is
+    ("tensor<2x3xf32, #stablehlo.bounds<?, 3>>", True),  # an encoding after the element type
+    ("tensor<2xf32>, tensor<4x!quant.uniform<i8:f32, 0.5>>", False),  # unreadable: fails closed
 ])
 def test_legacy_safe_needs_every_type_on_the_list(types, safe):
     assert fj.legacy_safe(types) is safe
