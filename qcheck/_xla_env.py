@@ -7,7 +7,7 @@ time here: the matrix went from 63 s to 44 s on one process of a 2-core machine.
 ``--xla_cpu_parallel_codegen_split_count=1`` compiles each program's kernels as
 one LLVM module instead of 32 parts compiled in parallel: the parts cost more
 CPU than they save wall time on programs this small, and two workers already
-fill two cores. Compiling 20 layer programs took 4.0 s of CPU instead of
+fill two cores. Compiling 20 layer programs took 4.0-5.0 s of CPU instead of
 5.8-7.0 s, with bitwise-identical outputs; the suite under ``-n auto`` went from
 86 / 88 s to 78 / 84 s in interleaved runs.
 
