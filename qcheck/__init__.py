@@ -22,6 +22,7 @@ __all__ = [
     "checks",
     "formats",
     "get_recipe",
+    "native",
     "recipe_names",
     "register_recipe",
 ]
@@ -42,7 +43,7 @@ _WHERE = {
 }
 
 if TYPE_CHECKING:
-    from qcheck import checks, formats
+    from qcheck import checks, formats, native
     from qcheck.bridge import QuantSite
     from qcheck.models import build_decoder
     from qcheck.moe import MODELS, PATHS, MoE, MoEConfig, build_moe
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str):
-    if name in ("checks", "formats"):
+    if name in ("checks", "formats", "native"):
         return importlib.import_module(f"qcheck.{name}")
     if name in _WHERE:
         return getattr(importlib.import_module(_WHERE[name]), name)

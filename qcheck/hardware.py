@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["MARKERS", "missing"]
+__all__ = ["MARKERS", "fp8_gemm_dtypes", "missing"]
 
 #: marker name -> what a test carrying it needs (the skip reason names it).
 MARKERS: dict[str, str] = {
     "gpu": "a GPU",
     "tpu": "a TPU",
     "fp8_gpu": "a GPU with native fp8 matmuls (NVIDIA sm_89 or newer, or AMD MI300)",
-    "blackwell": "an NVIDIA Blackwell GPU (sm_100 or newer) for native NVFP4 matmuls",
+    "blackwell": "an NVIDIA Blackwell GPU (sm_100 or newer) for native block-scaled (MXFP8, NVFP4) matmuls",
 }
 
 
@@ -42,13 +42,31 @@ def _has(marker: str) -> bool:
         return bool(gpus)
     if marker == "tpu":
         return bool(_devices("tpu"))
-    caps = [_cuda_capability(d) for d in gpus]
     if marker == "fp8_gpu":
-        amd_fp8 = any("MI3" in str(getattr(d, "device_kind", "")) for d in gpus)
-        return amd_fp8 or any(c is not None and c >= (8, 9) for c in caps)
+        return bool(fp8_gemm_dtypes())
     if marker == "blackwell":
-        return any(c is not None and c >= (10, 0) for c in caps)
+        return any((c := _cuda_capability(d)) is not None and c >= (10, 0) for d in gpus)
     raise ValueError(f"unknown hardware marker {marker!r}; known markers: {', '.join(MARKERS)}")
+
+
+def _is_amd_fp8(device) -> bool:
+    return "MI3" in str(getattr(device, "device_kind", ""))
+
+
+@functools.cache
+def fp8_gemm_dtypes() -> frozenset[str]:
+    """The fp8 element types this host's GPUs multiply natively (ml_dtypes names); empty without such a GPU.
+
+    NVIDIA's fp8 tensor cores (sm_89 and newer) take the OCP types e4m3fn and
+    e5m2; AMD MI300's take the fnuz types.
+    """
+    gpus = _devices("gpu")
+    out: set[str] = set()
+    if any(_is_amd_fp8(d) for d in gpus):
+        out |= {"float8_e4m3fnuz", "float8_e5m2fnuz"}
+    if any((c := _cuda_capability(d)) is not None and c >= (8, 9) for d in gpus):
+        out |= {"float8_e4m3fn", "float8_e5m2"}
+    return frozenset(out)
 
 
 @functools.cache

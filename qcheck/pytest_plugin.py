@@ -19,10 +19,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("qcheck", "qcheck: quantized-layer invariants")
     group.addoption(
         "--require-hardware",
-        action="store_true",
-        default=False,
-        help="fail, instead of skip, tests whose hardware marker this host does not satisfy "
-        "(for GPU/TPU nodes that are supposed to have it)",
+        nargs="?",
+        const="all",
+        default=None,
+        metavar="MARKERS",
+        help="fail, instead of skip, tests whose hardware marker this host does not satisfy (for GPU/TPU "
+        f"nodes that are supposed to have it): all markers, or only the comma-separated ones given with "
+        f"'=' ({', '.join(MARKERS)}), e.g. --require-hardware=gpu,fp8_gpu on a Hopper node",
     )
     group.addoption(
         "--qcheck-recipes",
@@ -53,6 +56,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "qcheck_invariant(name): parametrize qcheck_case over the cases `name` applies to"
     )
+    required_hardware(config)  # a bad marker name stops the run here, before anything is collected
     if config.getoption("--update-golden") and not hasattr(config, "workerinput"):
         config.pluginmanager.register(_GoldenSummary(), "qcheck-golden-summary")
     if modules := config.getoption("--qcheck-recipes"):
@@ -84,9 +88,25 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         reason = missing(marker.name)
         if reason is None:
             continue
-        if item.config.getoption("--require-hardware"):
+        if marker.name in required_hardware(item.config):
             pytest.fail(f"--require-hardware: {reason}", pytrace=False)
         pytest.skip(reason)
+
+
+def required_hardware(config: pytest.Config) -> frozenset[str]:
+    """The markers whose hardware ``--require-hardware`` demands: none, all, or those it names."""
+    value = config.getoption("--require-hardware")
+    if value is None:
+        return frozenset()
+    if value == "all":
+        return frozenset(MARKERS)
+    names = {n.strip() for n in value.split(",") if n.strip()}
+    if unknown := sorted(names - set(MARKERS)):
+        raise pytest.UsageError(
+            f"--require-hardware: unknown marker {', '.join(map(repr, unknown))}; known markers: "
+            f"{', '.join(MARKERS)} (a test path right after the flag is read as its value: write "
+            "--require-hardware=MARKERS, or put the path first)")
+    return frozenset(names)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -46,3 +46,24 @@ def nvfp4_dgrad(site_name: str, seed: int) -> np.ndarray:
 #: one cannot assertion-rewrite it; with an editable install that warning is an error
 #: under the project's filterwarnings.
 INNER = ("-p", "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning")
+
+
+#: The native-GEMM probes' einsum: lhs [M, K] against rhs [N, K], K last on both
+#: as jax.nn.scaled_matmul wants it.
+NATIVE_EQN = "mk,nk->mn"
+
+
+@functools.cache
+def native_operands(m: int = 128, n: int = 128, k: int = 128) -> tuple[np.ndarray, np.ndarray]:
+    """Operands for the native-GEMM checks.
+
+    Sides are multiples of 128 (cuBLASLt's and cuDNN's tile shapes); values
+    reach about ±700, so e4m3fn (448) and e4m3fnuz (240) both saturate somewhere.
+    """
+    rng = np.random.default_rng(7)
+    return (rng.standard_normal((m, k)).astype(np.float32) * 150,
+            rng.standard_normal((n, k)).astype(np.float32) * 150)
+
+
+def unquantized_product(lhs: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+    return np.einsum(NATIVE_EQN, lhs.astype(np.float64), rhs.astype(np.float64))

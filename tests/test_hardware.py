@@ -1,9 +1,22 @@
-"""Tests that need hardware this CPU host may lack; they skip with a reason, or fail under --require-hardware."""
+"""Tests that need hardware this CPU host may lack; they skip with a reason, or fail under --require-hardware.
+
+On an fp8 GPU the fp8 einsums must run the native fp8 GEMM, and on Blackwell
+the block formats the native block-scaled dot: each test reads the compiled
+program for that kernel, then holds its result to a float64 emulation of the
+same codes within ``checks.NATIVE_GEMM_TOL`` (see there for why that bound).
+"""
+
+import functools
 
 import jax
+import numpy as np
 import pytest
+from flax import nnx
 
-from qcheck import build_moe, cases, checks, get_recipe, step
+from qcheck import build_moe, cases, checks, get_recipe, hardware, native, recipe_names, step
+from tests.helpers import NATIVE_EQN, native_operands, unquantized_product
+
+FP8_DTYPES = ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"]
 
 
 @pytest.mark.gpu
@@ -16,3 +29,58 @@ def test_quantized_layer_tracks_its_twin_on_the_gpu(recipe):
         reference, _ = step.apply(build_moe("mixtral", "none"), x)
     assert quantized.devices() == {gpu}
     checks.assert_tracks(quantized, reference, max_rel_norm=get_recipe(recipe).max_rel_norm)
+
+
+def _needs_native(dtype: str) -> None:
+    # The fp8_gpu marker has already skipped hosts with no fp8 GPU at all; this
+    # one has one, but its vendor multiplies only one family of fp8 types.
+    if dtype not in hardware.fp8_gemm_dtypes():
+        pytest.skip(f"this GPU has no native {dtype} GEMM (it has {', '.join(sorted(hardware.fp8_gemm_dtypes()))})")
+
+
+def _run_native(fn, *args, label: str):
+    """Compile ``fn`` for the GPU, assert XLA gave it a native low-precision GEMM, and run it."""
+    gpu = jax.devices("gpu")[0]
+    args = [jax.device_put(a, gpu) for a in args]
+    compiled = jax.jit(fn).lower(*args).compile()
+    text = compiled.as_text()
+    dots = [line.strip()[:160] for line in text.splitlines() if "dot(" in line or "custom-call(" in line]
+    assert native.native_gemm_calls(text), (
+        f"{label}: XLA compiled no native low-precision GEMM (targets {', '.join(native.NATIVE_GEMM_TARGETS)} "
+        f"or an fp8 Triton GEMM); its dots and calls: {dots}")
+    return np.asarray(compiled(*args))
+
+
+@pytest.mark.fp8_gpu
+@pytest.mark.parametrize("dtype", FP8_DTYPES)
+def test_fp8_einsum_runs_the_native_gemm_and_matches_the_emulation(dtype):
+    _needs_native(dtype)
+    lhs, rhs = native_operands()
+    out = _run_native(functools.partial(native.fp8_einsum, NATIVE_EQN, dtype=dtype), lhs, rhs, label=dtype)
+    checks.assert_native_matches_emulation(out, native.emulate_fp8_einsum(NATIVE_EQN, lhs, rhs, dtype=dtype),
+                                           unquantized_product(lhs, rhs), label=dtype)
+
+
+@pytest.mark.fp8_gpu
+@pytest.mark.parametrize("recipe", [r for r in recipe_names() if get_recipe(r).cast_dtype is not None])
+def test_fresh_fp8_call_site_runs_the_native_gemm_and_matches_the_emulation(recipe):
+    # The recipe's own quantized einsum, not a stand-in: XLA must see through its
+    # qdq (cast to fp8, back to float32 times the scale) to the fp8 operands.
+    dtype = get_recipe(recipe).cast_dtype.name
+    _needs_native(dtype)
+    with jax.default_device(jax.devices("gpu")[0]):
+        graphdef, state = nnx.split(build_moe("mixtral", recipe).get_einsum("wi_0"))
+    lhs, rhs = native_operands()
+    out = _run_native(lambda s, a, b: nnx.merge(graphdef, s, copy=True)(NATIVE_EQN, a, b), state, lhs, rhs,
+                      label=f"{recipe} site 'wi_0'")
+    checks.assert_native_matches_emulation(out, native.emulate_fp8_einsum(NATIVE_EQN, lhs, rhs, dtype=dtype),
+                                           unquantized_product(lhs, rhs), label=f"{recipe} site 'wi_0'")
+
+
+@pytest.mark.blackwell
+@pytest.mark.parametrize("fmt", native.BLOCK_SCALED_FORMATS)
+def test_block_scaled_matmul_runs_the_native_dot_and_matches_the_emulation(fmt):
+    lhs, rhs = native_operands()
+    out = _run_native(functools.partial(native.block_scaled_matmul, fmt=fmt), lhs, rhs, label=fmt)
+    checks.assert_native_matches_emulation(out, native.emulate_block_scaled_matmul(lhs, rhs, fmt),
+                                           unquantized_product(lhs, rhs), label=fmt)

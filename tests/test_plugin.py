@@ -37,6 +37,21 @@ def test_require_hardware_turns_the_skip_into_a_failure(marked):
     result.stdout.fnmatch_lines(["*--require-hardware: needs a GPU with native fp8 matmuls*"])
 
 
+@pytest.mark.skipif(hardware.missing("fp8_gpu") is None, reason="this host has an fp8 GPU")
+def test_require_hardware_naming_other_markers_still_skips_this_one(marked):
+    result = marked.runpytest("--require-hardware=gpu,blackwell", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, skipped=1)
+    result = marked.runpytest("--require-hardware=gpu,fp8_gpu", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, errors=1)
+
+
+def test_require_hardware_rejects_an_unknown_marker_or_a_swallowed_path(marked):
+    result = marked.runpytest("--require-hardware", "test_marked.py", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--require-hardware: unknown marker 'test_marked.py'; known markers: gpu, tpu, "
+                                 "fp8_gpu, blackwell (a test path right after the flag*"])
+
+
 def test_markers_are_registered(pytester):
     result = pytester.runpytest("--markers")
     assert result.ret == 0
@@ -63,3 +78,25 @@ def test_unknown_invariant_marker_is_a_usage_error(pytester):
 def test_unknown_hardware_marker_name_is_rejected():
     with pytest.raises(ValueError, match="unknown hardware marker 'h100'; known markers: gpu, tpu"):
         hardware._has("h100")
+
+
+class FakeGpu:
+    def __init__(self, compute_capability: str | None = None, device_kind: str = "NVIDIA H200"):
+        self.platform, self.compute_capability, self.device_kind = "gpu", compute_capability, device_kind
+
+
+@pytest.mark.parametrize("gpus, expected", [
+    ([], set()),
+    ([FakeGpu("8.0", "NVIDIA A100")], set()),  # Ampere: no fp8 tensor cores
+    ([FakeGpu("8.9", "NVIDIA L4")], {"float8_e4m3fn", "float8_e5m2"}),
+    ([FakeGpu("9.0")], {"float8_e4m3fn", "float8_e5m2"}),
+    ([FakeGpu(None, "AMD Instinct MI300X")], {"float8_e4m3fnuz", "float8_e5m2fnuz"}),
+])
+def test_native_fp8_types_follow_the_gpu_vendor(monkeypatch, gpus, expected):
+    monkeypatch.setattr(hardware, "_devices", lambda platform: gpus if platform == "gpu" else [])
+    hardware.fp8_gemm_dtypes.cache_clear()
+    try:
+        assert hardware.fp8_gemm_dtypes() == expected
+        assert hardware._has("fp8_gpu") == bool(expected)
+    finally:
+        hardware.fp8_gemm_dtypes.cache_clear()
