@@ -38,6 +38,8 @@ def _configure_test_process() -> None:
 
     # Implicit rank promotion hides shape bugs in einsum-heavy code.
     jax.config.update("jax_numpy_rank_promotion", "raise")
+    # On a GPU node only the hardware-marked tests run there, on arrays they put there.
+    _xla_env.default_to_cpu()
 
     # Derandomized for CI (same examples every run, whatever the worker); no deadline
     # since the first example of a test pays for JIT compilation.

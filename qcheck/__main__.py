@@ -174,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if cache := os.environ.get(_xla_env.PERSISTENT_CACHE_ENV):
         _xla_env.use_compilation_cache(cache)
+    _xla_env.default_to_cpu()  # the invariants are CPU numerics, on any host
     commands = {"rng": _rng, "golden": _golden}
     try:
         from qcheck.recipes import import_recipes

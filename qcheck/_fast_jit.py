@@ -31,6 +31,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from qcheck import _xla_env
+
 __all__ = ["LEGACY_EMITTERS", "LEGACY_SAFE_TYPES", "FastJit", "fast_jit", "legacy_emitter_options", "legacy_safe"]
 
 LEGACY_EMITTERS: dict[str, Any] = {"xla_cpu_use_fusion_emitters": False}
@@ -69,13 +71,23 @@ def legacy_emitter_options() -> dict[str, Any]:
     choice then applies to every program), or when this jaxlib does not know
     it. Asked once per process, with a one-op program.
     """
-    if jax.default_backend() != "cpu" or any(k in os.environ.get("XLA_FLAGS", "") for k in LEGACY_EMITTERS):
+    if _xla_env.default_platform() != "cpu" or any(k in os.environ.get("XLA_FLAGS", "") for k in LEGACY_EMITTERS):
         return {}
     try:
         jax.jit(lambda x: x + 1).lower(jnp.float32(0)).compile(compiler_options=LEGACY_EMITTERS)
     except Exception:  # noqa: BLE001 - jaxlib 0.12: "No such compile option"
         return {}
     return dict(LEGACY_EMITTERS)
+
+
+def _runs_on_cpu(args: tuple) -> bool:
+    """Whether a jitted call on ``args`` runs on the CPU: no array is on another device, nor is the default device.
+
+    On a GPU node qcheck's own computations default to the CPU, but the hardware
+    tests hand layers arrays on the GPU, where the CPU-only options do not apply.
+    """
+    devices = {d for x in jax.tree.leaves(args) if isinstance(x, jax.Array) for d in x.sharding.device_set}
+    return _xla_env.default_platform() == "cpu" and all(d.platform == "cpu" for d in devices)
 
 
 class FastJit:
@@ -109,7 +121,7 @@ class FastJit:
         key = self._key(args)
         if key not in self._compiled:
             options = legacy_emitter_options()
-            if options and legacy_safe((lowered := self._jit.lower(*args)).as_text()):
+            if options and _runs_on_cpu(args) and legacy_safe((lowered := self._jit.lower(*args)).as_text()):
                 self._compiled[key] = (lowered.compile(compiler_options=options), options)
             else:
                 self._compiled[key] = (None, {})

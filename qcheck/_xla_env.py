@@ -17,6 +17,11 @@ convert wrongly to fnuz and e2m1 types (nanoo_fp8 layers output NaN; jaxlib
 0.12 aborts on the flag as unknown): qcheck's layer programs ask for it one by
 one, where it is exact (:mod:`qcheck._fast_jit`).
 
+On a host whose default JAX backend is an accelerator, :func:`default_to_cpu`
+keeps qcheck's computations on the CPU: the invariants and golden cases are CPU
+numerics, and the hardware-marked tests put their arrays on the accelerator
+themselves.
+
 Outputs are deterministic under a fixed setting, but not bitwise identical
 across settings; a flag the user already set in ``XLA_FLAGS`` wins. Under
 pytest-xdist each worker gets one intra-op thread, so ``-n auto`` does not
@@ -85,3 +90,27 @@ def use_compilation_cache(path: str) -> None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def default_to_cpu() -> None:
+    """Run uncommitted computations on the CPU even where an accelerator is JAX's default backend.
+
+    The invariants compare bitwise with host references and golden bits were
+    written on the CPU; on a GPU a float32 matmul may use TF32 and fusions round
+    differently, so nothing may move there silently. Call after configuring
+    XLA, before building layers; a no-op on a CPU-only host.
+    """
+    import jax
+
+    if jax.default_backend() != "cpu":
+        jax.config.update("jax_default_device", jax.devices("cpu")[0])
+
+
+def default_platform() -> str:
+    """The platform uncommitted computations run on: the default device's where one is set, else the backend's."""
+    import jax
+
+    device = jax.config.jax_default_device
+    if device is None:
+        return jax.default_backend()
+    return device if isinstance(device, str) else device.platform

@@ -160,11 +160,11 @@ def forward_output(case: Case) -> np.ndarray:
 
 @functools.cache
 def mesh() -> Mesh:
-    """The suite's device mesh: eight devices as ("data", "expert") = (2, 4)."""
-    devices = jax.devices()
+    """The suite's device mesh: eight host CPU devices as ("data", "expert") = (2, 4), on any host."""
+    devices = jax.devices("cpu")
     if len(devices) < 8:
         raise RuntimeError(
-            f"the sharded cases need 8 devices, found {len(devices)}; qcheck._xla_env.configure() "
+            f"the sharded cases need 8 CPU devices, found {len(devices)}; qcheck._xla_env.configure() "
             "asks the host platform for 8, but only if it runs before JAX starts"
         )
     return Mesh(np.array(devices[:8]).reshape(2, 4), MESH_AXES)

@@ -29,7 +29,7 @@ import ml_dtypes
 import numpy as np
 
 from qcheck import cases as cases_mod
-from qcheck import checks, formats, step
+from qcheck import _xla_env, checks, formats, step
 from qcheck.cases import SEED, Case, Variant
 from qcheck.moe import MODELS, PATHS
 from qcheck.recipes import einsum_axes, get_recipe, recipe_names, recipe_source
@@ -202,14 +202,15 @@ def provenance() -> dict[str, Any]:
     import flax
     import jaxlib
 
-    device = jax.devices()[0]
+    backend = _xla_env.default_platform()  # where the cases' numerics ran
+    device = jax.devices(backend)[0]
     return {
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
         "flax": flax.__version__,
         "ml_dtypes": ml_dtypes.__version__,
         "numpy": np.__version__,
-        "backend": jax.default_backend(),
+        "backend": backend,
         "device_kind": device.device_kind,
         "seed": SEED,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),

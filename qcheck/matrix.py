@@ -132,6 +132,7 @@ def _init_worker(recipe_modules: tuple[str, ...], cache_dir: str) -> None:
 
     _xla_env.configure(one_thread=True)  # this process has not started a backend yet
     _xla_env.use_compilation_cache(cache_dir)
+    _xla_env.default_to_cpu()
     for spec in recipe_modules:
         import_recipes(spec)
 

@@ -97,6 +97,16 @@ def test_fast_jit_compiles_safe_programs_with_the_legacy_emitters():
 
 
 @needs_legacy
+def test_fast_jit_leaves_programs_off_the_cpu_to_plain_jit(monkeypatch):
+    # A GPU node's hardware tests hand layers GPU arrays; CPU-only options must not follow them there.
+    fast = fj.FastJit(lambda x: x.astype(jnp.float8_e4m3fn).astype(jnp.float32))
+    x = jnp.linspace(-500, 500, 64)
+    assert fast.compiler_options(x) == fj.LEGACY_EMITTERS  # on the CPU, as above
+    monkeypatch.setattr(fj._xla_env, "default_platform", lambda: "gpu")
+    assert fj.FastJit(fast.__wrapped__).compiler_options(x) == {}
+
+
+@needs_legacy
 def test_a_layer_on_the_fast_path_outputs_what_the_default_emitters_do():
     # mxfp8 has the most conversions of the legacy-safe recipes (e8m0 scales, e4m3fn elements).
     case = cases.Case("mxfp8", cases.VARIANTS[0])

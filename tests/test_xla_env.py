@@ -48,3 +48,18 @@ def test_configure_twice_adds_nothing_the_second_time():
     once = env["XLA_FLAGS"]
     _xla_env.configure(env, one_thread=True)
     assert env["XLA_FLAGS"] == once
+
+
+def test_an_accelerator_host_keeps_qcheck_on_the_cpu(monkeypatch):
+    import jax
+
+    assert _xla_env.default_platform() == "cpu"  # this host: the default device is left alone
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # as on a GPU node
+    try:
+        assert _xla_env.default_platform() == "gpu"  # what the layers would run on without it
+        _xla_env.default_to_cpu()
+        assert jax.config.jax_default_device == jax.devices("cpu")[0]
+        assert _xla_env.default_platform() == "cpu"
+        assert jax.jit(lambda x: x + 1)(1.0).devices() == {jax.devices("cpu")[0]}
+    finally:
+        jax.config.update("jax_default_device", None)
