@@ -2,8 +2,8 @@
 
 Cases are independent (same seed, same bits in any process), so the matrix can
 run them in worker processes (:func:`worker_pool`): compiling dominates and is
-single-threaded. On the 2-core CI machine two workers take 34 s where one
-process takes 48 s; its two vCPUs give about 1.4 cores of compile throughput
+single-threaded. On the 2-core CI machine two workers take 30 s where one
+process takes 46 s; its two vCPUs give about 1.5 cores of compile throughput
 (two compile workloads side by side each run 1.6 times slower than alone).
 """
 

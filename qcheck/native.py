@@ -75,6 +75,10 @@ def _check_matmul_operands(lhs: ArrayLike, rhs: ArrayLike) -> None:
                          f"rhs {np.shape(rhs)}")
 
 
+# One program per format and shape, not dozens of eager ops.
+_quantize_last_axis = jax.jit(lambda x, fmt: formats.quantize(x, fmt, axis=-1), static_argnums=1)
+
+
 def _check_block_format(fmt: str) -> None:
     if fmt not in BLOCK_SCALED_FORMATS:
         raise ValueError(f"unknown block-scaled format {fmt!r}; valid formats: {', '.join(BLOCK_SCALED_FORMATS)}")
@@ -110,7 +114,7 @@ def emulate_block_scaled_matmul(lhs: ArrayLike, rhs: ArrayLike, fmt: str) -> np.
     _check_matmul_operands(lhs, rhs)
 
     def decode(x: ArrayLike) -> np.ndarray:
-        q = formats.quantize(x, fmt, axis=-1)
+        q = _quantize_last_axis(jnp.asarray(x), fmt)
         codes = np.asarray(q.codes).astype(np.float64)
         block = np.asarray(q.scales["block"]).astype(np.float64)
         block = np.repeat(block, codes.shape[-1] // block.shape[-1], axis=-1)

@@ -74,16 +74,21 @@ def test_nonfinite_native_results_fail():
 @pytest.mark.parametrize("fmt", native.BLOCK_SCALED_FORMATS)
 def test_block_scaled_matmul_matches_its_emulation(fmt):
     lhs, rhs = native_operands()
-    got = native.block_scaled_matmul(lhs, rhs, fmt, matmul=documented_scaled_matmul)
+    got = jax.jit(functools.partial(native.block_scaled_matmul, fmt=fmt, matmul=documented_scaled_matmul))(lhs, rhs)
     checks.assert_native_matches_emulation(got, native.emulate_block_scaled_matmul(lhs, rhs, fmt),
                                            unquantized_product(lhs, rhs), label=fmt)
 
 
 def test_nvfp4_without_its_tensor_scales_fails():
     lhs, rhs = native_operands()
-    ql, qr = formats.quantize(lhs, "nvfp4"), formats.quantize(rhs, "nvfp4")
-    forgot = documented_scaled_matmul(ql.codes[None], qr.codes[None], ql.scales["block"][None],
-                                      qr.scales["block"][None])[0]
+
+    @jax.jit
+    def forgot_the_tensor_scales(lhs, rhs):
+        ql, qr = formats.quantize(lhs, "nvfp4"), formats.quantize(rhs, "nvfp4")
+        return documented_scaled_matmul(ql.codes[None], qr.codes[None], ql.scales["block"][None],
+                                        qr.scales["block"][None])[0]
+
+    forgot = forgot_the_tensor_scales(lhs, rhs)
     with pytest.raises(AssertionError, match="nvfp4: native differs from the emulation"):
         checks.assert_native_matches_emulation(forgot, native.emulate_block_scaled_matmul(lhs, rhs, "nvfp4"),
                                                unquantized_product(lhs, rhs), label="nvfp4")
