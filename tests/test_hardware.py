@@ -16,7 +16,9 @@ from flax import nnx
 from qcheck import build_moe, cases, checks, get_recipe, hardware, native, recipe_names, step
 from tests.helpers import NATIVE_EQN, native_operands, unquantized_product
 
-FP8_DTYPES = ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"]
+# The forward flavours: cuBLASLt has no fp8 GEMM with both operands e5m2 (e5m2
+# gradients meet e4m3 operands in a backward pass, not each other).
+FP8_DTYPES = ["float8_e4m3fn", "float8_e4m3fnuz"]
 
 
 @pytest.mark.gpu
