@@ -67,3 +67,10 @@ def native_operands(m: int = 128, n: int = 128, k: int = 128) -> tuple[np.ndarra
 
 def unquantized_product(lhs: np.ndarray, rhs: np.ndarray) -> np.ndarray:
     return np.einsum(NATIVE_EQN, lhs.astype(np.float64), rhs.astype(np.float64))
+
+
+def documented_scaled_matmul(a, b, a_scales, b_scales, preferred_element_type=jnp.float32):
+    """``jax.nn.scaled_matmul`` as its docstring defines it: scales repeated over their blocks, then BMK,BNK->BMN."""
+    a = a.astype(jnp.float32) * jnp.repeat(a_scales.astype(jnp.float32), a.shape[-1] // a_scales.shape[-1], axis=-1)
+    b = b.astype(jnp.float32) * jnp.repeat(b_scales.astype(jnp.float32), b.shape[-1] // b_scales.shape[-1], axis=-1)
+    return jnp.einsum("BMK,BNK->BMN", a, b, preferred_element_type=preferred_element_type)

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from qcheck import build_moe, cases, checks, get_recipe, hardware, native, recipe_names, step
-from tests.helpers import NATIVE_EQN, native_operands, unquantized_product
+from qcheck import build_moe, cases, checks, formats, get_recipe, hardware, native, recipe_names, step
+from tests.helpers import NATIVE_EQN, documented_scaled_matmul, native_operands, unquantized_product
 
 # The forward flavours: cuBLASLt has no fp8 GEMM with both operands e5m2 (e5m2
 # gradients meet e4m3 operands in a backward pass, not each other).
@@ -86,3 +86,41 @@ def test_block_scaled_matmul_runs_the_native_dot_and_matches_the_emulation(fmt):
     out = _run_native(functools.partial(native.block_scaled_matmul, fmt=fmt), lhs, rhs, label=fmt)
     checks.assert_native_matches_emulation(out, native.emulate_block_scaled_matmul(lhs, rhs, fmt),
                                            unquantized_product(lhs, rhs), label=fmt)
+
+
+# -- the tests above on a CPU standing in for the GPU ----------------------------
+# They run nowhere else here, so a slip in them would first show on a GPU node.
+# The CPU upcasts fp8 before its dot, so the native-kernel check must fail there;
+# with a kernel pretended into the compiled program, everything after it must pass.
+
+NATIVE_TESTS = [
+    (test_fp8_einsum_runs_the_native_gemm_and_matches_the_emulation, "float8_e4m3fn"),
+    (test_fp8_einsum_runs_the_native_gemm_and_matches_the_emulation, "float8_e4m3fnuz"),
+    *((test_fresh_fp8_call_site_runs_the_native_gemm_and_matches_the_emulation, r)
+      for r in recipe_names() if get_recipe(r).cast_dtype is not None),
+    *((test_block_scaled_matmul_runs_the_native_dot_and_matches_the_emulation, f) for f in native.BLOCK_SCALED_FORMATS),
+]
+
+
+@pytest.fixture
+def cpu_as_gpu(monkeypatch):
+    devices = jax.devices
+    monkeypatch.setattr(jax, "devices", lambda backend=None: devices("cpu" if backend == "gpu" else backend))
+    monkeypatch.setattr(hardware, "fp8_gemm_dtypes", lambda: frozenset(formats.FP8_DTYPES))
+    monkeypatch.setattr(jax.nn, "scaled_matmul", documented_scaled_matmul)  # it has no CPU lowering
+
+
+@pytest.mark.parametrize("test, arg", NATIVE_TESTS, ids=lambda x: getattr(x, "__name__", x))
+def test_on_a_gpu_that_upcasts_the_native_tests_fail(cpu_as_gpu, test, arg):
+    with pytest.raises(AssertionError, match="XLA compiled no native low-precision GEMM"):
+        test(arg)
+
+
+@pytest.mark.parametrize("test, arg", NATIVE_TESTS, ids=lambda x: getattr(x, "__name__", x))
+def test_with_a_native_kernel_the_native_tests_pass(cpu_as_gpu, monkeypatch, test, arg):
+    monkeypatch.setattr(native, "native_gemm_calls", lambda text: ["pretended native GEMM"])
+    test(arg)
+
+
+def test_the_layer_test_runs_on_the_stand_in(cpu_as_gpu):
+    test_quantized_layer_tracks_its_twin_on_the_gpu("fp8")

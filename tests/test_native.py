@@ -14,18 +14,11 @@ import numpy as np
 import pytest
 
 from qcheck import checks, formats, native
-from tests.helpers import NATIVE_EQN, native_operands, unquantized_product
+from tests.helpers import NATIVE_EQN, documented_scaled_matmul, native_operands, unquantized_product
 
 @functools.cache
 def fp8_einsum_jit(dtype: str):
     return jax.jit(functools.partial(native.fp8_einsum, NATIVE_EQN, dtype=dtype))
-
-
-def documented_scaled_matmul(a, b, a_scales, b_scales, preferred_element_type=jnp.float32):
-    """``jax.nn.scaled_matmul`` as its docstring defines it: scales repeated over their blocks, then BMK,BNK->BMN."""
-    a = a.astype(jnp.float32) * jnp.repeat(a_scales.astype(jnp.float32), a.shape[-1] // a_scales.shape[-1], axis=-1)
-    b = b.astype(jnp.float32) * jnp.repeat(b_scales.astype(jnp.float32), b.shape[-1] // b_scales.shape[-1], axis=-1)
-    return jnp.einsum("BMK,BNK->BMN", a, b, preferred_element_type=preferred_element_type)
 
 
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2"])
