@@ -116,11 +116,23 @@ def test_on_a_gpu_that_upcasts_the_native_tests_fail(cpu_as_gpu, test, arg):
         test(arg)
 
 
+def _recording(monkeypatch, name: str) -> list[float]:
+    """Wrap ``checks.<name>`` so the figures it returns are kept: proof the test really compared something."""
+    figures: list[float] = []
+    check = getattr(checks, name)
+    monkeypatch.setattr(checks, name, lambda *a, **k: figures.append(check(*a, **k)) or figures[-1])
+    return figures
+
+
 @pytest.mark.parametrize("test, arg", NATIVE_TESTS, ids=lambda x: getattr(x, "__name__", x))
 def test_with_a_native_kernel_the_native_tests_pass(cpu_as_gpu, monkeypatch, test, arg):
     monkeypatch.setattr(native, "native_gemm_calls", lambda text: ["pretended native GEMM"])
+    figures = _recording(monkeypatch, "assert_native_matches_emulation")
     test(arg)
+    assert len(figures) == 1 and 0 <= figures[0] <= checks.NATIVE_GEMM_TOL, figures
 
 
-def test_the_layer_test_runs_on_the_stand_in(cpu_as_gpu):
+def test_the_layer_test_runs_on_the_stand_in(cpu_as_gpu, monkeypatch):
+    figures = _recording(monkeypatch, "assert_tracks")
     test_quantized_layer_tracks_its_twin_on_the_gpu("fp8")
+    assert len(figures) == 1 and 0 < figures[0] <= get_recipe("fp8").max_rel_norm, figures
