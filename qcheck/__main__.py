@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     if cache := os.environ.get(_xla_env.PERSISTENT_CACHE_ENV):
         _xla_env.use_compilation_cache(cache)
     _xla_env.default_to_cpu()  # the invariants are CPU numerics, on any host
+    from qcheck import _fast_jit
+
+    _fast_jit.install()  # after default_to_cpu: it asks the default device's platform
     commands = {"rng": _rng, "golden": _golden}
     try:
         from qcheck.recipes import import_recipes

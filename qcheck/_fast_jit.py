@@ -18,11 +18,18 @@ whose conversions the tests check bitwise against ml_dtypes
 (``formats.round_e2m1``), so they qualify; NANOO fp8 layers do not. Any other
 program, on any other backend or jaxlib (0.12 has no such option), or when the
 user's ``XLA_FLAGS`` name the option, compiles exactly as ``jax.jit`` would.
+
+:class:`FastJit` does this for qcheck's layer programs in any process.
+qcheck's own processes (the suite, the CLI, the matrix workers) also call
+:func:`install`, which applies the same rule to every program they compile:
+eager ops, references, the tests' own programs, more than half of the suite's
+compile time.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import re
 from collections.abc import Callable
@@ -33,7 +40,8 @@ import jax.numpy as jnp
 
 from qcheck import _xla_env
 
-__all__ = ["LEGACY_EMITTERS", "LEGACY_SAFE_TYPES", "FastJit", "fast_jit", "legacy_emitter_options", "legacy_safe"]
+__all__ = ["LEGACY_EMITTERS", "LEGACY_SAFE_TYPES", "FastJit", "fast_jit", "install", "installed",
+           "legacy_emitter_options", "legacy_safe", "options_for"]
 
 LEGACY_EMITTERS: dict[str, Any] = {"xla_cpu_use_fusion_emitters": False}
 
@@ -139,3 +147,69 @@ class FastJit:
 def fast_jit(*, static_argnums: int | tuple[int, ...] = ()) -> Callable[[Callable], FastJit]:
     """Decorator form of :class:`FastJit`."""
     return functools.partial(FastJit, static_argnums=static_argnums)
+
+
+def options_for(platform: str, compiler_options: dict[str, Any], module_text: Callable[[], str]) -> dict[str, Any]:
+    """The options a program compiles with under :func:`install`: the caller's, plus the legacy emitters where safe.
+
+    Only CPU programs holding nothing but :data:`LEGACY_SAFE_TYPES` gain them,
+    and never when the caller already chose a value for the option.
+    ``module_text`` gives the program's StableHLO, read only if needed.
+    """
+    legacy = legacy_emitter_options()
+    if not legacy or platform != "cpu" or any(k in compiler_options for k in legacy):
+        return compiler_options
+    if not legacy_safe(module_text()):
+        return compiler_options
+    return {**compiler_options, **legacy}
+
+
+# The one place JAX (0.10) builds a program's compile options from jit's
+# ``compiler_options``, for jitted functions, eager ops and ``Lowered.compile``
+# alike. Private, so install() checks the signature and otherwise does nothing.
+_HOOK_PARAMS = ("computation", "tuple_args", "allow_prop_to_inputs", "allow_prop_to_outputs", "backend",
+                "np_dev", "compiler_options")
+_INSTALLED = "_qcheck_legacy_emitters"
+
+
+def installed() -> bool:
+    """Whether this process compiles every legacy-safe CPU program with the legacy emitters (:func:`install`)."""
+    from jax._src.interpreters import pxla
+
+    return getattr(pxla.create_compile_options, _INSTALLED, False)
+
+
+def install() -> bool:
+    """Compile every legacy-safe CPU program of this process with the legacy emitters, not only :class:`FastJit`'s.
+
+    For qcheck's own processes only: it changes how the whole process
+    compiles (never what a program with an unsafe type computes). Returns
+    whether it is in place; False where this jaxlib has no legacy emitters
+    (nothing to gain) or JAX's private hook point has changed.
+    """
+    if not legacy_emitter_options():
+        return False
+    try:
+        from jax._src.interpreters import pxla
+
+        original = pxla.create_compile_options
+        if getattr(original, _INSTALLED, False):
+            return True
+        if tuple(inspect.signature(original).parameters) != _HOOK_PARAMS:
+            return False
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return False
+
+    @functools.wraps(original)
+    def create_compile_options(computation, tuple_args, allow_prop_to_inputs, allow_prop_to_outputs, backend,
+                               np_dev, compiler_options):
+        if compiler_options is not None:
+            # Types are all that is read: constants' values (which can be large) are elided.
+            text = functools.partial(computation.operation.get_asm, large_elements_limit=16)
+            compiler_options = options_for(backend.platform, compiler_options, text)
+        return original(computation, tuple_args, allow_prop_to_inputs, allow_prop_to_outputs, backend, np_dev,
+                        compiler_options)
+
+    setattr(create_compile_options, _INSTALLED, True)
+    pxla.create_compile_options = create_compile_options
+    return True

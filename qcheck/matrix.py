@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor
 
-from qcheck import _xla_env, invariants
+from qcheck import _fast_jit, _xla_env, invariants
 from qcheck.cases import Case, cases
 from qcheck.recipes import get_recipe
 
@@ -133,6 +133,7 @@ def _init_worker(recipe_modules: tuple[str, ...], cache_dir: str) -> None:
     _xla_env.configure(one_thread=True)  # this process has not started a backend yet
     _xla_env.use_compilation_cache(cache_dir)
     _xla_env.default_to_cpu()
+    _fast_jit.install()
     for spec in recipe_modules:
         import_recipes(spec)
 

@@ -26,6 +26,8 @@ FLOAT_TYPES = {
     ml_dtypes.float8_e5m2fnuz: "f8E5M2FNUZ",
     ml_dtypes.float4_e2m1fn: "f4E2M1FN",
 }
+#: XLA's default (MLIR) fusion emitters, named so that install() leaves the program alone.
+DEFAULT_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
 SAFE = [t for t, name in FLOAT_TYPES.items() if name in fj.LEGACY_SAFE_TYPES]
 LEFT_OUT = [t for t, name in FLOAT_TYPES.items() if name not in fj.LEGACY_SAFE_TYPES]
 
@@ -53,7 +55,7 @@ def test_legacy_emitters_get_the_types_left_out_wrong(dtype):
     # Why these are not in LEGACY_SAFE_TYPES. If this fails, the installed XLA
     # converts them exactly: measure the layers and add the type.
     assert roundtrip_mismatches(dtype, fj.LEGACY_EMITTERS).size > 0
-    assert roundtrip_mismatches(dtype, {}).size == 0  # the default emitters get them right
+    assert roundtrip_mismatches(dtype, DEFAULT_EMITTERS).size == 0  # the default emitters get them right
 
 
 def test_element_types_names_every_tensor_type():
@@ -113,10 +115,59 @@ def test_a_layer_on_the_fast_path_outputs_what_the_default_emitters_do():
     graphdef, state = nnx.split(cases.layer(case))
     x = cases.layer_input(case.variant.model)
     assert step._apply.compiler_options(graphdef, state, x) == fj.LEGACY_EMITTERS
-    plain = jax.jit(step._apply.__wrapped__, static_argnums=0)(graphdef, state, x)[0]
-    assert np.array_equal(np.asarray(plain), cases.forward_output(case))
+    # Asked for by name: install() would otherwise give a plain jit the legacy emitters too.
+    default = jax.jit(step._apply.__wrapped__, static_argnums=0, compiler_options=DEFAULT_EMITTERS)
+    assert np.array_equal(np.asarray(default(graphdef, state, x)[0]), cases.forward_output(case))
 
 
 def test_an_emitter_flag_in_xla_flags_wins(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=true")
     assert fj.legacy_emitter_options.__wrapped__() == {}
+
+
+# -- install(): every program of qcheck's own processes --------------------------
+
+
+@needs_legacy
+def test_this_process_compiles_every_safe_program_with_the_legacy_emitters():
+    # conftest installs it; False here means JAX moved its private hook point.
+    assert fj.installed()
+
+
+@pytest.mark.parametrize(("platform", "given", "types", "added"), [
+    ("cpu", {}, "tensor<2xf32>, tensor<2xf8E4M3FN>", True),
+    ("cpu", {}, "tensor<2xf32>, tensor<2xf8E4M3FNUZ>", False),  # an unsafe type: default emitters
+    ("cpu", {"xla_cpu_use_fusion_emitters": True}, "tensor<2xf32>", False),  # the caller chose
+    ("gpu", {}, "tensor<2xf32>", False),  # a CPU-only option
+])
+def test_options_for_adds_the_legacy_emitters_only_to_safe_cpu_programs(platform, given, types, added):
+    got = fj.options_for(platform, dict(given), lambda: types)
+    want = {**given, **fj.legacy_emitter_options()} if added else given
+    assert got == want
+
+
+def _fnuz_probes() -> tuple[np.ndarray, np.ndarray]:
+    x = conversion_probes(ml_dtypes.float8_e4m3fnuz)
+    return x, x.astype(ml_dtypes.float8_e4m3fnuz).astype(np.float32)
+
+
+def _same(got, want) -> bool:
+    return np.array_equal(np.asarray(got), want, equal_nan=True)
+
+
+@needs_legacy
+def test_installed_hook_reaches_eager_ops_and_plain_jit_and_keeps_unsafe_ones_off(monkeypatch):
+    # The legacy emitters turn f32 -> e4m3fnuz of a negative underflow into NaN,
+    # so a program that took them shows it in its bits.
+    x, want = _fnuz_probes()
+    jitted = lambda a: a.astype(jnp.float8_e4m3fnuz).astype(jnp.float32)  # noqa: E731
+    assert _same(jax.jit(jitted)(x + 0), want) and _same(jnp.asarray(x + 0).astype(jnp.float8_e4m3fnuz), want)
+    # Declared safe (wrongly), the same programs now compile with the legacy emitters
+    # (fresh inputs' shapes, so nothing comes from a cache) and come out wrong ...
+    monkeypatch.setattr(fj, "LEGACY_SAFE_TYPES", fj.LEGACY_SAFE_TYPES | {"f8E4M3FNUZ"})
+    y, want_y = x[:-1], want[:-1]
+    assert not _same(jax.jit(jitted)(y), want_y)
+    assert not _same(jnp.asarray(y).astype(jnp.float8_e4m3fnuz).astype(jnp.float32), want_y)
+    # ... unless the program asks for the default emitters itself.
+    explicit = jax.jit(jitted, compiler_options=DEFAULT_EMITTERS)
+    assert _same(explicit(x[:-2]), want[:-2])
