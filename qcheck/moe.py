@@ -102,20 +102,19 @@ class MoE(nnx.Module):
 
         # Weights are drawn before any site forks the streams, in a fixed order,
         # so the same seed gives the same weights whatever the recipe or path.
-        def init(shape, fan_in):
-            return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in))
+        # On a mesh, expert weights are split over "expert", the router replicated.
+        def param(w, *spec):
+            return nnx.Param(w if mesh is None else jax.device_put(w, self._sharding(*spec)))
+
+        def init(shape, fan_in, *spec):
+            return param(jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in), *spec)
 
         self.gate = init((m, e), m)
-        self.wi_0 = init((e, m, h), m)
-        self.wi_1 = init((e, m, h), m)
-        self.wo = init((e, h, m), h)
+        self.wi_0 = init((e, m, h), m, "expert")
+        self.wi_1 = init((e, m, h), m, "expert")
+        self.wo = init((e, h, m), h, "expert")
         if config.router == "gemma":
-            self.per_expert_scale = nnx.Param(jnp.ones((e,), jnp.float32))
-        if mesh is not None:  # expert weights split over "expert", the router replicated
-            for name in ("wi_0", "wi_1", "wo", "per_expert_scale"):
-                if hasattr(self, name):
-                    getattr(self, name)[...] = jax.device_put(getattr(self, name)[...], self._sharding("expert"))
-            self.gate[...] = jax.device_put(self.gate[...], self._sharding())
+            self.per_expert_scale = param(jnp.ones((e,), jnp.float32), "expert")
 
         names = ["wi_0", "wi_1", "wo"]
         if self.dropping and self.path == "dense":
