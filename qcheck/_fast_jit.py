@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from qcheck import _xla_env
+from qcheck import _mlir_context, _xla_env
 
 __all__ = ["LEGACY_EMITTERS", "LEGACY_SAFE_TYPES", "FastJit", "fast_jit", "install", "installed",
            "legacy_emitter_options", "legacy_safe", "options_for"]
@@ -185,8 +185,10 @@ def install() -> bool:
     For qcheck's own processes only: it changes how the whole process
     compiles (never what a program with an unsafe type computes). Returns
     whether it is in place; False where this jaxlib has no legacy emitters
-    (nothing to gain) or JAX's private hook point has changed.
+    (nothing to gain) or JAX's private hook point has changed. Lowering gets
+    the same treatment whatever the emitters: :mod:`qcheck._mlir_context`.
     """
+    _mlir_context.install()
     if not legacy_emitter_options():
         return False
     try:
