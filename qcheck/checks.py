@@ -299,7 +299,20 @@ def probe_operands(seed: int, *shapes: tuple[int, ...], dtype: Any = np.float32)
 
 
 _HLO_PARAM = re.compile(r"=\s*([a-z][a-z0-9]*)\[[^\]]*\](?:\{[^}]*\})?\s+parameter\(\d+\)")
-_MLIR_ARG = re.compile(r"%arg\d+: tensor<(?:[0-9?]+x)*([a-z][a-z0-9]*)>")
+_MLIR_TENSOR = re.compile(r"tensor<(?:[0-9?]+x)*([a-z][a-z0-9]*)>")
+
+
+def _main_inputs(lowered: jax.stages.Lowered) -> str:
+    """The input types of the lowered module's entry function, e.g. ``(tensor<2xui32>, tensor<4x8xf32>)``.
+
+    Read off the function's type rather than the printed module, which for a
+    train step is a hundred thousand characters.
+    """
+    for op in lowered.compiler_ir().body.operations:
+        attributes = op.operation.attributes
+        if "sym_name" in attributes and str(attributes["sym_name"]) == '"main"':
+            return str(attributes["function_type"]).split(" -> ")[0]
+    raise ValueError("the lowered module has no entry function @main")
 
 
 def _hlo_type(mlir: str) -> str:
@@ -332,9 +345,7 @@ def lowered_entry_params(lowered: jax.stages.Lowered, *, compile: bool = False) 
         entry = hlo[hlo.index("\nENTRY"):]
         types = _HLO_PARAM.findall(entry[: entry.index("\n}")])
     else:
-        text = lowered.as_text()
-        main = text[text.index("func.func public @main("):]
-        types = [_hlo_type(t) for t in _MLIR_ARG.findall(main[: main.index(") -> ")])]
+        types = [_hlo_type(t) for t in _MLIR_TENSOR.findall(_main_inputs(lowered))]
     counts = Counter(types)
     return {**dict(sorted(counts.items())), "total": sum(counts.values())}
 
