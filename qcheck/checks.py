@@ -248,11 +248,13 @@ def assert_fresh_cast_exact(
     the plain einsum or from the sibling flavour's reference are refused with a
     ValueError, so the check never passes vacuously.
     """
+    # device_put, not jnp.asarray: on jax 0.10 asarray of a host array compiles a
+    # program per shape to stage it, and the checks run on a dozen shapes per layer.
     _assert_cast_exact(
         "assert_fresh_cast_exact",
         f"einsum {eqn!r}",
-        lambda a, b: jnp.einsum(eqn, jnp.asarray(a), jnp.asarray(b)),
-        lambda a, b: einsum(eqn, jnp.asarray(a), jnp.asarray(b)),
+        lambda a, b: jnp.einsum(eqn, jax.device_put(a), jax.device_put(b)),
+        lambda a, b: einsum(eqn, jax.device_put(a), jax.device_put(b)),
         lhs,
         rhs,
         cast_dtype,
@@ -268,12 +270,12 @@ def assert_fresh_ragged_cast_exact(
     cast_dtype: Any,
 ) -> None:
     """:func:`assert_fresh_cast_exact` for a grouped matmul against ``jax.lax.ragged_dot``."""
-    gs = jnp.asarray(group_sizes, jnp.int32)
+    gs = jax.device_put(np.asarray(group_sizes, np.int32))
     _assert_cast_exact(
         "assert_fresh_ragged_cast_exact",
         "ragged_dot",
-        lambda a, b: jax.lax.ragged_dot(jnp.asarray(a), jnp.asarray(b), gs),
-        lambda a, b: ragged_dot(jnp.asarray(a), jnp.asarray(b), gs),
+        lambda a, b: jax.lax.ragged_dot(jax.device_put(a), jax.device_put(b), gs),
+        lambda a, b: ragged_dot(jax.device_put(a), jax.device_put(b), gs),
         lhs,
         rhs,
         cast_dtype,
