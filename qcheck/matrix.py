@@ -2,8 +2,8 @@
 
 Cases are independent (same seed, same bits in any process), so the matrix can
 run them in worker processes (:func:`worker_pool`): compiling dominates and is
-single-threaded. On the 2-core CI machine two workers take about two thirds
-of one process's time (34.5 s against 54.1 s in the latest benchmark); its two
+single-threaded. On the 2-core CI machine two workers take a little over half
+of one process's time (22.9 s against 42.5 s in the latest benchmark); its two
 vCPUs give about 1.5 cores of compile throughput
 (two compile workloads side by side each run 1.6 times slower than alone).
 """
