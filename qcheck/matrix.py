@@ -2,8 +2,9 @@
 
 Cases are independent (same seed, same bits in any process), so the matrix can
 run them in worker processes (:func:`worker_pool`): compiling dominates and is
-single-threaded. On the 2-core CI machine two workers take a little over half
-of one process's time (22.9 s against 42.5 s in the latest benchmark); its two
+single-threaded. On the 2-core CI machine two workers take one half to two
+thirds of one process's time (22.9 s against 42.5 s in one benchmark, 31.2 s
+against 46.0 s in the next, the machine's speed drifting); its two
 vCPUs give about 1.5 cores of compile throughput
 (two compile workloads side by side each run 1.6 times slower than alone).
 """
