@@ -6,9 +6,9 @@ import tempfile
 
 import pytest
 
-from qcheck import _xla_env
+from qcheck import _process
 
-_xla_env.configure()  # before anything starts a JAX backend
+_process.configure()  # before anything starts a JAX backend (the xdist workers inherit it)
 
 pytest_plugins = ("pytester",)  # the plugin's own tests run pytest inside pytest
 
@@ -43,16 +43,16 @@ def _configure_test_process() -> None:
     # pytester's in-process runs (the plugin's and the guide's tests) unload every
     # module first imported during them, which would leave a second copy of these
     # behind for later tests, and monkeypatches on one copy that the other ignores.
-    import qcheck.golden  # noqa: F401
-    import qcheck.invariants  # noqa: F401
+    import qcheck.suite.golden  # noqa: F401
+    import qcheck.suite.invariants  # noqa: F401
 
     # Implicit rank promotion hides shape bugs in einsum-heavy code.
     jax.config.update("jax_numpy_rank_promotion", "raise")
     # On a GPU node only the hardware-marked tests run there, on arrays they put there.
-    _xla_env.default_to_cpu()
-    from qcheck import _fast_jit
-
-    _fast_jit.install()  # every legacy-safe program, not only the layers': about a tenth of the CPU time
+    # QCHECK_XLA_CACHE, where set, wins over the run's own cache.
+    worker = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+    run_cache = os.environ.get(_CACHE_ENV) if worker else None
+    _process.setup(worker=worker, cache_dir=os.environ.get(_process.PERSISTENT_CACHE_ENV) or run_cache)
 
     # Derandomized for CI (same examples every run, whatever the worker); no deadline
     # since the first example of a test pays for JIT compilation.
@@ -62,11 +62,6 @@ def _configure_test_process() -> None:
     )
     settings.register_profile("dev", deadline=None, max_examples=200)
     settings.load_profile(os.environ.get("QCHECK_HYPOTHESIS_PROFILE", "ci"))
-
-    if os.environ.get(_xla_env.PERSISTENT_CACHE_ENV):
-        _xla_env.use_compilation_cache(os.environ[_xla_env.PERSISTENT_CACHE_ENV])
-    elif os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get(_CACHE_ENV):
-        _xla_env.use_compilation_cache(os.environ[_CACHE_ENV])
 
 
 # For bench/run_suite.py: each process tallies its XLA compilations (through

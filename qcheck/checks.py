@@ -75,6 +75,7 @@ def assert_tracks(actual: ArrayLike, reference: ArrayLike, *, max_rel_norm: floa
     equal: a quantized path that silently fell back to full precision fails.
     Returns the measured relative norm.
     """
+    __tracebackhide__ = True
     a, r = _np(actual, "actual"), _np(reference, "reference")
     if a.shape != r.shape:
         raise AssertionError(
@@ -126,6 +127,7 @@ def assert_native_matches_emulation(
     silently multiplied in full precision cannot pass. Returns
     rel_norm(native, emulated).
     """
+    __tracebackhide__ = True
     where = f"{label}: " if label else ""
     n, e, u = (_np(x, w).astype(np.float64) for x, w in
                ((native, "native"), (emulated, "emulated"), (unquantized, "unquantized")))
@@ -183,6 +185,7 @@ def _assert_cast_exact(
     rhs: ArrayLike,
     cast_dtype: Any,
 ) -> None:
+    __tracebackhide__ = True
     dt = _fp8_dtype(cast_dtype)
     lhs, rhs = np.asarray(lhs), np.asarray(rhs)
     for name, x in (("lhs", lhs), ("rhs", rhs)):
@@ -248,6 +251,7 @@ def assert_fresh_cast_exact(
     the plain einsum or from the sibling flavour's reference are refused with a
     ValueError, so the check never passes vacuously.
     """
+    __tracebackhide__ = True
     # device_put, not jnp.asarray: on jax 0.10 asarray of a host array compiles a
     # program per shape to stage it, and the checks run on a dozen shapes per layer.
     _assert_cast_exact(
@@ -270,6 +274,7 @@ def assert_fresh_ragged_cast_exact(
     cast_dtype: Any,
 ) -> None:
     """:func:`assert_fresh_cast_exact` for a grouped matmul against ``jax.lax.ragged_dot``."""
+    __tracebackhide__ = True
     gs = jax.device_put(np.asarray(group_sizes, np.int32))
     _assert_cast_exact(
         "assert_fresh_ragged_cast_exact",
@@ -362,6 +367,7 @@ def assert_no_recompiles(fn: Callable[[], Any], *, warmup: Callable[[], Any] | N
     equal, a shape that changes. The message names each function and its
     argument types.
     """
+    __tracebackhide__ = True
     from qcheck._compiles import counting_compilations
 
     (warmup or fn)()

@@ -151,9 +151,10 @@ def round_e2m1(v: Array) -> Array:
     """``v`` (in e2m1 units, |v| <= 6) rounded to nearest e2m1 value, ties to even, in float32.
 
     Exactly ``v.astype(float4_e2m1fn).astype(float32)``, without the e2m1 type:
-    XLA CPU's legacy fusion emitters get that conversion wrong next to
-    midpoints, and a program with no e2m1 type may compile with them (see
-    ``qcheck._fast_jit``). The grid's step is 1/2 below 2, 1 below 4 and 2 up to
+    XLA CPU's legacy fusion emitters (``--xla_cpu_use_fusion_emitters=false``,
+    which a user may set) round that conversion the wrong way next to
+    midpoints on jaxlib 0.10, so an emulated NVFP4 layer computes the same bits
+    under any emitter. The grid's step is 1/2 below 2, 1 below 4 and 2 up to
     6; scaling by a power of two is exact and ``round`` is half to even, so a tie
     goes to the even mantissa (1.75 -> 2, 2.5 -> 2, 5 -> 4).
     """

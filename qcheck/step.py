@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qcheck._fast_jit import fast_jit
 from qcheck.bridge import Fp8Meta
 
 __all__ = ["StepOutput", "apply", "lower_train_step", "split_for_step", "train_step", "train_step_fn"]
@@ -32,7 +31,7 @@ class StepOutput(NamedTuple):
     fp8_meta_after_forward: Any  #: fp8 state as the module holds it after its forward pass
 
 
-@fast_jit(static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0)
 def _apply(graphdef, state, x):
     module = nnx.merge(graphdef, state, copy=True)
     y = module(x)
@@ -70,7 +69,7 @@ def train_step_fn(graphdef):
     return step
 
 
-@fast_jit(static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0)
 def _train_step(graphdef, params, meta, rest, x):
     return train_step_fn(graphdef)(params, meta, rest, x)
 

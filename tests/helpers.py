@@ -41,11 +41,12 @@ def nvfp4_dgrad(site_name: str, seed: int) -> np.ndarray:
     return np.asarray(jax.jit(jax.grad(loss))(lhs))
 
 
-#: Arguments for a pytest run inside this one (pytester.inline_run) on the repository's
-#: own test files. The outer session has imported qcheck's plugin already, so the inner
-#: one cannot assertion-rewrite it; with an editable install that warning is an error
-#: under the project's filterwarnings.
-INNER = ("-p", "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning")
+#: Arguments for a pytest run inside this one (pytester.inline_run), as a user's project
+#: runs qcheck's suite. The outer session has imported qcheck's plugin already, so the inner
+#: one cannot assertion-rewrite it (with an editable install that warning is an error under
+#: the project's filterwarnings); and the suite's modules lie inside this checkout, whose
+#: root conftest the inner run must not load as if it were the user's.
+INNER = ("-p", "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning", "--noconftest")
 
 
 #: The native-GEMM probes' einsum: lhs [M, K] against rhs [N, K], K last on both

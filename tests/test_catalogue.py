@@ -17,7 +17,8 @@ import pytest
 from flax import linen as nn
 from flax import nnx
 
-from qcheck import cases, checks, get_recipe, golden, invariants, step
+from qcheck import checks, get_recipe, step
+from qcheck.suite import cases, golden, invariants
 from qcheck.bridge import QuantSite
 from qcheck.moe import MODELS, MoE
 from qcheck.recipes import ApplyRngs, Recipe

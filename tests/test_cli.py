@@ -1,12 +1,13 @@
 """``python -m qcheck``: the matrix the seeds tabulate by hand."""
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
-from qcheck.__main__ import main
+from qcheck.suite.cli import main
 
 
 def test_matrix_prints_every_case_of_a_recipe_and_passes(capsys):
@@ -36,21 +37,81 @@ def test_unknown_names_exit_2_listing_the_valid_ones(capsys):
     assert "unknown model 'llama'; valid models: mixtral, gemma" in capsys.readouterr().err
 
 
-def test_a_failing_cell_fails_the_matrix(capsys, monkeypatch):
-    from qcheck import invariants
+LONG_FAILURE = ("int8-gemma-sparse site 'wo': wrong fp8 flavour: the site computes the float8_e4m3fn reference, "
+                "not the float8_e4m3fnuz one the recipe declares (max |diff| 0.0312 over 4096 values)\n"
+                "  fix: qcheck golden add int8 --recipes /tmp/my_recipes.py")
 
-    def broken(case):
-        raise AssertionError(f"{case.id}: relative norm 0.9 exceeds the bound 0.22")
+
+def _break_tracks(monkeypatch, text: str) -> None:
+    from qcheck.suite import invariants
+
+    def broken(case, env):
+        raise AssertionError(text)
 
     patched = tuple(
         invariants.Invariant(i.name, i.applies, broken if i.name == "tracks" else i.run)
         for i in invariants.INVARIANTS
     )
     monkeypatch.setattr(invariants, "INVARIANTS", patched)
+
+
+def test_a_failing_cell_fails_the_matrix_and_is_shown_in_full_below_the_table(capsys, monkeypatch):
+    _break_tracks(monkeypatch, LONG_FAILURE)
     assert main(["--recipe", "int8", "--model", "gemma", "--path", "sparse", "--jobs", "1"]) == 1  # patched here
     captured = capsys.readouterr()
-    assert "FAIL AssertionError: int8-gemma-sparse: relative norm 0.9 exceeds the bound 0.22" in captured.out
-    assert "1 checks failed: int8-gemma-sparse" in captured.err
+    (row,) = [line.split() for line in captured.out.splitlines() if line.startswith("int8")]
+    assert row[5:7] == ["FAIL", "[1]"]
+    below = captured.out.split("[1] int8-gemma-sparse tracks:\n", 1)[1]
+    assert "    AssertionError: " + LONG_FAILURE.splitlines()[0] in below  # not cut at any width
+    assert "      fix: qcheck golden add int8 --recipes /tmp/my_recipes.py" in below  # nor at the first line
+    assert "1 cases failed: int8-gemma-sparse" in captured.err
+
+
+def test_json_holds_each_failure_in_full(capsys, monkeypatch):
+    _break_tracks(monkeypatch, LONG_FAILURE)
+    assert main(["--recipe", "int8", "--model", "gemma", "--path", "sparse", "--jobs", "1", "--json"]) == 1
+    cells = json.loads(capsys.readouterr().out)
+    assert cells["int8-gemma-sparse"]["tracks"] == {"status": "fail", "detail": "AssertionError: " + LONG_FAILURE,
+                                                    "figure": None}
+
+
+def test_help_explains_the_columns_and_cells():
+    done = subprocess.run([sys.executable, "-m", "qcheck", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0
+    for name in ("sites", "exact", "tracks", "state", "rng", "sharded", "golden"):
+        assert f"\n  {name} " in done.stdout
+    assert '"FAIL [n]": failure n is' in done.stdout
+
+
+BROKEN_MODULES = [
+    ("raises.py", "import qcheck\nx = 1 / 0\n", r"--recipes \S*raises.py: ZeroDivisionError: division by zero "
+                                                  r"\(\S*raises.py, line 2\)"),
+    ("syntax.py", "def f(:\n", r"--recipes \S*syntax.py: SyntaxError: invalid syntax \(\S*syntax.py, line 1\)"),
+    ("missing.py", None, r"--recipes \S*missing.py: .*no such file"),
+]
+
+
+@pytest.mark.parametrize("name, text, message", BROKEN_MODULES, ids=[b[0] for b in BROKEN_MODULES])
+def test_a_broken_recipe_module_is_one_line_naming_it(tmp_path, capsys, name, text, message):
+    if text is not None:
+        (tmp_path / name).write_text(text)
+    assert main(["--recipes", str(tmp_path / name), "--jobs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert re.fullmatch("qcheck: error: " + message + "\n", err), err
+
+
+def test_recipes_given_a_recipe_name_says_to_use_recipe(capsys):
+    assert main(["--recipes", "fp8"]) == 2
+    assert capsys.readouterr().err == ("qcheck: error: --recipes takes a module (a dotted name or a .py path); "
+                                       "'fp8' is a recipe: select it with --recipe fp8\n")
+
+
+def test_a_missing_golden_dir_is_one_line(tmp_path, capsys):
+    missing = tmp_path / "nowhere"
+    for argv in (["--recipe", "int8", "--golden-dir", str(missing)], ["golden", "check", "--golden-dir", str(missing)]):
+        assert main(argv) == 2
+        assert capsys.readouterr().err == f"qcheck: error: golden directory {missing} (--golden-dir) does not exist\n"
 
 
 def test_jobs_must_be_a_positive_number_or_auto(capsys):
@@ -59,14 +120,9 @@ def test_jobs_must_be_a_positive_number_or_auto(capsys):
     assert exit_.value.code == 2 and "--jobs takes a positive integer or 'auto', got '0'" in capsys.readouterr().err
 
 
-def test_module_entry_point_runs():
-    done = subprocess.run([sys.executable, "-m", "qcheck", "--help"], capture_output=True, text=True)
-    assert done.returncode == 0 and "matrix" in done.stdout
-
-
 def test_dense_sparse_rows_report_a_failure(capsys, monkeypatch):
-    from qcheck import __main__ as cli
-    from qcheck import invariants
+    from qcheck.suite import cli
+    from qcheck.suite import invariants
 
     def broken(model, dropping):
         raise AssertionError(f"none-{model}: dense and sparse differ by up to 0.5")

@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from qcheck import cases, checks, golden, invariants, step
-from qcheck.cases import SEED, Case, Variant, layer_input
+from qcheck import checks, step
+from qcheck.suite import cases, golden, invariants
+from qcheck.suite.cases import SEED, Case, Variant, layer_input
 from qcheck.moe import build_moe
 from qcheck.recipes import get_recipe
 

@@ -4,7 +4,8 @@ import hashlib
 
 import numpy as np
 
-from qcheck import cases, matrix, step
+from qcheck import step
+from qcheck.suite import cases, matrix
 from qcheck.recipes import recipe_names
 
 # Per-key determinism of the stochastic rounding is pinned in test_rng.py.

@@ -11,16 +11,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from qcheck import golden
+from qcheck.suite import golden
 from tests.helpers import INNER
 
 CASE = golden.GoldenCase("int8", "mixtral", "dense")
-
-
-def test_golden_case(qcheck_golden, request):
-    """Parametrized from the golden directory: one item per registered recipe × model × path."""
-    outcome = qcheck_golden()
-    assert outcome == "match" or request.config.getoption("--update-golden")
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +66,7 @@ def test_a_written_case_reads_back_and_matches(root):
 def test_add_refuses_to_overwrite_and_update_leaves_an_unchanged_file_alone(root):
     path = CASE.file(root)
     before = path.read_bytes()
-    with pytest.raises(FileExistsError, match=r"mixtral-dense.json exists; rewrite it with `python -m qcheck golden update int8"):
+    with pytest.raises(FileExistsError, match=r"mixtral-dense.json exists; rewrite it with `qcheck golden update int8"):
         golden.write_case(CASE, root, overwrite=False)
     assert golden.write_case(CASE, root, overwrite=True).endswith(": unchanged")
     assert path.read_bytes() == before
@@ -94,7 +88,7 @@ def test_update_rewrites_a_changed_file_and_says_what_changed(root):
 
 def test_a_missing_case_fails_with_the_command_that_creates_it(tmp_path):
     with pytest.raises(AssertionError, match=r"no file .*; create the recipe's cases with:\n  "
-                       r"python -m qcheck golden add int8 --golden-dir "):
+                       r"qcheck golden add int8 --golden-dir "):
         golden.check_case(CASE, tmp_path)
 
 
@@ -102,7 +96,7 @@ def test_add_command_names_the_recipe_module_and_the_directory(monkeypatch):
     from qcheck.recipes import _registry
 
     monkeypatch.setitem(_registry._SOURCE, "int8", "/tmp/my_recipes.py")
-    assert golden.add_command("int8", Path("golden")) == "python -m qcheck golden add int8 --recipes /tmp/my_recipes.py"
+    assert golden.add_command("int8", Path("golden")) == "qcheck golden add int8 --recipes /tmp/my_recipes.py"
     assert golden.add_command("int8", Path("/x/golden")).endswith("--golden-dir /x/golden")
 
 
@@ -171,20 +165,41 @@ def test_a_bad_golden_file_is_named_with_what_is_wrong(root, spoil, message):
     assert str(path) in str(info.value)
 
 
-def test_a_stray_file_is_reported_not_ignored(root):
+def test_a_stray_file_is_reported_not_checked(root):
     (root / "int8" / "llama-dense.json").write_text("{}")
-    _, strays = golden.collect(root)
-    assert [e.path.name for e in strays] == ["llama-dense.json"]
-    assert "is not named after a case" in str(strays[0])
+    found = golden.collect(root)
+    assert [e.path.name for e in found.strays] == ["llama-dense.json"]
+    assert "is not named after a case" in str(found.strays[0])
 
 
-def test_a_case_for_an_unregistered_recipe_is_collected_and_fails(root):
+def test_a_case_of_a_recipe_this_run_did_not_load_is_reported_not_checked(root):
     shutil.copytree(root / "int8", root / "ghost")
-    found, _ = golden.collect(root)
-    ghost = [c for c in found if c.recipe == "ghost"]
-    assert [c.id for c in ghost] == ["ghost-mixtral-dense"]
+    found = golden.collect(root)
+    assert found.unloaded == [(root / "ghost" / "mixtral-dense.json", "ghost")]
+    assert "ghost" not in {c.recipe for c, _ in found.cases}
+    ghost = golden.GoldenCase("ghost", "mixtral", "dense")
     with pytest.raises(AssertionError, match="recipe 'ghost', which is not registered .*--qcheck-recipes"):
-        golden.check_case(ghost[0], root)
+        golden.check_case(ghost, root)
+
+
+def test_qcheck_recipes_cases_ship_in_the_package_and_user_recipes_use_the_users_directory(tmp_path):
+    assert golden.root_for("fp8", tmp_path) == golden.builtin_root()
+    assert golden.root_for("int8", tmp_path) == golden.builtin_root()
+    assert golden.builtin_root().parent.name == "suite"
+    assert {c.id for c, r in golden.collect(tmp_path).cases if r == golden.builtin_root()} >= {
+        "none-mixtral-dense", "fp8-gemma-sparse", "mxfp8-mixtral-sparse"}
+
+
+def test_a_missing_builtin_case_says_the_install_is_incomplete_not_to_record_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(golden, "builtin_root", lambda: tmp_path)
+    with pytest.raises(AssertionError, match="ships with qcheck, so this installation is incomplete; reinstall"):
+        golden.check_case(CASE, tmp_path)
+
+
+def test_builtin_cases_are_written_only_from_qcheck_s_checkout(tmp_path):
+    assert golden.writable_here("fp8", REPO)
+    assert not golden.writable_here("fp8", tmp_path)
+    assert golden.writable_here("anything_a_user_registers", tmp_path) is True
 
 
 def test_checking_never_writes(root):
@@ -197,34 +212,138 @@ def test_checking_never_writes(root):
     assert (path.read_bytes(), path.stat().st_mtime_ns) == before
 
 
-# -- the commands ---------------------------------------------------------------------
+# -- the commands, on a user's recipe (qcheck's own recipes' cases ship with qcheck) ----
 
 REPO = Path(__file__).parent.parent
+PROBE_MODULE = 'import qcheck\nqcheck.register_recipe(qcheck.Recipe("probe_int8", lhs="int8", rhs="int8"))\n'
+PROBE_FILES = ["gemma-dense.json", "gemma-sparse.json", "mixtral-dense.json", "mixtral-sparse.json"]
 
 
-def test_pytest_update_golden_writes_then_the_suite_checks(pytester, tmp_path):
+@pytest.fixture(scope="module")
+def probe_module(tmp_path_factory):
+    """A user's recipe module, imported as --recipes would; unregistered again after the module's tests."""
+    from qcheck.recipes import _registry
+
+    saved = [dict(d) for d in (_registry._REGISTRY, _registry._SOURCE, _registry._IMPORTED)]
+    module = tmp_path_factory.mktemp("project") / "my_recipes.py"
+    module.write_text(PROBE_MODULE)
+    _registry.import_recipes(str(module))
+    yield module
+    for d, old in zip((_registry._REGISTRY, _registry._SOURCE, _registry._IMPORTED), saved):
+        d.clear()
+        d.update(old)
+
+
+@pytest.fixture(scope="module")
+def probe_written(probe_module, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("probe-golden")
+    lines = golden.write_cases(golden.golden_cases(("probe_int8",)), root, overwrite=False)
+    assert [line.rsplit(": ", 1)[1] for line in lines] == ["new"] * 4
+    return root
+
+
+@pytest.fixture
+def probe_root(probe_written, tmp_path) -> Path:
+    shutil.copytree(probe_written, tmp_path / "golden")
+    return tmp_path / "golden"
+
+
+def test_cli_add_writes_every_case_then_refuses_and_check_reports_a_bad_one(probe_module, probe_root, capsys):
+    from qcheck.suite.cli import main
+
+    assert sorted(p.name for p in (probe_root / "probe_int8").iterdir()) == PROBE_FILES
+    args = ["--recipes", str(probe_module), "--golden-dir", str(probe_root)]
+    assert main(["golden", "add", "probe_int8", *args]) == 1
+    assert "golden files exist, nothing written" in capsys.readouterr().err
+    assert main(["golden", "add", "fp9", *args]) == 2
+    assert "unknown recipe 'fp9'" in capsys.readouterr().err
+    _truncate(probe_root / "probe_int8" / "gemma-sparse.json")
+    assert main(["golden", "check", *args]) == 1  # the module's recipes by default: not the built-ins
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == ["ok   probe_int8-mixtral-dense", "ok   probe_int8-mixtral-sparse",
+                                         "ok   probe_int8-gemma-dense", "FAIL probe_int8-gemma-sparse"]
+    assert "is not valid JSON" in captured.err
+
+
+def test_add_writes_all_of_a_recipes_cases_or_none(probe_module, tmp_path, monkeypatch):
     root = tmp_path / "golden"
-    args = [*INNER, f"--golden-dir={root}", "-k", "int8-mixtral-dense",
-            str(REPO / "tests" / "test_golden.py::test_golden_case")]
+    real = golden._atomic_write
+    calls = []
+
+    def failing_third(path, text):
+        calls.append(path)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        real(path, text)
+
+    monkeypatch.setattr(golden, "_atomic_write", failing_third)
+    with pytest.raises(OSError, match="No space left"):
+        golden.write_cases(golden.golden_cases(("probe_int8",)), root, overwrite=False)
+    assert len(calls) == 3 and list((root / "probe_int8").iterdir()) == []  # the two written are gone again
+    monkeypatch.setattr(golden, "_atomic_write", real)
+    golden.write_cases(golden.golden_cases(("probe_int8",)), root, overwrite=False)  # a rerun is not refused
+    assert sorted(p.name for p in (root / "probe_int8").iterdir()) == PROBE_FILES
+
+
+def test_update_that_fails_midway_restores_what_it_had_rewritten(probe_module, probe_root, monkeypatch):
+    files = sorted((probe_root / "probe_int8").iterdir())
+    for path in files:
+        edit(path, lambda r: (r.__setitem__("rel_norm", r["rel_norm"] + 0.5), redigest(r)))
+    before = {p: p.read_bytes() for p in files}
+    real, calls = golden._atomic_write, []
+
+    def failing_second(path, text):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(5, "Input/output error")
+        real(path, text)
+
+    monkeypatch.setattr(golden, "_atomic_write", failing_second)
+    with pytest.raises(OSError):
+        golden.write_cases(golden.golden_cases(("probe_int8",)), probe_root, overwrite=True)
+    assert {p: p.read_bytes() for p in files} == before
+
+
+def test_cli_refuses_a_golden_dir_it_cannot_write_in_one_line(probe_module, tmp_path, capsys, monkeypatch):
+    from qcheck.suite.cli import main
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    assert main(["golden", "add", "probe_int8", "--recipes", str(probe_module),
+                 "--golden-dir", str(blocked / "golden")]) == 2
+    assert capsys.readouterr().err == f"qcheck: error: golden directory {blocked / 'golden'}: {blocked} is not a directory\n"
+    # Read-only: CI runs as root, whom permission bits do not stop, so the access check is what is asked.
+    monkeypatch.setattr(golden.os, "access", lambda path, mode: False)
+    assert main(["golden", "add", "probe_int8", "--recipes", str(probe_module),
+                 "--golden-dir", str(tmp_path / "ro")]) == 2
+    assert capsys.readouterr().err == (f"qcheck: error: golden directory {tmp_path / 'ro'} is not writable "
+                                       f"({tmp_path}: permission denied)\n")
+
+
+def test_cli_refuses_to_rewrite_qcheck_s_own_cases_outside_its_checkout(tmp_path, capsys, monkeypatch):
+    from qcheck.suite.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["golden", "update", "fp8"]) == 2
+    assert "fp8 is one of qcheck's own recipes: its golden cases ship with qcheck" in capsys.readouterr().err
+
+
+def test_pytest_update_golden_writes_then_the_suite_checks(probe_module, pytester, tmp_path):
+    root = tmp_path / "golden"
+    args = [*INNER, f"--qcheck-recipes={probe_module}", f"--golden-dir={root}",
+            "-k", "test_golden_case and probe_int8-mixtral-dense"]
+    no_dir = pytester.runpytest_inprocess(*args)
+    assert no_dir.ret == pytest.ExitCode.USAGE_ERROR
+    no_dir.stderr.fnmatch_lines([f"ERROR: golden directory {root} (--golden-dir) does not exist"])
+    root.mkdir()
     missing = pytester.inline_run(*args)
     assert missing.ret != 0  # no case yet: the failure names the command
-    assert "python -m qcheck golden add int8 --golden-dir" in str(missing.getfailures()[0].longrepr)
+    assert f"qcheck golden add probe_int8 --recipes {probe_module} --golden-dir" in str(
+        missing.getfailures()[0].longrepr)
     written = pytester.runpytest_inprocess("--update-golden", *args)
     assert written.ret == 0
-    written.stdout.fnmatch_lines(["*qcheck golden update*", "*int8/mixtral-dense.json: new", "1 new, 0 changed*"])
-    before = CASE.file(root).read_bytes()
+    written.stdout.fnmatch_lines(["*qcheck golden update*", "*probe_int8/mixtral-dense.json: new", "1 new, 0 changed*"])
+    path = root / "probe_int8" / "mixtral-dense.json"
+    before = path.read_bytes()
     assert pytester.inline_run(*args).ret == 0
-    assert CASE.file(root).read_bytes() == before
-
-
-def test_cli_add_refuses_existing_cases_and_check_reports_a_bad_one(root, capsys):
-    from qcheck.__main__ import main
-
-    assert main(["golden", "add", "int8", "--golden-dir", str(root)]) == 1
-    assert "golden files exist, nothing written" in capsys.readouterr().err
-    assert main(["golden", "add", "fp9", "--golden-dir", str(root)]) == 2
-    assert "unknown recipe 'fp9'" in capsys.readouterr().err
-    _truncate(CASE.file(root))
-    assert main(["golden", "check", "int8", "--golden-dir", str(root)]) == 1
-    captured = capsys.readouterr()
-    assert "FAIL int8-mixtral-dense" in captured.out and "is not valid JSON" in captured.err
+    assert path.read_bytes() == before

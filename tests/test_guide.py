@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from qcheck import golden
+from qcheck.suite import golden
 from tests.helpers import INNER
-from qcheck.__main__ import main
+from qcheck.suite.cli import main
 from qcheck.recipes import _registry
 
 REPO = Path(__file__).parent.parent
@@ -50,29 +50,30 @@ def test_the_guide_takes_a_new_recipe_from_nothing_to_a_passing_suite(tmp_path, 
     module = tmp_path / "elsewhere" / "my_recipes.py"
     module.parent.mkdir()
     module.write_text(module_text)
-    golden_root = tmp_path / "golden"
-    monkeypatch.setenv(golden.ENV, str(golden_root))
+    golden_root = pytester.path / "golden"  # the project's own directory, found by default
+    monkeypatch.chdir(pytester.path)
     fill = lambda argv: [a.replace(PLACEHOLDER, str(module)) for a in argv]  # noqa: E731
     name = add[add.index("add") + 1]
 
-    # Step 2: one command writes the four cases.
-    assert add[:3] == ["python", "-m", "qcheck"]
-    assert main(fill(add)[3:]) == 0
+    # Step 2: one command writes the four cases, into the project's ./golden.
+    assert add[:1] == ["qcheck"]
+    assert main(fill(add)[1:]) == 0
     assert sorted(p.name for p in (golden_root / name).iterdir()) == [
         "gemma-dense.json", "gemma-sparse.json", "mixtral-dense.json", "mixtral-sparse.json"]
     assert "4 new" in capsys.readouterr().out
 
-    # Step 3: it appears in the matrix, and passes there (in this process: the
-    # layers it shares with the suite are built already; workers get the module
-    # too, see tests/test_determinism.py).
-    assert main(fill(matrix)[3:] + ["--model", "mixtral", "--jobs", "1"]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith(name)]
-    assert len(rows) == 3 and all(r[3] == "pass" and r[5] != "FAIL" for r in rows)
+    # Step 3: the module's recipes, and only they, in the matrix, passing (in this
+    # process: the layers it shares with the suite are built already; workers get
+    # the module too, see tests/test_determinism.py).
+    assert matrix[:1] == ["qcheck"]
+    assert main(fill(matrix)[1:] + ["--model", "mixtral", "--jobs", "1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[1:2] == ["mixtral"]]
+    assert {r[0] for r in rows} == {name} and len(rows) == 3
+    assert all(r[3] == "pass" and "FAIL" not in r for r in rows)
 
-    # Step 4: the suite picks it up from the flag and the golden directory, with no test code.
+    # Step 4: from the project, the flag alone brings the invariant suite, for the module's recipes only.
     assert suite[:3] == ["pytest", "-n", "auto"]
-    args = fill(suite)[3:] + [*INNER, "-k", f"{name}-mixtral-dense and not drop",
-                              str(REPO / "tests" / "test_golden.py"), str(REPO / "tests" / "test_invariants.py")]
+    args = fill(suite)[3:] + [*INNER, "-k", "mixtral-dense and not drop"]
     run = pytester.inline_run(*args)
     assert run.ret == 0
     passed = sorted(r.nodeid.split("::")[-1] for r in run.getreports("pytest_runtest_logreport")

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from qcheck import build_moe, cases, checks, formats, get_recipe, hardware, native, recipe_names, step
+from qcheck import build_moe, checks, formats, get_recipe, hardware, native, recipe_names, step
+from qcheck.suite import cases
 from tests.helpers import NATIVE_EQN, documented_scaled_matmul, native_operands, unquantized_product
 
 # The forward flavours: cuBLASLt has no fp8 GEMM with both operands e5m2 (e5m2

@@ -7,9 +7,10 @@ import pytest
 from flax import nnx
 
 import qcheck
-from qcheck import cases, step
+from qcheck import step
+from qcheck.suite import cases
 from qcheck.bridge import Fp8Meta
-from qcheck.cases import Case, Variant
+from qcheck.suite.cases import Case, Variant
 
 
 def fresh(recipe="none", model="mixtral", path="dense", dropping=False):

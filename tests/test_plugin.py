@@ -26,7 +26,9 @@ def marked(pytester):
 def test_missing_hardware_skips_with_a_reason_naming_it(marked):
     result = marked.runpytest("-rs", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, skipped=1)
-    result.stdout.fnmatch_lines(["*needs a GPU with native fp8 matmuls*this host has cpu:*"])
+    # At the test's own line, naming its marker: not a line of the plugin.
+    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_missing_hardware_skips_with_a_reason_naming_it.py:3: "
+                                 "@pytest.mark.fp8_gpu: needs a GPU with native fp8 matmuls*this host has cpu:*"])
 
 
 @pytest.mark.skipif(hardware.missing("fp8_gpu") is None, reason="this host has an fp8 GPU")
@@ -34,7 +36,7 @@ def test_require_hardware_turns_the_skip_into_a_failure(marked):
     result = marked.runpytest("--require-hardware", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, errors=1)  # it fails in setup, before the test body runs
     assert result.ret != 0
-    result.stdout.fnmatch_lines(["*--require-hardware: needs a GPU with native fp8 matmuls*"])
+    result.stdout.fnmatch_lines(["*--require-hardware: @pytest.mark.fp8_gpu: needs a GPU with native fp8 matmuls*"])
 
 
 @pytest.mark.skipif(hardware.missing("fp8_gpu") is None, reason="this host has an fp8 GPU")

@@ -10,8 +10,9 @@ import pytest
 from flax import nnx
 
 import qcheck
-from qcheck import cases, checks, formats, invariants, step
-from qcheck.__main__ import main
+from qcheck import checks, formats, step
+from qcheck.suite import cases, invariants
+from qcheck.suite.cli import main
 from qcheck.bridge import QuantSite
 from qcheck.recipes import ApplyRngs
 from qcheck.recipes._nvfp4 import quantizer_key

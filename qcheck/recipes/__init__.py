@@ -14,6 +14,7 @@ from qcheck.recipes._registry import (
     ENTRY_POINT_GROUP,
     get_recipe,
     import_recipes,
+    is_builtin,
     recipe_names,
     recipe_source,
     register_recipe,
@@ -32,15 +33,19 @@ __all__ = [
     "einsum_axes",
     "get_recipe",
     "import_recipes",
+    "is_builtin",
     "recipe_names",
     "recipe_source",
     "register_recipe",
 ]
 
-# AQT's default int8 is declarative: per-slice absmax over the contraction axes,
+from qcheck.recipes import _registry
+
+# AQT's int8 with preserve_max_val=True is declarative: per-slice absmax over the contraction axes,
 # gradients straight through; PRIVATE streams, as AQT keeps them upstream.
 _INT8 = Recipe("int8", lhs="int8", rhs="int8", apply_rngs=ApplyRngs.PRIVATE)
 
 for _recipe in (NoQuant(), _INT8, fp8(), nanoo_fp8(), NVFP4()):
     register_recipe(_recipe)
+    _registry._BUILTIN.add(_recipe.name)
 del _recipe

@@ -23,6 +23,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "get_recipe",
     "import_recipes",
+    "is_builtin",
     "recipe_names",
     "recipe_source",
     "register_recipe",
@@ -36,6 +37,10 @@ _SOURCE: dict[str, str] = {}
 #: --recipes argument -> the names it registered, so naming a module twice is harmless.
 _IMPORTED: dict[str, tuple[str, ...]] = {}
 _entry_points_state = "unloaded"  # -> "loading" -> "loaded"
+#: Recipes qcheck itself ships (its built-ins and its own entry points): their
+#: golden cases ship inside the package.
+_BUILTIN: set[str] = set()
+_QCHECK_DIST = "qcheck"
 
 
 def register_recipe(recipe: Recipe) -> Recipe:
@@ -72,9 +77,16 @@ def recipe_source(name: str) -> str | None:
     return _SOURCE.get(name)
 
 
-def _register_all(obj: object, where: str) -> None:
+def is_builtin(name: str) -> bool:
+    """Whether qcheck itself ships the recipe ``name`` (its golden cases then ship with qcheck)."""
+    _load_entry_points()
+    return name in _BUILTIN
+
+
+def _register_all(obj: object, where: str) -> list[str]:
+    """Register what an entry point gave; returns the names it added."""
     if isinstance(obj, types.ModuleType):
-        return  # importing it registered whatever it registers
+        return []  # importing it registered whatever it registers
     if callable(obj) and not isinstance(obj, Recipe):
         obj = obj()
     found = [obj] if isinstance(obj, Recipe) else list(obj) if isinstance(obj, Iterable) else [obj]
@@ -83,6 +95,7 @@ def _register_all(obj: object, where: str) -> None:
             raise TypeError(f"{where} gave {type(recipe).__name__}, not a qcheck.Recipe")
         if _REGISTRY.get(recipe.name) is not recipe:
             register_recipe(recipe)
+    return [r.name for r in found]
 
 
 def _load_entry_points() -> None:
@@ -95,7 +108,10 @@ def _load_entry_points() -> None:
         for ep in sorted(eps, key=lambda e: (e.dist.name if e.dist else "", e.name)):
             where = f"entry point {ep.name} = {ep.value!r} (group {ENTRY_POINT_GROUP})"
             try:
+                before = set(_REGISTRY)
                 _register_all(ep.load(), where)
+                if ep.dist is not None and ep.dist.name == _QCHECK_DIST:
+                    _BUILTIN.update(set(_REGISTRY) - before)
             except Exception as e:
                 raise RuntimeError(f"qcheck could not load recipes from {where}: {type(e).__name__}: {e}") from e
     finally:

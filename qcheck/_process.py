@@ -1,31 +1,25 @@
-"""XLA settings for qcheck's own processes (the test suite and the CLI), applied before JAX starts.
+"""Setup of qcheck's own processes (the test suite, the CLI, the matrix workers, the plugin's suite runs).
 
-qcheck's programs are tiny, so what costs time is compiling them, not running
-them. ``--xla_backend_optimization_level=0`` skips LLVM passes that buy no run
-time here: the matrix went from 63 s to 44 s on one process of a 2-core machine.
+Nothing here runs in a process that merely imports qcheck: the library
+compiles with JAX's defaults. :func:`setup` is the one entry point; it must run
+before JAX starts a backend.
 
-``--xla_cpu_parallel_codegen_split_count=1`` compiles each program's kernels as
-one LLVM module instead of 32 parts compiled in parallel: the parts cost more
-CPU than they save wall time on programs this small, and two workers already
-fill two cores. Compiling 20 layer programs took 4.0-5.0 s of CPU instead of
-5.8-7.0 s, with bitwise-identical outputs; the suite under ``-n auto`` went from
-86 / 88 s to 78 / 84 s in interleaved runs.
+- ``--xla_force_host_platform_device_count=8``: the sharded invariant runs every
+  layer on a real ("data", "expert") = 2 x 4 mesh of host CPU devices.
+- ``--xla_backend_optimization_level=0``: qcheck's programs are tiny, so what
+  costs time is compiling them; LLVM's optimization passes buy no run time here.
+- ``--xla_cpu_parallel_codegen_split_count=1``: one LLVM module per program
+  instead of parts compiled in parallel, which cost more CPU than they save on
+  programs this small when worker processes already fill the cores.
+- one intra-op thread per worker process, so ``-n auto`` does not oversubscribe.
+- on a host whose default backend is an accelerator, uncommitted computations
+  stay on the CPU: the invariants and golden cases are CPU numerics, and the
+  hardware-marked tests put their arrays on the accelerator themselves.
+- an optional compilation cache (``$QCHECK_XLA_CACHE``, or one per run that
+  worker processes share): see docs/performance.md for what it buys.
 
-``--xla_cpu_use_fusion_emitters=false`` halves compile time again on jaxlib
-0.10.2, but as a flag it would apply to every program, and those emitters
-convert wrongly to fnuz and e2m1 types (nanoo_fp8 layers output NaN; jaxlib
-0.12 aborts on the flag as unknown): qcheck's layer programs ask for it one by
-one, where it is exact (:mod:`qcheck._fast_jit`).
-
-On a host whose default JAX backend is an accelerator, :func:`default_to_cpu`
-keeps qcheck's computations on the CPU: the invariants and golden cases are CPU
-numerics, and the hardware-marked tests put their arrays on the accelerator
-themselves.
-
-Outputs are deterministic under a fixed setting, but not bitwise identical
-across settings; a flag the user already set in ``XLA_FLAGS`` wins. Under
-pytest-xdist each worker gets one intra-op thread, so ``-n auto`` does not
-oversubscribe the cores. Worker processes inherit the controller's setting.
+All of these are public XLA flags and JAX options. Outputs are deterministic
+under a fixed setting; a flag the user already set in ``XLA_FLAGS`` wins.
 """
 
 from __future__ import annotations
@@ -104,6 +98,19 @@ def default_to_cpu() -> None:
 
     if jax.default_backend() != "cpu":
         jax.config.update("jax_default_device", jax.devices("cpu")[0])
+
+
+def setup(*, worker: bool | None = None, cache_dir: str | None = None, environ=os.environ) -> None:
+    """Set up a qcheck process: XLA flags before JAX starts, then the CPU default and the compilation cache.
+
+    ``worker``: one of several worker processes (one intra-op thread; default:
+    under pytest-xdist). ``cache_dir``: a compilation cache to use; without it,
+    ``$QCHECK_XLA_CACHE`` if set.
+    """
+    configure(environ, one_thread=worker)
+    if cache := cache_dir or environ.get(PERSISTENT_CACHE_ENV):
+        use_compilation_cache(cache)
+    default_to_cpu()
 
 
 def default_platform() -> str:

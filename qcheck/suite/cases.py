@@ -164,7 +164,7 @@ def mesh() -> Mesh:
     devices = jax.devices("cpu")
     if len(devices) < 8:
         raise RuntimeError(
-            f"the sharded cases need 8 CPU devices, found {len(devices)}; qcheck._xla_env.configure() "
+            f"the sharded cases need 8 CPU devices, found {len(devices)}; qcheck._process.configure() "
             "asks the host platform for 8, but only if it runs before JAX starts"
         )
     return Mesh(np.array(devices[:8]).reshape(2, 4), MESH_AXES)

@@ -1,5 +1,10 @@
 """Golden cases: what pins a recipe's numerics on a fixed seed, one JSON file per recipe × model × path.
 
+Where they live: the cases of the recipes qcheck ships are inside the package
+(:func:`builtin_root`), so they travel with every install; a user's recipes
+keep theirs in the user's project (``./golden`` by default, ``--golden-dir`` or
+``$QCHECK_GOLDEN_DIR`` to move it). :func:`root_for` says which.
+
 A case holds the layer output, the quantized codes of one canonical einsum's
 operands (raw bits plus the ml_dtypes name, since .npz does not round-trip
 those types), the relative norm against ``none``, the train step's entry
@@ -28,11 +33,11 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from qcheck import cases as cases_mod
-from qcheck import _xla_env, checks, formats, step
-from qcheck.cases import SEED, Case, Variant
+from qcheck.suite import cases as cases_mod
+from qcheck import _process, checks, formats, step
+from qcheck.suite.cases import SEED, Case, Variant
 from qcheck.moe import MODELS, PATHS
-from qcheck.recipes import einsum_axes, get_recipe, recipe_names, recipe_source
+from qcheck.recipes import einsum_axes, get_recipe, is_builtin, recipe_names, recipe_source
 
 __all__ = [
     "DEFAULT_TOLERANCE",
@@ -40,11 +45,18 @@ __all__ = [
     "SCHEMA",
     "GoldenCase",
     "GoldenFileError",
+    "Collected",
+    "GoldenError",
     "add_command",
+    "builtin_root",
     "check_case",
     "collect",
     "golden_cases",
     "golden_dir",
+    "root_for",
+    "user_root",
+    "writable_here",
+    "write_cases",
     "measure",
     "read_case",
     "summarize",
@@ -64,6 +76,10 @@ CANONICAL_EQN = "tm,mh->th"
 _ROW_BYTES = 32  # one hex line of a stored array: a diff shows which rows moved
 _KEYS = ("schema", "digest", "case", "provenance", "tolerance", "rel_norm", "entry_params",
          "output_summary", "codes", "output")
+
+
+class GoldenError(ValueError):
+    """A golden directory or command that cannot be used as asked (a usage error: one line, no traceback)."""
 
 
 class GoldenFileError(ValueError):
@@ -105,36 +121,82 @@ def golden_dir(explicit: str | os.PathLike | None = None, *, default: str | os.P
     return Path(explicit or os.environ.get(ENV) or default)
 
 
-def collect(root: Path) -> tuple[list[GoldenCase], list[GoldenFileError]]:
-    """Every case expected or found under ``root``, and the files there that are not a case.
+def user_root(explicit: str | os.PathLike | None = None, *, default: str | os.PathLike = "golden",
+              must_exist: bool = False) -> Path:
+    """The user's golden directory, for the recipes qcheck does not ship: :func:`golden_dir` of ``default``.
 
-    Expected: every registered recipe × model × path. Found: any
-    ``<recipe>/<model>-<path>.json``, so a case for a recipe nobody registered
-    shows up instead of being ignored.
+    ``must_exist``: a directory named explicitly (flag or environment) that is
+    missing or not a directory is a :class:`GoldenError`.
     """
-    expected = golden_cases()
-    known = set(expected)
-    found, strays = [], []
-    for path in sorted(Path(root).glob("*/*.json")):
+    root = golden_dir(explicit, default=default)
+    named = explicit or os.environ.get(ENV)
+    if must_exist and named and not root.is_dir():
+        what = "is not a directory" if root.exists() else "does not exist"
+        source = "--golden-dir" if explicit else f"${ENV}"
+        raise GoldenError(f"golden directory {root} ({source}) {what}")
+    return root
+
+
+def builtin_root() -> Path:
+    """Where the golden cases of the recipes qcheck ships live: inside the installed package."""
+    return Path(__file__).resolve().parent / "golden_data"
+
+
+def root_for(recipe: str, user: Path) -> Path:
+    """The directory holding ``recipe``'s cases: the package's for qcheck's own recipes, else ``user``."""
+    return builtin_root() if is_builtin(recipe) else Path(user)
+
+
+def writable_here(recipe: str, project: Path | None = None) -> bool:
+    """Whether ``recipe``'s cases may be written from ``project`` (default: the working directory).
+
+    A user's recipes always; qcheck's own only from qcheck's checkout, where
+    the package's golden directory lies inside the project, never into an
+    installed qcheck: recording qcheck's reference on another machine would
+    erase the comparison it exists for.
+    """
+    if not is_builtin(recipe):
+        return True
+    return Path(project or Path.cwd()).resolve() in builtin_root().parents
+
+
+@dataclasses.dataclass(frozen=True)
+class Collected:
+    """What a golden directory holds for this run's recipes."""
+
+    cases: list[tuple[GoldenCase, Path]]  #: each case this run checks, with the directory it lives in
+    unloaded: list[tuple[Path, str]]  #: files of recipes this run did not load: reported, not checked
+    strays: list[GoldenFileError]  #: files no recipe could own: reported, not checked
+
+
+def collect(user: Path, recipes: tuple[str, ...] | None = None) -> Collected:
+    """The cases of ``recipes`` (default: every registered one), and what else lies in ``user``.
+
+    A file under ``user`` for a recipe this run did not load is listed in
+    ``unloaded`` (another run may load it); a file that is not named
+    ``<recipe>/<model>-<path>.json`` is listed in ``strays``.
+    """
+    chosen = golden_cases(recipes)
+    cases = [(c, root_for(c.recipe, user)) for c in chosen]
+    loaded = set(recipe_names())
+    unloaded, strays = [], []
+    for path in sorted(Path(user).glob("*/*.json")) if Path(user).is_dir() else ():
         model, _, p = path.stem.partition("-")
-        case = GoldenCase(path.parent.name, model, p)
-        if case in known:
-            continue
-        if model in MODELS and p in PATHS:
-            found.append(case)
-        else:
+        if model not in MODELS or p not in PATHS:
             strays.append(GoldenFileError(
-                path, f"is not named after a case: expected <model>-<path>.json with model in "
+                path, f"is not named after a case: expected <recipe>/<model>-<path>.json with model in "
                 f"{', '.join(MODELS)} and path in {', '.join(PATHS)}"))
-    return sorted(expected + found), strays
+        elif path.parent.name not in loaded:
+            unloaded.append((path, path.parent.name))
+    return Collected(cases, unloaded, strays)
 
 
 def add_command(recipe: str, root: Path) -> str:
     """The exact command that writes ``recipe``'s cases into ``root``."""
-    parts = ["python", "-m", "qcheck", "golden", "add", recipe]
+    parts = ["qcheck", "golden", "add", recipe]
     if (source := recipe_source(recipe)) is not None:
         parts += ["--recipes", source]
-    if Path(root).resolve() != golden_dir(default="golden").resolve():
+    if Path(root).resolve() not in (golden_dir(default="golden").resolve(), builtin_root()):
         parts += ["--golden-dir", str(root)]
     return shlex.join(parts)
 
@@ -202,7 +264,7 @@ def provenance() -> dict[str, Any]:
     import flax
     import jaxlib
 
-    backend = _xla_env.default_platform()  # where the cases' numerics ran
+    backend = _process.default_platform()  # where the cases' numerics ran
     device = jax.devices(backend)[0]
     return {
         "jax": jax.__version__,
@@ -363,14 +425,18 @@ def update_command(recipe: str, root: Path) -> str:
 
 
 def _atomic_write(path: Path, text: str) -> None:
+    _atomic_write_bytes(path, text.encode())
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     umask = os.umask(0)
     os.umask(umask)
     try:
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a golden file is an ordinary file
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -461,18 +527,21 @@ def check_case(case: GoldenCase, root: Path) -> None:
     file raises :class:`GoldenFileError`; a mismatch says which key, how far,
     and both sides' provenance.
     """
+    __tracebackhide__ = True
     path = case.file(root)
-    if not path.exists():
-        if case.recipe not in recipe_names():
-            raise AssertionError(f"golden case {case.id}: no recipe {case.recipe!r} is registered")
-        raise AssertionError(
-            f"golden case {case.id} has no file ({path}); create the recipe's cases with:\n"
-            f"  {add_command(case.recipe, root)}")
     if case.recipe not in recipe_names():
         raise AssertionError(
             f"golden case {case.id} ({path}) is for recipe {case.recipe!r}, which is not registered "
             f"(registered: {', '.join(recipe_names())}); name its module with --qcheck-recipes / "
             "--recipes, or install the package that provides it")
+    if not path.exists():
+        if Path(root).resolve() == builtin_root():
+            raise AssertionError(
+                f"golden case {case.id} has no file ({path}): it ships with qcheck, so this installation "
+                "is incomplete; reinstall qcheck")
+        raise AssertionError(
+            f"golden case {case.id} has no file ({path}); create the recipe's cases with:\n"
+            f"  {add_command(case.recipe, root)}")
     stored = read_case(case, root)
     problems = differences(stored, measure(case))
     if problems:
@@ -492,14 +561,50 @@ def summarize(lines: list[str]) -> str:
     return ", ".join(f"{n} {k}" for k, n in counts.items())
 
 
-def write_case(case: GoldenCase, root: Path, *, overwrite: bool) -> str:
-    """Measure ``case`` and write its file atomically; returns a one-line summary of what changed.
+def write_cases(cases: list[GoldenCase], user: Path, *, overwrite: bool) -> list[str]:
+    """Measure every case, then write all of their files or none; returns a summary line per case.
 
-    Without ``overwrite`` an existing file is a FileExistsError. With it, a file
-    whose values are bitwise unchanged is left alone (its provenance too).
+    Each case goes to :func:`root_for` its recipe. Without ``overwrite`` an
+    existing file is a FileExistsError before anything is measured. Nothing is
+    written until every case is measured, and a failure while writing restores
+    whatever had been written already, so a recipe never ends up half-recorded.
     """
+    targets = [(c, root_for(c.recipe, user)) for c in cases]
+    if not overwrite and (taken := [str(c.file(r)) for c, r in targets if c.file(r).exists()]):
+        raise FileExistsError(
+            f"golden files exist, nothing written: {', '.join(taken)}; rewrite them with "
+            f"`{update_command(cases[0].recipe, targets[0][1])}`")
+    for directory in {r for _, r in targets}:
+        _check_writable(directory)
+    planned = [(c.file(r), *_plan(c, r, overwrite=overwrite)) for c, r in targets]
+    done: list[tuple[Path, bytes | None]] = []
+    try:
+        for path, text, _ in planned:
+            if text is not None:
+                done.append((path, path.read_bytes() if path.exists() else None))
+                _atomic_write(path, text)
+    except BaseException:
+        for path, old in reversed(done):
+            if old is None:
+                path.unlink(missing_ok=True)
+            else:
+                _atomic_write_bytes(path, old)
+        raise
+    return [line for _, _, line in planned]
+
+
+def _check_writable(directory: Path) -> None:
+    """A golden directory we can create files in (made if missing), else a one-line GoldenError."""
+    existing = next((p for p in (directory, *directory.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise GoldenError(f"golden directory {directory}: {existing} is not a directory")
+    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+        raise GoldenError(f"golden directory {directory} is not writable ({existing}: permission denied)")
+
+
+def _plan(case: GoldenCase, root: Path, *, overwrite: bool) -> tuple[str | None, str]:
+    """What writing ``case`` would do: the file's new text (None: leave it) and the summary line."""
     path = case.file(root)
-    get_recipe(case.recipe)
     values = measure(case)
     if path.exists():
         if not overwrite:
@@ -509,12 +614,23 @@ def write_case(case: GoldenCase, root: Path, *, overwrite: bool) -> str:
         try:
             stored = read_case(case, root)
         except GoldenFileError as e:
-            _atomic_write(path, _render(to_record(case, values)))
-            return f"{path}: replaced an unusable file ({e})"
+            return _render(to_record(case, values)), f"{path}: replaced an unusable file ({e})"
         if _bitwise_same(stored, values):
-            return f"{path}: unchanged"
+            return None, f"{path}: unchanged"
         what = differences(stored, values) or [_moved_within_tolerance(stored, values)]
-        _atomic_write(path, _render(to_record(case, values, tolerance=stored.tolerance)))
-        return f"{path}: changed: " + "; ".join(what)
-    _atomic_write(path, _render(to_record(case, values)))
-    return f"{path}: new"
+        return (_render(to_record(case, values, tolerance=stored.tolerance)),
+                f"{path}: changed: " + "; ".join(what))
+    return _render(to_record(case, values)), f"{path}: new"
+
+
+def write_case(case: GoldenCase, root: Path, *, overwrite: bool) -> str:
+    """Measure ``case`` and write its file atomically; returns a one-line summary of what changed.
+
+    Without ``overwrite`` an existing file is a FileExistsError. With it, a file
+    whose values are bitwise unchanged is left alone (its provenance too).
+    """
+    get_recipe(case.recipe)
+    text, line = _plan(case, root, overwrite=overwrite)
+    if text is not None:
+        _atomic_write(case.file(root), text)
+    return line

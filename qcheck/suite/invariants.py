@@ -11,22 +11,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import numpy as np
 from flax import nnx
 
-from qcheck import cases as cases_mod
+from qcheck.suite import cases as cases_mod
 from qcheck import checks, step
-from qcheck._fast_jit import fast_jit
 from qcheck.bridge import Fp8Meta
-from qcheck.cases import BATCH, SEQ, Case, Variant
+from qcheck.suite.cases import BATCH, SEQ, Case, Variant
 from qcheck.moe import MoE
 from qcheck.recipes import ApplyRngs, Recipe, get_recipe
 
 __all__ = [
     "INVARIANTS",
     "Invariant",
+    "RunEnv",
     "assert_fp8_state_moves_only_in_backward",
     "assert_paths_agree",
     "assert_rng_state_constant",
@@ -53,6 +54,7 @@ PATHS_RTOL, PATHS_ATOL = 1e-5, 1e-6
 
 
 def _prefixed(prefix: str, fn: Callable[[], object]):
+    __tracebackhide__ = True
     try:
         return fn()
     except AssertionError as e:
@@ -65,18 +67,20 @@ def probe_group_sizes(rows: int, groups: int, seed: int) -> np.ndarray:
     return np.bincount(rng.integers(0, groups - 1, rows), minlength=groups).astype(np.int32)
 
 
-@fast_jit(static_argnums=(0, 1))
+@functools.partial(jax.jit, static_argnums=(0, 1))
 def _site_einsum(graphdef, eqn: str, state, lhs, rhs):
     return nnx.merge(graphdef, state, copy=True)(eqn, lhs, rhs)
 
 
-@fast_jit(static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0)
 def _site_ragged_dot(graphdef, state, lhs, rhs, group_sizes):
     return nnx.merge(graphdef, state, copy=True).ragged_dot(lhs, rhs, group_sizes)
 
 
 def assert_sites_cast_exact(layer: MoE, cast_dtype, label: str) -> None:
     """Every call site of a fresh ``layer`` equals the einsum (or ragged_dot) of cast operands, bitwise."""
+    __tracebackhide__ = True
+    __tracebackhide__ = True
     for i, (name, spec) in enumerate(layer.site_specs(BATCH, SEQ).items()):
         lhs, rhs = checks.probe_operands(i, spec.lhs_shape, spec.rhs_shape)
         # Jitted, as the layer runs it: one program per kind of site (cached on its
@@ -96,6 +100,7 @@ def assert_sites_cast_exact(layer: MoE, cast_dtype, label: str) -> None:
 
 def check_exact(case: Case) -> None:
     """:func:`assert_sites_cast_exact` on the case's fresh layer, with the recipe's cast dtype."""
+    __tracebackhide__ = True
     assert_sites_cast_exact(cases_mod.layer(case), get_recipe(case.recipe).cast_dtype, case.id)
 
 
@@ -105,6 +110,8 @@ def assert_sites_independent(layer: MoE, label: str) -> None:
     RNG streams are left out: under ``ApplyRngs.SHARED`` every site holds the
     caller's stream by design.
     """
+    __tracebackhide__ = True
+    __tracebackhide__ = True
     owner: dict[int, str] = {}
     seen_sites: dict[int, str] = {}
     for name, site in layer.sites.items():
@@ -125,6 +132,8 @@ def assert_sites_carry_no_rng_stream(layer: MoE, label: str) -> None:
 
     A stream kept anyway is the seed's cost: RNG state in the compiled step, once per site per layer.
     """
+    __tracebackhide__ = True
+    __tracebackhide__ = True
     if carrying := [name for name, site in layer.sites.items() if nnx.state(site, nnx.RngState)]:
         raise AssertionError(
             f"{label}: sites {carrying} of a recipe that never draws carry RNG streams (forked per site?)")
@@ -132,6 +141,7 @@ def assert_sites_carry_no_rng_stream(layer: MoE, label: str) -> None:
 
 def check_sites(case: Case) -> None:
     """:func:`assert_sites_independent` on the case's fresh layer; no streams if the recipe never draws."""
+    __tracebackhide__ = True
     layer = cases_mod.layer(case)
     assert_sites_independent(layer, case.id)
     if get_recipe(case.recipe).apply_rngs is ApplyRngs.NONE:
@@ -140,6 +150,7 @@ def check_sites(case: Case) -> None:
 
 def check_tracks(case: Case) -> float:
     """The layer output tracks its unquantized twin within the recipe's bound, and is not equal to it."""
+    __tracebackhide__ = True
     recipe = get_recipe(case.recipe)
     return _prefixed(case.id, lambda: checks.assert_tracks(
         cases_mod.layer_output(case),
@@ -162,6 +173,7 @@ def _unmoved(before: dict[str, np.ndarray], after: dict[str, np.ndarray], suffix
 
 def check_state(case: Case) -> None:
     """:func:`assert_fp8_state_moves_only_in_backward` on the case's fresh layer."""
+    __tracebackhide__ = True
     layer = cases_mod.layer(case)
     assert_fp8_state_moves_only_in_backward(
         layer, cases_mod.layer_input(case.variant.model), case.id, first=cases_mod.layer_step(case)
@@ -180,6 +192,8 @@ def assert_fp8_state_moves_only_in_backward(
     computed from the (empty) history the forward pass saw, so they move on the
     second step — delayed scaling, as in Flax and TransformerEngine.
     """
+    __tracebackhide__ = True
+    __tracebackhide__ = True
     fresh = fp8_meta_leaves(nnx.state(layer))
     if not fresh:
         raise AssertionError(f"{label}: the layer has no fp8 scales or amax histories")
@@ -202,6 +216,7 @@ def assert_fp8_state_moves_only_in_backward(
 
 def check_paths_agree(model: str, dropping: bool) -> float:
     """Unquantized dense and sparse layers compute the same function; returns the max abs difference."""
+    __tracebackhide__ = True
     dense = cases_mod.Variant(model, "dense", dropping)
     sparse = cases_mod.Variant(model, "sparse", dropping)
     return assert_paths_agree(
@@ -213,6 +228,8 @@ def check_paths_agree(model: str, dropping: bool) -> float:
 
 def assert_paths_agree(dense: np.ndarray, sparse: np.ndarray, label: str) -> float:
     """Dense and sparse outputs agree to float32 rounding; returns the max abs difference."""
+    __tracebackhide__ = True
+    __tracebackhide__ = True
     worst = float(np.max(np.abs(dense - sparse)))
     if not np.allclose(dense, sparse, rtol=PATHS_RTOL, atol=PATHS_ATOL):
         raise AssertionError(
@@ -244,6 +261,8 @@ def _step_entry_params(model: str, recipe: str, layers: int, apply_rngs: ApplyRn
 
 def assert_rng_state_constant(u32_by_depth: dict[int, int], label: str) -> int:
     """The step's u32 entry parameters do not depend on the number of layers."""
+    __tracebackhide__ = True
+    __tracebackhide__ = True
     if len(set(u32_by_depth.values())) != 1:
         raise AssertionError(
             f"{label}: RNG state grows with depth — u32 entry parameters by layer count: "
@@ -254,6 +273,8 @@ def assert_rng_state_constant(u32_by_depth: dict[int, int], label: str) -> int:
 
 def assert_rng_state_grows(u32_by_depth: dict[int, int], label: str) -> None:
     """Control: with a private stream per site, u32 entry parameters strictly grow with depth."""
+    __tracebackhide__ = True
+    __tracebackhide__ = True
     counts = [u32_by_depth[n] for n in sorted(u32_by_depth)]
     if not all(a < b for a, b in zip(counts, counts[1:])):
         raise AssertionError(
@@ -264,6 +285,7 @@ def assert_rng_state_grows(u32_by_depth: dict[int, int], label: str) -> None:
 
 def check_rng(case: Case) -> int:
     """The recipe's own RNG mode keeps step RNG state flat over 1/2/8 layers; forced PRIVATE grows."""
+    __tracebackhide__ = True
     model, label = case.variant.model, f"{case.recipe}-{case.variant.model}"
 
     def u32(mode, depths):
@@ -306,6 +328,8 @@ def assert_sharded_matches(single: np.ndarray, sharded: np.ndarray, label: str) 
     that changes the function (experts reassembled in the wrong order, a scale
     from one shard's amax) is orders of magnitude beyond it.
     """
+    __tracebackhide__ = True
+    __tracebackhide__ = True
     if single.shape != sharded.shape or single.dtype != sharded.dtype:
         raise AssertionError(f"{label}: sharded output is {sharded.shape} {sharded.dtype}, "
                              f"single-device {single.shape} {single.dtype}")
@@ -326,15 +350,26 @@ def check_sharded(case: Case) -> float:
     so no second single-device program is compiled for this check (on jax
     0.10.2 it is bitwise equal to the forward program's output anyway).
     """
+    __tracebackhide__ = True
     return assert_sharded_matches(cases_mod.layer_output(case), cases_mod.sharded_output(case), case.id)
 
 
-def check_golden(case: Case) -> None:
-    """The case matches its golden file in ``$QCHECK_GOLDEN_DIR`` or ./golden (see :mod:`qcheck.golden`)."""
-    from qcheck import golden
+@dataclasses.dataclass(frozen=True)
+class RunEnv:
+    """What a run's invariants need besides the case: where the user's golden cases live."""
+
+    golden_root: Path = Path("golden")
+
+
+def check_golden(case: Case, env: RunEnv = RunEnv()) -> None:
+    """The case matches its golden file (qcheck's own recipes: the package's; others: ``env.golden_root``)."""
+    __tracebackhide__ = True
+    __tracebackhide__ = True
+    from qcheck.suite import golden
 
     v = case.variant
-    golden.check_case(golden.GoldenCase(case.recipe, v.model, v.path), golden.golden_dir(default="golden"))
+    gcase = golden.GoldenCase(case.recipe, v.model, v.path)
+    golden.check_case(gcase, golden.root_for(case.recipe, env.golden_root))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,16 +378,20 @@ class Invariant:
 
     name: str
     applies: Callable[[Recipe, Variant], bool]
-    run: Callable[[Case], float | None]
+    run: Callable[[Case, RunEnv], float | None]
+
+
+def _case_only(check: Callable[[Case], float | None]) -> Callable[[Case, RunEnv], float | None]:
+    return lambda case, env: check(case)
 
 
 INVARIANTS: tuple[Invariant, ...] = (
-    Invariant("sites", lambda r, v: r.quantized, check_sites),
-    Invariant("exact", lambda r, v: r.cast_dtype is not None, check_exact),
-    Invariant("tracks", lambda r, v: r.quantized, check_tracks),
-    Invariant("state", lambda r, v: r.materialize_at_build, check_state),
-    Invariant("rng", _rng_applies, check_rng),
+    Invariant("sites", lambda r, v: r.quantized, _case_only(check_sites)),
+    Invariant("exact", lambda r, v: r.cast_dtype is not None, _case_only(check_exact)),
+    Invariant("tracks", lambda r, v: r.quantized, _case_only(check_tracks)),
+    Invariant("state", lambda r, v: r.materialize_at_build, _case_only(check_state)),
+    Invariant("rng", _rng_applies, _case_only(check_rng)),
     # Golden cases exist per model and path, without token dropping; so do sharded twins.
-    Invariant("sharded", lambda r, v: not v.dropping, check_sharded),
+    Invariant("sharded", lambda r, v: not v.dropping, _case_only(check_sharded)),
     Invariant("golden", lambda r, v: not v.dropping, check_golden),
 )

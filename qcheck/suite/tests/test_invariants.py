@@ -1,9 +1,12 @@
-"""The invariant suite: every registered recipe, both models, both paths, with and without dropping."""
+"""The invariant suite: every selected recipe, both models, both paths, with and without dropping.
+
+Each test is parametrized by qcheck's pytest plugin over the cases its
+invariant applies to (``@pytest.mark.qcheck_invariant``).
+"""
 
 import pytest
 
-from qcheck import invariants
-from qcheck.moe import MODELS
+from qcheck.suite import invariants
 
 
 @pytest.mark.qcheck_invariant("exact")
@@ -22,9 +25,8 @@ def test_fp8_state_moves_only_in_backward(qcheck_case):
     invariants.check_state(qcheck_case)
 
 
-@pytest.mark.parametrize("dropping", [False, True], ids=["no-drop", "drop"])
-@pytest.mark.parametrize("model", list(MODELS))
-def test_dense_and_sparse_compute_the_same_function(model, dropping):
+def test_dense_and_sparse_compute_the_same_function(qcheck_paths):
+    model, dropping = qcheck_paths
     assert invariants.check_paths_agree(model, dropping) <= invariants.PATHS_ATOL * 10
 
 

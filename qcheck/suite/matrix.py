@@ -1,5 +1,12 @@
 """The matrix the seeds tabulate by hand: every case, every invariant, pass or how it failed.
 
+A cell is ``pass`` (with its figure where the check measures one: ``tracks``
+the relative norm against ``none``, ``sharded`` the largest difference from the
+single-device output, ``rng`` the u32 entry parameters of the train step),
+``-`` (the invariant does not apply to the case) or ``FAIL [n]``, where ``[n]``
+points to the failure's full text below the table (and in ``--json``): the
+diagnosis and the command that fixes it are never cut.
+
 Cases are independent (same seed, same bits in any process), so the matrix can
 run them in worker processes (:func:`worker_pool`): compiling dominates and is
 single-threaded. On the 2-core CI machine two workers take one half to two
@@ -21,26 +28,29 @@ import tempfile
 from collections.abc import Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor
 
-from qcheck import _fast_jit, _xla_env, invariants
-from qcheck.cases import Case, cases
+from qcheck import _process
+from qcheck.suite import invariants
+from qcheck.suite.cases import Case, cases
 from qcheck.recipes import get_recipe
 
-__all__ = ["Cell", "PathsRow", "Row", "default_jobs", "format_table", "run_matrix", "run_paths_agree", "to_json",
-           "worker_pool"]
+__all__ = ["Cell", "PathsRow", "Row", "default_jobs", "failures", "format_table", "run_matrix", "run_paths_agree",
+           "to_json", "worker_pool"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
     status: str  #: "pass", "fail" or "n/a"
-    detail: str = ""  #: the figure, or the exception type and message
+    detail: str = ""  #: for a failure, the exception type and its whole message
     figure: float | int | None = None
 
-    def text(self) -> str:
+    def text(self, note: int | None = None) -> str:
         if self.status == "pass":
             if self.figure is None:
                 return "pass"
             return f"pass {self.figure}" if isinstance(self.figure, int) else f"pass {self.figure:.4f}"
-        return "-" if self.status == "n/a" else f"FAIL {self.detail}"
+        if self.status == "n/a":
+            return "-"
+        return "FAIL" if note is None else f"FAIL [{note}]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,19 +63,18 @@ class Row:
         return all(c.status != "fail" for c in self.cells.values())
 
 
-def _run(check, case: Case) -> Cell:
+def _run(check, *args) -> Cell:
     try:
-        figure = check(case)
+        figure = check(*args)
     except Exception as e:  # noqa: BLE001 - a cell reports any failure, as the seeds' table does
-        first_line = str(e).splitlines()[0] if str(e) else ""
-        return Cell("fail", f"{type(e).__name__}: {first_line}"[:160])
+        return Cell("fail", f"{type(e).__name__}: {e}")
     return Cell("pass", figure=figure)
 
 
-def _row(case: Case) -> Row:
+def _row(case: Case, env: invariants.RunEnv) -> Row:
     recipe = get_recipe(case.recipe)
     return Row(case, {
-        inv.name: _run(inv.run, case) if inv.applies(recipe, case.variant) else Cell("n/a")
+        inv.name: _run(inv.run, case, env) if inv.applies(recipe, case.variant) else Cell("n/a")
         for inv in invariants.INVARIANTS
     })
 
@@ -76,16 +85,17 @@ def run_matrix(
     models: tuple[str, ...] | None = None,
     paths: tuple[str, ...] | None = None,
     executor: Executor | None = None,
+    env: invariants.RunEnv = invariants.RunEnv(),
 ) -> list[Row]:
     """A row per case, in table order; computed in ``executor``'s workers when given."""
     selected = cases(recipes, models=models, paths=paths)
     if executor is None:
-        return [_row(c) for c in selected]
+        return [_row(c, env) for c in selected]
     # The costliest cases (the RNG invariant's decoder stacks) first, so no
     # worker is left with one at the end while the others idle.
     rng = next(inv for inv in invariants.INVARIANTS if inv.name == "rng")
     order = sorted(selected, key=lambda c: not rng.applies(get_recipe(c.recipe), c.variant))
-    done = dict(zip(order, executor.map(_row, order)))
+    done = dict(zip(order, executor.map(_row, order, [env] * len(order))))
     return [done[c] for c in selected]
 
 
@@ -132,10 +142,7 @@ def default_jobs() -> int:
 def _init_worker(recipe_modules: tuple[str, ...], cache_dir: str) -> None:
     from qcheck.recipes import import_recipes
 
-    _xla_env.configure(one_thread=True)  # this process has not started a backend yet
-    _xla_env.use_compilation_cache(cache_dir)
-    _xla_env.default_to_cpu()
-    _fast_jit.install()
+    _process.setup(worker=True, cache_dir=cache_dir)  # this process has not started a backend yet
     for spec in recipe_modules:
         import_recipes(spec)
 
@@ -152,7 +159,7 @@ def worker_pool(jobs: int, recipe_modules: tuple[str, ...] = ()) -> Iterator[Exe
     if jobs <= 1:
         yield None
         return
-    cache = os.environ.get(_xla_env.PERSISTENT_CACHE_ENV)
+    cache = os.environ.get(_process.PERSISTENT_CACHE_ENV)
     made = None if cache else tempfile.mkdtemp(prefix="qcheck-xla-")
     try:
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
@@ -163,17 +170,27 @@ def worker_pool(jobs: int, recipe_modules: tuple[str, ...] = ()) -> Iterator[Exe
             shutil.rmtree(made, ignore_errors=True)
 
 
+def failures(rows: list[Row]) -> list[tuple[str, str, str]]:
+    """``(case id, invariant, full text)`` of every failed cell, in table order: the notes under the table."""
+    return [(r.case.id, n, c.detail) for r in rows for n, c in r.cells.items() if c.status == "fail"]
+
+
 def format_table(rows: list[Row]) -> str:
+    """The table, then every failure in full, numbered as its cell says."""
     names = [inv.name for inv in invariants.INVARIANTS]
+    notes = {(case_id, n): i for i, (case_id, n, _) in enumerate(failures(rows), 1)}
     header = ["recipe", "model", "path", *names]
     body = [
         [r.case.recipe, r.case.variant.model, r.case.variant.id.split("-", 1)[1],
-         *(r.cells[n].text() for n in names)]
+         *(r.cells[n].text(notes.get((r.case.id, n))) for n in names)]
         for r in rows
     ]
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
     fmt = lambda line: "  ".join(s.ljust(w) for s, w in zip(line, widths)).rstrip()  # noqa: E731
-    return "\n".join([fmt(header), fmt(["-" * w for w in widths]), *map(fmt, body)])
+    lines = [fmt(header), fmt(["-" * w for w in widths]), *map(fmt, body)]
+    for i, (case_id, name, text) in enumerate(failures(rows), 1):
+        lines += ["", f"[{i}] {case_id} {name}:", *("    " + t for t in text.splitlines())]
+    return "\n".join(lines)
 
 
 def to_json(rows: list[Row]) -> str:

@@ -1,0 +1,1 @@
+"""qcheck's invariant suite, as pytest modules; the plugin collects them wherever recipes are selected."""
