@@ -1,0 +1,382 @@
+"""Time a reference commit against the working tree, interleaved (a benchmark, never a test).
+
+    python bench/compare.py --ref main                                   # suite and matrix, 2 rounds
+    python bench/compare.py --ref main --python python3.12 --rounds 3 --keep-envs ~/.cache/qcheck-bench \\
+        --json bench/compare.local.json --markdown
+    python bench/compare.py --ref HEAD~1 --only suite --pytest-args "tests/test_formats.py"
+
+This machine's speed drifts by a third within an hour, so two figures taken
+minutes apart say little about a change. This script checks REF out into a
+temporary git worktree, gives it and the working tree a venv each (same
+interpreter, ``pip install -e '.[test]'``), then runs every workload
+ref, new, ref, new, ... and judges the change by the per-round ratios.
+
+Workloads, each run cold in its own tree with its own venv (QCHECK_XLA_CACHE
+unset, everything else the same for both sides):
+  suite   pytest -n auto -p no:cacheprovider -q [--pytest-args]
+  matrix  python -m qcheck
+
+Per run: wall time, CPU time of the process tree (getrusage(RUSAGE_CHILDREN)
+deltas), exit status, pytest's summary counts, and the XLA compilations of every
+Python process, counted by bench/compile_counter.py (installed as
+sitecustomize.py on PYTHONPATH), not by the code under test. A round's ratios
+count only when both sides completed: exit 0, or for the suite, exit 1 with a
+summary line (tests failed, but the session ran to the end).
+
+Stdlib only: this process imports neither qcheck nor jax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import re
+import resource
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+WORKLOADS = ("suite", "matrix")
+SIDES = ("ref", "new")
+COMPILE_DIR_ENV = "QCHECK_BENCH_COMPILE_DIR"
+# Variables that would make one side's runs differ from the other's or warm: the
+# persistent compilation cache, the older in-conftest compile counter.
+_DROPPED_ENV = ("QCHECK_XLA_CACHE", "QCHECK_COUNT_COMPILES", "QCHECK_RUN_XLA_CACHE", "PYTHONHOME", "VIRTUAL_ENV")
+
+# "1 failed, 3 passed, 2 skipped, 1 warning in 3.10s" (pytest -q), also inside "=== ... ===".
+_SUMMARY = re.compile(r"^=*\s*((?:\d+ \w+(?:, )?)+|no tests ran) in [\d.]+s\b.*$")
+_COUNT = re.compile(r"(\d+) (\w+)")
+_PLURAL = {"error": "errors", "warning": "warnings"}
+
+
+# ----------------------------------------------------------------- pure parts
+
+
+def parse_pytest_summary(output: str) -> tuple[str, dict[str, int]] | None:
+    """pytest's final summary line in ``output`` and its counts (``errors``/``warnings`` always plural).
+
+    None when there is no summary line: pytest did not get to the end of a session.
+    """
+    for line in reversed(output.strip().splitlines()):
+        m = _SUMMARY.match(line.strip())
+        if m:
+            counts = {_PLURAL.get(k, k): int(n) for n, k in _COUNT.findall(m.group(1))}
+            return line.strip().strip("= "), counts
+    return None
+
+
+def ratio_stats(ref: list[float], new: list[float]) -> dict[str, float]:
+    """Medians per side, the ratio new/ref of the medians, and its spread: min and max of new_i / ref_i.
+
+    ``ref[i]`` and ``new[i]`` are round i's paired runs.
+    """
+    if len(ref) != len(new):
+        raise ValueError(f"ratio_stats: ref and new must pair up by round, got {len(ref)} and {len(new)} runs")
+    if not ref:
+        raise ValueError("ratio_stats: no rounds to compare (ref and new are empty)")
+    if min(ref) <= 0:
+        raise ValueError(f"ratio_stats: ref times must be positive, got {ref}")
+    per_round = [n / r for r, n in zip(ref, new)]
+    ref_median, new_median = statistics.median(ref), statistics.median(new)
+    return {"ref_median": ref_median, "new_median": new_median, "ratio": new_median / ref_median,
+            "ratio_min": min(per_round), "ratio_max": max(per_round)}
+
+
+def completed(record: dict) -> bool:
+    """Whether a run's time means something: it ran to the end (see the module docstring)."""
+    if record["exit"] == 0:
+        return True
+    return record["workload"] == "suite" and record["exit"] == 1 and record.get("summary") is not None
+
+
+def summarize(records: list[dict], workload: str) -> dict:
+    """One workload's row of the table from its per-round records of both sides."""
+    by = {side: sorted((r for r in records if r["workload"] == workload and r["side"] == side),
+                       key=lambda r: r["round"]) for side in SIDES}
+    pairs = [(a, b) for a, b in zip(by["ref"], by["new"]) if completed(a) and completed(b)]
+    row: dict = {"workload": workload, "rounds": len(by["ref"]), "rounds_compared": len(pairs)}
+    for side in SIDES:
+        runs = by[side]
+        row[f"{side}_failed_runs"] = [f"round {r['round']}: exit {r['exit']}" for r in runs if not completed(r)]
+        compiles = sorted({r["compiles"] for r in runs if r["compiles"] is not None})
+        row[f"{side}_compiles"] = compiles
+        tests = [r["counts"] for r in runs if r.get("counts")]
+        row[f"{side}_tests"] = tests[-1] if tests else {}
+    if pairs:
+        for figure in ("wall_s", "cpu_s"):
+            stats = ratio_stats([a[figure] for a, _ in pairs], [b[figure] for _, b in pairs])
+            row[figure] = {k: round(v, 3) for k, v in stats.items()}
+    return row
+
+
+def _compiles_text(values: list[int]) -> str:
+    return "-" if not values else str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}"
+
+
+def _tests_text(counts: dict[str, int]) -> str:
+    keys = ("passed", "failed", "errors", "skipped", "xfailed")
+    return " ".join(f"{counts[k]}{k[0] if k != 'errors' else 'E'}" for k in keys if counts.get(k)) or "-"
+
+
+def table_rows(rows: list[dict]) -> list[list[str]]:
+    """The table as text cells, a header first (shared by the plain and the markdown output)."""
+    out = [["workload", "figure", "ref median", "new median", "new/ref", "spread", "ref compiles",
+            "new compiles", "ref tests", "new tests"]]
+    for row in rows:
+        tail = [_compiles_text(row["ref_compiles"]), _compiles_text(row["new_compiles"]),
+                _tests_text(row["ref_tests"]), _tests_text(row["new_tests"])]
+        if "wall_s" not in row:
+            why = "; ".join(f"{s}: {', '.join(row[f'{s}_failed_runs'])}" for s in SIDES if row[f"{s}_failed_runs"])
+            out.append([row["workload"], "FAILED", "-", "-", "-", why or "no completed round", *tail])
+            continue
+        for figure in ("wall_s", "cpu_s"):
+            s = row[figure]
+            out.append([row["workload"], figure, f"{s['ref_median']:.2f}", f"{s['new_median']:.2f}",
+                        f"{s['ratio']:.3f}", f"{s['ratio_min']:.3f}-{s['ratio_max']:.3f}", *tail])
+    return out
+
+
+def format_plain(cells: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def format_markdown(cells: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(cells[0]) + " |", "|" + "---|" * len(cells[0])]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in cells[1:]]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------ trees and envs
+
+
+def _git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=root, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def _python_version(python: str) -> str:
+    return subprocess.run([python, "-c", "import platform; print(platform.python_version())"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+
+
+_VERSIONS = """
+import json, platform
+from importlib import metadata
+out = {"python": platform.python_version()}
+for pkg in ("jax", "jaxlib", "flax", "ml_dtypes", "numpy", "pytest", "pytest-xdist"):
+    try:
+        out[pkg] = metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+        out[pkg] = "absent"
+print(json.dumps(out))
+"""
+
+
+def env_versions(venv: Path) -> dict[str, str]:
+    """Package versions of a venv, from its metadata (nothing is imported)."""
+    done = subprocess.run([str(venv / "bin" / "python"), "-c", _VERSIONS], capture_output=True, text=True)
+    return json.loads(done.stdout) if done.returncode == 0 else {"error": done.stderr.strip()[-300:]}
+
+
+def ensure_env(venv: Path, tree: Path, python: str) -> bool:
+    """A venv at ``venv`` with ``tree`` installed editable with its test extras; True when reused."""
+    ready = venv / ".bench-ready"
+    if ready.exists() and (venv / "bin" / "python").exists():
+        return True
+    shutil.rmtree(venv, ignore_errors=True)
+    print(f"[compare] creating {venv} for {tree} ...", flush=True)
+    subprocess.run([python, "-m", "venv", str(venv)], check=True)
+    done = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "-e", ".[test]"],
+                          cwd=tree, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"[compare] pip install -e '.[test]' failed in {tree}:\n{done.stderr[-2000:]}")
+    ready.write_text(json.dumps({"tree": str(tree), "python": python}))
+    return False
+
+
+def _remove_worktree(root: Path, path: Path) -> None:
+    subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=root, capture_output=True)
+    shutil.rmtree(path, ignore_errors=True)
+    subprocess.run(["git", "worktree", "prune"], cwd=root, capture_output=True)
+
+
+def machine() -> dict:
+    model = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"nproc": usable, "cpu_count": os.cpu_count(), "cpu_model": model, "system": platform.platform()}
+
+
+# -------------------------------------------------------------------- runs
+
+
+def run_env(venv: Path, site_dir: Path, count_dir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENV}
+    env["PYTHONPATH"] = str(site_dir)  # the compile counter only; nothing of either tree
+    env[COMPILE_DIR_ENV] = str(count_dir)
+    env["VIRTUAL_ENV"] = str(venv)
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def command(workload: str, venv: Path, pytest_args: list[str]) -> list[str]:
+    python = str(venv / "bin" / "python")
+    if workload == "suite":
+        return [python, "-m", "pytest", "-n", "auto", "-p", "no:cacheprovider", "-q", *pytest_args]
+    return [python, "-m", "qcheck"]
+
+
+def run_once(workload: str, side: str, rnd: int, tree: Path, venv: Path, site_dir: Path,
+             pytest_args: list[str]) -> dict:
+    """One cold, timed run in ``tree`` with ``venv``; a run that cannot start is a record, not an exception."""
+    record: dict = {"workload": workload, "side": side, "round": rnd, "exit": None, "wall_s": None,
+                    "cpu_s": None, "summary": None, "counts": {}, "compiles": None, "processes": 0}
+    with tempfile.TemporaryDirectory(prefix="qcheck-bench-counts-") as count_dir:
+        cmd = command(workload, venv, pytest_args)
+        record["command"] = shlex.join(cmd)
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        start = time.perf_counter()
+        try:
+            done = subprocess.run(cmd, cwd=tree, env=run_env(venv, site_dir, Path(count_dir)),
+                                  capture_output=True, text=True)
+        except OSError as e:
+            record["error"] = f"could not start: {e}"
+            return record
+        wall = time.perf_counter() - start
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        tallies = [json.loads(p.read_text()) for p in Path(count_dir).glob("*.json")]
+    record.update(exit=done.returncode, wall_s=round(wall, 3),
+                  cpu_s=round((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), 3),
+                  compiles=sum(t["compiles"] for t in tallies),
+                  compile_s=round(sum(t["compile_s"] for t in tallies), 2),
+                  processes=len(tallies), processes_with_jax=sum(t["jax_imported"] for t in tallies))
+    text = done.stdout + "\n" + done.stderr
+    if workload == "suite" and (found := parse_pytest_summary(done.stdout)):
+        record["summary"], record["counts"] = found
+    elif workload == "matrix":
+        record["summary"] = (done.stdout.strip().splitlines() or [""])[-1][:200]
+    if done.returncode != 0:
+        record["output_tail"] = text.strip()[-1500:]
+    return record
+
+
+def _progress(r: dict) -> str:
+    if r["wall_s"] is None:
+        return f"[compare] round {r['round']} {r['workload']:6} {r['side']}: FAILED, {r.get('error')}"
+    status = "ok" if completed(r) else f"FAILED (exit {r['exit']})"
+    return (f"[compare] round {r['round']} {r['workload']:6} {r['side']}: wall {r['wall_s']:.2f} s, "
+            f"cpu {r['cpu_s']:.2f} s, {r['compiles']} compiles in {r['processes']} processes, {status}"
+            f"{', ' + r['summary'] if r['summary'] else ''}")
+
+
+# -------------------------------------------------------------------- main
+
+
+def _only(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"--only: unknown workload(s) {unknown or [text]}; valid: {', '.join(WORKLOADS)}")
+    return names
+
+
+def _rounds(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--rounds takes a positive integer, got {text!r}")
+    return int(text)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ref", required=True, help="the reference: any commit-ish (main, HEAD~1, a sha)")
+    p.add_argument("--python", default="python3", help="interpreter for both venvs (default: python3)")
+    p.add_argument("--rounds", type=_rounds, default=2, help="rounds of ref, new (default: 2)")
+    p.add_argument("--only", type=_only, default=list(WORKLOADS), metavar="W[,W]",
+                   help=f"workloads to run (default: {','.join(WORKLOADS)})")
+    p.add_argument("--pytest-args", default="", metavar="ARGS", help="extra pytest arguments, one shell-quoted string")
+    p.add_argument("--keep-envs", type=Path, metavar="DIR",
+                   help="keep the venvs here, keyed by commit (the tree's: by path) and python, to reuse them")
+    p.add_argument("--json", type=Path, metavar="FILE", help="write runs, table, versions and machine here")
+    p.add_argument("--markdown", action="store_true", help="also print the table as markdown")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    root = Path(_git(HERE, "rev-parse", "--show-toplevel"))
+    try:
+        ref_sha = _git(root, "rev-parse", "--verify", f"{args.ref}^{{commit}}")
+    except subprocess.CalledProcessError:
+        raise SystemExit(f"[compare] --ref: {args.ref!r} is not a commit in {root}")
+    python = shutil.which(args.python)
+    if python is None:
+        raise SystemExit(f"[compare] --python: {args.python!r} not found on PATH")
+    py_version = _python_version(python)
+    pytest_args = shlex.split(args.pytest_args)
+
+    scratch = Path(tempfile.mkdtemp(prefix="qcheck-bench-"))
+    envs = args.keep_envs.expanduser().resolve() if args.keep_envs else scratch / "envs"
+    envs.mkdir(parents=True, exist_ok=True)
+    # Under --keep-envs the ref's checkout has a fixed path per commit: its reused
+    # venv's editable install points there.
+    ref_tree = envs / f"src-{ref_sha[:12]}" if args.keep_envs else scratch / "ref"
+    tree_key = hashlib.sha1(str(root).encode()).hexdigest()[:10]
+    # The tree's pyproject is in the key: a changed entry point needs a fresh install.
+    pyproject = hashlib.sha1((root / "pyproject.toml").read_bytes()).hexdigest()[:8]
+    venvs = {"ref": envs / f"ref-{ref_sha[:12]}-py{py_version}",
+             "new": envs / f"tree-{tree_key}-{pyproject}-py{py_version}"}
+    trees = {"ref": ref_tree, "new": root}
+    site_dir = scratch / "site"
+    site_dir.mkdir()
+    shutil.copy(HERE / "compile_counter.py", site_dir / "sitecustomize.py")
+    records: list[dict] = []
+    try:
+        _remove_worktree(root, ref_tree)  # a checkout left by an interrupted run
+        _git(root, "worktree", "add", "--detach", str(ref_tree), ref_sha)
+        reused = {side: ensure_env(venvs[side], trees[side], python) for side in SIDES}
+        versions = {side: env_versions(venvs[side]) for side in SIDES}
+        for side in SIDES:
+            print(f"[compare] {side}: {trees[side]}, venv {venvs[side]} ({'reused' if reused[side] else 'new'}), "
+                  f"{versions[side]}", flush=True)
+        for rnd in range(1, args.rounds + 1):
+            for workload in args.only:
+                for side in SIDES:
+                    records.append(run_once(workload, side, rnd, trees[side], venvs[side], site_dir, pytest_args))
+                    print(_progress(records[-1]), flush=True)
+    finally:
+        _remove_worktree(root, ref_tree)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    rows = [summarize(records, w) for w in args.only]
+    cells = table_rows(rows)
+    print(f"\nref {args.ref} ({ref_sha[:12]}) vs working tree, {args.rounds} round(s), Python {py_version}; "
+          "new/ref: ratio of medians, spread: min-max of per-round ratios")
+    print(format_plain(cells))
+    if args.markdown:
+        print("\n" + format_markdown(cells))
+    if args.json:
+        head = _git(root, "rev-parse", "HEAD")
+        dirty = bool(_git(root, "status", "--porcelain"))
+        report = {"ref": {"arg": args.ref, "commit": ref_sha}, "new": {"path": str(root), "head": head, "dirty": dirty},
+                  "python": python, "rounds": args.rounds, "pytest_args": pytest_args, "machine": machine(),
+                  "versions": versions, "summary": rows, "runs": records}
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"[compare] wrote {args.json}")
+    return 0 if all("wall_s" in row for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""bench/compare.py's pure parts, and its compile counter in a real subprocess (no venvs are made here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def _load_compare():
+    spec = importlib.util.spec_from_file_location("bench_compare", _BENCH / "compare.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+compare = _load_compare()
+
+
+@pytest.mark.parametrize(
+    ("ref", "new", "ratio", "ratio_min", "ratio_max"),
+    [
+        ([10.0], [8.0], 0.8, 0.8, 0.8),
+        ([10.0, 20.0], [10.0, 10.0], 10.0 / 15.0, 0.5, 1.0),
+        # Medians, not means: one slow round does not move the ratio; the spread shows it.
+        ([10.0, 10.0, 40.0], [5.0, 20.0, 20.0], 2.0, 0.5, 2.0),
+    ],
+)
+def test_ratio_stats(ref, new, ratio, ratio_min, ratio_max):
+    stats = compare.ratio_stats(ref, new)
+    assert stats["ratio"] == pytest.approx(ratio, rel=1e-12)
+    assert (stats["ratio_min"], stats["ratio_max"]) == pytest.approx((ratio_min, ratio_max), rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("ref", "new", "match"),
+    [
+        ([1.0, 2.0], [1.0], "must pair up by round, got 2 and 1"),
+        ([], [], "no rounds to compare"),
+        ([0.0], [1.0], "ref times must be positive"),
+    ],
+)
+def test_ratio_stats_rejects(ref, new, match):
+    with pytest.raises(ValueError, match=match):
+        compare.ratio_stats(ref, new)
+
+
+@pytest.mark.parametrize(
+    ("output", "line", "counts"),
+    [
+        ("....\n4 passed in 2.54s\n", "4 passed in 2.54s", {"passed": 4}),
+        ("FAILED tests/test_a.py::test_x - assert 1\n1 failed, 3 passed, 2 skipped, 1 warning in 65.32s (0:01:05)",
+         "1 failed, 3 passed, 2 skipped, 1 warning in 65.32s (0:01:05)",
+         {"failed": 1, "passed": 3, "skipped": 2, "warnings": 1}),
+        ("==== 2 passed, 1 error in 0.50s ====\n", "2 passed, 1 error in 0.50s", {"passed": 2, "errors": 1}),
+        ("no tests ran in 0.01s\n", "no tests ran in 0.01s", {}),
+        ("1 xfailed, 3 deselected in 1.00s", "1 xfailed, 3 deselected in 1.00s", {"xfailed": 1, "deselected": 3}),
+    ],
+)
+def test_parse_pytest_summary(output, line, counts):
+    assert compare.parse_pytest_summary(output) == (line, counts)
+
+
+@pytest.mark.parametrize("output", ["", "Traceback (most recent call last):\nImportError: no qcheck\n",
+                                    "collected 3 items in the 2 files\n"])
+def test_parse_pytest_summary_none_without_a_summary(output):
+    assert compare.parse_pytest_summary(output) is None
+
+
+def _run(workload, side, rnd, wall, exit=0, summary="1 passed in 1s", compiles=7):
+    return {"workload": workload, "side": side, "round": rnd, "wall_s": wall, "cpu_s": 2 * wall, "exit": exit,
+            "summary": summary, "counts": {"passed": 1} if summary else {}, "compiles": compiles}
+
+
+def test_summarize_pairs_rounds_and_skips_a_failed_one():
+    records = [_run("suite", "ref", 1, 10.0), _run("suite", "new", 1, 5.0),
+               _run("suite", "ref", 2, 10.0), _run("suite", "new", 2, 99.0, exit=2, summary=None, compiles=3)]
+    row = compare.summarize(records, "suite")
+    assert row["rounds_compared"] == 1
+    assert row["wall_s"]["ratio"] == 0.5 and row["cpu_s"]["ratio"] == 0.5
+    assert row["new_failed_runs"] == ["round 2: exit 2"] and row["new_compiles"] == [3, 7]
+    assert compare.table_rows([row])[1][4:6] == ["0.500", "0.500-0.500"]
+
+
+def test_summarize_marks_a_workload_failed_when_no_round_completed():
+    # A tree without `python -m qcheck`: a row saying so, not a crash.
+    records = [_run("matrix", "ref", 1, 0.1, exit=1, summary=None), _run("matrix", "new", 1, 30.0)]
+    cells = compare.table_rows([compare.summarize(records, "matrix")])
+    assert cells[1][:2] == ["matrix", "FAILED"] and cells[1][5] == "ref: round 1: exit 1"
+    assert compare.format_markdown(cells).splitlines()[2].startswith("| matrix | FAILED |")
+
+
+@pytest.mark.parametrize(("argv", "match"), [
+    (["--ref", "main", "--only", "suite,bogus"], r"unknown workload\(s\) \['bogus'\]; valid: suite, matrix"),
+    (["--ref", "main", "--rounds", "0"], r"--rounds takes a positive integer, got '0'"),
+])
+def test_bad_arguments_are_named(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        compare._parser().parse_args(argv)
+    assert re.search(match, capsys.readouterr().err)
+
+
+# Two programs from numpy inputs: nothing else (no jnp.arange, whose iota is a program too) compiles.
+_TWO_PROGRAMS = """
+import numpy as np
+import jax
+x = np.ones(4, np.float32)
+jax.jit(lambda a: a * 2)(x).block_until_ready()
+jax.jit(lambda a: a + 1)(x).block_until_ready()
+"""
+
+
+def _counted(tmp_path: Path, script: str, **extra_env: str) -> tuple[list[dict], str]:
+    site, out = tmp_path / "site", tmp_path / "out"
+    site.mkdir()
+    out.mkdir()
+    shutil.copy(_BENCH / "compile_counter.py", site / "sitecustomize.py")
+    env = {**os.environ, "PYTHONPATH": str(site), compare.COMPILE_DIR_ENV: str(out), "JAX_PLATFORMS": "cpu",
+           **extra_env}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return [json.loads(p.read_text()) for p in out.glob("*.json")], done.stderr
+
+
+def test_compile_counter_counts_what_jax_logs(tmp_path):
+    tallies, log = _counted(tmp_path, _TWO_PROGRAMS, JAX_LOG_COMPILES="1")
+    assert [t["compiles"] for t in tallies] == [2]
+    assert log.count("Finished XLA compilation of jit(<lambda>)") == 2  # JAX's own account agrees
+
+
+def test_compile_counter_writes_zero_without_jax(tmp_path):
+    tallies, _ = _counted(tmp_path, "print('no jax here')")
+    assert tallies == [{"compiles": 0, "compile_s": 0, "argv": ["-c"], "jax_imported": False}]
+
+
+def test_compile_counter_is_off_without_its_directory(tmp_path):
+    tallies, _ = _counted(tmp_path, "print('off')", **{compare.COMPILE_DIR_ENV: ""})
+    assert tallies == []
+
+
+# The matrix's workers are spawned processes: each must leave its own count.
+_SPAWNED = """
+import multiprocessing
+import numpy as np
+
+def child():
+    import jax
+    jax.jit(lambda a: a - 1)(np.ones(2, np.float32)).block_until_ready()
+
+if __name__ == "__main__":
+    p = multiprocessing.get_context("spawn").Process(target=child)
+    p.start()
+    p.join()
+    assert p.exitcode == 0
+"""
+
+
+def test_compile_counter_counts_in_spawned_workers(tmp_path):
+    script = tmp_path / "spawned.py"
+    script.write_text(_SPAWNED)
+    tallies, _ = _counted(tmp_path, f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')")
+    # The parent, the worker, and multiprocessing's resource tracker: only the worker imported jax.
+    assert [t["compiles"] for t in tallies if t["jax_imported"]] == [1]
+    assert sum(t["compiles"] for t in tallies) == 1 and len(tallies) >= 2
