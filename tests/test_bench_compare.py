@@ -171,3 +171,17 @@ def test_compile_counter_counts_in_spawned_workers(tmp_path):
     # The parent, the worker, and multiprocessing's resource tracker: only the worker imported jax.
     assert [t["compiles"] for t in tallies if t["jax_imported"]] == [1]
     assert sum(t["compiles"] for t in tallies) == 1 and len(tallies) >= 2
+
+
+def test_a_run_that_cannot_start_is_a_failed_record(tmp_path):
+    record = compare.run_once("matrix", "ref", 1, tmp_path, tmp_path / "no-venv", tmp_path, [])
+    assert record["exit"] is None and record["error"].startswith("could not start: ")
+    assert not compare.completed(record)
+
+
+def test_a_kept_env_is_reused_without_running_pip(tmp_path):
+    venv = tmp_path / "ref-abc-py3.11.7"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").touch()
+    (venv / ".bench-ready").write_text("{}")
+    assert compare.ensure_env(venv, tmp_path, "/nonexistent/python") is True
