@@ -1,0 +1,275 @@
+"""Independent references for every qcheck number format, in numpy and ml_dtypes only.
+
+Each format is written from its definition, not from ``qcheck.formats``: this
+module imports neither JAX nor the code it referees, so a bug cannot be copied
+from one side to the other. Where qcheck makes a documented choice the
+definition leaves open (the all-zero scale, the cap on a current scale, the
+NVFP4 tensor scale and the order its divisions run in), the referee follows the
+choice, written again here, and the comment on the line names which it follows:
+``[def]`` a format's definition, ``[qcheck]`` a choice qcheck documents.
+
+Arithmetic is IEEE float32 (numpy does not flush subnormals). ``ftz=True``
+models a backend that does: every float32 read or written as a subnormal is
+zero of the same sign, as XLA's CPU backend computes (flush-to-zero and
+denormals-are-zero). It changes nothing for values away from float32's
+subnormal range.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+
+__all__ = ["referee_format_names", "reference_qdq", "reference_quantize"]
+
+_F32 = np.float32
+
+# [def] the element types, by format name.
+_FP8 = {
+    "e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+    "e4m3fnuz": np.dtype(ml_dtypes.float8_e4m3fnuz),
+    "e5m2": np.dtype(ml_dtypes.float8_e5m2),
+    "e5m2fnuz": np.dtype(ml_dtypes.float8_e5m2fnuz),
+}
+_CURRENT = {"e4m3fn_current": _FP8["e4m3fn"], "e5m2_current": _FP8["e5m2"]}
+_E2M1 = np.dtype(ml_dtypes.float4_e2m1fn)
+_E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
+_NAMES = ("int8", *_FP8, *_CURRENT, "nvfp4", "mxfp8")
+
+_INT8_BOUND = 127  # [def] symmetric int8: codes in [-127, 127], -128 unused
+_NVFP4_BLOCK = 16  # [def] NVIDIA NVFP4: 16 e2m1 elements share one e4m3 scale
+_MX_BLOCK = 32  # [def] OCP MX v1.0: k = 32 elements share one e8m0 scale
+_CURRENT_SCALE_CAP = _F32(2.0**126)  # [qcheck] formats.CURRENT_MAX_SCALE: 1/cap stays a normal float32
+
+
+def _fmax(dtype: np.dtype) -> _F32:
+    return _F32(ml_dtypes.finfo(dtype).max)
+
+
+_E2M1_MAX = _fmax(_E2M1)  # 6
+_E4M3_MAX = _fmax(_FP8["e4m3fn"])  # 448
+# [def] OCP MX: emax of the element type, the exponent of its largest binade (448 = 1.75 · 2^8).
+_E4M3_EMAX = int(np.frexp(_E4M3_MAX)[1]) - 1
+_E8M0_MIN, _E8M0_MAX = -127, 127  # [def] e8m0 encodes 2^-127 .. 2^127 (bits 0..254)
+# [def] the non-negative e2m1 values, read off the type itself.
+_E2M1_GRID = np.unique(np.abs(np.arange(16, dtype=np.uint8).view(_E2M1).astype(_F32)))
+
+
+def referee_format_names() -> tuple[str, ...]:
+    """The format names the referee knows."""
+    return _NAMES
+
+
+def _flush(a: np.ndarray, ftz: bool) -> np.ndarray:
+    """``a`` with float32 subnormals replaced by zero of the same sign, when ``ftz``."""
+    if not ftz:
+        return a
+    a = np.asarray(a, _F32)
+    return np.where(np.abs(a) < np.finfo(_F32).tiny, np.copysign(_F32(0), a), a).astype(_F32)
+
+
+def _saturate(v: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    # [def] a saturating cast: clip to ±max, then round to nearest even (ml_dtypes' cast).
+    # NaN passes through the clip and stays NaN; ±inf becomes ±max.
+    m = _fmax(dtype)
+    return np.clip(v, -m, m).astype(dtype)
+
+
+def _axes(axis: int | tuple[int, ...], ndim: int) -> tuple[int, ...]:
+    raw = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    if not raw:
+        raise ValueError("axis must name at least one axis, got ()")
+    for a in raw:
+        if not -ndim <= a < ndim:
+            raise ValueError(f"axis {a} is out of range for x of rank {ndim}")
+    return tuple(sorted({int(a) % ndim for a in raw}))
+
+
+class _Blocks:
+    """``x`` with ``axes`` moved last (in order) and flattened into ``[..., n_blocks, block]``."""
+
+    def __init__(self, shape: tuple[int, ...], axes: tuple[int, ...], block: int, fmt: str):
+        self.rest = [a for a in range(len(shape)) if a not in axes]
+        self.perm = (*self.rest, *axes)
+        self.moved = tuple(shape[a] for a in self.perm)
+        k = math.prod(shape[a] for a in axes)
+        if k % block:
+            raise ValueError(f"{fmt}: axis {axes} holds {k} elements, not a whole number of blocks of {block}")
+        self.shape = (*self.moved[: len(self.rest)], k // block, block)
+
+    def split(self, x: np.ndarray) -> np.ndarray:
+        return np.transpose(x, self.perm).reshape(self.shape)
+
+    def join(self, b: np.ndarray) -> np.ndarray:
+        return np.transpose(b.reshape(self.moved), np.argsort(self.perm))
+
+
+def _int8(x: np.ndarray, axes: tuple[int, ...], ftz: bool):
+    # [def] symmetric absmax: scale = max|x| over the contraction axes / 127.
+    scale = _flush(np.max(np.abs(x), axis=axes, keepdims=True) / _F32(_INT8_BOUND), ftz)
+    # [qcheck] a slice whose scale is zero keeps scale 1, so zeros stay zeros.
+    scale = np.where(scale > 0, scale, _F32(1)).astype(_F32)
+    # [def] round half to even, then clip to ±127.
+    codes = np.clip(np.round(_flush(x / scale, ftz)), -_INT8_BOUND, _INT8_BOUND).astype(np.int8)
+    return codes, {"slice": scale}
+
+
+def _current(x: np.ndarray, dtype: np.dtype, ftz: bool):
+    # [def] TransformerEngine current scaling: one scale for the whole tensor, fmax / amax.
+    amax = _F32(np.max(np.abs(x)))
+    if amax > 0:
+        with np.errstate(over="ignore"):
+            # [qcheck] capped at CURRENT_MAX_SCALE (2^126) so 1 / scale stays normal.
+            scale = min(_fmax(dtype) / amax, _CURRENT_SCALE_CAP)
+    else:
+        scale = _F32(1)  # [qcheck] an all-zero tensor has scale 1
+    scale = _F32(scale)
+    return _saturate(_flush(x * scale, ftz), dtype), {"tensor": np.asarray(scale, _F32)}
+
+
+def _mxfp8(x: np.ndarray, axes: tuple[int, ...], ftz: bool):
+    b = _Blocks(x.shape, axes, _MX_BLOCK, "mxfp8")
+    blocks = b.split(x)
+    amax = np.max(np.abs(blocks), axis=-1, keepdims=True)
+    _, e = np.frexp(amax)  # amax = m · 2^e, m in [0.5, 1): floor(log2 amax) = e - 1, exactly
+    # [def] X = 2^(floor(log2 amax) - emax_elem), clamped to e8m0's range.
+    # [qcheck] a zero block (and a subnormal one) takes the smallest scale, 2^-127.
+    exp = np.where(amax >= np.finfo(_F32).tiny, np.clip(e - 1 - _E4M3_EMAX, _E8M0_MIN, _E8M0_MAX), _E8M0_MIN)
+    exp = exp.astype(np.int32)
+    # [def] elements x / X, saturating to e4m3fn; ldexp by a power of two is exact.
+    codes = _saturate(_flush(np.ldexp(blocks, -exp).astype(_F32), ftz), _FP8["e4m3fn"])
+    scale = (exp[..., 0] - _E8M0_MIN).astype(np.uint8).view(_E8M0)  # [def] e8m0 bits = exponent + 127
+    return b.join(codes), {"block": scale}
+
+
+def _nvfp4(x: np.ndarray, axes: tuple[int, ...], uniforms: np.ndarray | None, ftz: bool):
+    b = _Blocks(x.shape, axes, _NVFP4_BLOCK, "nvfp4")
+    blocks = b.split(x)
+    amax = _F32(np.max(np.abs(blocks)))
+    # [qcheck] per-tensor encode scale 6 · 448 / amax (NVIDIA's, as qcheck defines it); a
+    # tensor for which it is not a finite float32 is flushed: block scales 0, codes 0.
+    with np.errstate(over="ignore", divide="ignore"):
+        s_enc = _F32(_E2M1_MAX * _E4M3_MAX) / amax
+    representable = bool(np.isfinite(s_enc)) and amax > 0
+    if not representable:
+        s_enc = _F32(1)
+    block_amax = np.max(np.abs(blocks), axis=-1, keepdims=True)
+    # [def] block decode scale amax_b / 6 in tensor units, stored e4m3fn (saturating);
+    # [qcheck] computed as amax_b · (s_enc / 6), in that order.
+    s_block = _saturate(_flush(block_amax * (s_enc / _E2M1_MAX), ftz), _FP8["e4m3fn"])
+    if not representable:
+        s_block = np.zeros_like(s_block)
+    sb = s_block.astype(_F32)
+    nonzero = sb > 0
+    # [qcheck] encode = s_enc / s_block per block, decode = 1 / encode (not s_block / s_enc).
+    encode = (s_enc / np.where(nonzero, sb, _F32(1))).astype(_F32)
+    decode = (_F32(1) / encode).astype(_F32)
+    # [def] scaled elements clip to e2m1's ±6, then round to an e2m1 value.
+    v = np.clip(_flush(blocks * encode, ftz), -_E2M1_MAX, _E2M1_MAX)
+    if uniforms is None:
+        q = v.astype(_E2M1).astype(_F32)  # [def] round to nearest, ties to even
+    else:
+        q = _stochastic_e2m1(v, b.split(uniforms))
+    q = np.where(nonzero, q, _F32(0))  # [qcheck] a block with scale 0 has codes 0
+    scales = {"block": s_block[..., 0], "tensor": np.asarray(s_enc, _F32)}
+    return b.join(q).astype(_E2M1), scales
+
+
+def _stochastic_e2m1(v: np.ndarray, u: np.ndarray) -> np.ndarray:
+    # [def] unbiased stochastic rounding: between the grid neighbours lo <= |v| <= hi, take
+    # hi when u < (|v| - lo) / (hi - lo), u uniform in [0, 1); the sign is v's.
+    a = np.abs(v)
+    i = np.clip(np.searchsorted(_E2M1_GRID, a, side="right") - 1, 0, _E2M1_GRID.size - 1)
+    lo, hi = _E2M1_GRID[i], _E2M1_GRID[np.minimum(i + 1, _E2M1_GRID.size - 1)]
+    gap = hi - lo
+    p_up = np.where(gap > 0, (a - lo) / np.where(gap > 0, gap, _F32(1)), _F32(0)).astype(_F32)
+    return np.copysign(np.where(u < p_up, hi, lo), v).astype(_F32)
+
+
+def _check(x: np.ndarray, fmt: str, uniforms: np.ndarray | None) -> np.ndarray:
+    if fmt not in _NAMES:
+        raise ValueError(f"unknown format {fmt!r}; valid formats: {', '.join(_NAMES)}")
+    x = np.asarray(x)
+    if x.dtype != _F32:
+        raise TypeError(f"x must be a float32 array (the referee computes in IEEE float32), got dtype {x.dtype}")
+    if uniforms is not None:
+        if fmt != "nvfp4":
+            raise ValueError(f"uniforms is for nvfp4's stochastic rounding; format {fmt!r} rounds to nearest")
+        if np.shape(uniforms) != x.shape:
+            raise ValueError(f"uniforms must have x's shape {x.shape}, got {np.shape(uniforms)}")
+    return x
+
+
+def reference_quantize(
+    x: np.ndarray,
+    fmt: str,
+    *,
+    axis: int | tuple[int, ...] = -1,
+    uniforms: np.ndarray | None = None,
+    ftz: bool = False,
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """``x`` (float32) in format ``fmt``: ``(codes, scales)``, laid out as ``qcheck.formats.quantize`` stores them.
+
+    ``codes`` has ``x``'s shape in the format's element type (int8, a float8
+    type, float4_e2m1fn for ``nvfp4``); ``scales`` has the same names, types and
+    shapes as qcheck's (``slice``; ``tensor``; ``block`` and ``tensor``;
+    ``block``). ``axis`` is the contraction axes (int8's slices, the block
+    formats' blocks). ``uniforms`` (``x``'s shape, in [0, 1)) makes ``nvfp4``
+    round stochastically: element i rounds up when ``uniforms[i]`` is below its
+    distance to the lower neighbour. ``ftz`` flushes float32 subnormals.
+    """
+    x = _check(x, fmt, uniforms)
+    axes = _axes(axis, x.ndim)
+    x = _flush(x, ftz)
+    if fmt == "int8":
+        return _int8(x, axes, ftz)
+    if fmt in _FP8:
+        return _saturate(x, _FP8[fmt]), {}  # [def] the element type at scale 1, saturating
+    if fmt in _CURRENT:
+        return _current(x, _CURRENT[fmt], ftz)
+    if fmt == "mxfp8":
+        return _mxfp8(x, axes, ftz)
+    return _nvfp4(x, axes, None if uniforms is None else np.asarray(uniforms, _F32), ftz)
+
+
+def reference_dequantize(
+    codes: np.ndarray, scales: dict[str, np.ndarray], fmt: str, *, axis: int | tuple[int, ...] = -1, ftz: bool = False
+) -> np.ndarray:
+    """The float32 values ``codes`` and ``scales`` stand for."""
+    if fmt not in _NAMES:
+        raise ValueError(f"unknown format {fmt!r}; valid formats: {', '.join(_NAMES)}")
+    c = np.asarray(codes).astype(_F32)
+    axes = _axes(axis, c.ndim)
+    if fmt == "int8":
+        out = c * scales["slice"]  # [def] x = code · scale; exact in float32 (7 × 24 bits)
+    elif fmt in _FP8:
+        out = c
+    elif fmt in _CURRENT:
+        out = c * (_F32(1) / scales["tensor"])  # [def] decode scale 1 / scale
+    elif fmt == "mxfp8":
+        b = _Blocks(c.shape, axes, _MX_BLOCK, "mxfp8")
+        exp = scales["block"].view(np.uint8).astype(np.int32) + _E8M0_MIN
+        out = b.join(np.ldexp(b.split(c), exp[..., None]))  # [def] x = code · 2^e, exact
+    else:
+        b = _Blocks(c.shape, axes, _NVFP4_BLOCK, "nvfp4")
+        sb = scales["block"].astype(_F32)[..., None]
+        nonzero = sb > 0
+        # [qcheck] code · (1 / (s_enc / s_block)), the encode scale recomputed as quantize did.
+        decode = _F32(1) / (scales["tensor"] / np.where(nonzero, sb, _F32(1)))
+        out = b.join(np.where(nonzero, b.split(c) * decode, _F32(0)))
+    return _flush(np.asarray(out, _F32), ftz)
+
+
+def reference_qdq(
+    x: np.ndarray,
+    fmt: str,
+    *,
+    axis: int | tuple[int, ...] = -1,
+    uniforms: np.ndarray | None = None,
+    ftz: bool = False,
+) -> np.ndarray:
+    """Quantize then dequantize ``x`` (float32) in ``fmt``, in float32; see :func:`reference_quantize`."""
+    codes, scales = reference_quantize(x, fmt, axis=axis, uniforms=uniforms, ftz=ftz)
+    return reference_dequantize(codes, scales, fmt, axis=axis, ftz=ftz)
