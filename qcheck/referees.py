@@ -12,7 +12,10 @@ Arithmetic is IEEE float32 (numpy does not flush subnormals). ``ftz=True``
 models a backend that does: every float32 read or written as a subnormal is
 zero of the same sign, as XLA's CPU backend computes (flush-to-zero and
 denormals-are-zero). It changes nothing for values away from float32's
-subnormal range.
+subnormal range. ``xla_reciprocal=True`` models the one rewrite of qcheck's
+arithmetic XLA makes that moves a quantizer's bits: it turns int8's ``amax /
+127`` (a division by a constant) into ``amax · float32(1/127)``, one ulp away in
+about 4% of slices (measured on XLA CPU, jax 0.10.2, eager and jitted).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import math
 import ml_dtypes
 import numpy as np
 
-__all__ = ["referee_format_names", "reference_qdq", "reference_quantize"]
+__all__ = ["referee_format_names", "reference_dequantize", "reference_qdq", "reference_quantize"]
 
 _F32 = np.float32
 
@@ -106,9 +109,11 @@ class _Blocks:
         return np.transpose(b.reshape(self.moved), np.argsort(self.perm))
 
 
-def _int8(x: np.ndarray, axes: tuple[int, ...], ftz: bool):
-    # [def] symmetric absmax: scale = max|x| over the contraction axes / 127.
-    scale = _flush(np.max(np.abs(x), axis=axes, keepdims=True) / _F32(_INT8_BOUND), ftz)
+def _int8(x: np.ndarray, axes: tuple[int, ...], ftz: bool, xla_reciprocal: bool):
+    # [def] symmetric absmax: scale = max|x| over the contraction axes / 127
+    # ([XLA] or times the float32 reciprocal of 127, as XLA computes it).
+    amax = np.max(np.abs(x), axis=axes, keepdims=True)
+    scale = _flush(amax * (_F32(1) / _F32(_INT8_BOUND)) if xla_reciprocal else amax / _F32(_INT8_BOUND), ftz)
     # [qcheck] a slice whose scale is zero keeps scale 1, so zeros stay zeros.
     scale = np.where(scale > 0, scale, _F32(1)).astype(_F32)
     # [def] round half to even, then clip to ±127.
@@ -148,13 +153,13 @@ def _nvfp4(x: np.ndarray, axes: tuple[int, ...], uniforms: np.ndarray | None, ft
     b = _Blocks(x.shape, axes, _NVFP4_BLOCK, "nvfp4")
     blocks = b.split(x)
     amax = _F32(np.max(np.abs(blocks)))
-    # [qcheck] per-tensor encode scale 6 · 448 / amax (NVIDIA's, as qcheck defines it); a
-    # tensor for which it is not a finite float32 is flushed: block scales 0, codes 0.
-    with np.errstate(over="ignore", divide="ignore"):
-        s_enc = _F32(_E2M1_MAX * _E4M3_MAX) / amax
-    representable = bool(np.isfinite(s_enc)) and amax > 0
-    if not representable:
-        s_enc = _F32(1)
+    # [qcheck] per-tensor encode scale 6 · 448 / amax (NVIDIA's, as qcheck defines it). A
+    # tensor whose amax is not above 6 · 448 / float32 max (rounded to float32) is flushed:
+    # block scales 0, codes 0. At that amax itself the scale, 3.4028233e38, is still finite,
+    # but qcheck's comparison is strict (formats.NVFP4_MIN_AMAX), and so is this one.
+    min_amax = _F32(float(_E2M1_MAX) * float(_E4M3_MAX) / float(np.finfo(_F32).max))
+    representable = bool(amax > min_amax)
+    s_enc = _F32(_E2M1_MAX * _E4M3_MAX) / amax if representable else _F32(1)
     block_amax = np.max(np.abs(blocks), axis=-1, keepdims=True)
     # [def] block decode scale amax_b / 6 in tensor units, stored e4m3fn (saturating);
     # [qcheck] computed as amax_b · (s_enc / 6), in that order.
@@ -209,6 +214,7 @@ def reference_quantize(
     axis: int | tuple[int, ...] = -1,
     uniforms: np.ndarray | None = None,
     ftz: bool = False,
+    xla_reciprocal: bool = False,
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """``x`` (float32) in format ``fmt``: ``(codes, scales)``, laid out as ``qcheck.formats.quantize`` stores them.
 
@@ -218,13 +224,14 @@ def reference_quantize(
     ``block``). ``axis`` is the contraction axes (int8's slices, the block
     formats' blocks). ``uniforms`` (``x``'s shape, in [0, 1)) makes ``nvfp4``
     round stochastically: element i rounds up when ``uniforms[i]`` is below its
-    distance to the lower neighbour. ``ftz`` flushes float32 subnormals.
+    distance to the lower neighbour. ``ftz`` and ``xla_reciprocal`` model XLA
+    (see the module docstring); both off is the definition.
     """
     x = _check(x, fmt, uniforms)
     axes = _axes(axis, x.ndim)
     x = _flush(x, ftz)
     if fmt == "int8":
-        return _int8(x, axes, ftz)
+        return _int8(x, axes, ftz, xla_reciprocal)
     if fmt in _FP8:
         return _saturate(x, _FP8[fmt]), {}  # [def] the element type at scale 1, saturating
     if fmt in _CURRENT:
@@ -269,7 +276,8 @@ def reference_qdq(
     axis: int | tuple[int, ...] = -1,
     uniforms: np.ndarray | None = None,
     ftz: bool = False,
+    xla_reciprocal: bool = False,
 ) -> np.ndarray:
     """Quantize then dequantize ``x`` (float32) in ``fmt``, in float32; see :func:`reference_quantize`."""
-    codes, scales = reference_quantize(x, fmt, axis=axis, uniforms=uniforms, ftz=ftz)
+    codes, scales = reference_quantize(x, fmt, axis=axis, uniforms=uniforms, ftz=ftz, xla_reciprocal=xla_reciprocal)
     return reference_dequantize(codes, scales, fmt, axis=axis, ftz=ftz)

@@ -1,0 +1,298 @@
+"""Every qcheck format held bitwise to its numpy/ml_dtypes referee, and each comparison shown to fail.
+
+Shapes are fixed (the property tests' SHAPE, one 3-d shape for several
+contraction axes, one EDGE shape for the tables), so each format compiles a
+handful of programs however many examples hypothesis draws.
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from qcheck import formats, referees
+from qcheck._referee_checks import NVFP4_JIT_DECODE_ULPS, assert_format_matches_referee, nvfp4_uniforms
+from tests import format_properties as fp
+from tests.helpers import conversion_probes
+from tests.test_format_properties import VALUES
+
+FORMATS = formats.format_names()
+EDGE = (64, 64)  # the tables' shape: values repeat to fill it (blocks of 16 and 32, slices of 64)
+F32 = np.float32
+
+# Every finite float32, subnormals included: CPU's flush is a named exclusion, not a filter.
+FULL_RANGE = hnp.arrays(F32, fp.SHAPE, elements=st.floats(width=32, allow_nan=False, allow_infinity=False))
+STACKED = hnp.arrays(F32, (2, 4, 32), elements=st.floats(-1e4, 1e4, width=32, allow_nan=False))
+
+
+def _fill(values, shape=EDGE) -> np.ndarray:
+    return np.resize(np.asarray(values, F32), shape)
+
+
+def test_referee_knows_every_format():
+    assert referees.referee_format_names() == FORMATS
+
+
+# -- hypothesis: the property tests' inputs, every format ------------------------------------
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@given(x=VALUES)
+def test_format_matches_referee_on_the_property_inputs(fmt, x):
+    assert_format_matches_referee(x, fmt, axis=-1)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@given(x=FULL_RANGE)
+def test_format_matches_referee_over_all_of_float32(fmt, x):
+    assert_format_matches_referee(x, fmt, axis=-1)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@given(x=STACKED)
+def test_format_matches_referee_over_two_contraction_axes(fmt, x):
+    assert_format_matches_referee(x, fmt, axis=(0, 2))
+
+
+@pytest.mark.parametrize("axis", [-1, (0, 2)])
+@given(x=STACKED, seed=st.integers(0, 2**31 - 1))
+def test_nvfp4_stochastic_rounding_matches_referee(axis, x, seed):
+    assert_format_matches_referee(x, "nvfp4", axis=axis, rng=jax.random.key(seed))
+
+
+# -- edge-case tables --------------------------------------------------------------------------
+
+
+def _fp8_probes(fmt):
+    return conversion_probes(referees._FP8[fmt])  # every value, every midpoint and its neighbours
+
+
+# Scale-1 windows: int8 with amax 127, mxfp8 blocks with amax in [256, 512), nvfp4 with
+# tensor amax 2688 (encode scale 1) and a block amax of 6 (block scale 1).
+INT8_TIES = [127.0, -127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, np.nextafter(F32(0.5), F32(1)), 3.5]
+_E4M3_PROBES = conversion_probes(ml_dtypes.float8_e4m3fn)
+_E4M3_PROBES = _E4M3_PROBES[np.abs(_E4M3_PROBES) <= 448]
+# Blocks of 32: 300 (so the scale is 2^0), then 31 probes; the probes pad to whole blocks.
+MX_TIES = np.concatenate([[300.0, *chunk, *[0.0] * (31 - len(chunk))]
+                          for chunk in np.array_split(_E4M3_PROBES, -(-_E4M3_PROBES.size // 31))])
+E2M1_TIES = [2688.0] + [0.0] * 15 + [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -1.25, -5.0,
+                                     0.2500001, 0.2499999, 4.999999, 5.000001, -0.0]
+
+
+@pytest.mark.parametrize(
+    "fmt, values",
+    [
+        *[(f, _fp8_probes(f)) for f in ("e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz")],
+        ("int8", INT8_TIES),
+        ("mxfp8", MX_TIES),
+        ("nvfp4", E2M1_TIES),
+        ("e4m3fn_current", [448.0, *conversion_probes(ml_dtypes.float8_e4m3fn)]),
+        ("e5m2_current", [57344.0, *conversion_probes(ml_dtypes.float8_e5m2)]),
+    ],
+    ids=["e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz", "int8", "mxfp8", "nvfp4", "e4m3fn_current", "e5m2_current"],
+)
+def test_ties_and_grid_neighbours_match_referee(fmt, values):
+    assert_format_matches_referee(_fill(values), fmt, axis=-1)
+
+
+@pytest.mark.parametrize(
+    "fmt, values, saturated",
+    [
+        ("e4m3fn", [448.0, 464.0, 464.01, 1e6, -464.01, np.inf, -np.inf], 448.0),
+        ("e4m3fnuz", [240.0, 247.0, 247.9, 248.0, 1e4, -248.0, np.inf], 240.0),
+        ("e5m2", [57344.0, 61439.0, 61440.0, 1e9, -61441.0, np.inf], 57344.0),
+        ("e5m2fnuz", [57344.0, 61440.0, 1e9, -61441.0, -np.inf], 57344.0),
+        # Blocks whose amax mantissa is past e4m3's 1.75: 500 at scale 2^0 saturates to 448.
+        ("mxfp8", [500.0, 449.0, 448.0, 300.0, -511.0], 448.0),
+    ],
+)
+def test_saturation_matches_referee(fmt, values, saturated):
+    x = _fill(values)
+    assert_format_matches_referee(x, fmt, axis=-1)
+    assert np.max(referees.reference_qdq(x, fmt)) == saturated  # the row really reaches the format's max
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz"])
+def test_nan_stays_nan_with_the_referees_bits(fmt):
+    # qcheck's policy for scale-1 fp8: clip, then cast; NaN passes the clip.
+    x = _fill([np.nan, -np.nan, 1.0, np.inf])
+    assert_format_matches_referee(x, fmt, axis=-1)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("zero", [0.0, -0.0], ids=["zero", "negative-zero"])
+def test_zero_tensor_matches_referee(fmt, zero):
+    assert_format_matches_referee(np.full(EDGE, zero, F32), fmt, axis=-1)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_all_zero_blocks_and_negative_zeros_match_referee(fmt):
+    x = np.random.default_rng(0).standard_normal(EDGE).astype(F32) * 50
+    x[:, :32] = 0.0  # an all-zero block (and half an int8 slice)
+    x[::2, :32] = -0.0
+    x[3, 40:44] = -0.0
+    x[5] = 0.0  # an all-zero int8 slice
+    assert_format_matches_referee(x, fmt, axis=-1)
+
+
+def test_nvfp4_tensor_scale_flush_boundary_matches_referee():
+    # qcheck flushes a tensor whose encode scale 6 · 448 / amax is not a finite float32.
+    edge = F32(formats.NVFP4_MIN_AMAX)
+    for amax in [np.nextafter(edge, F32(0)), edge, np.nextafter(edge, F32(1)), edge * 2]:
+        assert_format_matches_referee(_fill([amax, amax / 3, 0.0]), "nvfp4", axis=-1)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn_current", "e5m2_current"])
+def test_current_scale_cap_matches_referee(fmt):
+    # Below fmax · 2^-126 the scale is capped at CURRENT_MAX_SCALE (2^126).
+    assert_format_matches_referee(_fill([1e-36, -3e-37, 2e-38, 0.0]), fmt, axis=-1)
+
+
+# -- named exclusions: measured, and shown not to be vacuous -----------------------------------
+
+# float32 subnormals and values whose scaled or decoded form is subnormal.
+SUBNORMAL_ROWS = {
+    "int8": [1e-37, -3e-38, 2.0**-140, 0.0],  # scale amax/127 is subnormal
+    "mxfp8": [2.0**-130, -(2.0**-135), 2.0**-149, 0.0],  # a block of subnormals: scale 2^-127
+}
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the flush is XLA CPU's")
+@pytest.mark.parametrize("fmt", sorted(SUBNORMAL_ROWS))
+def test_xla_cpu_subnormal_flush_is_the_only_difference(fmt):
+    # Named exclusion: XLA CPU flushes float32 subnormals (read and written). The
+    # definition's referee differs from qcheck here; the referee with ftz=True, which
+    # the check uses on CPU, does not.
+    x = _fill(SUBNORMAL_ROWS[fmt])
+    got = np.asarray(jax.jit(lambda v: formats.qdq(v, fmt))(x))
+    by_definition = referees.reference_qdq(x, fmt)
+    assert not np.array_equal(got.view(np.uint32), by_definition.view(np.uint32))
+    assert np.array_equal(got.view(np.uint32), referees.reference_qdq(x, fmt, ftz=True).view(np.uint32))
+    assert_format_matches_referee(x, fmt, axis=-1)
+
+
+@pytest.mark.parametrize("rng", [None, 3], ids=["nearest", "stochastic"])
+def test_nvfp4_eager_is_bitwise_and_jit_is_within_the_named_exclusion(rng):
+    x = np.random.default_rng(0).standard_normal(EDGE).astype(F32) * 100
+    key = None if rng is None else jax.random.key(rng)
+    assert_format_matches_referee(x, "nvfp4", axis=-1, rng=key, jit=False)  # no exclusion op by op
+    u = None if key is None else nvfp4_uniforms(key, x.shape)
+    got = np.asarray(jax.jit(lambda v, k: formats.qdq(v, "nvfp4", rng=k))(x, key))
+    ulps = np.abs(got.view(np.int32).astype(np.int64) - referees.reference_qdq(x, "nvfp4", uniforms=u).view(np.int32))
+    # The exclusion is needed (XLA reorders the decode under jit: 2 ulps measured here) and bounded.
+    assert 0 < ulps.max() <= NVFP4_JIT_DECODE_ULPS
+
+
+# -- should-fail twins: each comparison on a planted quantizer bug --------------------------
+# Run op by op (jit=False): the monkeypatched module globals are read at call time.
+
+
+def _no_saturation(x, dtype):
+    return jnp.asarray(x).astype(dtype)
+
+
+def _other_fnuz_flavour(x, dtype):
+    # e4m3fnuz requested, e4m3fn's saturation and rounding applied.
+    return jnp.clip(jnp.asarray(x), -448, 448).astype(jnp.float8_e4m3fn).astype(dtype)
+
+
+def _truncate_e2m1(v):
+    a = jnp.abs(v)
+    on_grid = jnp.where(a < 2, jnp.floor(a * 2) * 0.5, jnp.where(a < 4, jnp.floor(a), jnp.floor(a * 0.5) * 2))
+    return jnp.copysign(on_grid, v)
+
+
+def _reused_uniforms(v, key):
+    # One block's worth of uniforms, reused for every block.
+    u = jnp.broadcast_to(jax.random.uniform(key, v.shape[-1:], jnp.float32), v.shape)
+    grid = jnp.asarray(formats.E2M1_GRID)
+    a = jnp.minimum(jnp.abs(v), formats.E2M1_MAX)
+    i = jnp.clip(jnp.searchsorted(grid, a, side="right") - 1, 0, grid.size - 1)
+    lo, hi = grid[i], grid[jnp.minimum(i + 1, grid.size - 1)]
+    p_up = jnp.where(hi > lo, (a - lo) / jnp.where(hi > lo, hi - lo, 1.0), 0.0)
+    return jnp.sign(v) * jnp.where(u < p_up, hi, lo)
+
+
+PROBE = np.random.default_rng(5).standard_normal(EDGE).astype(F32) * 200
+PROBE[0, :8] = [464.01, 1e6, -3e5, 249.0, 300.0, 1e-4, -1e-5, 0.7]  # saturation, fnuz range, tiny
+
+
+@pytest.mark.parametrize(
+    "fmt, target, name, bug, rng, message",
+    [
+        ("e4m3fn", formats, "saturating_cast", _no_saturation, None,
+         r"e4m3fn: codes differs from the referee at index \(0, 0\): jax 0x7f \(nan\) vs referee 0x7e \(448\)"),
+        ("e4m3fnuz", formats, "saturating_cast", _other_fnuz_flavour, None,
+         r"e4m3fnuz: codes differs from the referee at index \(0, 0\): jax 0x80 \(nan\) vs referee 0x7f \(240\)"),
+        ("nvfp4", formats, "round_e2m1", _truncate_e2m1, None,
+         r"nvfp4: codes differs from the referee at index \(\d+, \d+\): jax 0x[0-9a-f]{2} .* vs referee 0x[0-9a-f]{2}"),
+        ("nvfp4", formats, "stochastic_round_e2m1", _reused_uniforms, 7,
+         r"nvfp4: codes differs from the referee at index \(\d+, \d+\): jax 0x[0-9a-f]{2} .* vs referee 0x"),
+        # A scale off by one exponent: emax 7 instead of e4m3's 8.
+        ("mxfp8", formats, "E4M3_EMAX", 7, None,
+         r"mxfp8: codes differs from the referee at index \(\d+, \d+\): jax 0x[0-9a-f]{2} .* vs referee 0x"),
+        # int8 scaled to ±128 instead of ±127.
+        ("int8", formats, "INT8_MAX", 128, None,
+         r"int8: codes differs from the referee at index \(\d+, \d+\): jax 0x[0-9a-f]{2} .* vs referee 0x"),
+        # The referee side: current scaling without qcheck's cap on the scale.
+        ("e5m2_current", referees, "_CURRENT_SCALE_CAP", F32(np.inf), None,
+         r"e5m2_current: codes differs from the referee at index \(0, 0\): jax 0x55 \(80\) vs referee 0x7b \(57344\)"),
+    ],
+    ids=["no-saturation", "other-fnuz-flavour", "truncation", "reused-uniforms", "mx-scale-off-by-one",
+         "int8-bound-128", "referee-current-uncapped"],
+)
+def test_comparison_fails_on_a_planted_bug(monkeypatch, fmt, target, name, bug, rng, message):
+    x = _fill([1e-36, 3e-37]) if name == "_CURRENT_SCALE_CAP" else PROBE
+    key = None if rng is None else jax.random.key(rng)
+    assert_format_matches_referee(x, fmt, axis=-1, rng=key, jit=False)  # should pass before the bug
+    monkeypatch.setattr(target, name, bug)
+    with pytest.raises(AssertionError, match=message):
+        assert_format_matches_referee(x, fmt, axis=-1, rng=key, jit=False)
+
+
+def test_comparison_fails_on_uniforms_in_the_wrong_layout(monkeypatch):
+    # The referee fed the blocked layout's uniforms without moving them back: axis 0 then
+    # differs from qcheck's draw, which the check must catch.
+    x = np.random.default_rng(6).standard_normal((32, 16)).astype(F32)
+    key = jax.random.key(1)
+    assert_format_matches_referee(x, "nvfp4", axis=0, rng=key, jit=False)
+    import qcheck._referee_checks as rc
+
+    monkeypatch.setattr(rc, "nvfp4_uniforms", lambda k, shape, axis: np.asarray(jax.random.uniform(k, shape)))
+    with pytest.raises(AssertionError, match=r"nvfp4: codes differs from the referee at index \(\d+, \d+\)"):
+        assert_format_matches_referee(x, "nvfp4", axis=0, rng=key, jit=False)
+
+
+# -- bad input -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: referees.reference_quantize(np.ones(4, F32), "fp4"), ValueError,
+         "unknown format 'fp4'; valid formats: int8, e4m3fn, e4m3fnuz, e5m2, e5m2fnuz, e4m3fn_current"),
+        (lambda: referees.reference_qdq(np.ones((2, 32), F32), "int8", axis=2), ValueError,
+         "axis 2 is out of range for x of rank 2"),
+        (lambda: referees.reference_qdq(np.ones((2, 48), F32), "mxfp8"), ValueError,
+         r"mxfp8: axis \(1,\) holds 48 elements, not a whole number of blocks of 32"),
+        (lambda: referees.reference_qdq(np.ones(4, np.float64), "e4m3fn"), TypeError,
+         "x must be a float32 array"),
+        (lambda: referees.reference_qdq(np.ones(32, F32), "mxfp8", uniforms=np.zeros(32)), ValueError,
+         "uniforms is for nvfp4's stochastic rounding; format 'mxfp8'"),
+        (lambda: referees.reference_qdq(np.ones(32, F32), "nvfp4", uniforms=np.zeros(16)), ValueError,
+         r"uniforms must have x's shape \(32,\), got \(16,\)"),
+        (lambda: assert_format_matches_referee(np.ones(4, F32), "fp4"), ValueError,
+         "unknown format 'fp4'; valid formats: int8"),
+        (lambda: assert_format_matches_referee(np.ones(32, F32), "int8", rng=jax.random.key(0)), ValueError,
+         "rng is for nvfp4's stochastic rounding; format 'int8'"),
+    ],
+    ids=["unknown-format", "axis-range", "partial-block", "dtype", "uniforms-format", "uniforms-shape",
+         "check-unknown-format", "check-rng-format"],
+)
+def test_bad_input_names_the_argument(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
