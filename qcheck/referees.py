@@ -6,7 +6,8 @@ from one side to the other. Where qcheck makes a documented choice the
 definition leaves open (the all-zero scale, the cap on a current scale, the
 NVFP4 tensor scale and the order its divisions run in), the referee follows the
 choice, written again here, and the comment on the line names which it follows:
-``[def]`` a format's definition, ``[qcheck]`` a choice qcheck documents.
+``[def]`` a format's definition, ``[qcheck]`` a choice qcheck documents,
+``[XLA]`` a compiler rewrite, only behind the ``xla_reciprocal`` switch.
 
 Arithmetic is IEEE float32 (numpy does not flush subnormals). ``ftz=True``
 models a backend that does: every float32 read or written as a subnormal is

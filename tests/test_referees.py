@@ -5,6 +5,9 @@ contraction axes, one EDGE shape for the tables), so each format compiles a
 handful of programs however many examples hypothesis draws.
 """
 
+import ast
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -35,6 +38,31 @@ def _fill(values, shape=EDGE) -> np.ndarray:
 
 def test_referee_knows_every_format():
     assert referees.referee_format_names() == FORMATS
+
+
+def _foreign_imports(source: str) -> set[str]:
+    """Top-level modules ``source`` imports beyond numpy, ml_dtypes and the standard library's math."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names.add((node.module or "").split(".")[0] or "<relative>")
+    return names - {"__future__", "math", "ml_dtypes", "numpy"}
+
+
+@pytest.mark.parametrize(
+    "source, foreign",
+    [
+        (pathlib.Path(referees.__file__).read_text(), set()),
+        ("import numpy as np\nimport jax.numpy as jnp\n", {"jax"}),  # twin: a referee leaning on JAX
+        ("from qcheck import formats\n", {"qcheck"}),  # twin: a referee calling the code it referees
+        ("from . import formats\n", {"<relative>"}),
+    ],
+    ids=["referees.py", "imports-jax", "imports-qcheck", "relative-import"],
+)
+def test_referee_imports_only_numpy_and_ml_dtypes(source, foreign):
+    assert _foreign_imports(source) == foreign
 
 
 # -- hypothesis: the property tests' inputs, every format ------------------------------------
@@ -257,7 +285,7 @@ def test_comparison_fails_on_a_planted_bug(monkeypatch, fmt, target, name, bug, 
 def test_comparison_fails_on_uniforms_in_the_wrong_layout(monkeypatch):
     # The referee fed the blocked layout's uniforms without moving them back: axis 0 then
     # differs from qcheck's draw, which the check must catch.
-    x = np.random.default_rng(6).standard_normal((32, 16)).astype(F32)
+    x = np.random.default_rng(6).standard_normal(EDGE).astype(F32)
     key = jax.random.key(1)
     assert_format_matches_referee(x, "nvfp4", axis=0, rng=key, jit=False)
     import qcheck._referee_checks as rc
