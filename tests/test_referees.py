@@ -203,6 +203,20 @@ def test_xla_cpu_subnormal_flush_is_the_only_difference(fmt):
     assert_format_matches_referee(x, fmt, axis=-1)
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_xla_int8_scale_by_reciprocal_is_the_only_difference(jit):
+    # Named exclusion: XLA turns int8's amax / 127 into amax · float32(1/127). For amax
+    # 190.875 the two differ by an ulp; the referee's xla_reciprocal switch, which the
+    # check turns on, models exactly that and nothing else.
+    x = _fill([190.875, -3.0, 0.5])
+    quantize = jax.jit(lambda v: formats.quantize(v, "int8")) if jit else (lambda v: formats.quantize(v, "int8"))
+    got = np.asarray(quantize(x).scales["slice"]).view(np.uint32)
+    by_definition = referees.reference_quantize(x, "int8")[1]["slice"].view(np.uint32)
+    assert not np.array_equal(got, by_definition)
+    assert np.array_equal(got, referees.reference_quantize(x, "int8", xla_reciprocal=True)[1]["slice"].view(np.uint32))
+    assert_format_matches_referee(x, "int8", axis=-1, jit=jit)
+
+
 @pytest.mark.parametrize("rng", [None, 3], ids=["nearest", "stochastic"])
 def test_nvfp4_eager_is_bitwise_and_jit_is_within_the_named_exclusion(rng):
     x = np.random.default_rng(0).standard_normal(EDGE).astype(F32) * 100
