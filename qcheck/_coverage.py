@@ -68,27 +68,30 @@ _ERROR_PRIMITIVES = frozenset({"dot_general", "ragged_dot", "ragged_dot_general"
 
 _ROUNDING = frozenset({"round", "floor", "ceil"})
 
-#: primitive -> (the rule under which quantization carries over, the data operands).
-#:   "any":   the output is quantized when the first listed operand is.
-#:   "all":   every listed operand is quantized or a constant, at least one quantized.
-#:   "scale": one listed operand is quantized and the other (if not) is a scale.
-VALUE_PRESERVING: dict[str, tuple[str, tuple[int, ...] | None]] = {
-    **{p: ("any", (0,)) for p in (
+#: The value-preserving ops: primitive -> (rule, data operands, why the grid survives).
+#: Rules: "first": the output is quantized when the (first) data operand is;
+#: "all": every data operand is quantized or a constant, one at least quantized;
+#: "scale": a quantized operand times (or over) a scale, i.e. a value that
+#: broadcasts: a scalar, fewer elements than the output, or broadcast from fewer
+#: (per-tensor, per-channel, per-block scales). A conversion or
+#: ``reduce_precision`` counts only when it does not quantize anew.
+VALUE_PRESERVING: dict[str, tuple[str, tuple[int, ...] | slice, str]] = {
+    **{p: ("first", (0,), "layout: moves, copies or repeats values") for p in (
         "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "slice", "rev",
-        "dynamic_slice", "gather", "copy", "copy_p", "sharding_constraint", "neg", "abs",
-        "convert_element_type",  # only when not narrowing (narrowing quantizes anew)
-        "reduce_precision",  # only when not onto a narrow grid
-        "optimization_barrier",
-    )},
-    "clamp": ("any", (1,)),
-    "concatenate": ("all", None),  # None: every operand
-    "pad": ("all", (0, 1)),
-    "dynamic_update_slice": ("all", (0, 1)),
-    "select_n": ("all", "cases"),  # type: ignore[dict-item]  # operands 1.. (0 is the predicate)
-    "max": ("all", (0, 1)),
-    "min": ("all", (0, 1)),
-    "mul": ("scale", (0, 1)),
-    "div": ("scale", (0,)),
+        "dynamic_slice", "gather", "copy", "copy_p", "sharding_constraint", "optimization_barrier")},
+    "neg": ("first", (0,), "the grids are symmetric"),
+    "abs": ("first", (0,), "the grids are symmetric"),
+    "convert_element_type": ("first", (0,), "to a float (or back from codes): no narrowing"),
+    "reduce_precision": ("first", (0,), "onto more than 8 bits: no narrowing"),
+    "clamp": ("first", (1,), "saturation at the grid's bounds"),
+    "max": ("all", (0, 1), "saturation against a constant bound (jnp.clip)"),
+    "min": ("all", (0, 1), "saturation against a constant bound (jnp.clip)"),
+    "concatenate": ("all", slice(None), "quantized parts, constant padding"),
+    "pad": ("all", (0, 1), "constant padding"),
+    "dynamic_update_slice": ("all", (0, 1), "quantized parts"),
+    "select_n": ("all", slice(1, None), "each case quantized or constant (masked zeros)"),
+    "mul": ("scale", (0, 1), "dequantization: codes times their scale"),
+    "div": ("scale", (0,), "dequantization: codes over their inverse scale"),
 }
 
 # Calls whose inner jaxpr takes exactly the eqn's operands and gives its results.
@@ -137,7 +140,9 @@ class MatmulRecord:
     calls the site; ``function`` is that frame's qualified name. ``error`` is
     ``||out - ref|| / ||ref||`` against the same product of the operands before
     quantization; None when not computed: full-precision operands, scaled
-    matmuls, matmuls inside scan/while/cond bodies, or ``errors=False``.
+    matmuls, matmuls inside scan/while/cond bodies (their bodies are walked
+    for quantization only), operands narrow from the start (no earlier value),
+    or ``errors=False``.
     """
 
     primitive: str
@@ -229,10 +234,10 @@ def _narrow_bits(dtype: Any) -> int | None:
     return bits if bits <= 8 else None
 
 
-def _widest(dtypes: list[Any]) -> np.dtype:
+def _widest(dtypes: list[Any]) -> np.dtype | None:
     """The widest float type among ``dtypes``: shadows meet actual values without implicit promotion (fp8 has none)."""
     floats = [np.dtype(d) for d in dtypes if jnp.issubdtype(d, jnp.floating)]
-    return max(floats, key=lambda d: jnp.finfo(d).bits)
+    return max(floats, key=lambda d: jnp.finfo(d).bits) if floats else None
 
 
 @dataclasses.dataclass
@@ -307,7 +312,8 @@ class _Walker:
         if len(outs) == 1:
             outs[0].scale = outs[0].scale or self.scale_like(eqn, ins)
             if values and quant is not None:
-                outs[0].shadow = self.shadow(eqn, ins, quant)
+                shadow = self.shadow(eqn, ins, quant)
+                outs[0].shadow = outs[0].actual if shadow is None else shadow
         return outs
 
     @staticmethod
@@ -331,7 +337,8 @@ class _Walker:
             new_bits, old_bits = _narrow_bits(new), _narrow_bits(old)
             if new_bits and new != old and not (old_bits and old_bits <= new_bits):
                 return OperandQuant("cast", str(new), "convert_element_type")
-            if jnp.issubdtype(new, jnp.floating) or (new_bits and ins[0].quant):
+            # Codes widened to a float or a wider integer keep their grid; float -> int32 does not.
+            if jnp.issubdtype(new, jnp.floating) or jnp.issubdtype(old, jnp.integer):
                 return ins[0].quant
             return None
         if name in _ROUNDING:
@@ -342,18 +349,14 @@ class _Walker:
             return ins[0].quant
         if name not in VALUE_PRESERVING:
             return None
-        rule, idx = VALUE_PRESERVING[name]
-        data = range(len(ins)) if idx is None else range(1, len(ins)) if idx == "cases" else idx
-        data = [ins[i] for i in data if i < len(ins)]
-        if rule == "any":
+        rule, which, _ = VALUE_PRESERVING[name]
+        data = ins[which] if isinstance(which, slice) else [ins[i] for i in which]
+        if rule == "first":
             return data[0].quant
         if rule == "all":
             if all(v.quant or v.const for v in data) and any(v.quant for v in data):
                 return next(v.quant for v in data if v.quant)
             return None
-        # "scale": a quantized operand times (or over) a scale, i.e. a value
-        # that broadcasts: a scalar, fewer elements than the output, or
-        # broadcast from fewer (per-tensor, per-channel, per-block scales).
         size = eqn.outvars[0].aval.size
         scale = [v.scale or v.const or var.aval.size < size for v, var in zip(ins, eqn.invars)]
         if name == "div":
@@ -370,17 +373,16 @@ class _Walker:
         name = eqn.primitive.name
         if name in _ROUNDING or (name in ("convert_element_type", "reduce_precision") and quant is not ins[0].quant):
             return ins[0].shadow  # a quantizing step: its input is the value before quantization
-        if name == "convert_element_type":
-            x = ins[0].shadow
-            new = np.dtype(eqn.params["new_dtype"])
-            return x if jnp.promote_types(x.dtype, new) == x.dtype else x.astype(new)
         if all(v.shadow is v.actual for v in ins):
-            return None  # unreachable: a quantized output has a quantized input
+            return None  # quantized from the start (narrow inputs): no earlier value
+        if name == "convert_element_type":
+            x, new = ins[0].shadow, np.dtype(eqn.params["new_dtype"])
+            return x.astype(new) if _widest([x.dtype, new]) == new != x.dtype else x
         vals = [v.shadow for v in ins]
         if name in ("mul", "div", "max", "min", "select_n", "concatenate", "pad", "dynamic_update_slice", "clamp"):
             dtype = _widest([x.dtype for x in vals])
             start = 1 if name == "select_n" else 0
-            vals = [x.astype(dtype) if i >= start and jnp.issubdtype(x.dtype, jnp.floating) else x
+            vals = [x.astype(dtype) if dtype and i >= start and jnp.issubdtype(x.dtype, jnp.floating) else x
                     for i, x in enumerate(vals)]
         return eqn.primitive.bind(*vals, **eqn.params)
 
@@ -397,8 +399,10 @@ class _Walker:
             lhs=lhs.quant or _FULL,
             rhs=rhs.quant or _FULL,
         ))
-        if out is None or eqn.primitive.name not in _ERROR_PRIMITIVES or not (lhs.quant or rhs.quant):
+        if out is None or eqn.primitive.name not in _ERROR_PRIMITIVES:
             return
+        if lhs.shadow is lhs.actual and rhs.shadow is rhs.actual:
+            return  # nothing quantized here, or narrow inputs with no earlier value to compare with
         a, b = lhs.shadow, rhs.shadow
         dtype = _widest([a.dtype, b.dtype, np.dtype(np.float32)])
         params = dict(eqn.params)
@@ -458,7 +462,7 @@ def _state_bits(module: Any) -> list[np.ndarray]:
     def bits(x: Any) -> np.ndarray:
         if jnp.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
             x = jax.random.key_data(x)
-        return np.asarray(x)
+        return np.array(x, copy=True)  # a numpy leaf could change in place
 
     return [bits(x) for x in jax.tree.leaves(nnx.state(module))]
 

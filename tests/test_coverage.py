@@ -220,6 +220,27 @@ def test_error_is_none_without_quantized_operands_or_values(fn):
     assert record.error is None
 
 
+def _fp8_inputs():
+    return jnp.asarray(A, E4M3), jnp.asarray(B, E4M3)
+
+
+@pytest.mark.parametrize("fn, args, primitive, operand", [
+    (lambda a, b: jnp.dot(a.T.T, b, preferred_element_type=jnp.float32), _fp8_inputs, "dot_general",
+     "float8_e4m3fn input"),
+    (lambda a, b: jnp.dot(a.astype(jnp.int32), b.astype(jnp.int32)),
+     lambda: (jnp.asarray(A * 10, jnp.int8), jnp.asarray(B * 10, jnp.int8)), "dot_general", "int8 input"),
+    (lambda a, b: jax.nn.scaled_matmul(a[None], b.T[None], jnp.ones((1, 8, 1), jnp.float8_e8m0fnu),
+                                       jnp.ones((1, 16, 1), jnp.float8_e8m0fnu)),
+     _fp8_inputs, "scaled_matmul_wrapper", "float8_e4m3fn input"),
+    (lambda a, b: jax.lax.scaled_dot(a, b, lhs_scale=jnp.ones((8, 1), jnp.float8_e8m0fnu),
+                                     rhs_scale=jnp.ones((1, 16), jnp.float8_e8m0fnu)),
+     _fp8_inputs, "scaled_dot", "float8_e4m3fn input"),
+])
+def test_narrow_inputs_count_as_quantized_with_no_error_figure(fn, args, primitive, operand):
+    (record,) = coverage(fn, *args(), errors=True)
+    assert (record.primitive, str(record.lhs), str(record.rhs), record.error) == (primitive, operand, operand, None)
+
+
 def test_format_coverage_is_one_line_per_matmul():
     records = coverage(lambda a, b: (fp8_cast(a, b), widening_only(a, b)), A, B)
     lines = format_coverage(records).splitlines()
@@ -250,6 +271,30 @@ def test_coverage_of_an_nnx_module_leaves_its_state_unchanged():
     # The control: calling the module does advance the count the check watches.
     module(A)
     assert jax.tree.leaves(nnx.state(module, nnx.RngCount)) != jax.tree.leaves(before)
+
+
+class _ReachesOut(nnx.Module):
+    """Mutates the original module in place during the call, out of Flax's sight: what the guard is for."""
+
+    def __init__(self):
+        self.w = nnx.Param(np.array(B))  # a numpy array: += changes it in place
+
+    def __call__(self, x):
+        _ORIGINAL[0].w.get_value().__iadd__(1.0)  # Flax refuses `w[...] = ...` from inside a trace
+        return _ste_fp8(x) @ _ste_fp8(self.w[...])
+
+
+_ORIGINAL: list[nnx.Module] = []
+
+
+def test_coverage_refuses_a_call_that_mutates_the_module():
+    module = _ReachesOut()
+    _ORIGINAL[:] = [module]
+    try:
+        with pytest.raises(RuntimeError, match="coverage: tracing changed the module's state"):
+            coverage(module, A)
+    finally:
+        _ORIGINAL.clear()
 
 
 @pytest.mark.parametrize("call, error", [
@@ -342,3 +387,11 @@ def test_a_silently_unquantized_sparse_site_passes_assert_tracks_but_fails_asser
     assert 's["wo"].ragged_dot(' in linecache.getline(path, int(number))
     assert message.startswith("assert_quantized: 1 of 5 matmuls reach full precision:")
     assert "lhs and rhs unquantized" in message
+
+
+def test_error_of_each_quantized_site_lies_within_its_recipes_bound():
+    recipe = qcheck.get_recipe("fp8")
+    records = coverage(_layer("fp8", "sparse"), X, errors=True)
+    errors = [r.error for r, site in zip(records, _sites(records)) if site]
+    assert len(errors) == 3 and all(0.0 < e <= recipe.max_rel_norm for e in errors), format_coverage(records)
+    assert all(r.error is None for r, site in zip(records, _sites(records)) if not site)
