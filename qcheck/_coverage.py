@@ -257,8 +257,7 @@ def _input_val(aval: Any, value: Any = None, const: bool = False) -> _Val:
 
 
 class _Walker:
-    def __init__(self, with_values: bool):
-        self.values = with_values
+    def __init__(self):
         self.records: list[MatmulRecord] = []
         self.errors: list[tuple[int, Any]] = []  # (record index, traced error)
 
@@ -292,7 +291,7 @@ class _Walker:
             return self.run(jaxpr, consts, ins, where, values=values)
         if name in ("scan", "while", "cond"):
             return self.control(eqn, ins, where, values=values)
-        actual = shadow = None
+        actual = None
         if values:
             actual = eqn.primitive.bind(*[v.actual for v in ins], **eqn.params)
             actual = list(actual) if eqn.primitive.multiple_results else [actual]
@@ -506,11 +505,11 @@ def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, **kwargs:
     outer = ("<unknown>", "<unknown>")
     ins = [_input_val(v.aval) for v in closed.jaxpr.invars]
     if not errors:
-        walker = _Walker(with_values=False)
+        walker = _Walker()
         walker.run(closed.jaxpr, closed.consts, ins, outer, values=False)
         return walker.records
 
-    walker = _Walker(with_values=True)
+    walker = _Walker()
 
     def evaluate(flat):
         vals = [dataclasses.replace(v, actual=x, shadow=x) for v, x in zip(ins, flat)]
