@@ -16,15 +16,21 @@ __all__ = [
     "MoE",
     "MoEConfig",
     "QuantSite",
+    "MatmulRecord",
     "Recipe",
+    "assert_quantized",
     "build_decoder",
     "build_moe",
     "checks",
+    "coverage",
+    "format_coverage",
     "formats",
     "get_recipe",
     "native",
     "recipe_names",
+    "referees",
     "register_recipe",
+    "skip_functions",
 ]
 
 _WHERE = {
@@ -40,10 +46,16 @@ _WHERE = {
     "get_recipe": "qcheck.recipes",
     "recipe_names": "qcheck.recipes",
     "register_recipe": "qcheck.recipes",
+    "MatmulRecord": "qcheck._coverage",
+    "assert_quantized": "qcheck._coverage",
+    "coverage": "qcheck._coverage",
+    "format_coverage": "qcheck._coverage",
+    "skip_functions": "qcheck._coverage",
 }
 
 if TYPE_CHECKING:
-    from qcheck import checks, formats, native
+    from qcheck import checks, formats, native, referees
+    from qcheck._coverage import MatmulRecord, assert_quantized, coverage, format_coverage, skip_functions
     from qcheck.bridge import QuantSite
     from qcheck.models import build_decoder
     from qcheck.moe import MODELS, PATHS, MoE, MoEConfig, build_moe
@@ -51,7 +63,7 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str):
-    if name in ("checks", "formats", "native"):
+    if name in ("checks", "formats", "native", "referees"):
         return importlib.import_module(f"qcheck.{name}")
     if name in _WHERE:
         return getattr(importlib.import_module(_WHERE[name]), name)

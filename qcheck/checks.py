@@ -21,12 +21,15 @@ import numpy as np
 from jax.typing import ArrayLike
 
 __all__ = [
+    "assert_format_matches_referee",
     "assert_fresh_cast_exact",
     "assert_fresh_ragged_cast_exact",
     "assert_native_matches_emulation",
     "assert_no_recompiles",
+    "assert_quantized",
     "assert_tracks",
     "cast_reference",
+    "coverage",
     "entry_params",
     "lowered_entry_params",
     "probe_operands",
@@ -379,3 +382,8 @@ def assert_no_recompiles(fn: Callable[[], Any], *, warmup: Callable[[], Any] | N
             f"assert_no_recompiles{': ' + label if label else ''}: the second run compiled "
             f"{sum(counts.values())} programs again:\n  {lines}"
         )
+
+
+# Checks with a module of their own, offered here beside the others.
+from qcheck._coverage import assert_quantized, coverage  # noqa: E402
+from qcheck._referee_checks import assert_format_matches_referee  # noqa: E402
