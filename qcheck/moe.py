@@ -77,6 +77,11 @@ _DROP_EQNS = {
 }
 
 
+#: The layer's matmuls that stay in full precision by design (router, combine, dropping masks): the
+#: ``skip`` for :func:`qcheck.assert_quantized`, as ``qcheck.skip_functions(*UNQUANTIZED_BY_DESIGN)``.
+UNQUANTIZED_BY_DESIGN = ("MoE.route", "MoE.combine", "MoE.dropping_masks")
+
+
 class MoE(nnx.Module):
     """A routed MoE feed-forward layer mapping ``[batch, seq, emb]`` to ``[batch, seq, emb]``."""
 
@@ -225,16 +230,24 @@ class MoE(nnx.Module):
         # experts first keeps the single-device order (bitwise on jax 0.10.2).
         out = self._constrain(out, "data")
         combine = jnp.sum(jax.nn.one_hot(idx, self.config.num_experts) * weights[..., None], axis=2)
-        return jnp.einsum("BSEM,BSE->BSM", out, combine.astype(self.dtype))
+        return self.combine("BSEM,BSE->BSM", out, combine)
+
+    def combine(self, eqn: str, out: jax.Array, weights: jax.Array) -> jax.Array:
+        """The experts' outputs summed with the router's weights: a matmul that stays in full precision by design."""
+        return jnp.einsum(eqn, out, weights.astype(self.dtype))
+
+    def dropping_masks(self, idx: jax.Array, weights: jax.Array, seq: int) -> tuple[jax.Array, jax.Array]:
+        """The one-hot dispatch ``[B, S, E, C]`` and weighted combine masks of token dropping (full precision)."""
+        slot = jax.nn.one_hot(self.assignment_slots(idx), self.capacity(seq))  # out-of-range slot -> all zeros
+        expert = jax.nn.one_hot(idx, self.config.num_experts)
+        dispatch = jnp.einsum("BSKE,BSKC->BSEC", expert, slot).astype(self.dtype)
+        combine = jnp.einsum("BSKE,BSKC,BSK->BSEC", expert, slot, weights).astype(self.dtype)
+        return dispatch, combine
 
     def _dense_dropping(self, x, weights, idx):
         wi_0, wi_1, wo = self._weights()
         s = self.sites
-        cap = self.capacity(x.shape[1])
-        slot = jax.nn.one_hot(self.assignment_slots(idx), cap)  # out-of-range slot -> all zeros
-        expert = jax.nn.one_hot(idx, self.config.num_experts)
-        dispatch = jnp.einsum("BSKE,BSKC->BSEC", expert, slot).astype(self.dtype)
-        combine = jnp.einsum("BSKE,BSKC,BSK->BSEC", expert, slot, weights).astype(self.dtype)
+        dispatch, combine = self.dropping_masks(idx, weights, x.shape[1])
         xe = self._constrain(s["dispatch"](_DROP_EQNS["dispatch"], x, dispatch), "expert", "data")
         h = self._act(s["wi_0"](_DROP_EQNS["wi"], xe, wi_0), s["wi_1"](_DROP_EQNS["wi"], xe, wi_1))
         out = s["wo"](_DROP_EQNS["wo"], h, wo)
@@ -253,7 +266,7 @@ class MoE(nnx.Module):
         sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
         h = self._act(s["wi_0"].ragged_dot(xs, wi_0, sizes), s["wi_1"].ragged_dot(xs, wi_1, sizes))
         out = jnp.zeros((b * sq * k, m), self.dtype).at[order].set(s["wo"].ragged_dot(h, wo, sizes))
-        y = jnp.einsum("TKM,TK->TM", out.reshape(b * sq, k, m), weights.reshape(b * sq, k).astype(self.dtype))
+        y = self.combine("TKM,TK->TM", out.reshape(b * sq, k, m), weights.reshape(b * sq, k))
         return y.reshape(b, sq, m)
 
     def __call__(self, x: jax.Array) -> jax.Array:
