@@ -98,7 +98,7 @@ class QuantizationAssertions:
     def assertFreshCastExact(
         self, site: Callable[..., Any], eqn: str, lhs: Any, rhs: Any, *, cast_dtype: Any, msg: str | None = None
     ) -> None:
-        """:func:`qcheck.checks.assert_fresh_cast_exact`: ``site(eqn, lhs, rhs)`` equals the cast-operand einsum, bitwise."""
+        """:func:`qcheck.checks.assert_fresh_cast_exact`: ``site(eqn, lhs, rhs)`` equals the cast einsum, bitwise."""
         __tracebackhide__ = True
         self._qcheck(checks.assert_fresh_cast_exact, (site, eqn, lhs, rhs), {"cast_dtype": cast_dtype}, msg)
 
@@ -194,22 +194,23 @@ def case_parameters(
 
 
 def _make_test(invariant: Invariant, case: Case) -> Callable[[InvariantTestCase], Any]:
-    def test(self: InvariantTestCase) -> Any:
+    def test(self: InvariantTestCase) -> None:  # a test returning a value is deprecated in unittest
         __tracebackhide__ = True
-        return self.run_invariant(invariant, case)
+        self.run_invariant(invariant, case)
 
     test.__doc__ = f"qcheck invariant {invariant.name!r} on {case.id}."
     return test
 
 
 def _make_paths_test(model: str, dropping: bool) -> Callable[[InvariantTestCase], Any]:
-    def test(self: InvariantTestCase) -> Any:
+    def test(self: InvariantTestCase) -> None:
         __tracebackhide__ = True
         from qcheck.suite import invariants
 
-        return self._qcheck(invariants.check_paths_agree, (model, dropping), {}, None)
+        self._qcheck(invariants.check_paths_agree, (model, dropping), {}, None)
 
-    test.__doc__ = f"qcheck: dense and sparse compute the same function ({model}, {'with' if dropping else 'no'} dropping)."
+    drop = "with" if dropping else "no"
+    test.__doc__ = f"qcheck: dense and sparse compute the same function ({model}, {drop} dropping)."
     return test
 
 
