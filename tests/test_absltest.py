@@ -146,6 +146,28 @@ class AssertionsTest(testing.QuantizationAssertions, absltest.TestCase):
 
         self.assertEqual(hasattr(self, "assertLayerChecks"), hasattr(qcheck, "check_layer"))
 
+    def test_layer_checks_forwards_to_the_library_check_and_fails_with_its_message(self):
+        # Whatever qcheck.check_layer does, the method must pass its arguments and
+        # result through and turn its AssertionError into a failure: shown on a stand-in,
+        # with a fresh copy of qcheck.testing defined while qcheck has one.
+        import importlib.util
+
+        import qcheck
+
+        def check_layer(layer, reference, x, *, seed=0):
+            if layer is reference:
+                raise AssertionError("check_layer: the layer is its own reference")
+            return {"seed": seed}
+
+        with mock.patch.object(qcheck, "check_layer", check_layer, create=True):
+            spec = importlib.util.spec_from_file_location("_qcheck_testing_with_layer_check", testing.__file__)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            case = type("Case", (module.QuantizationAssertions, absltest.TestCase), {"runTest": lambda self: None})()
+            self.assertEqual(case.assertLayerChecks("q", "ref", A, seed=3), {"seed": 3})
+            with self.assertRaisesRegex(AssertionError, r"^check_layer: the layer is its own reference : layer 0$"):
+                case.assertLayerChecks("q", "q", A, msg="layer 0")
+
 
 class CaseParametersTest(absltest.TestCase):
 
