@@ -38,7 +38,6 @@ from flax import nnx
 from jax.typing import ArrayLike
 
 from qcheck import referees
-from qcheck._referee_checks import nvfp4_uniforms
 from qcheck.bridge import QuantSite
 from qcheck.recipes import NVFP4, MatmulAxes, Recipe, einsum_axes
 from qcheck.recipes._axes import RAGGED_AXES
@@ -122,6 +121,24 @@ def site_dgrad_key(key: jax.Array, site_name: str) -> jax.Array:
     """
     base = _MakeRng().apply({}, rngs={"params": key})
     return jax.random.fold_in(base, zlib.crc32(f"{site_name}/dgrad".encode()) & 0x7FFFFFFF)
+
+
+def _uniforms(key: jax.Array, shape: tuple[int, ...], axes: tuple[int, ...]) -> np.ndarray:
+    """:func:`qcheck._referee_checks.nvfp4_uniforms`, drawn flat: one program per size, not per layout.
+
+    JAX's uniforms depend on the flat index alone (tests/test_backward.py checks the two agree).
+    """
+    n = int(np.prod(shape))
+    u = np.asarray(_flat_uniform(key, n))
+    ndim = len(shape)
+    axes = tuple(sorted({a % ndim for a in axes}))
+    perm = (*[a for a in range(ndim) if a not in axes], *axes)
+    return np.transpose(u.reshape(tuple(shape[a] for a in perm)), np.argsort(perm))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _flat_uniform(key: jax.Array, n: int) -> jax.Array:
+    return jax.random.uniform(key, (n,), jnp.float32)
 
 
 class _MakeRng(nn.Module):
@@ -228,17 +245,17 @@ def _expectations(
         ("dgrad", axes.dgrad, axes.wgrad, "wgrad"),
         ("wgrad", axes.wgrad, axes.dgrad, "dgrad"),
     ):
-        u = None if which == "wgrad" or dgrad_key is None else nvfp4_uniforms(dgrad_key, g.shape, own)
+        u = None if which == "wgrad" or dgrad_key is None else _uniforms(dgrad_key, g.shape, own)
         rounding = ", stochastic" if u is not None else ""
         neighbours = {"unquantized g": g}
         if fmt in _AXIS_FORMATS:
             # A wrong-axes bug still rounds stochastically, drawing the same key for its own blocks.
-            wrong_u = None if u is None else nvfp4_uniforms(dgrad_key, g.shape, other)
+            wrong_u = None if u is None else _uniforms(dgrad_key, g.shape, other)
             neighbours[f"g in {fmt} along the {other_name} axes {other}"] = _qdq(g, fmt, other, wrong_u)
         if u is not None:
             neighbours[f"g in {fmt} along {own}, rounded to nearest"] = _qdq(g, fmt, own)
             neighbours[f"g in {fmt} along {own}, rounded with the unsalted key"] = _qdq(
-                g, fmt, own, nvfp4_uniforms(unsalted_key, g.shape, own))
+                g, fmt, own, _uniforms(unsalted_key, g.shape, own))
         if lhs_fmt != fmt:
             neighbours[f"g in {lhs_fmt} (the operands' format)"] = _qdq(g, lhs_fmt, own)
         out.append(_Expectation(f"g in {fmt} along axes {own}{rounding}", _qdq(g, fmt, own, u), neighbours))
