@@ -313,11 +313,14 @@ def _check(
         raise TypeError(f"{check}: site must be a qcheck.QuantSite, got {type(site).__name__}")
     name = site.site_name
     lhs_fmt, rhs_fmt = _operand_formats(recipe)
-    q_lhs, q_rhs = _qdq(lhs, lhs_fmt, axes.lhs), _qdq(rhs, rhs_fmt, axes.rhs)
     dgrad_key = unsalted = None
     if isinstance(recipe, NVFP4):
         dgrad_key, unsalted = site_dgrad_key(key, name), _MakeRng().apply({}, rngs={"params": key})
-    dgrad, wgrad = _expectations(recipe, axes, g, dgrad_key, unsalted)
+    try:
+        q_lhs, q_rhs = _qdq(lhs, lhs_fmt, axes.lhs), _qdq(rhs, rhs_fmt, axes.rhs)
+        dgrad, wgrad = _expectations(recipe, axes, g, dgrad_key, unsalted)
+    except ValueError as e:  # a shape the format cannot block (e.g. mxfp8 WGRAD over 16 tokens)
+        raise ValueError(f"{check}: site {name!r}: the referee cannot quantize for this site: {e}") from e
     for what, x, fmt, ax in (("lhs", lhs, lhs_fmt, axes.lhs), ("rhs", rhs, rhs_fmt, axes.rhs),
                              ("g (dgrad)", g, recipe.grad, axes.dgrad), ("g (wgrad)", g, recipe.grad, axes.wgrad)):
         if fmt == "nvfp4" and recipe.cast_dtype is None:

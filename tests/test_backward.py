@@ -208,6 +208,14 @@ def test_bad_input_names_the_argument():
         assert_site_backward_exact(site, EQN, lhs, rhs, g, recipe="fp8")
 
 
+def test_refuses_shapes_the_format_cannot_block():
+    # mxfp8's WGRAD blocks of 32 run over B*S; 1 x 16 tokens hold half a block.
+    lhs, rhs = checks.probe_operands(6, (1, 16, 32), (4, 32, 32))
+    with pytest.raises(ValueError, match=r"site 'wi_0': the referee cannot quantize.*mxfp8.*16 elements"):
+        assert_site_backward_exact(site_of(get_recipe("mxfp8")), EQN, lhs, rhs, probe_grad(6, (1, 16, 4, 32)),
+                                   recipe=get_recipe("mxfp8"))
+
+
 def test_flat_uniforms_are_the_ones_nvfp4_draws():
     key = jax.random.key(7)
     for shape, axes in (((2, 16, 4, 32), (2, 3)), ((2, 16, 4, 32), (0, 1)), ((64, 32), (0,))):
