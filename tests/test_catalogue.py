@@ -145,6 +145,39 @@ def test_tracks_catches_a_layer_whose_quantization_silently_fell_away():
         checks.assert_tracks(out, cases.layer_output(cases.Case("none", cases.Variant("mixtral", "dense", False))))
 
 
+# -- quantization coverage: each matmul, not the layer as a whole -------------------
+
+
+def _line(location: str) -> str:
+    path, line = location.rsplit(":", 1)
+    return Path(path).read_text().splitlines()[int(line) - 1]
+
+
+def test_coverage_catches_one_call_site_unquantized_on_the_sparse_path():
+    # One expert matmul multiplying in full precision, on one path: the layer still
+    # lands well inside its bound and differs from its twin, so tracks passes.
+    broken = layer("fp8", path="sparse")
+    swap_site(broken, "wo", "none")
+    out, _ = step.apply(broken, X)
+    sparse_none = cases.layer_output(cases.Case("none", cases.Variant("mixtral", "sparse", False)))
+    assert checks.assert_tracks(out, sparse_none, max_rel_norm=0.22) < 0.22
+    with pytest.raises(AssertionError, match=r"1 of 5 matmuls reach full precision:\n  ragged_dot_general at "
+                       r"qcheck/moe.py:\d+ \(MoE._sparse\).*lhs and rhs unquantized") as info:
+        invariants.assert_layer_quantized(broken, X, "bug")
+    location = str(info.value).split(" at ", 1)[1].split(" ", 1)[0]
+    assert 's["wo"].ragged_dot(h, wo, sizes)' in _line(location)  # that call, on that line
+
+
+def test_coverage_catches_a_layer_that_quantizes_nothing_listing_every_expert_matmul():
+    unquantized = cases.layer(cases.Case("none", cases.Variant("mixtral", "dense", True)))
+    with pytest.raises(AssertionError, match=r"5 of 9 matmuls reach full precision") as info:
+        invariants.assert_layer_quantized(unquantized, X, "bug")
+    listed = [line.split(" at ", 1)[1].split(" ", 1)[0] for line in str(info.value).splitlines()[1:]]
+    calls = [_line(loc) for loc in listed]
+    assert [next(n for n in ("dispatch", "wi_0", "wi_1", "wo", "combine") if f's["{n}"]' in c) for c in calls] == [
+        "dispatch", "wi_0", "wi_1", "wo", "combine"]
+
+
 # -- independent call sites -------------------------------------------------------
 
 
@@ -266,6 +299,10 @@ CATALOGUE = [
      test_state_catches_a_forward_pass_that_writes_amax_history),
     ("an fp8 layer that lost its scales and histories", "`state`",
      test_state_catches_a_layer_that_lost_its_fp8_state),
+    ("one call site multiplying in full precision on the sparse path only (`tracks` passes)", "`coverage`",
+     test_coverage_catches_one_call_site_unquantized_on_the_sparse_path),
+    ("a layer that quantizes nothing: every expert matmul listed with its line", "`coverage`",
+     test_coverage_catches_a_layer_that_quantizes_nothing_listing_every_expert_matmul),
     ("a layer whose quantization fell away everywhere", "`tracks`",
      test_tracks_catches_a_layer_whose_quantization_silently_fell_away),
     ("two call-site names bound to one wrapper", "`sites`", test_sites_catches_two_names_bound_to_one_site),

@@ -14,11 +14,12 @@ def test_matrix_prints_every_case_of_a_recipe_and_passes(capsys):
     # The same layers the invariant tests use, so this costs little beyond them.
     assert main(["--recipe", "nanoo_fp8", "--model", "mixtral", "--path", "sparse", "--jobs", "1"]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[0].split() == ["recipe", "model", "path", "sites", "exact", "tracks", "state", "rng",
-                                           "sharded", "golden"]
+    assert out.splitlines()[0].split() == ["recipe", "model", "path", "sites", "coverage", "exact", "tracks", "state",
+                                           "rng", "sharded", "golden"]
     (row,) = [line.split() for line in out.splitlines() if line.startswith("nanoo_fp8")]
-    assert row[2] == "sparse" and row[3:6] == ["pass", "pass", "pass"] and row[7:] == ["pass", "-", "pass", "0.0000", "pass"]
-    assert 0 < float(row[6]) < 0.22
+    assert row[2] == "sparse" and row[3:5] == ["pass", "pass"] and int(row[5]) == 3  # its three expert matmuls
+    assert row[6:8] == ["pass", "pass"] and 0 < float(row[8]) < 0.22
+    assert row[9:] == ["pass", "-", "pass", "0.0000", "pass"]
     assert "all 1 cases pass" in out
 
 
@@ -60,7 +61,7 @@ def test_a_failing_cell_fails_the_matrix_and_is_shown_in_full_below_the_table(ca
     assert main(["--recipe", "int8", "--model", "gemma", "--path", "sparse", "--jobs", "1"]) == 1  # patched here
     captured = capsys.readouterr()
     (row,) = [line.split() for line in captured.out.splitlines() if line.startswith("int8")]
-    assert row[5:7] == ["FAIL", "[1]"]
+    assert row[7:9] == ["FAIL", "[1]"]
     below = captured.out.split("[1] int8-gemma-sparse tracks:\n", 1)[1]
     assert "    AssertionError: " + LONG_FAILURE.splitlines()[0] in below  # not cut at any width
     assert "      fix: qcheck golden add int8 --recipes /tmp/my_recipes.py" in below  # nor at the first line

@@ -15,6 +15,9 @@ rows for the unquantized layer. Exits 1 if any cell fails.
 Columns:
   sites    no two call sites share a wrapper or a state array; a recipe that
            never draws carries no RNG stream
+  coverage every matmul but the router, the combine and the dropping masks
+           takes quantized operands (qcheck.coverage); the figure is how many
+           (`qcheck coverage` prints the map)
   exact    each call site of a fresh fp8 layer equals the einsum (or ragged_dot)
            of operands cast by ml_dtypes to the recipe's e4m3 flavour, bitwise
   tracks   the layer stays within the recipe's relative-norm bound of its
@@ -50,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qcheck", description=_MATRIX_HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_recipes_option(p)
-    sub = p.add_subparsers(dest="command", metavar="{matrix,golden,rng}")
+    sub = p.add_subparsers(dest="command", metavar="{matrix,coverage,golden,rng}")
     m = sub.add_parser("matrix", help="run every invariant on every case (the default)", description=_MATRIX_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     for parser in (p, m):
@@ -68,6 +71,14 @@ def _parser() -> argparse.ArgumentParser:
         parser.add_argument("--golden-dir", metavar="DIR", default=argparse.SUPPRESS if parser is m else None,
                             help="your recipes' golden cases (default: $QCHECK_GOLDEN_DIR, else ./golden); "
                             "qcheck's own recipes' cases ship with qcheck")
+    c = sub.add_parser("coverage", help="the quantization coverage map of each case's layer: every matmul, where it "
+                       "is, how each operand reached it, and its own error")
+    c.add_argument("--recipe", action="append", dest="recipes", metavar="NAME",
+                   help="only this recipe (repeatable); default: the --recipes modules' recipes, else every one")
+    c.add_argument("--model", action="append", dest="models", metavar="NAME", help="only this model (repeatable)")
+    c.add_argument("--path", action="append", dest="paths", metavar="NAME", help="only this path (repeatable)")
+    c.add_argument("--no-errors", action="store_true",
+                   help="trace only: leave out each matmul's error (which compiles the layer once more)")
     r = sub.add_parser("rng", help="entry parameters of an unrolled decoder's train step, per depth")
     r.add_argument("--model", required=True, help="mixtral or gemma")
     r.add_argument("--recipe", required=True, help="a registered recipe")
@@ -90,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
         x.add_argument("names", nargs=nargs, metavar="RECIPE")
         x.add_argument("--golden-dir", metavar="DIR",
                        help="your recipes' golden cases (default: $QCHECK_GOLDEN_DIR, else ./golden)")
-    for parser in (m, r, g, *gsub.choices.values()):
+    for parser in (m, c, r, g, *gsub.choices.values()):
         _add_recipes_option(parser, default=argparse.SUPPRESS)  # does not clobber the top level's
     return p
 
@@ -182,6 +193,20 @@ def _report_others(found) -> None:
         print(f"note: {e}: not checked")
 
 
+def _coverage(args: argparse.Namespace, module_recipes: tuple[str, ...]) -> int:
+    from qcheck._coverage import coverage, format_coverage
+    from qcheck.suite import cases as cases_mod
+
+    as_tuple = lambda xs: tuple(xs) if xs else None  # noqa: E731
+    for case in cases_mod.cases(_selected(args, module_recipes), models=as_tuple(args.models),
+                                paths=as_tuple(args.paths)):
+        records = coverage(cases_mod.layer(case), cases_mod.layer_input(case.variant.model),
+                           errors=not args.no_errors)
+        print(f"{case.id}: {sum(r.quantized for r in records)} of {len(records)} matmuls quantized")
+        print("  " + format_coverage(records).replace("\n", "\n  ") + "\n")
+    return 0
+
+
 def _rng(args: argparse.Namespace, module_recipes: tuple[str, ...]) -> int:
     import json
 
@@ -255,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _parser().parse_args(argv)
     _process.setup()  # before the recipe modules or anything else starts JAX
-    commands = {"rng": _rng, "golden": _golden}
+    commands = {"rng": _rng, "golden": _golden, "coverage": _coverage}
     try:
         module_recipes = _import_modules(args.recipe_modules or [])
         return commands.get(args.command, _matrix)(args, module_recipes)

@@ -37,6 +37,8 @@ __all__ = [
     "assert_sites_carry_no_rng_stream",
     "assert_sites_cast_exact",
     "assert_sites_independent",
+    "assert_layer_quantized",
+    "check_coverage",
     "check_sites",
     "check_exact",
     "check_golden",
@@ -147,6 +149,28 @@ def check_sites(case: Case) -> None:
     assert_sites_independent(layer, case.id)
     if get_recipe(case.recipe).apply_rngs is ApplyRngs.NONE:
         assert_sites_carry_no_rng_stream(layer, case.id)
+
+
+def assert_layer_quantized(layer: MoE, x, label: str):
+    """Every matmul of ``layer`` but those it keeps in full precision by design takes quantized operands.
+
+    Tracing only: the coverage map of the layer's forward pass
+    (:func:`qcheck.coverage`), with the router, the combine and the dropping
+    masks (``qcheck.moe.UNQUANTIZED_BY_DESIGN``) skipped. It sees a single call
+    site that multiplies in full precision on one path, which ``tracks`` cannot.
+    """
+    __tracebackhide__ = True
+    from qcheck._coverage import assert_quantized, skip_functions
+    from qcheck.moe import UNQUANTIZED_BY_DESIGN
+
+    return _prefixed(label, lambda: assert_quantized(layer, x, skip=skip_functions(*UNQUANTIZED_BY_DESIGN)))
+
+
+def check_coverage(case: Case) -> int:
+    """:func:`assert_layer_quantized` on the case's fresh layer; returns how many matmuls are quantized."""
+    __tracebackhide__ = True
+    records = assert_layer_quantized(cases_mod.layer(case), cases_mod.layer_input(case.variant.model), case.id)
+    return sum(r.quantized for r in records)
 
 
 def check_tracks(case: Case) -> float:
@@ -388,6 +412,7 @@ def _case_only(check: Callable[[Case], float | None]) -> Callable[[Case, RunEnv]
 
 INVARIANTS: tuple[Invariant, ...] = (
     Invariant("sites", lambda r, v: r.quantized, _case_only(check_sites)),
+    Invariant("coverage", lambda r, v: r.quantized, _case_only(check_coverage)),
     Invariant("exact", lambda r, v: r.cast_dtype is not None, _case_only(check_exact)),
     Invariant("tracks", lambda r, v: r.quantized, _case_only(check_tracks)),
     Invariant("state", lambda r, v: r.materialize_at_build, _case_only(check_state)),

@@ -9,6 +9,11 @@ import pytest
 from qcheck.suite import invariants
 
 
+@pytest.mark.qcheck_invariant("coverage")
+def test_every_call_site_matmul_is_quantized(qcheck_case):
+    assert invariants.check_coverage(qcheck_case) > 0
+
+
 @pytest.mark.qcheck_invariant("exact")
 def test_fresh_sites_equal_cast_reference_bitwise(qcheck_case):
     invariants.check_exact(qcheck_case)
