@@ -1,0 +1,328 @@
+"""check_layer and copy_params_into: every check paired with the bug it is for, messages asserted."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import linecache
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+import qcheck
+from qcheck import checks, formats
+from qcheck._layer_check import INPUT_GRAD, LayerFigures, _module_step, check_layer, copy_params_into
+from qcheck.bridge import Fp8Meta
+from qcheck.step import apply
+from tests import maxtext_like
+
+X = np.random.default_rng(0).normal(size=(2, 32, 32)).astype(np.float32)
+MIXTRAL = qcheck.MODELS["mixtral"]
+DOC = Path(__file__).parent.parent / "docs" / "checking-your-layer.md"
+
+
+def _moe_full_precision(record: qcheck.MatmulRecord) -> bool:
+    # qcheck's sparse layer keeps its router and its combine einsum (the one dot_general of _sparse) unquantized.
+    return record.function == "MoE.route" or (record.function == "MoE._sparse" and record.primitive == "dot_general")
+
+
+@functools.cache
+def _moe(recipe: str, seed: int = 0) -> qcheck.MoE:
+    return qcheck.build_moe("mixtral", recipe, path="sparse", seed=seed)
+
+
+def _bits(module: nnx.Module) -> list[bytes]:
+    leaves = jax.tree.leaves(nnx.state(module))
+    return [np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x).tobytes()
+            for x in leaves]
+
+
+# -- passes on qcheck's own layers ------------------------------------------------
+
+@pytest.mark.parametrize("recipe, max_rel_norm", [
+    ("fp8", 0.22),
+    ("nvfp4", qcheck.get_recipe("nvfp4").max_rel_norm),  # 0.35: NVFP4's forward lies above 0.22
+])
+def test_check_layer_should_pass_on_qcheck_layers(recipe, max_rel_norm):
+    layer, twin = _moe(recipe), _moe("none")
+    before = _bits(layer), _bits(twin)
+    programs = _module_step._cache_size()
+    figures = check_layer(layer, twin, X, max_rel_norm=max_rel_norm, skip=_moe_full_precision)
+    assert _module_step._cache_size() - programs <= 2  # one per layer: the second call reused the layer's
+    assert 0 < figures.rel_norm <= max_rel_norm
+    assert set(figures.grad_rel_norms) == {INPUT_GRAD, "gate", "wi_0", "wi_1", "wo"}
+    assert all(0 < f <= 0.5 for f in figures.grad_rel_norms.values())
+    assert [r.primitive for r in figures.coverage if r.quantized] == ["ragged_dot_general"] * 3
+    # Neither module changed, RNG counts and fp8 state included.
+    assert (_bits(layer), _bits(twin)) == before
+
+
+def test_layer_figures_are_frozen():
+    figures = LayerFigures(0.1, {"w": 0.2, INPUT_GRAD: 0.3}, ())
+    assert figures.worst_grad == (INPUT_GRAD, 0.3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        figures.rel_norm = 0.0
+
+
+# -- the silent fallback that assert_tracks lets through ---------------------------
+
+_e4m3 = jax.custom_vjp(lambda x: formats.qdq(x, "e4m3fn_current"))
+_e4m3.defvjp(lambda x: (_e4m3(x), None), lambda _, g: (g,))
+
+
+class _QuantizedRouterMoE(qcheck.MoE):
+    """Mixtral's routing with the router's matmul quantized, as MaxText's quantized DenseGeneral does."""
+
+    def route(self, x):
+        logits = jnp.einsum("BSM,ME->BSE", _e4m3(x.astype(jnp.float32)), _e4m3(self.gate[...]))
+        top, idx = jax.lax.top_k(logits, self.config.top_k)
+        return jax.nn.softmax(top, axis=-1), idx
+
+
+@functools.cache
+def _silent_fallback() -> qcheck.MoE:
+    """An fp8 layer whose router is quantized but whose sparse expert matmuls skip their quantizer."""
+    layer = _QuantizedRouterMoE(MIXTRAL, qcheck.get_recipe("fp8"), path="sparse", rngs=nnx.Rngs(0))
+    for site in layer.sites.values():
+        site.ragged_dot = jax.lax.ragged_dot
+    return layer
+
+
+def test_assert_tracks_alone_passes_the_silent_fallback():
+    out, _ = apply(_silent_fallback(), X)
+    ref, _ = apply(_moe("none"), X)
+    assert 0 < checks.assert_tracks(out, ref, max_rel_norm=0.22) <= 0.22
+
+
+def test_check_layer_should_fail_on_the_silent_fallback_naming_each_call_and_its_line():
+    with pytest.raises(AssertionError) as info:
+        check_layer(_silent_fallback(), _moe("none"), X, skip=_moe_full_precision)
+    message = str(info.value)
+    assert message.startswith("check_layer: 1 check(s) failed:\n"
+                              "  coverage: assert_quantized: 3 of 5 matmuls reach full precision:")
+    lines = re.findall(r"ragged_dot_general at (qcheck/moe.py:\d+) \(MoE._sparse\): .*: lhs and rhs unquantized",
+                       message)
+    assert len(lines) == 3
+    for where in lines:
+        path, number = where.rsplit(":", 1)
+        assert ".ragged_dot(" in linecache.getline(path, int(number))
+
+
+# -- the other checks, each on its bug ----------------------------------------------
+
+def test_check_layer_should_fail_on_a_twin_with_other_weights():
+    with pytest.raises(AssertionError) as info:
+        check_layer(_moe("fp8"), _moe("none", seed=1), X, skip=_moe_full_precision)
+    message = str(info.value)
+    assert re.search(r"\n  tracks: assert_tracks: relative norm \d+\.\d+ exceeds the bound 0.22\n", message)
+    assert re.search(r"\n  gradients: wo \(float32\) has relative norm \d+\.\d+ against the reference's, "
+                     r"above the bound 0.5", message)
+    assert "coverage" not in message
+
+
+@jax.custom_vjp
+def _nan_backward(y):
+    return y
+
+
+_nan_backward.defvjp(lambda y: (y, None), lambda _, g: (jnp.full_like(g, jnp.nan),))
+
+
+class _NaNBackwardMoE(qcheck.MoE):
+    def __call__(self, x):
+        return _nan_backward(super().__call__(x))
+
+
+class _NoisyMoE(qcheck.MoE):
+    """Adds fresh noise on every call: a second call on the same input gives other bits."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.noise = nnx.Rngs(noise=1)
+
+    def __call__(self, x):
+        y = super().__call__(x)
+        return y + 1e-3 * jax.random.normal(self.noise.noise(), y.shape, y.dtype)
+
+
+def test_check_layer_should_fail_on_nan_gradients():
+    layer = _NaNBackwardMoE(MIXTRAL, qcheck.get_recipe("fp8"), path="sparse", rngs=nnx.Rngs(0))
+    with pytest.raises(AssertionError) as info:
+        check_layer(layer, _moe("none"), X, skip=_moe_full_precision)
+    message = str(info.value)
+    assert message.startswith("check_layer: 5 check(s) failed:\n")
+    for path, size in ((INPUT_GRAD, X.size), ("gate", 32 * 8), ("wo", 8 * 64 * 32)):
+        assert f"  gradients: {path} (float32) has {size} non-finite values out of {size} in the layer" in message
+
+
+def test_check_layer_should_fail_on_a_non_deterministic_layer():
+    layer = _NoisyMoE(MIXTRAL, qcheck.get_recipe("fp8"), path="sparse", rngs=nnx.Rngs(0))
+    before = _bits(layer)
+    with pytest.raises(AssertionError, match=re.escape("check_layer: 1 check(s) failed:\n  determinism: a second "
+                                                       f"call on the same input changed {X.size} of {X.size} output "
+                                                       "values (float32; worst by ")):
+        check_layer(layer, _moe("none"), X, skip=_moe_full_precision)
+    assert _bits(layer) == before  # the RNG count the second call advanced was a copy's
+
+
+# -- the MaxText-like block: gradients are what a forward check misses ----------------
+
+def _maxtext(quant: str | None, seed: int = 0) -> maxtext_like.MoeBlock:
+    return maxtext_like.MoeBlock(maxtext_like.Config(), quant=quant, rngs=nnx.Rngs(seed))
+
+
+class _NoStraightThrough(maxtext_like.MoeBlock):
+    """Quantized einsums whose gradient goes through the casts' own transposes."""
+
+    def get_einsum(self, name):
+        q = functools.partial(formats.qdq, fmt="e4m3fn_current")
+        return lambda eqn, a, b: jnp.einsum(eqn, q(a), q(b))
+
+
+_COMBINE = qcheck.skip_functions("MoeBlock._combine")
+
+
+@functools.cache
+def _maxtext_pair() -> tuple[maxtext_like.MoeBlock, maxtext_like.MoeBlock]:
+    layer = _maxtext("fp8")
+    return layer, copy_params_into(layer, _maxtext(None, seed=1))
+
+
+def test_skip_grads_should_pass_leaving_out_the_router_kernel():
+    layer, twin = _maxtext_pair()
+    figures = check_layer(layer, twin, X, max_grad_rel_norm=0.25, skip=_COMBINE, skip_grads=["gate/kernel"])
+    assert "gate/kernel" not in figures.grad_rel_norms and max(figures.grad_rel_norms.values()) <= 0.25
+
+
+def test_skip_grads_should_fail_without_it():
+    layer, twin = _maxtext_pair()
+    with pytest.raises(AssertionError, match=r"check_layer: 1 check\(s\) failed:\n  gradients: gate/kernel "
+                                             r"\(float32\) has relative norm 0\.\d+ against the reference's, "
+                                             r"above the bound 0.25$"):
+        check_layer(layer, twin, X, max_grad_rel_norm=0.25, skip=_COMBINE)
+
+
+def test_check_layer_should_fail_on_a_quantized_einsum_without_straight_through_gradients():
+    layer = _NoStraightThrough(maxtext_like.Config(), quant="fp8", rngs=nnx.Rngs(0))
+    _, twin = _maxtext_pair()
+    with pytest.raises(AssertionError) as info:
+        check_layer(layer, twin, X, skip=_COMBINE)
+    failed = re.findall(r"\n  (\w+): (\S+)", str(info.value))
+    # The forward is the same as the working block's: only the gradients see the bug, every one of them.
+    assert failed == [("gradients", p) for p in (INPUT_GRAD.split()[0], "gate/kernel", "wi_0", "wi_1", "wo")]
+
+
+# -- plain functions -------------------------------------------------------------------
+
+W = np.random.default_rng(1).normal(size=(32, 16)).astype(np.float32)
+
+
+def _fp8_matmul(x):
+    return _e4m3(x) @ _e4m3(jnp.asarray(W))
+
+
+def _matmul(x):
+    return x @ jnp.asarray(W)
+
+
+def test_check_layer_on_plain_functions_should_pass_comparing_the_input_gradient():
+    figures = check_layer(_fp8_matmul, _matmul, X[0])
+    assert set(figures.grad_rel_norms) == {INPUT_GRAD} and len(figures.coverage) == 1
+
+
+def test_check_layer_on_plain_functions_should_fail_on_an_unquantized_matmul():
+    with pytest.raises(AssertionError, match=r"check_layer: 2 check\(s\) failed:\n  coverage: assert_quantized: "
+                                             r"1 of 1 matmuls reach full precision:\n.*\n  tracks: assert_tracks: "
+                                             r"actual is bitwise equal to the unquantized reference"):
+        check_layer(_matmul, _matmul, X[0])
+
+
+@pytest.mark.parametrize("call, error", [
+    (lambda: check_layer(_fp8_matmul, _matmul, X[0].tolist()), r"check_layer: x must be a floating-point numpy "
+                                                                r"or JAX array, got list"),
+    (lambda: check_layer(_fp8_matmul, _matmul, X[0].astype(np.int32)), r"check_layer: x must be .*got ndarray of "
+                                                                        r"int32"),
+    (lambda: check_layer(_fp8_matmul, lambda x: _matmul(x)[:4], X[0]), r"check_layer: layer output has shape "
+                                                                        r"\(32, 16\) but reference output has shape "
+                                                                        r"\(4, 16\)"),
+    (lambda: check_layer(_fp8_matmul, lambda x: (x, x), X[0]), r"check_layer: reference must return one "
+                                                                r"floating-point array, got tuple"),
+    (lambda: check_layer(_fp8_matmul, "none", X[0]), r"check_layer: reference must be an flax.nnx.Module or a "
+                                                      r"function of x, got str"),
+    (lambda: check_layer(_fp8_matmul, _matmul, X[0], max_grad_rel_norm=0), r"check_layer: max_grad_rel_norm must "
+                                                                             r"be a positive number, got 0"),
+    (lambda: check_layer(*_maxtext_pair(), X, skip_grads=["router"]), r"check_layer: skip_grads names \['router'\], "
+                                                                       r"which are not parameters; parameter paths: "
+                                                                       r"gate/kernel, wi_0, wi_1, wo"),
+    (lambda: check_layer(_fp8_matmul, _matmul, X[0], skip_grads="wo"), r"check_layer: skip_grads must be a "
+                                                                         r"collection of parameter paths"),
+])
+def test_check_layer_bad_input_names_the_argument(call, error):
+    with pytest.raises(ValueError, match=error):
+        call()
+
+
+# -- the twin helper ---------------------------------------------------------------------
+
+def _params(module: nnx.Module) -> dict[str, np.ndarray]:
+    return {"/".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(module, nnx.Param))}
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_copy_params_into_should_pass_copying_params_and_nothing_else():
+    layer = qcheck.build_moe("mixtral", "nvfp4", path="sparse")  # RNG streams at its sites, seed 0
+    twin = qcheck.build_moe("mixtral", "int8", path="sparse", seed=1)  # its own streams, seed 1
+    rng_before = [np.asarray(jax.random.key_data(k)) for k in jax.tree.leaves(nnx.state(twin, nnx.RngKey))]
+    assert not all(_same_bits(a, _params(twin)[p]) for p, a in _params(layer).items())  # the control
+    assert copy_params_into(layer, twin) is twin
+    assert all(_same_bits(a, _params(twin)[p]) for p, a in _params(layer).items())
+    rng_after = [np.asarray(jax.random.key_data(k)) for k in jax.tree.leaves(nnx.state(twin, nnx.RngKey))]
+    assert len(rng_after) == 3 and all(_same_bits(a, b) for a, b in zip(rng_before, rng_after))
+
+
+def test_copy_params_into_leaves_fp8_state_behind():
+    twin = copy_params_into(_moe("fp8"), qcheck.build_moe("mixtral", "none", path="sparse", seed=1))
+    assert len(jax.tree.leaves(nnx.state(_moe("fp8"), Fp8Meta))) == 18
+    assert jax.tree.leaves(nnx.state(twin, Fp8Meta)) == []
+
+
+class _WithBias(maxtext_like.MoeBlock):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.bias = nnx.Param(jnp.zeros((32,)))
+
+
+@pytest.mark.parametrize("layer, reference, error", [
+    (lambda: qcheck.build_moe("gemma", "none"), lambda: qcheck.build_moe("mixtral", "none"),
+     r"copy_params_into: parameter gate is float32\[32, 16\] in layer but float32\[32, 8\] in reference "
+     r"\(layer Params: gate, per_expert_scale, wi_0, wi_1, wo; reference Params: gate, wi_0, wi_1, wo\)"),
+    (lambda: _maxtext("fp8"), lambda: qcheck.build_moe("mixtral", "none"),
+     r"copy_params_into: reference parameter gate has no counterpart in layer \(layer Params: gate/kernel, "),
+    (lambda: _WithBias(maxtext_like.Config(), quant="fp8", rngs=nnx.Rngs(0)), lambda: _maxtext(None),
+     r"copy_params_into: layer parameter bias has no counterpart in reference"),
+    (lambda: _maxtext("fp8"), lambda: _matmul,
+     r"copy_params_into: reference must be an flax.nnx.Module, got function"),
+])
+def test_copy_params_into_should_fail_naming_the_first_leaf(layer, reference, error):
+    with pytest.raises(ValueError, match=error):
+        copy_params_into(layer(), reference())
+
+
+# -- the guide ------------------------------------------------------------------------------
+
+def test_the_docs_example_runs(capsys):
+    (code,) = re.findall(r"<!-- check-layer: example -->\n```python\n(.*?)```", DOC.read_text(), re.S)
+    assert len(code.splitlines()) <= 25
+    exec(compile(code, str(DOC), "exec"), {"__name__": "checking_your_layer"})
+    out = capsys.readouterr().out
+    assert re.match(r"forward 0\.\d+, worst gradient \('gate/kernel', ", out)
+    assert len([line for line in out.splitlines() if line.startswith("dot_general")]) == 5
