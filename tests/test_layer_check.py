@@ -10,7 +10,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
@@ -241,6 +240,27 @@ def test_check_layer_on_plain_functions_should_fail_on_an_unquantized_matmul():
                                              r"1 of 1 matmuls reach full precision:\n.*\n  tracks: assert_tracks: "
                                              r"actual is bitwise equal to the unquantized reference"):
         check_layer(_matmul, _matmul, X[0])
+
+
+@dataclasses.dataclass
+class _Unhashable:
+    """A callable object that cannot be a static argument of jax.jit (a dataclass with eq and no hash)."""
+
+    w: np.ndarray
+
+    def __call__(self, x):
+        return _e4m3(x) @ _e4m3(jnp.asarray(self.w))
+
+
+def test_check_layer_should_pass_on_an_unhashable_callable():
+    assert check_layer(_Unhashable(W), _matmul, X[0]).rel_norm > 0
+
+
+def test_check_layer_should_fail_on_a_parameter_the_twin_lacks():
+    layer = _WithBias(maxtext_like.Config(), quant="fp8", rngs=nnx.Rngs(0))
+    with pytest.raises(AssertionError, match=r"check_layer: 1 check\(s\) failed:\n  gradients: parameter bias "
+                                             r"is in the layer only$"):
+        check_layer(layer, _maxtext_pair()[1], X, skip=_COMBINE)
 
 
 @pytest.mark.parametrize("call, error", [
