@@ -13,6 +13,7 @@ __all__ = [
     "MODELS",
     "PATHS",
     "ApplyRngs",
+    "LayerFigures",
     "MoE",
     "MoEConfig",
     "QuantSite",
@@ -21,7 +22,9 @@ __all__ = [
     "assert_quantized",
     "build_decoder",
     "build_moe",
+    "check_layer",
     "checks",
+    "copy_params_into",
     "coverage",
     "format_coverage",
     "formats",
@@ -51,10 +54,14 @@ _WHERE = {
     "coverage": "qcheck._coverage",
     "format_coverage": "qcheck._coverage",
     "skip_functions": "qcheck._coverage",
+    "LayerFigures": "qcheck._layer_check",
+    "check_layer": "qcheck._layer_check",
+    "copy_params_into": "qcheck._layer_check",
 }
 
 if TYPE_CHECKING:
     from qcheck import checks, formats, native, referees
+    from qcheck._layer_check import LayerFigures, check_layer, copy_params_into
     from qcheck._coverage import MatmulRecord, assert_quantized, coverage, format_coverage, skip_functions
     from qcheck.bridge import QuantSite
     from qcheck.models import build_decoder

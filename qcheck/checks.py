@@ -26,6 +26,8 @@ __all__ = [
     "assert_fresh_ragged_cast_exact",
     "assert_native_matches_emulation",
     "assert_no_recompiles",
+    "assert_site_backward_exact",
+    "assert_site_ragged_backward_exact",
     "assert_quantized",
     "assert_tracks",
     "cast_reference",
@@ -387,3 +389,4 @@ def assert_no_recompiles(fn: Callable[[], Any], *, warmup: Callable[[], Any] | N
 # Checks with a module of their own, offered here beside the others.
 from qcheck._coverage import assert_quantized, coverage  # noqa: E402
 from qcheck._referee_checks import assert_format_matches_referee  # noqa: E402
+from qcheck._backward import assert_site_backward_exact, assert_site_ragged_backward_exact  # noqa: E402

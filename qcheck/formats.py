@@ -29,6 +29,7 @@ __all__ = [
     "CURRENT_MAX_SCALE",
     "E2M1_GRID",
     "FP8_DTYPES",
+    "block_size",
     "MX_BLOCK",
     "NVFP4_BLOCK",
     "Quantized",
@@ -101,6 +102,12 @@ _BLOCK_FORMATS = {"nvfp4": NVFP4_BLOCK, "mxfp8": MX_BLOCK}
 def format_names() -> tuple[str, ...]:
     """The format names :func:`qdq` and :func:`quantize` accept."""
     return ("int8", *_FP8_FORMATS, *_CURRENT_FORMATS, *_BLOCK_FORMATS)
+
+
+def block_size(fmt: str) -> int | None:
+    """Elements per scale block along the quantized axes (``nvfp4``: 16, ``mxfp8``: 32); None for other formats."""
+    _check_format(fmt)
+    return _BLOCK_FORMATS.get(fmt)
 
 
 def _check_format(fmt: str) -> None:

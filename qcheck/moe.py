@@ -77,6 +77,11 @@ _DROP_EQNS = {
 }
 
 
+def capacity(config: MoEConfig, capacity_factor: float, seq: int) -> int:
+    """Slots per expert per batch row of a token-dropping layer: ``ceil(seq * top_k * capacity_factor / experts)``."""
+    return max(1, math.ceil(seq * config.top_k * capacity_factor / config.num_experts))
+
+
 #: The layer's matmuls that stay in full precision by design (router, combine, dropping masks): the
 #: ``skip`` for :func:`qcheck.assert_quantized`, as ``qcheck.skip_functions(*UNQUANTIZED_BY_DESIGN)``.
 UNQUANTIZED_BY_DESIGN = ("MoE.route", "MoE.combine", "MoE.dropping_masks")
@@ -153,8 +158,7 @@ class MoE(nnx.Module):
 
     def capacity(self, seq: int) -> int:
         """Slots per expert per batch row when dropping."""
-        c = self.config
-        return max(1, math.ceil(seq * c.top_k * self.capacity_factor / c.num_experts))
+        return capacity(self.config, self.capacity_factor, seq)
 
     def site_specs(self, batch: int, seq: int) -> dict[str, SiteSpec]:
         """The operand shapes each call site sees for an input of shape ``[batch, seq, emb]``."""

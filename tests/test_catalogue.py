@@ -116,6 +116,45 @@ def test_exact_and_state_catch_a_fresh_scale_that_is_not_one():
         invariants.assert_fp8_state_moves_only_in_backward(broken, X, "bug")
 
 
+# -- the backward pass: each site's gradients, bitwise --------------------------------
+
+
+def _with_planted_site(recipe: str, planted: Recipe, site: str = "wo", path: str = "dense") -> MoE:
+    broken = layer(recipe, path=path)
+    broken.sites[site] = QuantSite(planted, site, rngs=nnx.Rngs(7))
+    return broken
+
+
+def test_backward_catches_fp8_output_gradients_cast_to_e4m3_not_e5m2():
+    # The forward pass is bitwise unchanged, so exact, tracks and golden all pass.
+    from qcheck.recipes import DelayedScalingFp8
+
+    broken = _with_planted_site("fp8", DelayedScalingFp8("fp8", e4m3_dtype=E4M3FN, e5m2_dtype=E4M3FN))
+    invariants.assert_sites_cast_exact(broken, E4M3FN, "forward")  # passes: only the backward moved
+    with pytest.raises(AssertionError, match=r"bug site 'wo': .*dgrad \(g in float8_e5m2\).*equals the gradient "
+                       r"with g in float8_e4m3fn \(the forward flavour\)"):
+        invariants.assert_sites_backward_exact(broken, get_recipe("fp8"), "bug")
+
+
+def test_backward_catches_nvfp4_blocking_the_input_gradient_along_the_weight_gradient_axes():
+    from tests.test_backward import _WrongAxesNVFP4
+
+    broken = _with_planted_site("nvfp4", _WrongAxesNVFP4(), path="sparse")
+    with pytest.raises(AssertionError, match=r"bug site 'wo': .*dgrad \(g in nvfp4 along axes \(1,\), stochastic\)"
+                       r".*along the wgrad axes \(0,\) bitwise"):
+        invariants.assert_sites_backward_exact(broken, get_recipe("nvfp4"), "bug")
+
+
+def test_backward_catches_a_gradient_that_skipped_quantization():
+    from tests.test_backward import _SkipGradFp8
+
+    broken = _with_planted_site("nanoo_fp8", _SkipGradFp8("nanoo_fp8", e4m3_dtype=E4M3FNUZ,
+                                                           e5m2_dtype=jnp.float8_e5m2fnuz))
+    with pytest.raises(AssertionError, match=r"bug site 'wo': .*dgrad \(g in float8_e5m2fnuz\).*equals the "
+                       r"gradient with unquantized g bitwise"):
+        invariants.assert_sites_backward_exact(broken, get_recipe("nanoo_fp8"), "bug")
+
+
 # -- fp8 state -------------------------------------------------------------------
 
 
@@ -303,6 +342,11 @@ CATALOGUE = [
      test_coverage_catches_one_call_site_unquantized_on_the_sparse_path),
     ("a layer that quantizes nothing: every expert matmul listed with its line", "`coverage`",
      test_coverage_catches_a_layer_that_quantizes_nothing_listing_every_expert_matmul),
+    ("fp8 output gradients cast to e4m3 instead of e5m2 (the forward pass unchanged)", "`backward`",
+     test_backward_catches_fp8_output_gradients_cast_to_e4m3_not_e5m2),
+    ("NVFP4 blocking the input gradient's copy of g along the weight-gradient axes", "`backward`",
+     test_backward_catches_nvfp4_blocking_the_input_gradient_along_the_weight_gradient_axes),
+    ("a gradient that skipped quantization", "`backward`", test_backward_catches_a_gradient_that_skipped_quantization),
     ("a layer whose quantization fell away everywhere", "`tracks`",
      test_tracks_catches_a_layer_whose_quantization_silently_fell_away),
     ("two call-site names bound to one wrapper", "`sites`", test_sites_catches_two_names_bound_to_one_site),

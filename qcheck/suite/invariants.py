@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from qcheck.suite import cases as cases_mod
-from qcheck import checks, step
+from qcheck import checks, formats, step
 from qcheck.bridge import Fp8Meta
 from qcheck.suite.cases import BATCH, SEQ, Case, Variant
 from qcheck.moe import MoE
@@ -39,6 +39,8 @@ __all__ = [
     "assert_sites_independent",
     "assert_layer_quantized",
     "check_coverage",
+    "assert_sites_backward_exact",
+    "check_backward",
     "check_sites",
     "check_exact",
     "check_golden",
@@ -171,6 +173,65 @@ def check_coverage(case: Case) -> int:
     __tracebackhide__ = True
     records = assert_layer_quantized(cases_mod.layer(case), cases_mod.layer_input(case.variant.model), case.id)
     return sum(r.quantized for r in records)
+
+
+def assert_sites_backward_exact(layer: MoE, recipe: Recipe, label: str) -> None:
+    """Both gradients of every call site of a fresh ``layer`` equal the referee's gradient matmuls, bitwise.
+
+    :func:`qcheck.checks.assert_site_backward_exact` per site (its ragged twin
+    on the sparse path): the output gradient quantized as the recipe declares
+    (fp8-class: cast to the e5m2 flavour at scale 1; ``grad=``: the referee's
+    format along each gradient matmul's contraction; NVFP4's DGRAD with the
+    site's own uniforms), on probes chosen so that a wrong flavour, wrong axes
+    or a skipped quantization each give other bits.
+    """
+    __tracebackhide__ = True
+    from qcheck import _backward
+    from qcheck.recipes import einsum_axes
+    from qcheck.recipes._axes import RAGGED_AXES
+
+    for i, (name, spec) in enumerate(layer.site_specs(BATCH, SEQ).items()):
+        site = layer.get_einsum(name)
+        if spec.eqn is not None:
+            axes = einsum_axes(spec.eqn, len(spec.lhs_shape), len(spec.rhs_shape))
+            out = jax.eval_shape(functools.partial(jax.numpy.einsum, spec.eqn),
+                                 *(jax.ShapeDtypeStruct(s, np.float32) for s in (spec.lhs_shape, spec.rhs_shape))).shape
+        else:
+            axes, out = RAGGED_AXES, (spec.lhs_shape[0], spec.rhs_shape[-1])
+        if recipe.grad == "nvfp4":  # probes on which NVFP4 decodes exactly in any order XLA picks
+            lhs = _backward.probe_nvfp4(i, spec.lhs_shape, axes.lhs)
+            rhs = _backward.probe_nvfp4(i + 100, spec.rhs_shape, axes.rhs)
+            g = _backward.probe_nvfp4(i + 200, out, axes.dgrad, axes.wgrad)
+        else:
+            lhs, rhs = checks.probe_operands(i, spec.lhs_shape, spec.rhs_shape)
+            g = _backward.probe_grad(i, out)
+        if spec.eqn is not None:
+            run = functools.partial(_backward.assert_site_backward_exact, site, spec.eqn, lhs, rhs, g, recipe=recipe)
+        else:
+            sizes = probe_group_sizes(lhs.shape[0], rhs.shape[0], i)
+            run = functools.partial(_backward.assert_site_ragged_backward_exact, site, lhs, rhs, sizes, g,
+                                    recipe=recipe)
+        _prefixed(f"{label} site {name!r}", run)
+
+
+def check_backward(case: Case) -> None:
+    """:func:`assert_sites_backward_exact` on the case's fresh layer."""
+    __tracebackhide__ = True
+    assert_sites_backward_exact(cases_mod.layer(case), get_recipe(case.recipe), case.id)
+
+
+def _backward_applies(recipe: Recipe, variant: Variant) -> bool:
+    # Every quantized recipe, except where its gradient format's blocks cannot
+    # tile the weight gradient's contraction: on the dropping layer that runs over
+    # batch x capacity tokens per expert (2 x 8 = 16), fewer than MXFP8's 32.
+    if not recipe.quantized:
+        return False
+    block = formats.block_size(recipe.grad) if recipe.grad else None
+    if block is None or not variant.dropping:
+        return True
+    from qcheck.moe import MODELS, capacity
+
+    return (BATCH * capacity(MODELS[variant.model], variant.capacity_factor, SEQ)) % block == 0
 
 
 def check_tracks(case: Case) -> float:
@@ -414,6 +475,7 @@ INVARIANTS: tuple[Invariant, ...] = (
     Invariant("sites", lambda r, v: r.quantized, _case_only(check_sites)),
     Invariant("coverage", lambda r, v: r.quantized, _case_only(check_coverage)),
     Invariant("exact", lambda r, v: r.cast_dtype is not None, _case_only(check_exact)),
+    Invariant("backward", _backward_applies, _case_only(check_backward)),
     Invariant("tracks", lambda r, v: r.quantized, _case_only(check_tracks)),
     Invariant("state", lambda r, v: r.materialize_at_build, _case_only(check_state)),
     Invariant("rng", _rng_applies, _case_only(check_rng)),

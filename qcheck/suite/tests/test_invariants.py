@@ -19,6 +19,11 @@ def test_fresh_sites_equal_cast_reference_bitwise(qcheck_case):
     invariants.check_exact(qcheck_case)
 
 
+@pytest.mark.qcheck_invariant("backward")
+def test_fresh_sites_gradients_equal_referee_gradient_matmuls_bitwise(qcheck_case):
+    invariants.check_backward(qcheck_case)
+
+
 @pytest.mark.qcheck_invariant("tracks")
 def test_layer_tracks_unquantized_twin(qcheck_case):
     figure = invariants.check_tracks(qcheck_case)
