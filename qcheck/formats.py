@@ -6,7 +6,9 @@ raw element types at scale 1 — exactly what a freshly built delayed-scaling fp
 layer applies — and saturate, unlike a bare ``astype`` (ml_dtypes turns e4m3fn
 overflow into NaN). ``e4m3fn_current`` and ``e5m2_current`` scale the whole
 tensor by its own amax (TransformerEngine's Float8CurrentScaling); ``nvfp4`` and
-``mxfp8`` are block formats. :func:`quantize` returns the element codes and the
+``mxfp8`` are block formats. ``int8`` is symmetric absmax/127 (AQT with
+``preserve_max_val=True``); ``int8_aqt`` and ``int8_qwix`` are the int8 that
+AQT's and qwix's defaults compute, absmax/127.5. :func:`quantize` returns the element codes and the
 scales in their storage types, :func:`dequantize` maps them back, and
 :func:`qdq` is the one after the other.
 """
@@ -51,6 +53,9 @@ FP8_DTYPES: dict[str, np.dtype] = {
 }
 
 INT8_MAX = 127
+#: AQT v2's default int8 (``preserve_max_val=False``) and qwix's int8 both map a
+#: slice's absmax onto the edge of the last int8 bucket, 127.5, not onto 127.
+INT8_EDGE = 127.5
 
 # Format name -> fp8 element type; int8 is handled separately (it needs a scale).
 _FP8_FORMATS: dict[str, np.dtype] = {
@@ -101,7 +106,7 @@ _BLOCK_FORMATS = {"nvfp4": NVFP4_BLOCK, "mxfp8": MX_BLOCK}
 
 def format_names() -> tuple[str, ...]:
     """The format names :func:`qdq` and :func:`quantize` accept."""
-    return ("int8", *_FP8_FORMATS, *_CURRENT_FORMATS, *_BLOCK_FORMATS)
+    return ("int8", *_FP8_FORMATS, *_CURRENT_FORMATS, *_BLOCK_FORMATS, *_INT8_LIBRARY_FORMATS)
 
 
 def block_size(fmt: str) -> int | None:
@@ -195,8 +200,9 @@ class Quantized:
     ``[..., n_blocks]`` is the non-contraction axes of ``x`` in order, then one
     entry per block along the flattened contraction axes):
 
-    - ``int8``: ``"slice"``, float32 (float64 for a float64 ``x``), ``x``'s
-      shape with ``axis`` kept as 1: x ≈ codes · slice.
+    - ``int8``, ``int8_aqt``, ``int8_qwix``: ``"slice"``, float32 (float64
+      for a float64 ``x``), ``x``'s shape with ``axis`` kept as 1:
+      x ≈ codes · slice.
     - fp8 formats: none (scale 1).
     - ``*_current``: ``"tensor"``, a float32 scalar, the encode scale
       fmax / amax: x ≈ codes · (1 / tensor).
@@ -222,8 +228,9 @@ _Codes = tuple[Array, dict[str, Array]]
 
 
 def _int8_quantize(x: Array, axes: tuple[int, ...]) -> _Codes:
-    # AQT's default: symmetric, scale from the absolute max over the contraction
-    # axes, round half to even, clip to ±127. An all-zero slice keeps scale 1 so
+    # absmax/127, which is AQT v2 with preserve_max_val=True (not AQT's default,
+    # absmax/127.5: see int8_aqt): symmetric, scale from the absolute max over the
+    # contraction axes, round half to even, clip to ±127. An all-zero slice keeps scale 1 so
     # zeros stay zeros instead of becoming NaN. Arithmetic stays in x's dtype, as
     # it always has; the scale is stored widened, which is exact.
     amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
@@ -233,6 +240,38 @@ def _int8_quantize(x: Array, axes: tuple[int, ...]) -> _Codes:
     scale = jnp.where(scale > 0, scale, jnp.ones_like(scale))
     codes = jnp.clip(jnp.round(x / scale), -INT8_MAX, INT8_MAX)
     return codes.astype(jnp.int8), {"slice": scale.astype(jnp.promote_types(x.dtype, jnp.float32))}
+
+
+def _int8_aqt_quantize(x: Array, axes: tuple[int, ...]) -> _Codes:
+    # AQT v2's default int8 (aqtp 0.9.0: quantizer_make(8), as config_v4 builds
+    # it), op for op: AbsMaxCalibration turns an all-zero absmax into 1, the scale
+    # is absmax / 127.5 (IntSymmetric with preserve_zero and not preserve_max_val),
+    # QTensor.quant multiplies by reciprocal(scale), an infinite reciprocal (a
+    # scale flushed to zero) becoming 1, then IntSymmetric clips to ±127 and
+    # rounds half to even. The same operations, so XLA rewrites them alike.
+    amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
+    amax = jnp.where(amax == 0, jnp.ones_like(amax), amax)
+    scale = amax / INT8_EDGE
+    inv = jax.lax.reciprocal(scale)
+    inv = jnp.where(jnp.isinf(inv), jnp.ones_like(inv), inv)
+    codes = jax.lax.round(jnp.clip(x * inv, -INT8_MAX, INT8_MAX), jax.lax.RoundingMethod.TO_NEAREST_EVEN)
+    return codes.astype(jnp.int8), {"slice": scale.astype(jnp.promote_types(x.dtype, jnp.float32))}
+
+
+def _int8_qwix_quantize(x: Array, axes: tuple[int, ...]) -> _Codes:
+    # qwix 0.1.8's int8 (qarray.quantize, absmax calibration), op for op: scale
+    # absmax / 127.5 (get_symmetric_bound: iinfo.max + 0.5), a scale below
+    # sqrt(finfo.tiny) (2^-63 in float32: a slice with absmax below about 1.4e-17
+    # comes back zero) replaced by 1, x / scale rounded half to even, then a
+    # saturating cast: codes in [-128, 127], so -absmax -> -128 but +absmax -> 127.
+    amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
+    scale = amax / INT8_EDGE
+    scale = jnp.where(scale < float(jnp.finfo(x.dtype).tiny) ** 0.5, jnp.ones_like(scale), scale)
+    codes = jnp.clip(jnp.round(x / scale), -INT8_MAX - 1, INT8_MAX)
+    return codes.astype(jnp.int8), {"slice": scale.astype(jnp.promote_types(x.dtype, jnp.float32))}
+
+
+_INT8_LIBRARY_FORMATS = {"int8_aqt": _int8_aqt_quantize, "int8_qwix": _int8_qwix_quantize}
 
 
 def _int8_dequantize(q: Quantized) -> Array:
@@ -350,7 +389,11 @@ def quantize(
     """``x`` in format ``fmt``: its element codes and scales, saturating (see :class:`Quantized`).
 
     ``int8`` scales each slice by its absolute max over ``axis`` (the contraction
-    axes of the matmul it feeds). The fp8 formats are the element type at scale 1,
+    axes of the matmul it feeds) / 127, codes ±127 (AQT with
+    ``preserve_max_val=True``). ``int8_aqt`` is AQT v2's default int8: absmax /
+    127.5, x · (1 / scale) clipped to ±127. ``int8_qwix`` is qwix's: absmax /
+    127.5, x / scale with a saturating cast, codes -128..127, and slices whose
+    scale is below 2^-63 (float32) come back zero. The fp8 formats are the element type at scale 1,
     and the ``*_current`` formats scale the whole tensor by fmax / amax, so
     ``axis`` does not change them. ``nvfp4`` (blocks of 16) and ``mxfp8`` (blocks
     of 32) flatten ``axis`` into blocks, a ValueError if that is not a whole
@@ -375,6 +418,8 @@ def _quantize(x: ArrayLike, fmt: str, axis: int | tuple[int, ...], rng: Array | 
         raise ValueError(f"format {fmt!r} has no stochastic rounding; only nvfp4 takes rng")
     if fmt == "int8":
         codes, scales = _int8_quantize(x, axes)
+    elif fmt in _INT8_LIBRARY_FORMATS:
+        codes, scales = _INT8_LIBRARY_FORMATS[fmt](x, axes)
     elif fmt == "nvfp4":
         codes, scales = _nvfp4_quantize(x, axes, rng)
     elif fmt == "mxfp8":
@@ -392,6 +437,7 @@ _DEQUANTIZE: dict[str, Callable[[Quantized], Array]] = {
     **{name: _current_dequantize for name in _CURRENT_FORMATS},
     "nvfp4": _nvfp4_dequantize,
     "mxfp8": _mxfp8_dequantize,
+    **{name: _int8_dequantize for name in _INT8_LIBRARY_FORMATS},
 }
 
 
