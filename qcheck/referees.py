@@ -13,10 +13,12 @@ Arithmetic is IEEE float32 (numpy does not flush subnormals). ``ftz=True``
 models a backend that does: every float32 read or written as a subnormal is
 zero of the same sign, as XLA's CPU backend computes (flush-to-zero and
 denormals-are-zero). It changes nothing for values away from float32's
-subnormal range. ``xla_reciprocal=True`` models the one rewrite of qcheck's
-arithmetic XLA makes that moves a quantizer's bits: it turns int8's ``amax /
-127`` (a division by a constant) into ``amax · float32(1/127)``, one ulp away in
-about 4% of slices (measured on XLA CPU, jax 0.10.2, eager and jitted).
+subnormal range. ``xla_reciprocal=True`` models the rewrites of the int8
+formats' divisions XLA makes that move a quantizer's bits: ``amax / 127`` (or
+127.5; a division by a constant) becomes ``amax · float32(1/127)``, one ulp away
+in about 4% of slices for 127 and 77% for 127.5, and ``x / scale`` (a division
+by a broadcast operand) becomes ``x · (1 / scale)``, which moves a code where
+the quotient is within an ulp of a half (1 of 262144 normal values); measured on XLA CPU, jax 0.10.2, eager and jitted.
 """
 
 from __future__ import annotations
@@ -40,9 +42,13 @@ _FP8 = {
 _CURRENT = {"e4m3fn_current": _FP8["e4m3fn"], "e5m2_current": _FP8["e5m2"]}
 _E2M1 = np.dtype(ml_dtypes.float4_e2m1fn)
 _E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
-_NAMES = ("int8", *_FP8, *_CURRENT, "nvfp4", "mxfp8")
+_NAMES = ("int8", *_FP8, *_CURRENT, "nvfp4", "mxfp8", "int8_aqt", "int8_qwix")
 
 _INT8_BOUND = 127  # [def] symmetric int8: codes in [-127, 127], -128 unused
+# [def] AQT v2 IntSymmetric(8 bits, preserve_zero, not preserve_max_val) and qwix's
+# get_symmetric_bound(int8): absmax maps onto the edge of the last bucket, 127 + 0.5.
+_INT8_EDGE = _F32(127.5)
+_QWIX_MIN_SCALE = _F32(2.0**-63)  # [def] qwix: sqrt(float32 tiny) = sqrt(2^-126)
 _NVFP4_BLOCK = 16  # [def] NVIDIA NVFP4: 16 e2m1 elements share one e4m3 scale
 _MX_BLOCK = 32  # [def] OCP MX v1.0: k = 32 elements share one e8m0 scale
 _CURRENT_SCALE_CAP = _F32(2.0**126)  # [qcheck] formats.CURRENT_MAX_SCALE: 1/cap stays a normal float32
@@ -118,8 +124,41 @@ def _int8(x: np.ndarray, axes: tuple[int, ...], ftz: bool, xla_reciprocal: bool)
     # [qcheck] a slice whose scale is zero keeps scale 1, so zeros stay zeros.
     scale = np.where(scale > 0, scale, _F32(1)).astype(_F32)
     # [def] round half to even, then clip to ±127.
-    codes = np.clip(np.round(_flush(x / scale, ftz)), -_INT8_BOUND, _INT8_BOUND).astype(np.int8)
-    return codes, {"slice": scale}
+    codes = np.clip(np.round(_flush(_divide(x, scale, xla_reciprocal), ftz)), -_INT8_BOUND, _INT8_BOUND)
+    return codes.astype(np.int8), {"slice": scale}
+
+
+def _divide(x: np.ndarray, scale: np.ndarray, xla_reciprocal: bool) -> np.ndarray:
+    # [def] x / scale ([XLA] or x times the float32 reciprocal of scale, as XLA computes it;
+    # a subnormal scale's reciprocal overflows, as it does there).
+    with np.errstate(over="ignore"):
+        return (x * (_F32(1) / scale) if xla_reciprocal else x / scale).astype(_F32)
+
+
+def _edge_scale(amax: np.ndarray, ftz: bool, xla_reciprocal: bool) -> np.ndarray:
+    # [def] AQT's default and qwix: scale = absmax / 127.5 ([XLA] or times the float32 reciprocal of 127.5).
+    return _flush(amax * (_F32(1) / _INT8_EDGE) if xla_reciprocal else amax / _INT8_EDGE, ftz).astype(_F32)
+
+
+def _int8_aqt(x: np.ndarray, axes: tuple[int, ...], ftz: bool, xla_reciprocal: bool):
+    amax = np.max(np.abs(x), axis=axes, keepdims=True)
+    amax = np.where(amax == 0, _F32(1), amax)  # [def] AQT AbsMaxCalibration: an absmax of 0 becomes 1
+    scale = _edge_scale(amax, ftz, xla_reciprocal)
+    # [def] AQT QTensor.quant: x times reciprocal(scale); an infinite reciprocal becomes 1.
+    with np.errstate(divide="ignore", over="ignore"):
+        inv = _F32(1) / scale
+    inv = np.where(np.isinf(inv), _F32(1), inv).astype(_F32)
+    # [def] AQT IntSymmetric: clip to the last bucket's edge minus 0.5 (127), then round half to even.
+    codes = np.round(np.clip(_flush(x * inv, ftz), -_INT8_BOUND, _INT8_BOUND))
+    return codes.astype(np.int8), {"slice": scale}
+
+
+def _int8_qwix(x: np.ndarray, axes: tuple[int, ...], ftz: bool, xla_reciprocal: bool):
+    scale = _edge_scale(np.max(np.abs(x), axis=axes, keepdims=True), ftz, xla_reciprocal)
+    scale = np.where(scale < _QWIX_MIN_SCALE, _F32(1), scale).astype(_F32)  # [def] qwix: a scale below 2^-63 is 1
+    # [def] qwix: round half to even, then a saturating cast to int8: codes -128..127.
+    codes = np.clip(np.round(_flush(_divide(x, scale, xla_reciprocal), ftz)), -_INT8_BOUND - 1, _INT8_BOUND)
+    return codes.astype(np.int8), {"slice": scale}
 
 
 def _current(x: np.ndarray, dtype: np.dtype, ftz: bool):
@@ -233,6 +272,10 @@ def reference_quantize(
     x = _flush(x, ftz)
     if fmt == "int8":
         return _int8(x, axes, ftz, xla_reciprocal)
+    if fmt == "int8_aqt":
+        return _int8_aqt(x, axes, ftz, xla_reciprocal)
+    if fmt == "int8_qwix":
+        return _int8_qwix(x, axes, ftz, xla_reciprocal)
     if fmt in _FP8:
         return _saturate(x, _FP8[fmt]), {}  # [def] the element type at scale 1, saturating
     if fmt in _CURRENT:
@@ -250,8 +293,11 @@ def reference_dequantize(
         raise ValueError(f"unknown format {fmt!r}; valid formats: {', '.join(_NAMES)}")
     c = np.asarray(codes).astype(_F32)
     axes = _axes(axis, c.ndim)
-    if fmt == "int8":
-        out = c * scales["slice"]  # [def] x = code · scale; exact in float32 (7 × 24 bits)
+    if fmt in ("int8", "int8_aqt", "int8_qwix"):
+        # [def] x = code · scale; exact in float32 (8 × 24 bits) unless it overflows: int8_qwix's
+        # code -128 times absmax / 127.5 is -inf for an absmax within 0.4% of float32's max.
+        with np.errstate(over="ignore"):
+            out = c * scales["slice"]
     elif fmt in _FP8:
         out = c
     elif fmt in _CURRENT:

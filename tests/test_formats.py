@@ -220,6 +220,8 @@ F32 = np.dtype(np.float32)
 #: format -> (codes dtype, {scale name: (dtype, shape)}) for x of shape (4, 64) along axis -1.
 LAYOUT = {
     "int8": (np.dtype(np.int8), {"slice": (F32, (4, 1))}),
+    "int8_aqt": (np.dtype(np.int8), {"slice": (F32, (4, 1))}),
+    "int8_qwix": (np.dtype(np.int8), {"slice": (F32, (4, 1))}),
     "e4m3fn": (E4M3FN, {}),
     "e4m3fnuz": (np.dtype(ml_dtypes.float8_e4m3fnuz), {}),
     "e5m2": (E5M2, {}),

@@ -107,6 +107,8 @@ _E4M3_PROBES = _E4M3_PROBES[np.abs(_E4M3_PROBES) <= 448]
 # Blocks of 32: 300 (so the scale is 2^0), then 31 probes; the probes pad to whole blocks.
 MX_TIES = np.concatenate([[300.0, *chunk, *[0.0] * (31 - len(chunk))]
                           for chunk in np.array_split(_E4M3_PROBES, -(-_E4M3_PROBES.size // 31))])
+# absmax/127.5: the amax itself is a tie (127.5 · scale), which qwix saturates to 127 or -128.
+INT8_EDGE_TIES = [127.5, -127.5, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, 127.0, np.nextafter(F32(0.5), F32(1)), 3.5]
 E2M1_TIES = [2688.0] + [0.0] * 15 + [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -1.25, -5.0,
                                      0.2500001, 0.2499999, 4.999999, 5.000001, -0.0]
 
@@ -116,12 +118,16 @@ E2M1_TIES = [2688.0] + [0.0] * 15 + [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0,
     [
         *[(f, _fp8_probes(f)) for f in ("e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz")],
         ("int8", INT8_TIES),
+        ("int8_aqt", INT8_EDGE_TIES),
+        ("int8_qwix", INT8_EDGE_TIES),
+        ("int8_qwix", INT8_EDGE_TIES[1:]),  # amax from a negative value: code -128
         ("mxfp8", MX_TIES),
         ("nvfp4", E2M1_TIES),
         ("e4m3fn_current", [448.0, *conversion_probes(ml_dtypes.float8_e4m3fn)]),
         ("e5m2_current", [57344.0, *conversion_probes(ml_dtypes.float8_e5m2)]),
     ],
-    ids=["e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz", "int8", "mxfp8", "nvfp4", "e4m3fn_current", "e5m2_current"],
+    ids=["e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz", "int8", "int8_aqt", "int8_qwix", "int8_qwix-negative-amax",
+         "mxfp8", "nvfp4", "e4m3fn_current", "e5m2_current"],
 )
 def test_ties_and_grid_neighbours_match_referee(fmt, values):
     assert_format_matches_referee(_fill(values), fmt, axis=-1)
@@ -217,6 +223,27 @@ def test_xla_int8_scale_by_reciprocal_is_the_only_difference(jit):
     assert_format_matches_referee(x, "int8", axis=-1, jit=jit)
 
 
+# amax 112.12789 (scale amax/127 or /127.5) and an x whose quotient x / scale is exactly a
+# half while x · (1 / scale) is not: found by search, for each format's scale.
+QUOTIENT_ROWS = {"int8": [112.12789, -95.794304, 0.5], "int8_qwix": [112.12789, -90.14204, 0.5]}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("fmt", sorted(QUOTIENT_ROWS))
+def test_xla_int8_quotient_by_reciprocal_is_the_only_difference(fmt, jit):
+    # Named exclusion: XLA turns x / scale (scale broadcast over the slice) into
+    # x · (1 / scale), as it does for qwix's own x / scale. On this row the definition's
+    # quotient rounds to another code with qcheck's own scale; the reciprocal does not.
+    x = _fill(QUOTIENT_ROWS[fmt])
+    quantize = jax.jit(lambda v: formats.quantize(v, fmt)) if jit else (lambda v: formats.quantize(v, fmt))
+    q = quantize(x)
+    codes, scale = np.asarray(q.codes), np.asarray(q.scales["slice"])
+    lo, hi = (-128, 127) if fmt == "int8_qwix" else (-127, 127)
+    assert not np.array_equal(codes, np.clip(np.round(x / scale), lo, hi).astype(np.int8))
+    assert np.array_equal(codes, np.clip(np.round(x * (F32(1) / scale)), lo, hi).astype(np.int8))
+    assert_format_matches_referee(x, fmt, axis=-1, jit=jit)
+
+
 @pytest.mark.parametrize("rng", [None, 3], ids=["nearest", "stochastic"])
 def test_nvfp4_eager_is_bitwise_and_jit_is_within_the_named_exclusion(rng):
     x = np.random.default_rng(0).standard_normal(EDGE).astype(F32) * 100
@@ -280,15 +307,25 @@ PROBE[0, :8] = [464.01, 1e6, -3e5, 249.0, 300.0, 1e-4, -1e-5, 0.7]  # saturation
         # int8 scaled to ±128 instead of ±127.
         ("int8", formats, "INT8_MAX", 128, None,
          r"int8: codes differs from the referee at index \(\d+, \d+\): jax 0x[0-9a-f]{2} .* vs referee 0x"),
+        # AQT's default computed with preserve_max_val=True's bound, 127 (qcheck's int8).
+        ("int8_aqt", formats, "INT8_EDGE", 127.0, None,
+         r"int8_aqt: codes differs from the referee at index \(\d+, \d+\): jax 0x[0-9a-f]{2} .* vs referee 0x"),
+        # The far edge of an even bucket count (AQT's preserve_zero=False row): 128.
+        ("int8_qwix", formats, "INT8_EDGE", 128.0, None,
+         r"int8_qwix: codes differs from the referee at index \(\d+, \d+\): jax 0x[0-9a-f]{2} .* vs referee 0x"),
+        # The referee side: qwix without its scale floor of 2^-63 quantizes a tiny slice.
+        ("int8_qwix", referees, "_QWIX_MIN_SCALE", F32(0), None,
+         r"int8_qwix: codes differs from the referee at index \(0, 0\): jax 0x00 \(np.int8\(0\)\) vs referee 0x7f \(np.int8\(127\)\)"),
         # The referee side: current scaling without qcheck's cap on the scale.
         ("e5m2_current", referees, "_CURRENT_SCALE_CAP", F32(np.inf), None,
          r"e5m2_current: codes differs from the referee at index \(0, 0\): jax 0x55 \(80\) vs referee 0x7b \(57344\)"),
     ],
     ids=["no-saturation", "other-fnuz-flavour", "truncation", "reused-uniforms", "mx-scale-off-by-one",
-         "int8-bound-128", "referee-current-uncapped"],
+         "int8-bound-128", "int8_aqt-bound-127", "int8_qwix-edge-128", "referee-qwix-no-floor",
+         "referee-current-uncapped"],
 )
 def test_comparison_fails_on_a_planted_bug(monkeypatch, fmt, target, name, bug, rng, message):
-    x = _fill([1e-36, 3e-37]) if name == "_CURRENT_SCALE_CAP" else PROBE
+    x = {"_CURRENT_SCALE_CAP": _fill([1e-36, 3e-37]), "_QWIX_MIN_SCALE": _fill([1e-18, -3e-19])}.get(name, PROBE)
     key = None if rng is None else jax.random.key(rng)
     assert_format_matches_referee(x, fmt, axis=-1, rng=key, jit=False)  # should pass before the bug
     monkeypatch.setattr(target, name, bug)
