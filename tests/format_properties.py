@@ -25,12 +25,21 @@ class Format:
 
     name: str
     block: int  #: values sharing one scale along the last axis
-    idempotent_ulps: int  #: a second qdq may move a value this far (a recomputed scale rounds)
+    #: A second qdq may move a value this far (a recomputed scale rounds). None: the
+    #: format is not idempotent (absmax/127.5 shrinks the scale each time) but must
+    #: keep each block's codes.
+    idempotent_ulps: int | None
     dtype: np.dtype | None = None  #: element type for fp8-element formats
     fnuz: bool = False
     #: For fp8 elements under a scale: the decode scale of each block, ``[rows, n_blocks, 1]``,
     #: from the format's definition (numpy); None is scale 1.
     spec_scales: Callable[[np.ndarray, Format], np.ndarray] | None = None
+    #: For integer formats: the lowest and highest code, and the figure a block's absmax
+    #: maps onto (its scale is absmax / int_edge, from the definition).
+    int_codes: tuple[int, int] | None = None
+    int_edge: float = 127.0
+    #: Blocks whose absmax is below this come back zero (a limit with its own test).
+    min_amax: float = 0.0
 
 
 def mx_spec_scales(x: np.ndarray, fmt: Format) -> np.ndarray:
@@ -59,7 +68,13 @@ def current_spec_scales(x: np.ndarray, fmt: Format) -> np.ndarray:
 E4M3FN, E5M2 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)
 
 FORMATS = (
-    Format("int8", block=32, idempotent_ulps=4),
+    Format("int8", block=32, idempotent_ulps=4, int_codes=(-127, 127)),
+    # absmax/127.5: AQT's default flushes a slice whose scale is subnormal (XLA on CPU);
+    # qwix replaces a scale below 2^-63 by 1.
+    Format("int8_aqt", block=32, idempotent_ulps=None, int_codes=(-127, 127), int_edge=127.5,
+           min_amax=2 * 127.5 * 2.0**-126),
+    Format("int8_qwix", block=32, idempotent_ulps=None, int_codes=(-128, 127), int_edge=127.5,
+           min_amax=2 * 127.5 * 2.0**-63),
     Format("e4m3fn", block=32, idempotent_ulps=0, dtype=np.dtype(ml_dtypes.float8_e4m3fn)),
     Format("e4m3fnuz", block=32, idempotent_ulps=0, dtype=np.dtype(ml_dtypes.float8_e4m3fnuz), fnuz=True),
     Format("e5m2", block=32, idempotent_ulps=0, dtype=np.dtype(ml_dtypes.float8_e5m2)),
@@ -87,7 +102,15 @@ NVFP4_NORMAL_RANGE = 2.0**-14
 
 
 def with_normal_block_scales(x: np.ndarray, fmt: Format) -> np.ndarray:
-    """``x`` with every NVFP4 block lifted into the range where its e4m3 scale is normal."""
+    """``x`` with every NVFP4 block lifted into the range where its e4m3 scale is normal.
+
+    And every block of a format with a ``min_amax`` lifted to it.
+    """
+    if fmt.min_amax:
+        blocks = _blocks(x, fmt).copy()
+        low = np.max(np.abs(blocks), axis=-1) < fmt.min_amax
+        blocks[..., 0] = np.where(low, np.float32(fmt.min_amax), blocks[..., 0])
+        return blocks.reshape(x.shape)
     if fmt.name != "nvfp4" or not np.any(x):
         return x
     blocks = _blocks(x, fmt).copy()
@@ -106,6 +129,9 @@ def assert_finite(qdq: Qdq, x: np.ndarray, fmt: Format) -> None:
 def assert_idempotent(qdq: Qdq, x: np.ndarray, fmt: Format) -> None:
     once = qdq(x)
     twice = qdq(once)
+    if fmt.idempotent_ulps is None:
+        _assert_codes_kept(x, once, twice, fmt)
+        return
     ulps = np.abs(once.view(np.int32).astype(np.int64) - twice.view(np.int32).astype(np.int64))
     if ulps.max() > fmt.idempotent_ulps:
         i = np.unravel_index(np.argmax(ulps), ulps.shape)
@@ -115,10 +141,33 @@ def assert_idempotent(qdq: Qdq, x: np.ndarray, fmt: Format) -> None:
         )
 
 
+def _assert_codes_kept(x: np.ndarray, once: np.ndarray, twice: np.ndarray, fmt: Format) -> None:
+    """A second qdq rescales each block but keeps its codes.
+
+    With an extra negative code (qwix's -128) the negative absmax's quotient is -127.5
+    to within an ulp, so each qdq may put it on -127 or -128: those two may swap.
+    """
+    c1, c2 = (np.round(_codes(out, fmt, inp)[0]) for out, inp in ((once, x), (twice, once)))
+    lo, hi = fmt.int_codes
+    at_tie = (np.minimum(c1, c2) == lo) & (np.maximum(c1, c2) == lo + 1) & (lo != -hi)
+    moved = (c1 != c2) & ~at_tie
+    if moved.any():
+        i = tuple(np.argwhere(moved)[0])
+        raise AssertionError(f"{fmt.name}: qdq(qdq(x)) changed code {c1[i]:g} to {c2[i]:g} "
+                             f"(value {_blocks(once, fmt)[i]!r} to {_blocks(twice, fmt)[i]!r})")
+
+
 def assert_sign_symmetric(qdq: Qdq, x: np.ndarray, fmt: Format) -> None:
     pos, neg = qdq(x), qdq(-x)
-    if not np.array_equal(neg, -pos):
-        i = np.argwhere(neg != -pos)[0]
+    off = neg != -pos
+    if fmt.int_codes is not None and fmt.int_codes[0] != -fmt.int_codes[1]:
+        # An extra negative code (qwix's -128): the absmax tie goes to it on the
+        # negative side and saturates to the top code on the positive side; nowhere else.
+        lo, hi = fmt.int_codes
+        cp, cn = (np.round(_codes(out, fmt, x)[0]).reshape(x.shape) for out in (pos, neg))
+        off &= ~(((cp == hi) & (cn == lo)) | ((cp == lo) & (cn == hi)))
+    if off.any():
+        i = np.argwhere(off)[0]
         raise AssertionError(f"{fmt.name}: qdq(-x) != -qdq(x) at {tuple(i)}: {neg[tuple(i)]} vs {-pos[tuple(i)]}")
     if fmt.fnuz and np.any((pos == 0) & np.signbit(pos) | (neg == 0) & np.signbit(neg)):
         raise AssertionError(f"{fmt.name}: a negative zero, which fnuz formats do not have")
@@ -140,22 +189,26 @@ def assert_monotonic(qdq: Qdq, x: np.ndarray, fmt: Format) -> None:
         raise AssertionError(f"{fmt.name}: qdq is not monotonic within a block")
 
 
-def _decode_scales(out: np.ndarray, fmt: Format) -> np.ndarray:
-    """The per-block step implied by the output itself: the largest code is the format's max."""
+def _decode_scales(out: np.ndarray, fmt: Format, x: np.ndarray) -> np.ndarray:
+    """The per-block step: an integer format's from its definition, absmax(x) / int_edge;
+    NVFP4's read off the output itself, whose largest code is the format's max."""
+    if fmt.int_codes is not None:
+        # Not read off the output: qwix's -absmax may land on -127 or -128 (its quotient
+        # is within an ulp of -127.5), so the output does not say which code it is.
+        return np.max(np.abs(_blocks(x, fmt)), axis=-1, keepdims=True).astype(np.float64) / fmt.int_edge
     top = np.max(np.abs(_blocks(out, fmt)), axis=-1, keepdims=True)
-    code_max = formats.INT8_MAX if fmt.name == "int8" else formats.E2M1_MAX
-    return top / code_max
+    return top / formats.E2M1_MAX
 
 
-def _codes(out: np.ndarray, fmt: Format) -> tuple[np.ndarray, np.ndarray]:
-    scale = _decode_scales(out, fmt)
+def _codes(out: np.ndarray, fmt: Format, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    scale = _decode_scales(out, fmt, x)
     safe = np.where(scale > 0, scale, 1.0)
     return _blocks(out, fmt) / safe, scale
 
 
 def _grid(fmt: Format) -> np.ndarray:
-    if fmt.name == "int8":
-        return np.arange(formats.INT8_MAX + 1, dtype=np.float32)
+    if fmt.int_codes is not None:
+        return np.arange(max(-fmt.int_codes[0], fmt.int_codes[1]) + 1, dtype=np.float32)
     return formats.E2M1_GRID
 
 
@@ -180,7 +233,16 @@ def assert_on_grid(qdq: Qdq, x: np.ndarray, fmt: Format) -> None:
             at = "" if fmt.spec_scales is None else " at its scale"
             raise AssertionError(f"{fmt.name}: outputs not representable in {fmt.dtype.name}{at}")
         return
-    codes, _ = _codes(out, fmt)
+    codes, _ = _codes(out, fmt, x)
+    if fmt.int_codes is not None:
+        nearest = np.round(codes)
+        lo, hi = fmt.int_codes
+        off = (np.abs(codes - nearest) > REL * np.maximum(np.abs(nearest), 1)) | (nearest < lo) | (nearest > hi)
+        if off.any():
+            i = tuple(np.argwhere(off)[0])
+            raise AssertionError(f"{fmt.name}: outputs off the grid at their block's scale: code {codes[i]:.6g} "
+                                 f"(codes {lo}..{hi})")
+        return
     grid = _grid(fmt)
     nearest = grid[np.abs(np.abs(codes)[..., None] - grid).argmin(-1)]
     if np.any(np.abs(np.abs(codes) - nearest) > REL * grid[-1]):
@@ -216,7 +278,7 @@ def assert_error_within_half_step(qdq: Qdq, x: np.ndarray, fmt: Format) -> None:
             allowed = allowed + 4 * np.spacing(np.abs(_blocks(x, fmt))) + np.finfo(np.float32).tiny
         err = np.abs(_blocks(out, fmt) - _blocks(x, fmt))
     else:
-        codes, scale = _codes(out, fmt)
+        codes, scale = _codes(out, fmt, x)
         v = _blocks(x, fmt) / np.where(scale > 0, scale, 1.0)
         lo, hi = _neighbours(v, _grid(fmt))
         # Beyond the largest code (possible for NVFP4, whose block scale is itself

@@ -4,6 +4,7 @@ ml_dtypes types have no hypothesis strategy: examples are float32 arrays, cast
 inside the code under test. Shapes are fixed so each format compiles once.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -60,6 +61,23 @@ def test_nvfp4_flushes_a_block_far_below_the_tensor_amax():
     assert out[0, 0] == pytest.approx(1000.0, rel=0.1) and not np.any(out[0, 16:])
 
 
+def test_int8_qwix_flushes_a_slice_below_its_scale_floor():
+    # Limit of qwix's int8: a scale below 2^-63 becomes 1, so the slice's codes round to 0.
+    x = np.zeros(fp.SHAPE, np.float32)
+    x[0, 0], x[1, 0] = 127.5 * 2.0**-64, 127.5 * 2.0**-62
+    out = jitted("int8_qwix")(x)
+    assert out[0, 0] == 0.0 and out[1, 0] == pytest.approx(127.5 * 2.0**-62, rel=0.01)
+
+
+@pytest.mark.parametrize("fmt", ["int8_aqt", "int8_qwix"])
+def test_absmax_over_127_5_is_not_idempotent(fmt):
+    # Why these rows have idempotent_ulps=None: the absmax lands on code 127 (127.5 clipped),
+    # so a second qdq's scale is 127/127.5 of the first and every value shrinks with it.
+    strict = dataclasses.replace(fp.BY_NAME[fmt], idempotent_ulps=4)
+    with pytest.raises(AssertionError, match=rf"{fmt}: qdq\(qdq\(x\)\) moved .* ulps, allowed 4\)"):
+        fp.assert_idempotent(jitted(fmt), PROBE, strict)
+
+
 # -- failing twins: each property on the quantizer bug it exists for -------------
 
 PROBE = np.linspace(-600.0, 600.0, 128, dtype=np.float32).reshape(fp.SHAPE) + 0.3
@@ -101,6 +119,19 @@ def _current(dtype, amax_of):
     return qdq
 
 
+def _absmax_int8(bound, lo, hi, *, wrap=False):
+    """absmax/``bound`` int8 qdq in numpy (float64), codes clipped to [lo, hi] or wrapped like a C cast."""
+
+    def qdq(x):
+        b = np.asarray(x, np.float64).reshape(x.shape[0], -1, 32)
+        scale = np.max(np.abs(b), axis=-1, keepdims=True) / bound
+        codes = np.round(b / np.where(scale > 0, scale, 1.0))
+        codes = (codes + 128) % 256 - 128 if wrap else np.clip(codes, lo, hi)
+        return (codes * scale).astype(np.float32).reshape(x.shape)
+
+    return qdq
+
+
 def _floor_exponent(amax):
     return np.floor(np.log2(amax)) - 8  # the spec's rule; a float log2 is exact enough on PROBE
 
@@ -137,10 +168,19 @@ def _row_amax(x):
         (fp.assert_error_within_half_step, "e4m3fn_current", _current(fp.E4M3FN, lambda x: 500.0), "exceeds half"),
         # Each row's amax instead of the whole tensor's: codes at another scale than the tensor's.
         (fp.assert_on_grid, "e5m2_current", _current(fp.E5M2, _row_amax), "not representable in float8_e5m2"),
+        # absmax/128 (the far edge of an even bucket count): a second qdq's codes grow by 128/127.
+        (fp.assert_idempotent, "int8_aqt", _absmax_int8(128.0, -127, 127), "changed code"),
+        # The absmax's 127.5 rounded to 128 and cast without saturating: it wraps to -128.
+        (fp.assert_error_within_half_step, "int8_aqt", _absmax_int8(127.5, 0, 0, wrap=True), "exceeds half a step"),
+        # Asymmetric beyond the extra negative code.
+        (fp.assert_sign_symmetric, "int8_qwix", lambda x: jitted("int8_qwix")(x + 0.5), r"qdq\(-x\) != -qdq\(x\)"),
+        # +absmax kept at 128 (no saturating cast): the codes are off the int8 grid.
+        (fp.assert_on_grid, "int8_qwix", _absmax_int8(127.5, -128, 128), "off the grid"),
     ],
     ids=["no-saturation", "wrong-flavour-grid", "wrong-flavour-negzero", "asymmetric", "truncation",
          "drifting-scale", "zero-leak", "reversed", "off-grid", "far-from-neighbours",
-         "mx-nearest-scale", "mx-no-saturation", "mx-block-16", "current-stale-amax", "current-row-amax"],
+         "mx-nearest-scale", "mx-no-saturation", "mx-block-16", "current-stale-amax", "current-row-amax",
+         "aqt-edge-128", "aqt-wrapping-cast", "qwix-asymmetric", "qwix-unsaturated-128"],
 )
 def test_property_fails_on_its_bug(prop, fmt, broken, message):
     x = PROBE.copy()
