@@ -7,19 +7,27 @@ import sys
 
 import pytest
 
+from qcheck.suite import invariants
 from qcheck.suite.cli import main
+
+
+
+def cells(header: str, line: str) -> dict[str, str]:
+    """A table row by column name: the columns are left-aligned under the header's words."""
+    starts = [m.start() for m in re.finditer(r"\S+", header)] + [None]
+    return {header[a:b].strip(): line[a:b].strip() for a, b in zip(starts, starts[1:])}
 
 
 def test_matrix_prints_every_case_of_a_recipe_and_passes(capsys):
     # The same layers the invariant tests use, so this costs little beyond them.
     assert main(["--recipe", "nanoo_fp8", "--model", "mixtral", "--path", "sparse", "--jobs", "1"]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[0].split() == ["recipe", "model", "path", "sites", "coverage", "exact", "tracks", "state",
-                                           "rng", "sharded", "golden"]
-    (row,) = [line.split() for line in out.splitlines() if line.startswith("nanoo_fp8")]
-    assert row[2] == "sparse" and row[3:5] == ["pass", "pass"] and int(row[5]) == 3  # its three expert matmuls
-    assert row[6:8] == ["pass", "pass"] and 0 < float(row[8]) < 0.22
-    assert row[9:] == ["pass", "-", "pass", "0.0000", "pass"]
+    header = out.splitlines()[0]
+    assert header.split() == ["recipe", "model", "path", *(inv.name for inv in invariants.INVARIANTS)]
+    (row,) = [cells(header, line) for line in out.splitlines() if line.startswith("nanoo_fp8")]
+    assert row.pop("path") == "sparse" and float(row.pop("tracks").removeprefix("pass ")) < 0.22
+    assert row == {"recipe": "nanoo_fp8", "model": "mixtral", "sites": "pass", "coverage": "pass 3", "exact": "pass",
+                   "backward": "pass", "state": "pass", "rng": "-", "sharded": "pass 0.0000", "golden": "pass"}
     assert "all 1 cases pass" in out
 
 
@@ -60,8 +68,9 @@ def test_a_failing_cell_fails_the_matrix_and_is_shown_in_full_below_the_table(ca
     _break_tracks(monkeypatch, LONG_FAILURE)
     assert main(["--recipe", "int8", "--model", "gemma", "--path", "sparse", "--jobs", "1"]) == 1  # patched here
     captured = capsys.readouterr()
-    (row,) = [line.split() for line in captured.out.splitlines() if line.startswith("int8")]
-    assert row[7:9] == ["FAIL", "[1]"]
+    header = captured.out.splitlines()[0]
+    (row,) = [cells(header, line) for line in captured.out.splitlines() if line.startswith("int8")]
+    assert row["tracks"] == "FAIL [1]" and [v for v in row.values() if v.startswith("FAIL")] == ["FAIL [1]"]
     below = captured.out.split("[1] int8-gemma-sparse tracks:\n", 1)[1]
     assert "    AssertionError: " + LONG_FAILURE.splitlines()[0] in below  # not cut at any width
     assert "      fix: qcheck golden add int8 --recipes /tmp/my_recipes.py" in below  # nor at the first line

@@ -4,8 +4,8 @@ import hashlib
 
 import numpy as np
 
-from qcheck import step
-from qcheck.suite import cases, matrix
+from qcheck import get_recipe, step
+from qcheck.suite import cases, invariants, matrix
 from qcheck.recipes import recipe_names
 
 # Per-key determinism of the stochastic rounding is pinned in test_rng.py.
@@ -32,4 +32,6 @@ def test_same_layer_in_this_and_in_fresh_processes_gives_the_same_bits_and_the_s
         there = pool.submit(output_digest, CASE)
         worker_table = matrix.format_table(matrix.run_matrix(("int8",), executor=pool, **subset))
         assert there.result() == here
-    assert worker_table == table and table.count("pass") == 8
+    passing = sum(inv.applies(get_recipe("int8"), case.variant) for case in cases.cases(("int8",), **subset)
+                  for inv in invariants.INVARIANTS)
+    assert worker_table == table and table.count("pass") == passing

@@ -79,6 +79,8 @@ def test_the_guide_takes_a_new_recipe_from_nothing_to_a_passing_suite(tmp_path, 
     passed = sorted(r.nodeid.split("::")[-1] for r in run.getreports("pytest_runtest_logreport")
                     if r.when == "call" and r.passed)
     assert passed == [f"test_call_sites_share_no_state[{name}-mixtral-dense]",
+                      f"test_every_call_site_matmul_is_quantized[{name}-mixtral-dense]",
+                      f"test_fresh_sites_gradients_equal_referee_gradient_matmuls_bitwise[{name}-mixtral-dense]",
                       f"test_golden_case[{name}-mixtral-dense]",
                       f"test_layer_tracks_unquantized_twin[{name}-mixtral-dense]",
                       f"test_sharded_layer_computes_the_same_function[{name}-mixtral-dense]"]

@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 import qcheck
+from qcheck.moe import UNQUANTIZED_BY_DESIGN
 from qcheck import checks, formats
 from qcheck._layer_check import INPUT_GRAD, LayerFigures, _module_step, check_layer, copy_params_into
 from qcheck.bridge import Fp8Meta
@@ -26,9 +27,8 @@ MIXTRAL = qcheck.MODELS["mixtral"]
 DOC = Path(__file__).parent.parent / "docs" / "checking-your-layer.md"
 
 
-def _moe_full_precision(record: qcheck.MatmulRecord) -> bool:
-    # qcheck's sparse layer keeps its router and its combine einsum (the one dot_general of _sparse) unquantized.
-    return record.function == "MoE.route" or (record.function == "MoE._sparse" and record.primitive == "dot_general")
+# qcheck's layer keeps its router and its combine einsum unquantized, by design.
+_moe_full_precision = qcheck.skip_functions(*UNQUANTIZED_BY_DESIGN)
 
 
 @functools.cache

@@ -1,0 +1,28 @@
+"""The README's Python example runs as written, and its matrix excerpts have the matrix's columns."""
+
+import re
+from pathlib import Path
+
+from qcheck.suite import invariants
+
+README = (Path(__file__).parent.parent / "README.md").read_text()
+
+
+def test_the_python_example_runs(capsys):
+    (block,) = re.findall(r"<!-- readme: example -->\n```python\n(.*?)```", README, re.S)
+    assert len(block.strip().splitlines()) <= 12
+    exec(compile(block, "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert out.startswith("primitive") and "float8_e4m3fn" in out
+
+
+def test_the_matrix_excerpts_have_the_matrix_columns():
+    headers = [line.split() for line in README.splitlines() if line.startswith("recipe ")]
+    assert len(headers) == 2
+    for header in headers:
+        assert header == ["recipe", "model", "path", *(inv.name for inv in invariants.INVARIANTS)]
+
+
+def test_the_invariants_table_lists_every_invariant():
+    rows = re.findall(r"^\| `(\w+)` \|", README, re.M)
+    assert rows == [inv.name for inv in invariants.INVARIANTS]
