@@ -8,6 +8,7 @@ invariants passing on healthy layers — are the invariant suite itself
 """
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -17,12 +18,15 @@ import pytest
 from flax import linen as nn
 from flax import nnx
 
-from qcheck import checks, get_recipe, step
+import qcheck
+from qcheck import check_layer, checks, get_recipe, step
 from qcheck.suite import cases, golden, invariants
 from qcheck.bridge import QuantSite
 from qcheck.moe import MODELS, MoE
 from qcheck.recipes import ApplyRngs, Recipe
 from qcheck.recipes._sites import SiteOps
+from tests.test_layer_check import INPUT_GRAD, MIXTRAL, _moe, _moe_full_precision, _NaNBackwardMoE
+from tests.test_layer_check import X as LX
 
 E4M3FN, E4M3FNUZ = jnp.float8_e4m3fn, jnp.float8_e4m3fnuz
 X = cases.layer_input("mixtral")
@@ -114,6 +118,29 @@ def test_exact_and_state_catch_a_fresh_scale_that_is_not_one():
         invariants.assert_sites_cast_exact(broken, E4M3FNUZ, "bug")
     with pytest.raises(AssertionError, match=r"fresh layer has scales != 1 .*sites\.wo\.kernel_scale"):
         invariants.assert_fp8_state_moves_only_in_backward(broken, X, "bug")
+
+
+# -- check_layer on any layer and its twin --------------------------------------------
+
+def test_check_layer_catches_a_twin_with_other_weights():
+    with pytest.raises(AssertionError) as info:
+        check_layer(_moe("fp8"), _moe("none", seed=1), LX, skip=_moe_full_precision)
+    message = str(info.value)
+    assert re.search(r"\n  tracks: assert_tracks: relative norm \d+\.\d+ exceeds the bound 0.22\n", message)
+    assert re.search(r"\n  gradients: wo \(float32\) has relative norm \d+\.\d+ against the reference's, "
+                     r"above the bound 0.5", message)
+    assert "coverage" not in message
+
+
+def test_check_layer_catches_nan_gradients():
+    layer = _NaNBackwardMoE(MIXTRAL, qcheck.get_recipe("fp8"), path="sparse", rngs=nnx.Rngs(0))
+    with pytest.raises(AssertionError) as info:
+        check_layer(layer, _moe("none"), LX, skip=_moe_full_precision)
+    message = str(info.value)
+    assert message.startswith("check_layer: 5 check(s) failed:\n")
+    for path, size in ((INPUT_GRAD, LX.size), ("gate", 32 * 8), ("wo", 8 * 64 * 32)):
+        assert f"  gradients: {path} (float32) has {size} non-finite values out of {size} in the layer" in message
+
 
 
 # -- the backward pass: each site's gradients, bitwise --------------------------------
@@ -347,6 +374,10 @@ CATALOGUE = [
     ("NVFP4 blocking the input gradient's copy of g along the weight-gradient axes", "`backward`",
      test_backward_catches_nvfp4_blocking_the_input_gradient_along_the_weight_gradient_axes),
     ("a gradient that skipped quantization", "`backward`", test_backward_catches_a_gradient_that_skipped_quantization),
+    ("a twin with other weights than the layer (`copy_params_into` not used)", "`check_layer`: tracks, gradients",
+     test_check_layer_catches_a_twin_with_other_weights),
+    ("NaN gradients from a layer whose forward pass is fine", "`check_layer`: gradients",
+     test_check_layer_catches_nan_gradients),
     ("a layer whose quantization fell away everywhere", "`tracks`",
      test_tracks_catches_a_layer_whose_quantization_silently_fell_away),
     ("two call-site names bound to one wrapper", "`sites`", test_sites_catches_two_names_bound_to_one_site),

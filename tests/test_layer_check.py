@@ -115,16 +115,6 @@ def test_check_layer_should_fail_on_the_silent_fallback_naming_each_call_and_its
 
 # -- the other checks, each on its bug ----------------------------------------------
 
-def test_check_layer_should_fail_on_a_twin_with_other_weights():
-    with pytest.raises(AssertionError) as info:
-        check_layer(_moe("fp8"), _moe("none", seed=1), X, skip=_moe_full_precision)
-    message = str(info.value)
-    assert re.search(r"\n  tracks: assert_tracks: relative norm \d+\.\d+ exceeds the bound 0.22\n", message)
-    assert re.search(r"\n  gradients: wo \(float32\) has relative norm \d+\.\d+ against the reference's, "
-                     r"above the bound 0.5", message)
-    assert "coverage" not in message
-
-
 @jax.custom_vjp
 def _nan_backward(y):
     return y
@@ -148,16 +138,6 @@ class _NoisyMoE(qcheck.MoE):
     def __call__(self, x):
         y = super().__call__(x)
         return y + 1e-3 * jax.random.normal(self.noise.noise(), y.shape, y.dtype)
-
-
-def test_check_layer_should_fail_on_nan_gradients():
-    layer = _NaNBackwardMoE(MIXTRAL, qcheck.get_recipe("fp8"), path="sparse", rngs=nnx.Rngs(0))
-    with pytest.raises(AssertionError) as info:
-        check_layer(layer, _moe("none"), X, skip=_moe_full_precision)
-    message = str(info.value)
-    assert message.startswith("check_layer: 5 check(s) failed:\n")
-    for path, size in ((INPUT_GRAD, X.size), ("gate", 32 * 8), ("wo", 8 * 64 * 32)):
-        assert f"  gradients: {path} (float32) has {size} non-finite values out of {size} in the layer" in message
 
 
 def test_check_layer_should_fail_on_a_non_deterministic_layer():

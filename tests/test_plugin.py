@@ -3,6 +3,7 @@
 import pytest
 
 from qcheck import hardware
+from tests.helpers import INNER
 
 MARKED = """
 import pytest
@@ -105,3 +106,31 @@ def test_native_fp8_types_follow_the_gpu_vendor(monkeypatch, gpus, expected):
         assert hardware._has("fp8_gpu") == bool(expected)
     finally:
         hardware.fp8_gemm_dtypes.cache_clear()
+
+
+def test_pytest_fixtures_describes_the_plugins_fixtures(pytester):
+    result = pytester.runpytest("--fixtures", "-p", "no:cacheprovider")
+    for name in ("qcheck_case", "qcheck_layer", "qcheck_golden", "qcheck_recipes", "qcheck_env", "qcheck_paths"):
+        result.stdout.fnmatch_lines([f"{name}*", "*"])
+    result.stdout.fnmatch_lines(["*parametrizes a test that asks*"])
+
+
+def test_the_plugin_names_the_golden_variable_the_golden_module_reads():
+    from qcheck.suite import golden, plugin
+
+    assert plugin.GOLDEN_ENV == golden.ENV
+
+
+def test_a_user_test_over_the_case_table_gets_readable_ids(pytester):
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.qcheck_invariant("state")
+        def test_mine(qcheck_case):
+            assert qcheck_case.recipe in ("fp8", "nanoo_fp8")
+        """
+    )
+    result = pytester.runpytest("--collect-only", "-q", *INNER, "--qcheck-recipe=fp8")
+    result.stdout.fnmatch_lines(["*test_mine[[]fp8-mixtral-dense[]]", "*test_mine[[]fp8-gemma-sparse[]]"])
+    assert "nanoo_fp8" not in result.stdout.str()

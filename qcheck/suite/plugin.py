@@ -255,8 +255,21 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """
     for fixture in _CASE_FIXTURES:
         if fixture in metafunc.fixturenames:
-            metafunc.parametrize(fixture, _params(metafunc.config, fixture, metafunc.function),
-                                 indirect=fixture == "qcheck_golden")
+            metafunc.parametrize(fixture, _params(metafunc.config, fixture, metafunc.function), indirect=True)
+
+
+@pytest.fixture
+def qcheck_case(request: pytest.FixtureRequest):
+    """A :class:`qcheck.suite.cases.Case` (recipe, model, path, dropping): the plugin parametrizes a test that asks
+    for it over the case table of this run's recipes; ``@pytest.mark.qcheck_invariant("name")`` keeps the cases that
+    invariant applies to. Its id reads ``fp8-mixtral-dense``."""
+    return request.param
+
+
+@pytest.fixture
+def qcheck_paths(request: pytest.FixtureRequest) -> tuple[str, bool]:
+    """``(model, dropping)`` for the dense == sparse comparison of the unquantized layer (when ``none`` is selected)."""
+    return request.param
 
 
 @pytest.fixture
