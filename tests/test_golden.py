@@ -265,18 +265,24 @@ def test_cli_add_writes_every_case_then_refuses_and_check_reports_a_bad_one(prob
     assert "is not valid JSON" in captured.err
 
 
+def fail_the_nth_write(monkeypatch, n: int, error: OSError) -> list:
+    """Golden files written after this fail at the ``n``-th write, as a full disk would; returns the paths tried."""
+    real, calls = golden._atomic_write, []
+
+    def write(path, text):
+        calls.append(path)
+        if len(calls) == n:
+            raise error
+        real(path, text)
+
+    monkeypatch.setattr(golden, "_atomic_write", write)
+    return calls
+
+
 def test_add_writes_all_of_a_recipes_cases_or_none(probe_module, tmp_path, monkeypatch):
     root = tmp_path / "golden"
     real = golden._atomic_write
-    calls = []
-
-    def failing_third(path, text):
-        calls.append(path)
-        if len(calls) == 3:
-            raise OSError(28, "No space left on device")
-        real(path, text)
-
-    monkeypatch.setattr(golden, "_atomic_write", failing_third)
+    calls = fail_the_nth_write(monkeypatch, 3, OSError(28, "No space left on device"))
     with pytest.raises(OSError, match="No space left"):
         golden.write_cases(golden.golden_cases(("probe_int8",)), root, overwrite=False)
     assert len(calls) == 3 and list((root / "probe_int8").iterdir()) == []  # the two written are gone again
@@ -290,15 +296,7 @@ def test_update_that_fails_midway_restores_what_it_had_rewritten(probe_module, p
     for path in files:
         edit(path, lambda r: (r.__setitem__("rel_norm", r["rel_norm"] + 0.5), redigest(r)))
     before = {p: p.read_bytes() for p in files}
-    real, calls = golden._atomic_write, []
-
-    def failing_second(path, text):
-        calls.append(path)
-        if len(calls) == 2:
-            raise OSError(5, "Input/output error")
-        real(path, text)
-
-    monkeypatch.setattr(golden, "_atomic_write", failing_second)
+    fail_the_nth_write(monkeypatch, 2, OSError(5, "Input/output error"))
     with pytest.raises(OSError):
         golden.write_cases(golden.golden_cases(("probe_int8",)), probe_root, overwrite=True)
     assert {p: p.read_bytes() for p in files} == before
