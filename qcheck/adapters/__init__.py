@@ -1,0 +1,53 @@
+"""The quantization libraries people ship, run through qcheck as recipes.
+
+Flax's fp8 modules are always available (qcheck depends on Flax). AQT v2
+(``pip install 'qcheck[aqt]'``) loads on first use of its names, so importing
+this package never needs it; without it those names raise ImportError saying
+which extra to install.
+
+Nothing here registers itself: build a recipe and pass it to
+``qcheck.build_moe`` or ``qcheck.register_recipe``, or list it under the
+``qcheck.recipes`` entry point of a package.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from qcheck.adapters._flax import (
+    FLAX_FP8_MODULES,
+    FlaxFp8Recipe,
+    flax_fp8,
+    flax_fp8_recipe,
+    flax_nanoo_fp8,
+)
+from qcheck.adapters._ragged import ragged_dot_from_einsum
+
+__all__ = [
+    "AQT_RAGGED",
+    "FLAX_FP8_MODULES",
+    "AqtRecipe",
+    "FlaxFp8Recipe",
+    "aqt_int8",
+    "aqt_recipe",
+    "flax_fp8",
+    "flax_fp8_recipe",
+    "flax_nanoo_fp8",
+    "ragged_dot_from_einsum",
+]
+
+_LAZY = {name: "qcheck.adapters._aqt" for name in ("AQT_RAGGED", "AqtRecipe", "aqt_int8", "aqt_recipe")}
+
+if TYPE_CHECKING:
+    from qcheck.adapters._aqt import AQT_RAGGED, AqtRecipe, aqt_int8, aqt_recipe
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'qcheck.adapters' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
