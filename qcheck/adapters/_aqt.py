@@ -1,0 +1,113 @@
+"""AQT v2 (pip ``aqtp``) as qcheck recipes: ``AqtEinsum`` at every call site, AQT's ragged_dot on the sparse path.
+
+Facts this adapter is built around (aqtp 0.9.0 on jax 0.10.2 and 0.12.0.1):
+``aqt_ragged_dot.ragged_dot`` has no backward pass (``jax.grad`` raises), its
+default ``cfg`` is one object built at import time which every call mutates
+(``cfg.fwd.dot_general = RaggedDot(group_sizes)``), and it calibrates the
+weight over the expert axis too, so all experts share one weight scale. Each
+site here gets its own config from the factory, never AQT's shared default.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import jax
+from flax import linen as nn
+
+try:
+    from aqt.jax.v2 import aqt_dot_general, aqt_ragged_dot
+    from aqt.jax.v2 import config as aqt_config
+    from aqt.jax.v2.flax import aqt_flax
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "qcheck.adapters' AQT recipes need AQT v2: pip install 'qcheck[aqt]' (the aqtp package)"
+    ) from e
+
+from qcheck._choices import check_choice
+from qcheck.adapters._ragged import ragged_dot_from_einsum
+from qcheck.recipes import ApplyRngs, Recipe
+
+__all__ = ["AQT_RAGGED", "AqtRecipe", "aqt_int8", "aqt_recipe"]
+
+#: How an AQT recipe's sparse-path (ragged_dot) sites multiply.
+#: "aqt": AQT's own aqt_ragged_dot.ragged_dot (forward only, one weight scale across experts).
+#: "einsum": every row against its own group through the site's AqtEinsum (per-expert scales, has a backward).
+AQT_RAGGED = ("aqt", "einsum")
+
+ConfigFactory = Callable[[], "aqt_dot_general.DotGeneral"]
+
+
+class AqtSite(nn.Module):
+    """One call site: an ``AqtEinsum`` with its own config; ``ragged_dot`` as ``ragged`` says."""
+
+    cfg: aqt_dot_general.DotGeneral
+    ragged_cfg: aqt_dot_general.DotGeneral
+    ragged: str
+
+    def setup(self):
+        self.einsum = aqt_flax.AqtEinsum(cfg=self.cfg)
+
+    def __call__(self, eqn: str, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+        return self.einsum(eqn, lhs, rhs)
+
+    def ragged_dot(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        if self.ragged == "einsum":
+            return ragged_dot_from_einsum(self.einsum, lhs, rhs, group_sizes)
+        # AQT's ragged_dot writes the group sizes into the config it is given:
+        # a copy per call keeps this site's config (and AQT's default) untouched.
+        return aqt_ragged_dot.ragged_dot(lhs, rhs, group_sizes, cfg=copy.deepcopy(self.ragged_cfg))
+
+
+class AqtRecipe(Recipe):
+    """Every call site runs AQT v2 with a fresh config from ``config_factory``."""
+
+    def __init__(
+        self,
+        name: str,
+        config_factory: ConfigFactory = aqt_config.config_v4,
+        *,
+        ragged: str = "aqt",
+        max_rel_norm: float = 0.22,
+    ):
+        if not callable(config_factory):
+            raise TypeError(
+                f"config_factory must be a callable returning an AQT DotGeneral config, got {config_factory!r}"
+            )
+        probe = config_factory()
+        if not isinstance(probe, aqt_dot_general.DotGeneral):
+            raise TypeError(
+                f"config_factory must return an aqt.jax.v2 DotGeneral config, got {type(probe).__name__}"
+            )
+        # PRIVATE: AQT draws its gradient stochastic rounding from the "params"
+        # stream of each module, which upstream forks per module.
+        super().__init__(name, apply_rngs=ApplyRngs.PRIVATE, max_rel_norm=max_rel_norm)
+        self.config_factory = config_factory
+        self.ragged = check_choice("ragged", ragged, AQT_RAGGED)
+
+    def site_module(self, name: str) -> nn.Module:
+        return AqtSite(cfg=self.config_factory(), ragged_cfg=self.config_factory(), ragged=self.ragged)
+
+    def __repr__(self) -> str:
+        factory = getattr(self.config_factory, "__name__", repr(self.config_factory))
+        return f"AqtRecipe({self.name!r}, {factory}, ragged={self.ragged!r})"
+
+
+def aqt_recipe(
+    name: str,
+    config_factory: ConfigFactory = aqt_config.config_v4,
+    *,
+    ragged: str = "aqt",
+    max_rel_norm: float = 0.22,
+) -> AqtRecipe:
+    """A recipe running ``AqtEinsum(cfg=config_factory())`` at every einsum call site.
+
+    ``ragged`` picks the sparse path's grouped matmul (:data:`AQT_RAGGED`).
+    """
+    return AqtRecipe(name, config_factory, ragged=ragged, max_rel_norm=max_rel_norm)
+
+
+def aqt_int8() -> AqtRecipe:
+    """AQT v2's default int8 (``config_v4``: absmax/127.5 scales, stochastic rounding of dlhs)."""
+    return aqt_recipe("aqt_int8")
