@@ -10,7 +10,6 @@ site here gets its own config from the factory, never AQT's shared default.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import jax
@@ -40,14 +39,18 @@ ConfigFactory = Callable[[], "aqt_dot_general.DotGeneral"]
 
 
 class AqtSite(nn.Module):
-    """One call site: an ``AqtEinsum`` with its own config; ``ragged_dot`` as ``ragged`` says."""
+    """One call site: an ``AqtEinsum`` with its own config; ``ragged_dot`` as ``ragged`` says.
 
-    cfg: aqt_dot_general.DotGeneral
-    ragged_cfg: aqt_dot_general.DotGeneral
+    The site holds the config factory, not a config: AQT configs are mutable
+    and unhashable, and a Linen module's fields must hash for the layer's
+    graph definition to be a static jit argument (as qcheck's train step uses it).
+    """
+
+    config_factory: ConfigFactory
     ragged: str
 
     def setup(self):
-        self.einsum = aqt_flax.AqtEinsum(cfg=self.cfg)
+        self.einsum = aqt_flax.AqtEinsum(cfg=self.config_factory())
 
     def __call__(self, eqn: str, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
         return self.einsum(eqn, lhs, rhs)
@@ -55,9 +58,9 @@ class AqtSite(nn.Module):
     def ragged_dot(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
         if self.ragged == "einsum":
             return ragged_dot_from_einsum(self.einsum, lhs, rhs, group_sizes)
-        # AQT's ragged_dot writes the group sizes into the config it is given:
-        # a copy per call keeps this site's config (and AQT's default) untouched.
-        return aqt_ragged_dot.ragged_dot(lhs, rhs, group_sizes, cfg=copy.deepcopy(self.ragged_cfg))
+        # AQT's ragged_dot writes the group sizes into the config it is given
+        # (its default is one module-level object): a new config per call.
+        return aqt_ragged_dot.ragged_dot(lhs, rhs, group_sizes, cfg=self.config_factory())
 
 
 class AqtRecipe(Recipe):
@@ -87,7 +90,7 @@ class AqtRecipe(Recipe):
         self.ragged = check_choice("ragged", ragged, AQT_RAGGED)
 
     def site_module(self, name: str) -> nn.Module:
-        return AqtSite(cfg=self.config_factory(), ragged_cfg=self.config_factory(), ragged=self.ragged)
+        return AqtSite(config_factory=self.config_factory, ragged=self.ragged)
 
     def __repr__(self) -> str:
         factory = getattr(self.config_factory, "__name__", repr(self.config_factory))

@@ -1,0 +1,351 @@
+"""Adapters: the libraries people ship (Flax fp8, AQT v2) run through qcheck's checks as recipes.
+
+Facts these tests pin were measured with jax 0.10.2 / flax 0.12.8 (Python 3.11) and
+jax 0.12.0.1 / flax 0.12.12 (Python 3.12), aqtp 0.9.0, ml_dtypes 0.6.0, CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+import qcheck
+from qcheck import checks
+from qcheck.adapters import flax_fp8, flax_fp8_recipe, flax_nanoo_fp8, ragged_dot_from_einsum
+from qcheck.bridge import Fp8Meta, QuantSite
+
+BATCH, SEQ = 2, 8
+
+RECIPES = {
+    "flax_fp8": flax_fp8,
+    "flax_nanoo_fp8": flax_nanoo_fp8,
+    "flax_direct_fp8": lambda: flax_fp8_recipe(
+        "flax_direct_fp8", nn.Fp8DirectDotGeneralOp, e4m3_dtype=jnp.float8_e4m3fn, e5m2_dtype=jnp.float8_e5m2),
+    # The NANOO flavour asked of Fp8Einsum / Fp8DirectDotGeneralOp, which cast to e4m3fn regardless.
+    "flax_einsum_fnuz": lambda: flax_fp8_recipe(
+        "flax_einsum_fnuz", nn.Fp8Einsum, e4m3_dtype=jnp.float8_e4m3fnuz, e5m2_dtype=jnp.float8_e5m2fnuz),
+    "flax_direct_fnuz": lambda: flax_fp8_recipe(
+        "flax_direct_fnuz", nn.Fp8DirectDotGeneralOp, e4m3_dtype=jnp.float8_e4m3fnuz,
+        e5m2_dtype=jnp.float8_e5m2fnuz),
+}
+
+
+@functools.cache
+def _recipe(name: str):
+    return RECIPES[name]()
+
+
+@functools.cache
+def _layer(recipe: str, path: str):
+    return qcheck.build_moe("mixtral", _recipe(recipe), path=path)
+
+
+@functools.cache
+def _input() -> np.ndarray:
+    emb = qcheck.MODELS["mixtral"].emb
+    return np.random.default_rng(0).standard_normal((BATCH, SEQ, emb)).astype(np.float32)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _apply(graphdef, state, x):
+    return nnx.merge(graphdef, state, copy=True)(x)
+
+
+def _output(layer) -> np.ndarray:
+    # Jitted, as a train step runs it; the graph definition must hash for that.
+    graphdef, state = nnx.split(layer)
+    return np.asarray(_apply(graphdef, state, _input()))
+
+
+@functools.cache
+def _reference_output(path: str) -> np.ndarray:
+    return _output(qcheck.build_moe("mixtral", "none", path=path))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _site_einsum(graphdef, eqn, state, lhs, rhs):
+    return nnx.merge(graphdef, state, copy=True)(eqn, lhs, rhs)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _site_ragged_dot(graphdef, state, lhs, rhs, group_sizes):
+    return nnx.merge(graphdef, state, copy=True).ragged_dot(lhs, rhs, group_sizes)
+
+
+def _group_sizes(rows: int, groups: int, seed: int) -> np.ndarray:
+    # Uneven, with the last group empty.
+    rng = np.random.default_rng(seed)
+    return np.bincount(rng.integers(0, groups - 1, rows), minlength=groups).astype(np.int32)
+
+
+def _assert_sites_cast_exact(layer, cast_dtype) -> None:
+    for i, (name, spec) in enumerate(layer.site_specs(BATCH, SEQ).items()):
+        lhs, rhs = checks.probe_operands(i, spec.lhs_shape, spec.rhs_shape)
+        graphdef, state = nnx.split(layer.get_einsum(name))
+        try:
+            if spec.eqn is not None:
+                checks.assert_fresh_cast_exact(
+                    lambda eqn, a, b: _site_einsum(graphdef, eqn, state, a, b), spec.eqn, lhs, rhs,
+                    cast_dtype=cast_dtype)
+            else:
+                checks.assert_fresh_ragged_cast_exact(
+                    lambda a, b, gs: _site_ragged_dot(graphdef, state, a, b, gs), lhs, rhs,
+                    _group_sizes(lhs.shape[0], rhs.shape[0], i), cast_dtype=cast_dtype)
+        except AssertionError as e:
+            raise AssertionError(f"site {name!r}: {e}") from e
+
+
+# -- the grouped matmul built from an einsum ------------------------------------
+
+
+def test_ragged_dot_from_einsum_equals_lax_ragged_dot_bitwise():
+    lhs, rhs = checks.probe_operands(0, (24, 32), (4, 32, 8))
+    for sizes in ([6, 10, 8, 0], [0, 24, 0, 0], [5, 5, 5, 0]):  # the last leaves 9 rows past the end
+        gs = jnp.asarray(sizes, jnp.int32)
+        got = np.asarray(ragged_dot_from_einsum(jnp.einsum, jnp.asarray(lhs), jnp.asarray(rhs), gs))
+        want = np.asarray(jax.lax.ragged_dot(jnp.asarray(lhs), jnp.asarray(rhs), gs))
+        assert got.tobytes() == want.tobytes(), sizes
+
+
+def test_ragged_dot_from_einsum_rejects_wrong_ranks():
+    with pytest.raises(ValueError, match=r"expects lhs \[m, k\], rhs \[g, k, n\]"):
+        ragged_dot_from_einsum(jnp.einsum, jnp.ones((4, 3)), jnp.ones((3, 2)), jnp.ones((1,), jnp.int32))
+
+
+# -- Flax: the exact check, and the flavour defect --------------------------------
+
+
+@pytest.mark.parametrize("path", ["dense", "sparse"])
+@pytest.mark.parametrize("recipe", ["flax_fp8", "flax_nanoo_fp8", "flax_direct_fp8"])
+def test_flax_recipe_sites_cast_exact_should_pass(recipe, path):
+    _assert_sites_cast_exact(_layer(recipe, path), _recipe(recipe).cast_dtype)
+
+
+@pytest.mark.parametrize("path", ["dense", "sparse"])
+@pytest.mark.parametrize("recipe", ["flax_einsum_fnuz", "flax_direct_fnuz"])
+def test_flax_fnuz_request_fails_exact_check_wrong_flavour(recipe, path):
+    """Flax's Fp8Einsum and Fp8DirectDotGeneralOp ignore e4m3_dtype/e5m2_dtype.
+
+    ``fp8_scaled_dot_general`` hard-codes float8_e4m3fn (forward) and float8_e5m2
+    (``quantized_dot_bwd``); checked in flax 0.12.8 (jax 0.10.2) and flax 0.12.12
+    (jax 0.12.0.1). Asked for fnuz, the result is the e4m3fn one, bitwise.
+    When Flax fixes it, this test fails and the recipe's check passes.
+    """
+    assert _recipe(recipe).cast_dtype == np.dtype(jnp.float8_e4m3fnuz)
+    with pytest.raises(AssertionError, match=r"float8_e4m3fnuz-cast reference .* equals the "
+                                             r"float8_e4m3fn-cast reference bitwise \(wrong fp8 flavour\)"):
+        _assert_sites_cast_exact(_layer(recipe, path), _recipe(recipe).cast_dtype)
+
+
+@pytest.mark.parametrize(
+    "recipe, path, max_rel_norm",
+    [
+        ("flax_fp8", "dense", 0.22),
+        ("flax_fp8", "sparse", 0.22),
+        ("flax_nanoo_fp8", "dense", 0.22),
+        ("flax_nanoo_fp8", "sparse", 0.22),
+    ],
+)
+def test_flax_recipe_tracks_unquantized_should_pass(recipe, path, max_rel_norm):
+    out = _output(_layer(recipe, path))
+    assert checks.assert_tracks(out, _reference_output(path), max_rel_norm=max_rel_norm) > 0
+
+
+def _amax_after_one_backward(recipe) -> dict[str, float]:
+    """Newest amax history entries of one site after one grad of ``BSEH,EHM->BSEM``.
+
+    The activation's amax is 3, the weight's 100.
+    """
+    rng = np.random.default_rng(0)
+    act = rng.uniform(-3, 3, (2, 3, 4, 8)).astype(np.float32)
+    act.flat[0] = 3.0
+    weight = rng.uniform(-100, 100, (4, 8, 5)).astype(np.float32)
+    weight.flat[0] = 100.0
+    graphdef, meta, rest = nnx.split(QuantSite(recipe, "wo", rngs=nnx.Rngs(0)), Fp8Meta, ...)
+
+    def loss(meta):
+        return jnp.sum(nnx.merge(graphdef, meta, rest, copy=True)("BSEH,EHM->BSEM", act, weight))
+
+    new = nnx.to_flat_state(jax.grad(loss)(meta))
+    return {str(path[-1]): float(np.asarray(v.get_value())[0]) for path, v in new
+            if str(path[-1]) in ("input_amax_history", "kernel_amax_history")}
+
+
+def test_qcheck_fp8_files_amax_under_its_operand_should_pass():
+    assert _amax_after_one_backward(qcheck.get_recipe("fp8")) == {
+        "input_amax_history": 3.0, "kernel_amax_history": 100.0}
+
+
+def test_flax_fp8einsum_files_amax_under_the_other_operand():
+    """Flax's Fp8Einsum binds its state positionally inside jnp.einsum's dot_general.
+
+    For ``BSEH,EHM->BSEM`` jnp.einsum calls it as dot_general(weight, activation), so
+    the input history records the weight's amax (flax 0.12.8 and 0.12.12).
+    """
+    assert _amax_after_one_backward(_recipe("flax_fp8")) == {
+        "input_amax_history": 100.0, "kernel_amax_history": 3.0}
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(module_cls=nn.Dense), TypeError, r"module_cls must be a flax.linen fp8 module class .*Fp8Einsum"),
+        (dict(module_cls=nn.Fp8Einsum, e4m3_dtype=jnp.float8_e5m2), ValueError,
+         r"e4m3_dtype must be one of float8_e4m3fn, float8_e4m3fnuz"),
+        (dict(module_cls=nn.Fp8Einsum, e5m2_dtype=jnp.float32), ValueError,
+         r"e5m2_dtype must be one of float8_e5m2, float8_e5m2fnuz"),
+        (dict(module_cls=nn.Fp8Einsum, amax_history_length=0), ValueError,
+         r"amax_history_length must be a positive int"),
+    ],
+)
+def test_flax_fp8_recipe_bad_input(kwargs, error, match):
+    args = dict(e4m3_dtype=jnp.float8_e4m3fn, e5m2_dtype=jnp.float8_e5m2) | kwargs
+    with pytest.raises(error, match=match):
+        flax_fp8_recipe("bad", **args)
+
+
+# -- AQT v2 ----------------------------------------------------------------------
+
+# aqtp 0.9.0 passes arrays to jnp.promote_types (aqt_dot_general.py:823), which jax
+# 0.10 deprecates; the repository turns warnings into errors, so AQT's tests allow that one.
+aqt_warns = pytest.mark.filterwarnings(
+    "ignore:Implicit conversion of an array to a dtype is deprecated:DeprecationWarning")
+
+
+def _aqt():
+    pytest.importorskip("aqt.jax.v2")
+    from qcheck.adapters import _aqt
+
+    return _aqt
+
+
+@functools.cache
+def _aqt_recipe(kind: str):
+    aqt = _aqt()
+    from aqt.jax.v2 import config
+
+    if kind == "off":  # AQT with quantization switched off: a silent fallback
+        return aqt.aqt_recipe("aqt_off", lambda: config.config_v4(fwd_bits=None, dlhs_bits=None))
+    return aqt.aqt_int8() if kind == "aqt" else aqt.aqt_recipe("aqt_int8_einsum", ragged="einsum")
+
+
+@functools.cache
+def _aqt_layer(kind: str, path: str):
+    return qcheck.build_moe("mixtral", _aqt_recipe(kind), path=path)
+
+
+@aqt_warns
+@pytest.mark.parametrize(
+    "kind, path, max_rel_norm",
+    [("aqt", "dense", 0.05), ("aqt", "sparse", 0.05), ("einsum", "sparse", 0.05)],
+)
+@aqt_warns
+def test_aqt_recipe_tracks_unquantized_should_pass(kind, path, max_rel_norm):
+    out = _output(_aqt_layer(kind, path))
+    assert checks.assert_tracks(out, _reference_output(path), max_rel_norm=max_rel_norm) > 0
+
+
+@pytest.mark.parametrize("path", ["dense", "sparse"])
+@aqt_warns
+def test_aqt_quantization_off_fails_tracks_silent_fallback(path):
+    out = _output(_aqt_layer("off", path))
+    with pytest.raises(AssertionError, match=r"bitwise equal to the unquantized reference .*silent fallback"):
+        checks.assert_tracks(out, _reference_output(path))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _grad(graphdef, params, rest, x):
+    return jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p, rest, copy=True)(x)))(params)
+
+
+def _grad_through(layer):
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+    return _grad(graphdef, params, rest, _input())
+
+
+@aqt_warns
+def test_aqt_ragged_dot_has_no_backward_pass():
+    """aqt_ragged_dot.ragged_dot: "Currently only forward pass is supported" (aqtp 0.9.0)."""
+    with pytest.raises(IndexError, match="out of bounds"):
+        _grad_through(_aqt_layer("aqt", "sparse"))
+
+
+@aqt_warns
+def test_aqt_einsum_ragged_has_a_backward_pass_should_pass():
+    grads = nnx.to_flat_state(_grad_through(_aqt_layer("einsum", "sparse")))
+    assert all(np.all(np.isfinite(np.asarray(v.get_value()))) for _, v in grads)
+
+
+def _expert1_rows_move_when_expert0_scales(kind: str) -> bool:
+    site = QuantSite(_aqt_recipe(kind), "wi_0", rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(site)
+    lhs, rhs = checks.probe_operands(0, (12, 32), (3, 32, 8))
+    gs = np.array([5, 7, 0], np.int32)
+    big = rhs.copy()
+    big[0] *= 1000
+    y, y_big = (np.asarray(_site_ragged_dot(graphdef, state, lhs, w, gs)) for w in (rhs, big))
+    return y[5:12].tobytes() != y_big[5:12].tobytes()
+
+
+@aqt_warns
+def test_aqt_ragged_dot_shares_one_weight_scale_across_experts():
+    """AQT calibrates the ragged weight over [experts, contraction]: expert 0 sets expert 1's scale."""
+    assert _expert1_rows_move_when_expert0_scales("aqt")
+
+
+@aqt_warns
+def test_aqt_einsum_ragged_scales_each_expert_should_pass():
+    assert not _expert1_rows_move_when_expert0_scales("einsum")
+
+
+@aqt_warns
+def test_aqt_default_ragged_config_is_one_mutated_object_and_sites_leave_theirs_alone():
+    """AQT's ragged_dot default cfg is built once at import and each call writes its group sizes into it."""
+    aqt = _aqt()
+    from aqt.jax.v2 import aqt_ragged_dot, config
+
+    default = inspect.signature(aqt_ragged_dot.ragged_dot).parameters["cfg"].default
+    aqt_ragged_dot.ragged_dot(jnp.ones((3, 4)), jnp.ones((2, 4, 5)), jnp.asarray([1, 2], jnp.int32))
+    assert isinstance(default.fwd.dot_general, aqt_ragged_dot.RaggedDot)
+    made = []
+
+    def factory():
+        made.append(config.config_v4())
+        return made[-1]
+
+    site = QuantSite(aqt.aqt_recipe("aqt_counted", factory), "wi_0", rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(site)
+    lhs, rhs = checks.probe_operands(0, (12, 32), (3, 32, 8))
+    _site_ragged_dot(graphdef, state, lhs, rhs, np.array([5, 7, 0], np.int32))
+    # A config per call, each mutated once; AQT's default is not among them.
+    assert made and all(cfg is not default for cfg in made)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(ragged="dense"), ValueError, r"ragged.*'dense'.*aqt.*einsum"),
+        (dict(config_factory=42), TypeError, r"config_factory must be a callable"),
+        (dict(config_factory=dict), TypeError, r"config_factory must return an aqt.jax.v2 DotGeneral config"),
+    ],
+)
+def test_aqt_recipe_bad_input(kwargs, error, match):
+    aqt = _aqt()
+    with pytest.raises(error, match=match):
+        aqt.aqt_recipe("bad", **kwargs)
+
+
+def test_aqt_adapter_without_aqtp_names_the_extra(monkeypatch):
+    monkeypatch.delitem(sys.modules, "qcheck.adapters._aqt", raising=False)
+    monkeypatch.setitem(sys.modules, "aqt.jax.v2", None)
+    with pytest.raises(ImportError, match=r"pip install 'qcheck\[aqt\]'"):
+        importlib.import_module("qcheck.adapters._aqt")
