@@ -349,3 +349,18 @@ def test_aqt_adapter_without_aqtp_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "aqt.jax.v2", None)
     with pytest.raises(ImportError, match=r"pip install 'qcheck\[aqt\]'"):
         importlib.import_module("qcheck.adapters._aqt")
+
+
+@aqt_warns
+def test_installed_recipes_include_aqt_when_aqtp_is_installed():
+    _aqt()
+    from qcheck.adapters import installed_recipes
+
+    assert [r.name for r in installed_recipes()] == ["flax_fp8", "flax_nanoo_fp8", "aqt_int8"]
+
+
+def test_installed_recipes_leave_out_a_missing_library(monkeypatch):
+    import qcheck.adapters as adapters
+
+    monkeypatch.setattr(adapters, "_has", lambda module: False)
+    assert [r.name for r in adapters.installed_recipes()] == ["flax_fp8", "flax_nanoo_fp8"]

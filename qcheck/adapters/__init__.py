@@ -13,7 +13,10 @@ Nothing here registers itself: build a recipe and pass it to
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING
+
+from qcheck.recipes import Recipe
 
 from qcheck.adapters._flax import (
     FLAX_FP8_MODULES,
@@ -34,6 +37,7 @@ __all__ = [
     "flax_fp8",
     "flax_fp8_recipe",
     "flax_nanoo_fp8",
+    "installed_recipes",
     "ragged_dot_from_einsum",
 ]
 
@@ -51,3 +55,20 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(__all__)
+
+
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def installed_recipes() -> tuple[Recipe, ...]:
+    """The ready adapter recipes whose library is installed, for a ``qcheck.recipes`` entry point.
+
+    A library that is missing contributes nothing (qcheck's registry would
+    otherwise fail for everyone without it); one that is installed but fails to
+    import raises.
+    """
+    recipes: list[Recipe] = [flax_fp8(), flax_nanoo_fp8()]
+    if _has("aqt"):
+        recipes.append(importlib.import_module("qcheck.adapters._aqt").aqt_int8())
+    return tuple(recipes)
