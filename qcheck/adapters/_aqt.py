@@ -1,4 +1,4 @@
-"""AQT v2 (pip ``aqtp``) as qcheck recipes: ``AqtEinsum`` at every call site, AQT's ragged_dot on the sparse path.
+"""AQT v2 (pip ``aqtp``) as qcheck recipes: ``AqtEinsum`` at every call site, on both paths by default.
 
 Facts this adapter is built around (aqtp 0.9.0 on jax 0.10.2 and 0.12.0.1):
 ``aqt_ragged_dot.ragged_dot`` has no backward pass (``jax.grad`` raises), its
@@ -6,6 +6,12 @@ default ``cfg`` is one object built at import time which every call mutates
 (``cfg.fwd.dot_general = RaggedDot(group_sizes)``), and it calibrates the
 weight over the expert axis too, so all experts share one weight scale. Each
 site here gets its own config from the factory, never AQT's shared default.
+
+So the sparse path runs through the site's ``AqtEinsum`` by default
+(``ragged="einsum"``): a recipe must survive every invariant, and qcheck's
+golden cases and train step take a gradient. ``ragged="aqt"`` runs AQT's own
+ragged_dot, for forward-only use; its defects are pinned against the real
+library in qcheck's tests/test_adapters.py.
 """
 
 from __future__ import annotations
@@ -71,7 +77,7 @@ class AqtRecipe(Recipe):
         name: str,
         config_factory: ConfigFactory = aqt_config.config_v4,
         *,
-        ragged: str = "aqt",
+        ragged: str = "einsum",
         max_rel_norm: float = 0.22,
     ):
         if not callable(config_factory):
@@ -101,16 +107,18 @@ def aqt_recipe(
     name: str,
     config_factory: ConfigFactory = aqt_config.config_v4,
     *,
-    ragged: str = "aqt",
+    ragged: str = "einsum",
     max_rel_norm: float = 0.22,
 ) -> AqtRecipe:
     """A recipe running ``AqtEinsum(cfg=config_factory())`` at every einsum call site.
 
-    ``ragged`` picks the sparse path's grouped matmul (:data:`AQT_RAGGED`).
+    ``ragged`` picks the sparse path's grouped matmul (:data:`AQT_RAGGED`): the
+    default ``"einsum"`` has a backward pass and per-expert weight scales;
+    ``"aqt"`` (AQT's ragged_dot) has neither.
     """
     return AqtRecipe(name, config_factory, ragged=ragged, max_rel_norm=max_rel_norm)
 
 
 def aqt_int8() -> AqtRecipe:
-    """AQT v2's default int8 (``config_v4``: absmax/127.5 scales, stochastic rounding of dlhs)."""
+    """AQT v2's default int8 (``config_v4``: absmax/127.5 scales, stochastic rounding of dlhs), AqtEinsum on both paths."""
     return aqt_recipe("aqt_int8")
