@@ -19,9 +19,11 @@ from flax import linen as nn
 from flax import nnx
 
 import qcheck
-from qcheck import checks
+from qcheck import checks, step
 from qcheck.adapters import flax_fp8, flax_fp8_recipe, flax_nanoo_fp8, ragged_dot_from_einsum
-from qcheck.bridge import Fp8Meta, QuantSite
+from qcheck._fp8_amax import assert_amax_histories_follow_operands
+from qcheck._ragged_groups import assert_ragged_groups_independent
+from qcheck.bridge import QuantSite
 
 BATCH, SEQ = 2, 8
 
@@ -160,39 +162,58 @@ def test_flax_recipe_tracks_unquantized_should_pass(recipe, path, max_rel_norm):
     assert checks.assert_tracks(out, _reference_output(path), max_rel_norm=max_rel_norm) > 0
 
 
-def _amax_after_one_backward(recipe) -> dict[str, float]:
-    """Newest amax history entries of one site after one grad of ``BSEH,EHM->BSEM``.
-
-    The activation's amax is 3, the weight's 100.
-    """
+def _amax_operands() -> tuple[np.ndarray, np.ndarray]:
+    """``BSEH`` activations of amax 3 and ``EHM`` weights of amax 100."""
     rng = np.random.default_rng(0)
     act = rng.uniform(-3, 3, (2, 3, 4, 8)).astype(np.float32)
     act.flat[0] = 3.0
     weight = rng.uniform(-100, 100, (4, 8, 5)).astype(np.float32)
     weight.flat[0] = 100.0
-    graphdef, meta, rest = nnx.split(QuantSite(recipe, "wo", rngs=nnx.Rngs(0)), Fp8Meta, ...)
-
-    def loss(meta):
-        return jnp.sum(nnx.merge(graphdef, meta, rest, copy=True)("BSEH,EHM->BSEM", act, weight))
-
-    new = nnx.to_flat_state(jax.grad(loss)(meta))
-    return {str(path[-1]): float(np.asarray(v.get_value())[0]) for path, v in new
-            if str(path[-1]) in ("input_amax_history", "kernel_amax_history")}
+    return act, weight
 
 
-def test_qcheck_fp8_files_amax_under_its_operand_should_pass():
-    assert _amax_after_one_backward(qcheck.get_recipe("fp8")) == {
-        "input_amax_history": 3.0, "kernel_amax_history": 100.0}
+def _fp8_site(recipe) -> QuantSite:
+    return QuantSite(recipe, "wo", rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "nanoo_fp8"])
+def test_amax_histories_follow_operands_should_pass(recipe):
+    act, weight = _amax_operands()
+    got = assert_amax_histories_follow_operands(_fp8_site(qcheck.get_recipe(recipe)), "BSEH,EHM->BSEM", act, weight)
+    assert sorted(got.values()) == [3.0, 100.0]
+
+
+def test_flax_fp8einsum_amax_on_an_unswapped_einsum_should_pass():
+    # Control: for ab,bc->ac jnp.einsum keeps the operand order, and Flax files both right.
+    act, weight = _amax_operands()
+    assert_amax_histories_follow_operands(_fp8_site(_recipe("flax_fp8")), "ab,bc->ac", act.reshape(6, 32),
+                                          weight.reshape(32, 5))
 
 
 def test_flax_fp8einsum_files_amax_under_the_other_operand():
     """Flax's Fp8Einsum binds its state positionally inside jnp.einsum's dot_general.
 
     For ``BSEH,EHM->BSEM`` jnp.einsum calls it as dot_general(weight, activation), so
-    the input history records the weight's amax (flax 0.12.8 and 0.12.12).
+    input_amax_history records the weight's amax 100 (flax 0.12.8 / jax 0.10.2 and
+    flax 0.12.12 / jax 0.12.0.1). When Flax fixes it, this test fails.
     """
-    assert _amax_after_one_backward(_recipe("flax_fp8")) == {
-        "input_amax_history": 100.0, "kernel_amax_history": 3.0}
+    act, weight = _amax_operands()
+    with pytest.raises(AssertionError, match=r"input_amax_history holds 100 .*the lhs amax is 3; that is the "
+                                             r"rhs's amax: fp8 state filed under the other operand"):
+        assert_amax_histories_follow_operands(_fp8_site(_recipe("flax_fp8")), "BSEH,EHM->BSEM", act, weight,
+                                              label="flax_fp8 site 'wo'")
+
+
+@pytest.mark.parametrize(
+    "site, lhs, rhs, match",
+    [
+        ("fp8", np.ones((2, 3), np.float32), np.ones((3, 4), np.float32), r"both have amax 1.0"),
+        ("int8", np.ones((2, 3), np.float32), 2 * np.ones((3, 4), np.float32), r"has no fp8 amax histories"),
+    ],
+)
+def test_amax_histories_follow_operands_refuses_what_cannot_fail(site, lhs, rhs, match):
+    with pytest.raises(ValueError, match=match):
+        assert_amax_histories_follow_operands(_fp8_site(qcheck.get_recipe(site)), "ab,bc->ac", lhs, rhs)
 
 
 @pytest.mark.parametrize(
@@ -262,45 +283,64 @@ def test_aqt_quantization_off_fails_tracks_silent_fallback(path):
         checks.assert_tracks(out, _reference_output(path))
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _grad(graphdef, params, rest, x):
-    return jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p, rest, copy=True)(x)))(params)
-
-
-def _grad_through(layer):
-    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
-    return _grad(graphdef, params, rest, _input())
-
-
 def test_aqt_ragged_dot_has_no_backward_pass():
-    """aqt_ragged_dot.ragged_dot: "Currently only forward pass is supported" (aqtp 0.9.0)."""
-    with pytest.raises(IndexError, match="out of bounds"):
-        _grad_through(_aqt_layer("aqt", "sparse"))
+    """aqt_ragged_dot.ragged_dot: "Currently only forward pass is supported" (aqtp 0.9.0).
+
+    qcheck's train step (what the golden cases and the state invariant lower) fails
+    while tracing the gradient; jax 0.10.2 and 0.12.0.1 alike.
+    """
+    layer = _aqt_layer("aqt", "sparse")
+    with pytest.raises(IndexError, match="index 1 is out of bounds for axis 0 with size 1"):
+        step.train_step(layer, _input())
 
 
 def test_aqt_einsum_ragged_has_a_backward_pass_should_pass():
-    grads = nnx.to_flat_state(_grad_through(_aqt_layer("einsum", "sparse")))
-    assert all(np.all(np.isfinite(np.asarray(v.get_value()))) for _, v in grads)
+    grads = nnx.to_flat_state(step.train_step(_aqt_layer("einsum", "sparse"), _input()).grads)
+    assert grads and all(np.all(np.isfinite(np.asarray(v.get_value()))) for _, v in grads)
 
 
-def _expert1_rows_move_when_expert0_scales(kind: str) -> bool:
-    site = QuantSite(_aqt_recipe(kind), "wi_0", rngs=nnx.Rngs(0))
-    graphdef, state = nnx.split(site)
+def _ragged_site(recipe):
+    graphdef, state = nnx.split(QuantSite(recipe, "wi_0", rngs=nnx.Rngs(0)))
+    return lambda a, b, gs: _site_ragged_dot(graphdef, state, a, b, gs)
+
+
+def _assert_experts_independent(recipe, label: str) -> int:
     lhs, rhs = checks.probe_operands(0, (12, 32), (3, 32, 8))
-    gs = np.array([5, 7, 0], np.int32)
-    big = rhs.copy()
-    big[0] *= 1000
-    y, y_big = (np.asarray(_site_ragged_dot(graphdef, state, lhs, w, gs)) for w in (rhs, big))
-    return y[5:12].tobytes() != y_big[5:12].tobytes()
+    return assert_ragged_groups_independent(_ragged_site(recipe), lhs, rhs, np.array([5, 7, 0], np.int32),
+                                            label=label)
 
 
 def test_aqt_ragged_dot_shares_one_weight_scale_across_experts():
-    """AQT calibrates the ragged weight over [experts, contraction]: expert 0 sets expert 1's scale."""
-    assert _expert1_rows_move_when_expert0_scales("aqt")
+    """AQT calibrates the ragged weight over [experts, contraction] (aqtp 0.9.0: "the same scale for all the
+    experts"): expert 0's weights set expert 1's scale."""
+    with pytest.raises(AssertionError, match=r"assert_ragged_groups_independent: aqt ragged_dot: scaling group 0's "
+                                             r"weights by 1000 changed 7 of 7 rows of other groups .*one weight "
+                                             r"scale shared across groups"):
+        _assert_experts_independent(_aqt_recipe("aqt"), "aqt ragged_dot")
 
 
-def test_aqt_einsum_ragged_scales_each_expert_should_pass():
-    assert not _expert1_rows_move_when_expert0_scales("einsum")
+@pytest.mark.parametrize("recipe", ["aqt_einsum", "int8", "mxfp8"])
+def test_ragged_groups_independent_should_pass(recipe):
+    r = _aqt_recipe("einsum") if recipe == "aqt_einsum" else qcheck.get_recipe(recipe)
+    assert _assert_experts_independent(r, recipe) == 7
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(group_sizes=np.array([0, 12, 0], np.int32)), r"leave group 0 or every other group empty"),
+        (dict(group_sizes=np.array([12, 0, 0], np.int32)), r"leave group 0 or every other group empty"),
+        (dict(group=3), r"group must lie in \[0, 3\), got 3"),
+        (dict(factor=1.0), r"factor must be finite and not 1"),
+        (dict(group_sizes=np.array([5, 9, 0], np.int32)), r"sum to 14, more than lhs's 12 rows"),
+        (dict(rhs=np.ones((32, 8), np.float32)), r"expects lhs \[m, k\], rhs \[g, k, n\]"),
+    ],
+)
+def test_ragged_groups_independent_bad_input(kwargs, match):
+    lhs, rhs = checks.probe_operands(0, (12, 32), (3, 32, 8))
+    args = dict(lhs=lhs, rhs=rhs, group_sizes=np.array([5, 7, 0], np.int32)) | kwargs
+    with pytest.raises(ValueError, match=match):
+        assert_ragged_groups_independent(jax.lax.ragged_dot, **args)
 
 
 @aqt_warns
