@@ -21,6 +21,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 __all__ = [
+    "assert_amax_histories_follow_operands",
     "assert_format_matches_referee",
     "assert_fresh_cast_exact",
     "assert_fresh_ragged_cast_exact",
@@ -29,6 +30,7 @@ __all__ = [
     "assert_site_backward_exact",
     "assert_site_ragged_backward_exact",
     "assert_quantized",
+    "assert_ragged_groups_independent",
     "assert_tracks",
     "cast_reference",
     "coverage",
@@ -390,3 +392,5 @@ def assert_no_recompiles(fn: Callable[[], Any], *, warmup: Callable[[], Any] | N
 from qcheck._coverage import assert_quantized, coverage  # noqa: E402
 from qcheck._referee_checks import assert_format_matches_referee  # noqa: E402
 from qcheck._backward import assert_site_backward_exact, assert_site_ragged_backward_exact  # noqa: E402
+from qcheck._fp8_amax import assert_amax_histories_follow_operands  # noqa: E402
+from qcheck._ragged_groups import assert_ragged_groups_independent  # noqa: E402

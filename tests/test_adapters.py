@@ -21,8 +21,7 @@ from flax import nnx
 import qcheck
 from qcheck import checks, step
 from qcheck.adapters import flax_fp8, flax_fp8_recipe, flax_nanoo_fp8, ragged_dot_from_einsum
-from qcheck._fp8_amax import assert_amax_histories_follow_operands
-from qcheck._ragged_groups import assert_ragged_groups_independent
+from qcheck.checks import assert_amax_histories_follow_operands, assert_ragged_groups_independent
 from qcheck.bridge import QuantSite
 
 BATCH, SEQ = 2, 8
@@ -345,7 +344,10 @@ def test_ragged_groups_independent_bad_input(kwargs, match):
 
 @aqt_warns
 def test_aqt_default_ragged_config_is_one_mutated_object_and_sites_leave_theirs_alone():
-    """AQT's ragged_dot default cfg is built once at import and each call writes its group sizes into it."""
+    """AQT's ragged_dot default cfg is built once at import; each call writes its group sizes into it.
+
+    aqtp 0.9.0. qcheck's sites give every call a config of their own.
+    """
     aqt = _aqt()
     from aqt.jax.v2 import aqt_ragged_dot, config
 

@@ -1,0 +1,55 @@
+"""docs/libraries.md: its code blocks run, and its table of library defects names tests that exist.
+
+The blocks run in this process, each in a fresh namespace, under the repository's
+strict settings (warnings are errors, no rank promotion), as a user's test would.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests import test_adapters
+
+DOC = (Path(__file__).parent.parent / "docs" / "libraries.md").read_text()
+#: The library each block needs, by its label.
+NEEDS = {"flax": "flax", "aqt": "aqt.jax.v2", "qwix": "qwix"}
+
+
+def doc_blocks() -> dict[str, str]:
+    return dict(re.findall(r"<!-- libraries: (\w+) -->\n```python\n(.*?)```", DOC, re.S))
+
+
+def defect_rows() -> list[list[str]]:
+    table = DOC.split("## Defects qcheck finds in the libraries you use", 1)[1]
+    lines = [line for line in table.splitlines() if line.startswith("|")]
+    assert lines[0] == "| defect | library | version checked | caught by | test |"
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
+
+
+def test_every_library_has_a_block():
+    assert sorted(doc_blocks()) == sorted(label for label in NEEDS if label != "qwix" or "libraries: qwix" in DOC)
+
+
+@pytest.mark.parametrize("label", sorted(doc_blocks()))
+def test_doc_block_runs(label):
+    pytest.importorskip(NEEDS[label])
+    exec(compile(doc_blocks()[label], f"docs/libraries.md[{label}]", "exec"), {"__name__": f"doc_{label}"})
+
+
+def test_defect_table_rows_name_existing_defect_tests():
+    rows = defect_rows()
+    assert rows
+    for defect, library, version, caught_by, test in rows:
+        name = test.strip("`")
+        assert callable(getattr(test_adapters, name, None)), f"{name}: no such test in tests/test_adapters.py"
+        assert "should_pass" not in name, f"{name} is a control, not the defect's test"
+        assert library and caught_by and re.search(r"\d+\.\d+", version), (defect, library, version, caught_by)
+
+
+def test_defect_table_lists_the_library_versions_the_tests_pin():
+    # The version column and the test's docstring must agree, so neither drifts alone.
+    for defect, _, version, _, test in defect_rows():
+        doc = getattr(test_adapters, test.strip("`")).__doc__ or test_adapters.__doc__
+        for v in re.findall(r"\d+\.\d+\.\d+", version):
+            assert v in doc, f"{test}: docstring does not mention {v} ({defect})"
