@@ -401,3 +401,165 @@ def test_installed_recipes_leave_out_a_missing_library(monkeypatch):
 
     monkeypatch.setattr(adapters, "_has", lambda module: False)
     assert [r.name for r in adapters.installed_recipes()] == ["flax_fp8", "flax_nanoo_fp8"]
+
+
+# -- qwix ------------------------------------------------------------------------
+# qwix 0.1.8 walks NNX models with APIs flax 0.12 deprecates (m.iter_modules(), Param.value).
+qwix_warns = [
+    pytest.mark.filterwarnings(r"ignore:The 'm\.iter_modules\(\)' method is deprecated:DeprecationWarning"),
+    pytest.mark.filterwarnings(r"ignore:'\.value' access is now deprecated:DeprecationWarning"),
+]
+
+
+def _qwix():
+    return pytest.importorskip("qwix")
+
+
+def _qwix_rule(**qtypes):
+    qwix = _qwix()
+    return qwix.QtProvider([qwix.QtRule(module_path=".*", **qtypes)])
+
+
+class _Experts(nnx.Module):
+    """A user's sparse experts: ragged_dot on its own weight, as qwix expects."""
+
+    def __init__(self, w):
+        self.w = nnx.Param(jnp.asarray(w))
+
+    def __call__(self, x, group_sizes):
+        return jax.lax.ragged_dot(x, self.w[...], group_sizes)
+
+
+class _DenseExperts(nnx.Module):
+    def __init__(self, w):
+        self.w = nnx.Param(jnp.asarray(w))
+
+    def __call__(self, x):
+        return jnp.einsum("mk,gkn->mgn", x, self.w[...])
+
+
+def _qwix_ragged_dot(a, b, gs):
+    int8 = dict(weight_qtype=jnp.int8, act_qtype=jnp.int8)
+    return _qwix().quantize_model(_Experts(b), _qwix_rule(**int8), a, gs)(a, gs)
+
+
+def _qwix_dense_ragged_dot(a, b, gs):
+    int8 = dict(weight_qtype=jnp.int8, act_qtype=jnp.int8)
+    model = _qwix().quantize_model(_DenseExperts(b), _qwix_rule(**int8), a)
+    return ragged_dot_from_einsum(lambda eqn, x, w: model(x), a, b, gs)
+
+
+def _qwix_test(fn):
+    for mark in qwix_warns:
+        fn = mark(fn)
+    return fn
+
+
+@_qwix_test
+def test_qwix_ragged_dot_shares_one_weight_scale_across_experts():
+    """qwix's ragged_dot quantizes the weight with channelwise_axes=[2] only (qwix/_src/core/ragged_dot_qt.py):
+    one scale per output column across all experts (qwix 0.1.8)."""
+    lhs, rhs = checks.probe_operands(0, (12, 32), (3, 32, 8))
+    with pytest.raises(AssertionError, match=r"assert_ragged_groups_independent: qwix ragged_dot: scaling group 0's "
+                                             r"weights by 1000 changed 7 of 7 rows .*one weight scale shared"):
+        assert_ragged_groups_independent(_qwix_ragged_dot, lhs, rhs, np.array([5, 7, 0], np.int32),
+                                         label="qwix ragged_dot")
+
+
+@_qwix_test
+def test_qwix_dense_einsum_scales_each_expert_should_pass():
+    lhs, rhs = checks.probe_operands(0, (12, 32), (3, 32, 8))
+    assert assert_ragged_groups_independent(_qwix_dense_ragged_dot, lhs, rhs, np.array([5, 7, 0], np.int32)) == 7
+
+
+@_qwix_test
+def test_qwix_ragged_dot_weight_only_rule_crashes():
+    """A weight-only rule (act_qtype None) on ragged_dot: qwix 0.1.8 passes None on as the lhs qtype."""
+    lhs, rhs = checks.probe_operands(0, (12, 32), (3, 32, 8))
+    gs = jnp.asarray([5, 7, 0], jnp.int32)
+    with pytest.raises(ValueError, match="Cannot use None as qtype"):
+        _qwix().quantize_model(_Experts(rhs), _qwix_rule(weight_qtype=jnp.int8), lhs, gs)
+
+
+class _OwnWeight(nnx.Module):
+    def __init__(self, w):
+        self.w = nnx.Param(jnp.asarray(w))
+
+    def __call__(self, x):
+        return jnp.einsum("tm,mh->th", x, self.w[...])
+
+
+class _Child(nnx.Module):
+    def __call__(self, x, w):
+        return jnp.einsum("tm,mh->th", x, w)
+
+
+class _ParentWeight(nnx.Module):
+    """The weight is the parent's param; the einsum runs in a child module that receives it."""
+
+    def __init__(self, w):
+        self.w = nnx.Param(jnp.asarray(w))
+        self.child = _Child()
+
+    def __call__(self, x):
+        return self.child(x, self.w[...])
+
+
+def _qwix_weight_only(cls) -> tuple[np.ndarray, np.ndarray]:
+    x, w = checks.probe_operands(1, (16, 64), (64, 32))
+    model = _qwix().quantize_model(cls(w), _qwix_rule(weight_qtype=jnp.int8), x)
+    return np.asarray(model(x)), np.asarray(jnp.einsum("tm,mh->th", x, w))
+
+
+@_qwix_test
+def test_qwix_weight_only_rule_tracks_on_the_modules_own_weight_should_pass():
+    assert checks.assert_tracks(*_qwix_weight_only(_OwnWeight), max_rel_norm=0.02) > 0
+
+
+@_qwix_test
+def test_qwix_weight_only_rule_skips_a_weight_passed_to_a_child_module():
+    """qwix 0.1.8 finds weights among the calling module's own params (flax_util.find_param); a weight that
+    reaches the einsum as an argument counts as an activation, so a weight-only rule quantizes nothing."""
+    with pytest.raises(AssertionError, match=r"assert_tracks: actual is bitwise equal to the unquantized reference"
+                                             r" .*silent fallback"):
+        checks.assert_tracks(*_qwix_weight_only(_ParentWeight))
+
+
+@_qwix_test
+def test_qwix_cannot_walk_a_qcheck_layer_and_qcheck_says_why():
+    """qwix.quantize_model on any model holding nnx.bridge.ToNNX (qwix 0.1.8): every qcheck layer does."""
+    from qcheck.adapters import qwix_quantize_model
+
+    layer = qcheck.build_moe("mixtral", "none")
+    x = jnp.asarray(_input())
+    provider = _qwix_rule(weight_qtype=jnp.int8, act_qtype=jnp.int8)
+    with pytest.raises(ValueError, match=r"Cannot infer collection name from value: \('sites', 'wi_0'\)"):
+        _qwix().quantize_model(layer, provider, x)
+    with pytest.raises(TypeError, match=r"qwix_quantize_model: model MoE holds nnx.bridge.ToNNX modules at "
+                                        r"sites/\w+, .*cannot place a bridged Linen module's variables"):
+        qwix_quantize_model(layer, provider, x)
+
+
+@_qwix_test
+def test_qwix_quantize_model_passes_a_plain_model_through_should_pass():
+    from qcheck.adapters import qwix_quantize_model
+
+    x, w = checks.probe_operands(1, (16, 64), (64, 32))
+    model = qwix_quantize_model(_OwnWeight(w), _qwix_rule(weight_qtype=jnp.int8), x)
+    assert checks.assert_tracks(np.asarray(model(x)), np.asarray(jnp.einsum("tm,mh->th", x, w)),
+                                max_rel_norm=0.02) > 0
+
+
+def test_qwix_quantize_model_bad_input():
+    _qwix()
+    from qcheck.adapters import qwix_quantize_model
+
+    with pytest.raises(TypeError, match=r"model must be an nnx.Module, got Dense"):
+        qwix_quantize_model(nn.Dense(3), None)
+
+
+def test_qwix_adapter_without_qwix_names_the_extra(monkeypatch):
+    monkeypatch.delitem(sys.modules, "qcheck.adapters._qwix", raising=False)
+    monkeypatch.setitem(sys.modules, "qwix", None)
+    with pytest.raises(ImportError, match=r"pip install 'qcheck\[qwix\]'"):
+        importlib.import_module("qcheck.adapters._qwix")

@@ -1,9 +1,9 @@
 """The quantization libraries people ship, run through qcheck as recipes.
 
 Flax's fp8 modules are always available (qcheck depends on Flax). AQT v2
-(``pip install 'qcheck[aqt]'``) loads on first use of its names, so importing
-this package never needs it; without it those names raise ImportError saying
-which extra to install.
+(``pip install 'qcheck[aqt]'``) and qwix (``qcheck[qwix]``) load on first use
+of their names, so importing this package needs neither; without them those
+names raise ImportError saying which extra to install.
 
 Nothing here registers itself: build a recipe and pass it to
 ``qcheck.build_moe`` or ``qcheck.register_recipe``, or list it under the
@@ -38,13 +38,16 @@ __all__ = [
     "flax_fp8_recipe",
     "flax_nanoo_fp8",
     "installed_recipes",
+    "qwix_quantize_model",
     "ragged_dot_from_einsum",
 ]
 
 _LAZY = {name: "qcheck.adapters._aqt" for name in ("AQT_RAGGED", "AqtRecipe", "aqt_int8", "aqt_recipe")}
+_LAZY["qwix_quantize_model"] = "qcheck.adapters._qwix"
 
 if TYPE_CHECKING:
     from qcheck.adapters._aqt import AQT_RAGGED, AqtRecipe, aqt_int8, aqt_recipe
+    from qcheck.adapters._qwix import qwix_quantize_model
 
 
 def __getattr__(name: str):
