@@ -528,6 +528,7 @@ def test_qwix_weight_only_rule_skips_a_weight_passed_to_a_child_module():
 @_qwix_test
 def test_qwix_cannot_walk_a_qcheck_layer_and_qcheck_says_why():
     """qwix.quantize_model on any model holding nnx.bridge.ToNNX (qwix 0.1.8): every qcheck layer does."""
+    _qwix()
     from qcheck.adapters import qwix_quantize_model
 
     layer = qcheck.build_moe("mixtral", "none")
@@ -542,6 +543,7 @@ def test_qwix_cannot_walk_a_qcheck_layer_and_qcheck_says_why():
 
 @_qwix_test
 def test_qwix_quantize_model_passes_a_plain_model_through_should_pass():
+    _qwix()
     from qcheck.adapters import qwix_quantize_model
 
     x, w = checks.probe_operands(1, (16, 64), (64, 32))
