@@ -161,6 +161,41 @@ def test_flax_recipe_tracks_unquantized_should_pass(recipe, path, max_rel_norm):
     assert checks.assert_tracks(out, _reference_output(path), max_rel_norm=max_rel_norm) > 0
 
 
+def _fp8_cast_dtypes_of_a_grad(recipe) -> dict[str, set[str]]:
+    """The fp8 types each operand of every matmul of one grad of ``tm,mh->th`` is cast to, per qcheck.coverage.
+
+    Forward: the one matmul's lhs and rhs. Backward: the two matmuls whose lhs is the output gradient.
+    """
+    graphdef, state = nnx.split(QuantSite(recipe, "wi_0", rngs=nnx.Rngs(0)))
+    x, w = checks.probe_operands(2, (8, 16), (16, 4))
+
+    def grad(x, w):
+        return jax.grad(lambda x, w: jnp.sum(nnx.merge(graphdef, state, copy=True)("tm,mh->th", x, w)),
+                        argnums=(0, 1))(x, w)
+
+    records = qcheck.coverage(grad, x, w)
+    assert len(records) == 3 and all(r.quantized for r in records), qcheck.format_coverage(records)
+    forward = [r for r in records if r.lhs_shape == (8, 16)]
+    backward = [r for r in records if r.lhs_shape == (8, 4)]
+    return {"forward": {q.dtype for r in forward for q in (r.lhs, r.rhs)},
+            "gradient": {r.lhs.dtype for r in backward}}
+
+
+def test_flax_nanoo_casts_to_the_fnuz_flavours_forward_and_backward_should_pass():
+    assert _fp8_cast_dtypes_of_a_grad(_recipe("flax_nanoo_fp8")) == {
+        "forward": {"float8_e4m3fnuz"}, "gradient": {"float8_e5m2fnuz"}}
+
+
+def test_flax_fp8einsum_casts_gradients_to_e5m2_when_asked_for_e5m2fnuz():
+    """Fp8Einsum(e5m2_dtype=float8_e5m2fnuz): quantized_dot_bwd hard-codes float8_e5m2 (flax 0.12.8, 0.12.12).
+
+    e5m2 and e5m2fnuz round normal numbers alike, so on CPU (which flushes
+    subnormals) no bitwise gradient shows it; qcheck.coverage reads the cast types.
+    """
+    got = _fp8_cast_dtypes_of_a_grad(_recipe("flax_einsum_fnuz"))
+    assert got == {"forward": {"float8_e4m3fn"}, "gradient": {"float8_e5m2"}}, got
+
+
 def _amax_operands() -> tuple[np.ndarray, np.ndarray]:
     """``BSEH`` activations of amax 3 and ``EHM`` weights of amax 100."""
     rng = np.random.default_rng(0)
