@@ -72,6 +72,10 @@ class AqtSite(nn.Module):
 class AqtRecipe(Recipe):
     """Every call site runs AQT v2 with a fresh config from ``config_factory``."""
 
+    # AQT quantizes gradients its own way (config_v4: dlhs in int8 with
+    # stochastic rounding from its own RNG), which no qcheck referee models.
+    backward_paths = ()
+
     def __init__(
         self,
         name: str,

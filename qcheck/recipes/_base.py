@@ -97,6 +97,11 @@ class Recipe:
         self.cast_dtype = None if cast_dtype is None else np.dtype(cast_dtype)
         self.materialize_at_build = materialize_at_build
 
+    #: The paths on which the suite holds the sites' gradients bitwise to a
+    #: reference (the ``backward`` invariant). A recipe narrows it where no
+    #: exact reference exists, saying why (qcheck.adapters' library recipes).
+    backward_paths: tuple[str, ...] = ("dense", "sparse")
+
     @property
     def quantized(self) -> bool:
         """False only for the unquantized reference recipe."""

@@ -224,7 +224,7 @@ def _backward_applies(recipe: Recipe, variant: Variant) -> bool:
     # Every quantized recipe, except where its gradient format's blocks cannot
     # tile the weight gradient's contraction: on the dropping layer that runs over
     # batch x capacity tokens per expert (2 x 8 = 16), fewer than MXFP8's 32.
-    if not recipe.quantized:
+    if not recipe.quantized or variant.path not in recipe.backward_paths:
         return False
     block = formats.block_size(recipe.grad) if recipe.grad else None
     if block is None or not variant.dropping:
