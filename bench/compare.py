@@ -187,18 +187,21 @@ def env_versions(venv: Path) -> dict[str, str]:
     return json.loads(done.stdout) if done.returncode == 0 else {"error": done.stderr.strip()[-300:]}
 
 
-def ensure_env(venv: Path, tree: Path, python: str) -> bool:
-    """A venv at ``venv`` with ``tree`` installed editable with its test extras; True when reused."""
+def ensure_env(venv: Path, tree: Path, python: str, extras: str = "test") -> bool:
+    """A venv at ``venv`` with ``tree`` installed editable with ``extras``; True when reused.
+
+    An extra the tree does not define (an older commit's) is ignored by pip with a warning.
+    """
     ready = venv / ".bench-ready"
     if ready.exists() and (venv / "bin" / "python").exists():
         return True
     shutil.rmtree(venv, ignore_errors=True)
     print(f"[compare] creating {venv} for {tree} ...", flush=True)
     subprocess.run([python, "-m", "venv", str(venv)], check=True)
-    done = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "-e", ".[test]"],
+    done = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "-e", f".[{extras}]"],
                           cwd=tree, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"[compare] pip install -e '.[test]' failed in {tree}:\n{done.stderr[-2000:]}")
+        raise RuntimeError(f"[compare] pip install -e '.[{extras}]' failed in {tree}:\n{done.stderr[-2000:]}")
     ready.write_text(json.dumps({"tree": str(tree), "python": python}))
     return False
 
@@ -306,6 +309,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=_rounds, default=2, help="rounds of ref, new (default: 2)")
     p.add_argument("--only", type=_only, default=list(WORKLOADS), metavar="W[,W]",
                    help=f"workloads to run (default: {','.join(WORKLOADS)})")
+    p.add_argument("--extras", default="test", metavar="E[,E]",
+                   help="extras installed on both sides (default: test); e.g. test,aqt,qwix")
     p.add_argument("--pytest-args", default="", metavar="ARGS", help="extra pytest arguments, one shell-quoted string")
     p.add_argument("--keep-envs", type=Path, metavar="DIR",
                    help="keep the venvs here, keyed by commit (the tree's: by path) and python, to reuse them")
@@ -336,8 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     tree_key = hashlib.sha1(str(root).encode()).hexdigest()[:10]
     # The tree's pyproject is in the key: a changed entry point needs a fresh install.
     pyproject = hashlib.sha1((root / "pyproject.toml").read_bytes()).hexdigest()[:8]
-    venvs = {"ref": envs / f"ref-{ref_sha[:12]}-py{py_version}",
-             "new": envs / f"tree-{tree_key}-{pyproject}-py{py_version}"}
+    extras_key = args.extras.replace(",", "+")
+    venvs = {"ref": envs / f"ref-{ref_sha[:12]}-py{py_version}-{extras_key}",
+             "new": envs / f"tree-{tree_key}-{pyproject}-py{py_version}-{extras_key}"}
     trees = {"ref": ref_tree, "new": root}
     site_dir = scratch / "site"
     site_dir.mkdir()
@@ -346,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _remove_worktree(root, ref_tree)  # a checkout left by an interrupted run
         _git(root, "worktree", "add", "--detach", str(ref_tree), ref_sha)
-        reused = {side: ensure_env(venvs[side], trees[side], python) for side in SIDES}
+        reused = {side: ensure_env(venvs[side], trees[side], python, args.extras) for side in SIDES}
         versions = {side: env_versions(venvs[side]) for side in SIDES}
         for side in SIDES:
             print(f"[compare] {side}: {trees[side]}, venv {venvs[side]} ({'reused' if reused[side] else 'new'}), "
