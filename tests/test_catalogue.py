@@ -280,19 +280,48 @@ def test_paths_agree_catches_a_sparse_routing_bug():
 # -- sharded layers ---------------------------------------------------------------
 
 
+class MeshOnlyReassembly(MoE):
+    """Stitches the 'expert' shards of ``wi_0`` back in the wrong order, on a mesh only.
+
+    Each of the four shards holds two experts; the bug swaps the first two blocks.
+    Without a mesh the layer is healthy, so only the sharded check can see it.
+    """
+
+    def _weights(self):
+        wi_0, wi_1, wo = super()._weights()
+        return (wi_0 if self.mesh is None else wi_0[np.array([2, 3, 0, 1, 4, 5, 6, 7])]), wi_1, wo
+
+
+SHARDED_CASE = cases.Case("int8", cases.Variant("mixtral", "dense", False))
+
+
+def _check_sharded(build_sharded):
+    invariants.assert_layer_sharded_matches(build_sharded, cases.layer_output(SHARDED_CASE), X, "bug",
+                                            mesh=cases.mesh())
+
+
 def test_sharded_catches_experts_reassembled_in_the_wrong_order():
-    # Each of the four 'expert' shards holds two experts; a bug that stitches the
-    # shards back in the wrong order swaps whole blocks of experts.
-    mesh = cases.mesh()
-    broken = MoE(MODELS["mixtral"], get_recipe("int8"), rngs=nnx.Rngs(cases.SEED), mesh=mesh)
-    order = np.array([2, 3, 0, 1, 4, 5, 6, 7])
-    broken.wi_0[...] = broken.wi_0[...][order]
-    x = jax.device_put(cases.layer_input("mixtral"), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
-    out = np.asarray(step.apply(broken, x)[0])
-    single = cases.forward_output(cases.Case("int8", cases.Variant("mixtral", "dense", False)))
-    with pytest.raises(AssertionError, match=r"sharded layer differs from the single-device one at \d+ of 2048 "
-                       r"values, by up to .*\(rtol 1e-05, atol 1e-06\)"):
-        invariants.assert_sharded_matches(single, out, "bug")
+    alone = MeshOnlyReassembly(MODELS["mixtral"], get_recipe("int8"), rngs=nnx.Rngs(cases.SEED))
+    healthy_alone, _ = step.apply(alone, X)
+    assert np.array_equal(np.asarray(healthy_alone), cases.layer_output(SHARDED_CASE))  # the bug needs the mesh
+    with pytest.raises(AssertionError, match=r"^bug: the sharded layer differs from the single-device one at \d+ of "
+                       r"2048 values, by up to .*\(rtol 1e-05, atol 1e-06\)"):
+        _check_sharded(lambda mesh: MeshOnlyReassembly(MODELS["mixtral"], get_recipe("int8"),
+                                                       rngs=nnx.Rngs(cases.SEED), mesh=mesh))
+
+
+def test_sharded_catches_a_twin_built_without_its_mesh():
+    # The twin ignores the mesh; only its input lands on it. Its output is the
+    # single-device layer's, bitwise, so comparing outputs alone passes at 0.0
+    # and a mesh-only bug would go unseen.
+    unsharded = lambda mesh: MoE(MODELS["mixtral"], get_recipe("int8"), rngs=nnx.Rngs(cases.SEED))  # noqa: E731
+    placed = jax.device_put(X, jax.sharding.NamedSharding(cases.mesh(), jax.sharding.PartitionSpec("data")))
+    blind = np.asarray(step.apply(unsharded(None), placed)[0])
+    assert invariants.assert_sharded_matches(cases.layer_output(SHARDED_CASE), blind, "blind") == 0.0
+    with pytest.raises(AssertionError, match=r"^bug: the sharded twin is not sharded: weight 'wi_0' "
+                       r"\(float32\[8, 32, 64\]\) is SingleDeviceSharding on 1 device\(s\), not on the 4-way "
+                       r"'expert' mesh of 8 devices \(built without its mesh\?\)"):
+        _check_sharded(unsharded)
 
 
 # -- RNG state of the compiled step ----------------------------------------------
@@ -395,8 +424,10 @@ CATALOGUE = [
     ("a recipe's layer output drifting from its golden case", "golden (`tests/test_golden.py`)",
      test_golden_catches_numerics_drift),
     ("a golden file edited by hand", "golden (content digest)", test_golden_catches_a_file_edited_by_hand),
-    ("expert shards reassembled in the wrong order", "`sharded`",
+    ("expert shards reassembled in the wrong order, on a mesh only", "`sharded`",
      test_sharded_catches_experts_reassembled_in_the_wrong_order),
+    ("a sharded twin built without its mesh (its output equals the single-device one)",
+     "`sharded` (twin not sharded)", test_sharded_catches_a_twin_built_without_its_mesh),
 ]
 
 

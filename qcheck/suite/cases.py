@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from qcheck import step
 from qcheck._choices import check_choice
@@ -39,7 +39,7 @@ __all__ = [
     "forward_output",
     "layer_step",
     "mesh",
-    "sharded_output",
+    "sharded_layer",
 ]
 
 SEED = 0
@@ -170,13 +170,10 @@ def mesh() -> Mesh:
     return Mesh(np.array(devices[:8]).reshape(2, 4), MESH_AXES)
 
 
-@functools.cache
-def sharded_output(case: Case) -> np.ndarray:
-    """:func:`forward_output` of the same layer built on :func:`mesh`, its input split over "data"."""
-    v, m = case.variant, mesh()
-    sharded = build_moe(v.model, case.recipe, path=v.path, capacity_factor=v.capacity_factor, seed=SEED, mesh=m)
-    x = jax.device_put(layer_input(v.model), NamedSharding(m, PartitionSpec("data")))
-    return np.asarray(step.apply(sharded, x)[0])
+def sharded_layer(case: Case, mesh: Mesh) -> MoE:
+    """The case's layer built on ``mesh`` (not cached: the ``sharded`` check builds its twin itself)."""
+    v = case.variant
+    return build_moe(v.model, case.recipe, path=v.path, capacity_factor=v.capacity_factor, seed=SEED, mesh=mesh)
 
 
 @functools.cache

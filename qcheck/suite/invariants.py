@@ -21,6 +21,8 @@ from qcheck.suite import cases as cases_mod
 from qcheck import checks, formats, step
 from qcheck.bridge import Fp8Meta
 from qcheck.suite.cases import BATCH, SEQ, Case, Variant
+from qcheck.suite._sharded import (SHARDED_ATOL, SHARDED_RTOL, assert_layer_sharded,
+                                   assert_layer_sharded_matches, assert_sharded_matches)
 from qcheck.moe import MoE
 from qcheck.recipes import ApplyRngs, Recipe, get_recipe
 
@@ -46,6 +48,10 @@ __all__ = [
     "check_golden",
     "check_sharded",
     "assert_sharded_matches",
+    "assert_layer_sharded",
+    "assert_layer_sharded_matches",
+    "SHARDED_ATOL",
+    "SHARDED_RTOL",
     "check_paths_agree",
     "check_state",
     "check_tracks",
@@ -399,37 +405,8 @@ def _rng_applies(recipe: Recipe, variant: Variant) -> bool:
             and variant == Variant(variant.model, "dense", False))
 
 
-#: The sharded layer against the single-device one: float32 rounding, as dense == sparse.
-SHARDED_RTOL, SHARDED_ATOL = 1e-5, 1e-6
-
-
-def assert_sharded_matches(single: np.ndarray, sharded: np.ndarray, label: str) -> float:
-    """The layer on the mesh computes what it computes on one device, to float32 rounding.
-
-    The mesh splits tokens and experts, never a contraction, and the dense
-    combine gathers the experts before summing them, so on jax 0.10.2 every case
-    is bitwise equal. jax 0.12's XLA fuses Gemma's router differently inside the
-    sharded program (a few ulps: up to 6e-7 on outputs of order 1), so the check
-    allows float32 rounding and returns the largest difference. A sharding bug
-    that changes the function (experts reassembled in the wrong order, a scale
-    from one shard's amax) is orders of magnitude beyond it.
-    """
-    __tracebackhide__ = True
-    __tracebackhide__ = True
-    if single.shape != sharded.shape or single.dtype != sharded.dtype:
-        raise AssertionError(f"{label}: sharded output is {sharded.shape} {sharded.dtype}, "
-                             f"single-device {single.shape} {single.dtype}")
-    worst = float(np.max(np.abs(single.astype(np.float64) - sharded)))
-    if not np.allclose(sharded, single, rtol=SHARDED_RTOL, atol=SHARDED_ATOL):
-        differ = ~np.isclose(sharded, single, rtol=SHARDED_RTOL, atol=SHARDED_ATOL)
-        raise AssertionError(
-            f"{label}: the sharded layer differs from the single-device one at {int(differ.sum())} of "
-            f"{differ.size} values, by up to {worst:.3g} (rtol {SHARDED_RTOL}, atol {SHARDED_ATOL})")
-    return worst
-
-
 def check_sharded(case: Case) -> float:
-    """:func:`assert_sharded_matches` for the case's layer on the ("data", "expert") mesh.
+    """:func:`assert_layer_sharded_matches` for the case's layer on the ("data", "expert") mesh.
 
     Against :func:`~qcheck.cases.layer_output`, the output every other check
     reads: for fp8-class recipes that is the forward pass inside the train step,
@@ -437,7 +414,9 @@ def check_sharded(case: Case) -> float:
     0.10.2 it is bitwise equal to the forward program's output anyway).
     """
     __tracebackhide__ = True
-    return assert_sharded_matches(cases_mod.layer_output(case), cases_mod.sharded_output(case), case.id)
+    return assert_layer_sharded_matches(
+        functools.partial(cases_mod.sharded_layer, case), cases_mod.layer_output(case),
+        cases_mod.layer_input(case.variant.model), case.id, mesh=cases_mod.mesh())
 
 
 @dataclasses.dataclass(frozen=True)
