@@ -124,7 +124,9 @@ class MoE(nnx.Module):
         self.wi_1 = init((e, m, h), m, "expert")
         self.wo = init((e, h, m), h, "expert")
         if config.router == "gemma":
-            self.per_expert_scale = param(jnp.ones((e,), jnp.float32), "expert")
+            # Drawn around 1, not 1: at 1 a layer that drops the scale computes the same function.
+            scale = 1 + jax.random.uniform(rngs.params(), (e,), jnp.float32, minval=-0.5, maxval=0.5)
+            self.per_expert_scale = param(scale, "expert")
 
         names = ["wi_0", "wi_1", "wo"]
         if self.dropping and self.path == "dense":

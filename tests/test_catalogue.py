@@ -375,6 +375,36 @@ def test_golden_catches_a_file_edited_by_hand(tmp_path):
         golden.check_case(GOLDEN_CASE, tmp_path)
 
 
+class DropsExpertScale(MoE):
+    """Gemma's router without its per-expert output scale."""
+
+    def route(self, x):
+        logits = jnp.einsum("BSM,ME->BSE", x.astype(jnp.float32), self.gate[...])
+        _, idx = jax.lax.top_k(logits, self.config.top_k)
+        w = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), idx, axis=-1)
+        return w / jnp.sum(w, axis=-1, keepdims=True), idx
+
+
+def test_golden_catches_gemma_dropping_its_per_expert_scale(tmp_path, monkeypatch):
+    # A bug in the layer itself: a quantized layer and its unquantized twin drop
+    # the scale alike (nothing for tracks to see), and so do both paths (dense ==
+    # sparse passes, below). Only the numerics pinned on the seed move, and only
+    # because the scale is drawn away from 1.
+    gemma = golden.GoldenCase("none", "gemma", "dense")
+    golden.write_case(gemma, tmp_path, overwrite=False)
+    real = cases.layer
+    dropped = DropsExpertScale(MODELS["gemma"], get_recipe("none"), rngs=nnx.Rngs(cases.SEED))
+    sparse = DropsExpertScale(MODELS["gemma"], get_recipe("none"), path="sparse", rngs=nnx.Rngs(cases.SEED))
+    x = cases.layer_input("gemma")
+    invariants.assert_paths_agree(np.asarray(step.apply(dropped, x)[0]), np.asarray(step.apply(sparse, x)[0]), "blind")
+    monkeypatch.setattr(cases, "layer", lambda case: dropped if case == gemma.case else real(case))
+    monkeypatch.setattr(cases, "forward_output", cases.forward_output.__wrapped__)  # no cached healthy output
+    monkeypatch.setattr(cases, "layer_output", cases.layer_output.__wrapped__)
+    with pytest.raises(AssertionError, match=r"(?s)none-gemma-dense does not match .*output: 2048 of 2048 values "
+                       r"outside rtol"):
+        golden.check_case(gemma, tmp_path)
+
+
 # -- the catalogue, as the README shows it ------------------------------------------
 
 #: (bug, what catches it, the test above that shows it). The README's table is
@@ -424,6 +454,9 @@ CATALOGUE = [
     ("a recipe's layer output drifting from its golden case", "golden (`tests/test_golden.py`)",
      test_golden_catches_numerics_drift),
     ("a golden file edited by hand", "golden (content digest)", test_golden_catches_a_file_edited_by_hand),
+    ("Gemma's router dropping its per-expert output scale (drawn around 1, so the output moves)",
+     "golden (`tracks` and dense == sparse cannot: both sides drop it)",
+     test_golden_catches_gemma_dropping_its_per_expert_scale),
     ("expert shards reassembled in the wrong order, on a mesh only", "`sharded`",
      test_sharded_catches_experts_reassembled_in_the_wrong_order),
     ("a sharded twin built without its mesh (its output equals the single-device one)",
