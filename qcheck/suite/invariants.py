@@ -38,6 +38,7 @@ __all__ = [
     "rng_entry_params",
     "assert_sites_carry_no_rng_stream",
     "assert_sites_cast_exact",
+    "assert_sites_exact",
     "assert_sites_independent",
     "assert_layer_quantized",
     "check_coverage",
@@ -109,10 +110,54 @@ def assert_sites_cast_exact(layer: MoE, cast_dtype, label: str) -> None:
         _prefixed(f"{label} site {name!r}", run)
 
 
-def check_exact(case: Case) -> None:
-    """:func:`assert_sites_cast_exact` on the case's fresh layer, with the recipe's cast dtype."""
+def assert_sites_exact(layer: MoE, recipe: Recipe, label: str) -> None:
+    """Every call site of a fresh ``layer`` equals the matmul of referee-quantized probe operands, bitwise.
+
+    :func:`qcheck._site_exact.assert_site_exact` (its ragged twin on the sparse
+    path) per site, in the recipe's declared formats along each matmul's
+    contraction axes, on probes that tell the reference from every neighbouring
+    bug (another int8 variant or fp8 flavour, unscaled current scaling, blocks
+    along the wrong axes, an operand unquantized).
+    """
     __tracebackhide__ = True
-    assert_sites_cast_exact(cases_mod.layer(case), get_recipe(case.recipe).cast_dtype, case.id)
+    from qcheck import _site_exact
+    from qcheck.recipes import einsum_axes
+    from qcheck.recipes._axes import RAGGED_AXES
+
+    lhs_fmt, rhs_fmt = _site_exact.operand_formats(recipe)
+    nvfp4 = "nvfp4" in (lhs_fmt, rhs_fmt)
+    for i, (name, spec) in enumerate(layer.site_specs(BATCH, SEQ).items()):
+        graphdef, state = nnx.split(layer.get_einsum(name))
+        axes = (einsum_axes(spec.eqn, len(spec.lhs_shape), len(spec.rhs_shape)) if spec.eqn is not None
+                else RAGGED_AXES)
+        lhs, rhs = _site_exact.probe_site_operands(i, spec.lhs_shape, spec.rhs_shape, axes, nvfp4=nvfp4)
+        if spec.eqn is not None:
+            run = functools.partial(
+                _site_exact.assert_site_exact, lambda eqn, a, b: _site_einsum(graphdef, eqn, state, a, b),
+                spec.eqn, lhs, rhs, lhs_format=lhs_fmt, rhs_format=rhs_fmt, site=name)
+        else:
+            run = functools.partial(
+                _site_exact.assert_site_ragged_exact,
+                lambda a, b, gs: _site_ragged_dot(graphdef, state, a, b, gs), lhs, rhs,
+                probe_group_sizes(lhs.shape[0], rhs.shape[0], i), lhs_format=lhs_fmt, rhs_format=rhs_fmt, site=name)
+        _prefixed(label, run)
+
+
+def check_exact(case: Case) -> None:
+    """Every site exact in the recipe's declared formats: on probes, and through one forward pass of the layer.
+
+    :func:`assert_sites_exact` on the case's fresh layer, then
+    :func:`qcheck._site_exact.assert_layer_sites_exact` on its input, which
+    sees a layer that skips a site, calls another site's wrapper, or skips
+    quantization at one call site on one path.
+    """
+    __tracebackhide__ = True
+    from qcheck import _site_exact
+
+    layer, recipe = cases_mod.layer(case), get_recipe(case.recipe)
+    assert_sites_exact(layer, recipe, case.id)
+    _prefixed(case.id, lambda: _site_exact.assert_layer_sites_exact(
+        layer, cases_mod.layer_input(case.variant.model), recipe))
 
 
 def assert_sites_independent(layer: MoE, label: str) -> None:
@@ -453,7 +498,8 @@ def _case_only(check: Callable[[Case], float | None]) -> Callable[[Case, RunEnv]
 INVARIANTS: tuple[Invariant, ...] = (
     Invariant("sites", lambda r, v: r.quantized, _case_only(check_sites)),
     Invariant("coverage", lambda r, v: r.quantized, _case_only(check_coverage)),
-    Invariant("exact", lambda r, v: r.cast_dtype is not None, _case_only(check_exact)),
+    # Recipes that declare operand formats (lhs=/rhs=) or a cast dtype.
+    Invariant("exact", lambda r, v: r.lhs is not None or r.cast_dtype is not None, _case_only(check_exact)),
     Invariant("backward", _backward_applies, _case_only(check_backward)),
     Invariant("tracks", lambda r, v: r.quantized, _case_only(check_tracks)),
     Invariant("state", lambda r, v: r.materialize_at_build, _case_only(check_state)),

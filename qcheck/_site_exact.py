@@ -1,0 +1,408 @@
+"""Forward exactness of call sites for every declared operand format, on probes and through the layer.
+
+A fresh call site of a recipe that declares its operand formats (``Recipe.lhs``
+/ ``rhs``; fp8-class recipes: their ``cast_dtype``) must equal, bit for bit,
+the same matmul (``jnp.einsum`` or ``jax.lax.ragged_dot``, run by JAX) of its
+operands quantized by :mod:`qcheck.referees` along the matmul's contraction
+axes (:func:`qcheck.recipes.einsum_axes`, ``RAGGED_AXES``), never by
+:mod:`qcheck.formats`.
+
+Two ways in:
+
+- :func:`assert_site_exact` / :func:`assert_site_ragged_exact`: a site on
+  probe operands of the caller's choosing. Operands for which the reference
+  equals a neighbour bitwise (the plain matmul, one operand unquantized, the
+  other int8 variant, the other fp8 flavour, unscaled fp8 for current scaling,
+  blocks along the wrong axes) are refused with a ValueError.
+- :func:`assert_layer_sites_exact`: one jitted forward pass of the whole layer,
+  every site wrapped by a recorder (:func:`capture_site_calls`), then each
+  site's output against the reference of the operands it actually received. It
+  sees what a probe cannot: a layer that never calls a site, calls another
+  site's wrapper in its place, or calls a site that skips quantization on one
+  path only. Its operands are the layer's own, so it refuses only operands
+  whose reference equals the plain matmul; neighbours name a mismatch.
+
+Named exclusions, both measured on XLA CPU (jax 0.10.2) and both other
+programs of the same quantized values, so no quantization bug hides in them:
+
+- :data:`NVFP4_DECODE_ORDERS`: XLA rewrites NVFP4's decode
+  ``code · (1 / (s_enc / s_block))`` into ``code · (s_block / s_enc)`` (the
+  whole case table, through the layer); the reference accepts either.
+- :data:`EINSUM_LAYOUTS`: a block format's qdq moves the contraction axes last
+  and back, and XLA may keep that layout for the dot, which then sums in
+  another order (mxfp8 and nvfp4 ``wo`` on the dropping path); the reference
+  also runs the einsum on operands laid out contraction-last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections.abc import Callable, Iterator, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.typing import ArrayLike
+
+from qcheck import referees
+from qcheck.recipes import MatmulAxes, Recipe, einsum_axes, get_recipe
+from qcheck.recipes._axes import RAGGED_AXES
+
+__all__ = [
+    "EINSUM_LAYOUTS",
+    "NVFP4_DECODE_ORDERS",
+    "SiteCall",
+    "assert_layer_sites_exact",
+    "assert_site_exact",
+    "assert_site_ragged_exact",
+    "capture_site_calls",
+    "operand_formats",
+    "probe_site_operands",
+]
+
+#: NVFP4 decode orders the reference accepts: qcheck's documented one, and XLA's rewrite of it.
+NVFP4_DECODE_ORDERS = ("1 / (s_enc / s_block)", "s_block / s_enc")
+#: Operand layouts the einsum reference runs in: as given, and contraction axes last (as a block qdq leaves them).
+EINSUM_LAYOUTS = ("as given", "contraction last")
+
+# The format a wrong-variant bug would use instead, by format.
+_NEIGHBOURS = {
+    "int8": ("int8_aqt", "int8_qwix"),
+    "int8_aqt": ("int8", "int8_qwix"),
+    "int8_qwix": ("int8", "int8_aqt"),
+    "e4m3fn": ("e4m3fnuz",),
+    "e4m3fnuz": ("e4m3fn",),
+    "e5m2": ("e5m2fnuz",),
+    "e5m2fnuz": ("e5m2",),
+    "e4m3fn_current": ("e4m3fn", "e5m2_current"),
+    "e5m2_current": ("e5m2", "e4m3fn_current"),
+    "mxfp8": ("e4m3fn",),
+    "nvfp4": (),
+}
+# Formats whose scales depend on the axes (per slice or per block).
+_AXIS_FORMATS = frozenset({"int8", "int8_aqt", "int8_qwix", "mxfp8", "nvfp4"})
+
+
+def operand_formats(recipe: Recipe | str) -> tuple[str, str]:
+    """The (lhs, rhs) formats a fresh site of ``recipe`` quantizes to: ``lhs``/``rhs``, else its ``cast_dtype``."""
+    recipe = get_recipe(recipe)
+    if recipe.lhs is not None:
+        return recipe.lhs, recipe.rhs
+    if recipe.cast_dtype is not None:
+        name = recipe.cast_dtype.name.removeprefix("float8_")
+        return name, name
+    raise ValueError(
+        f"recipe {recipe.name!r} declares no operand formats (lhs=/rhs=) and no cast_dtype, "
+        "so there is no exact reference for its call sites")
+
+
+def _wrong_axes(axes: tuple[int, ...], ndim: int) -> tuple[int, ...]:
+    # The default-axis bug (axis=-1) where the contraction is elsewhere; else the axis before it.
+    return (ndim - 1,) if axes != (ndim - 1,) else (ndim - 2,)
+
+
+def _qdq(x: np.ndarray, fmt: str, axes: tuple[int, ...], order: str = NVFP4_DECODE_ORDERS[0]) -> np.ndarray:
+    ftz = jax.default_backend() == "cpu"  # XLA's CPU backend flushes float32 subnormals
+    if fmt != "nvfp4" or order == NVFP4_DECODE_ORDERS[0]:
+        return referees.reference_qdq(x, fmt, axis=axes, ftz=ftz, xla_reciprocal=True)
+    codes, scales = referees.reference_quantize(x, fmt, axis=axes, ftz=ftz)
+    blocks = referees._Blocks(codes.shape, tuple(sorted(a % x.ndim for a in axes)), 16, "nvfp4")
+    c = blocks.split(codes.astype(np.float32))
+    sb = scales["block"].astype(np.float32)[..., None]
+    nonzero = sb > 0
+    out = np.where(nonzero, c * (np.where(nonzero, sb, np.float32(1)) / scales["tensor"]), np.float32(0))
+    return referees._flush(blocks.join(out.astype(np.float32)), ftz)
+
+
+def _orders(fmt: str) -> tuple[str, ...]:
+    return NVFP4_DECODE_ORDERS if fmt == "nvfp4" else NVFP4_DECODE_ORDERS[:1]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _einsum(eqn: str, a, b):
+    return jnp.einsum(eqn, a, b)
+
+
+@jax.jit
+def _ragged(a, b, group_sizes):
+    return jax.lax.ragged_dot(a, b, group_sizes)
+
+
+class _Matmul:
+    """The reference matmul of one site, in each accepted layout, run by JAX on host arrays."""
+
+    def __init__(self, eqn: str | None, lhs_shape, rhs_shape, group_sizes=None):
+        self.eqn, self.group_sizes = eqn, group_sizes
+        if eqn is None:
+            self.axes, self.what = RAGGED_AXES, "ragged_dot"
+            return
+        self.axes, self.what = einsum_axes(eqn, len(lhs_shape), len(rhs_shape)), f"einsum {eqn!r}"
+        ins, out = eqn.replace(" ", "").split("->")
+        self.subs, self.out = ins.split(","), out
+
+    def __call__(self, a: np.ndarray, b: np.ndarray, layout: str = EINSUM_LAYOUTS[0]) -> np.ndarray:
+        if self.eqn is None:
+            return np.asarray(_ragged(jax.device_put(a), jax.device_put(b), jax.device_put(self.group_sizes)))
+        if layout == EINSUM_LAYOUTS[0]:
+            return np.asarray(_einsum(self.eqn, jax.device_put(a), jax.device_put(b)))
+        (sa, a), (sb, b) = (self._last(s, x, ax) for s, x, ax in
+                            ((self.subs[0], a, self.axes.lhs), (self.subs[1], b, self.axes.rhs)))
+        return np.asarray(_einsum(f"{sa},{sb}->{self.out}", jax.device_put(a), jax.device_put(b)))
+
+    @staticmethod
+    def _last(sub: str, x: np.ndarray, axes: tuple[int, ...]) -> tuple[str, np.ndarray]:
+        perm = [i for i in range(x.ndim) if i not in axes] + list(axes)
+        return "".join(sub[i] for i in perm), np.ascontiguousarray(np.transpose(x, perm))
+
+    def layouts(self) -> tuple[str, ...]:
+        return EINSUM_LAYOUTS if self.eqn is not None else EINSUM_LAYOUTS[:1]
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.uint32)
+
+
+def _equal(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(_bits(a), _bits(b))
+
+
+def _float32(x: ArrayLike, what: str, check: str) -> np.ndarray:
+    a = np.asarray(x)
+    if a.dtype != np.float32:
+        raise TypeError(f"{check}: {what} must be a float32 array, got dtype {a.dtype}")
+    return a
+
+
+def _neighbours(mm: _Matmul, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt) -> Iterator[tuple[str, np.ndarray]]:
+    """(description, result) of each bug the reference must tell apart, computed lazily."""
+    yield "the unquantized matmul", mm(lhs, rhs)
+    yield "lhs unquantized", mm(lhs, q_rhs)
+    yield "rhs unquantized", mm(q_lhs, rhs)
+    for side, x, fmt, axes in (("lhs", lhs, lhs_fmt, mm.axes.lhs), ("rhs", rhs, rhs_fmt, mm.axes.rhs)):
+        def with_(q):
+            return mm(q, q_rhs) if side == "lhs" else mm(q_lhs, q)
+        for other in _NEIGHBOURS[fmt]:
+            yield f"{side} in {other} instead of {fmt}", with_(_qdq(x, other, axes))
+        if fmt in _AXIS_FORMATS:
+            wrong = _wrong_axes(axes, x.ndim)
+            try:
+                q = _qdq(x, fmt, wrong)
+            except ValueError:  # the wrong axes cannot hold whole blocks: that bug could not run here
+                continue
+            yield f"{side} in {fmt} along the wrong axes {wrong} (contraction: {axes})", with_(q)
+
+
+def _check(check: str, site: str, mm: _Matmul, lhs, rhs, got, lhs_fmt: str, rhs_fmt: str, *, strict: bool) -> None:
+    __tracebackhide__ = True
+    prefix = f"{check}: site {site!r} {mm.what} ({lhs_fmt} x {rhs_fmt})"
+    q = {(o1, o2): (_qdq(lhs, lhs_fmt, mm.axes.lhs, o1), _qdq(rhs, rhs_fmt, mm.axes.rhs, o2))
+         for o1, o2 in itertools.product(_orders(lhs_fmt), _orders(rhs_fmt))}
+    q_lhs, q_rhs = q[(NVFP4_DECODE_ORDERS[0], NVFP4_DECODE_ORDERS[0])]
+    want = mm(q_lhs, q_rhs)
+    bugs = _neighbours(mm, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt)
+    if not strict:  # the layer's own operands: only the bug every path can have must be tellable
+        bugs = itertools.islice(bugs, 1)
+    known = {}
+    for desc, bug in bugs:
+        if _equal(bug, want):
+            raise ValueError(f"{prefix}: for these operands the reference equals {desc} bitwise, so that bug "
+                             "would pass; use probe_site_operands")
+        known[desc] = bug
+    candidates = ((a, b, layout) for (a, b) in q.values() for layout in mm.layouts())
+    if any(_equal(got, mm(a, b, layout)) for a, b, layout in candidates):
+        return
+    if got.shape != want.shape or got.dtype != want.dtype:
+        raise AssertionError(f"{prefix}: result is {got.dtype}{list(got.shape)}, the reference "
+                             f"{want.dtype}{list(want.shape)}")
+    off = _bits(got) != _bits(want)
+    first = tuple(int(i) for i in np.argwhere(off)[0])
+    if not strict:  # now it failed, name the bug if it is a known one
+        known.update(_neighbours(mm, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt))
+    matched = [desc for desc, bug in known.items() if _equal(got, bug)]
+    why = f"it equals {matched[0]} bitwise" if matched else (
+        f"it matches no known bug; relative norm to the reference "
+        f"{float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)):.3g}")
+    raise AssertionError(
+        f"{prefix}: differs from the referee-quantized reference at {int(off.sum())} of {off.size} elements, "
+        f"first at {first}: got {got[first]!r}, expected {want[first]!r}; {why}")
+
+
+def assert_site_exact(
+    einsum: Callable[[str, ArrayLike, ArrayLike], ArrayLike],
+    eqn: str,
+    lhs: ArrayLike,
+    rhs: ArrayLike,
+    *,
+    lhs_format: str,
+    rhs_format: str,
+    site: str = "",
+) -> None:
+    """Assert ``einsum(eqn, lhs, rhs)`` equals the einsum of referee-quantized operands, bitwise.
+
+    ``lhs``/``rhs`` (float32) are quantized in ``lhs_format``/``rhs_format``
+    along the einsum's contraction axes. Operands that cannot tell the reference
+    from a neighbouring bug are refused with a ValueError (see
+    :func:`probe_site_operands`). ``site`` names the call site in messages.
+    """
+    __tracebackhide__ = True
+    check = "assert_site_exact"
+    lhs, rhs = _float32(lhs, "lhs", check), _float32(rhs, "rhs", check)
+    _check_formats(check, lhs_format, rhs_format)
+    mm = _Matmul(eqn, lhs.shape, rhs.shape)
+    got = np.asarray(einsum(eqn, jax.device_put(lhs), jax.device_put(rhs)))
+    _check(check, site, mm, lhs, rhs, got, lhs_format, rhs_format, strict=True)
+
+
+def assert_site_ragged_exact(
+    ragged_dot: Callable[[ArrayLike, ArrayLike, ArrayLike], ArrayLike],
+    lhs: ArrayLike,
+    rhs: ArrayLike,
+    group_sizes: ArrayLike,
+    *,
+    lhs_format: str,
+    rhs_format: str,
+    site: str = "",
+) -> None:
+    """:func:`assert_site_exact` for a grouped matmul ``ragged_dot(lhs[m, k], rhs[g, k, n], group_sizes)``."""
+    __tracebackhide__ = True
+    check = "assert_site_ragged_exact"
+    lhs, rhs = _float32(lhs, "lhs", check), _float32(rhs, "rhs", check)
+    _check_formats(check, lhs_format, rhs_format)
+    gs = np.asarray(group_sizes, np.int32)
+    mm = _Matmul(None, lhs.shape, rhs.shape, gs)
+    got = np.asarray(ragged_dot(jax.device_put(lhs), jax.device_put(rhs), jax.device_put(gs)))
+    _check(check, site, mm, lhs, rhs, got, lhs_format, rhs_format, strict=True)
+
+
+def _check_formats(check: str, *fmts: str) -> None:
+    for fmt in fmts:
+        if fmt not in _NEIGHBOURS:
+            raise ValueError(f"{check}: unknown format {fmt!r}; valid formats: {', '.join(_NEIGHBOURS)}")
+
+
+def probe_site_operands(
+    seed: int, lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...], axes: MatmulAxes, *, nvfp4: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """Probe operands that make :func:`assert_site_exact` sharp for the matmul with contraction ``axes``.
+
+    :func:`qcheck.checks.probe_operands` (log-uniform over 2^-4..2^10), or with
+    ``nvfp4`` :func:`qcheck._backward.probe_nvfp4` along the contraction axes
+    and the wrong axes, whose blocks decode exactly in any order.
+    """
+    if not nvfp4:
+        from qcheck.checks import probe_operands
+
+        lhs, rhs = probe_operands(seed, lhs_shape, rhs_shape)
+        return lhs, rhs
+    from qcheck._backward import probe_nvfp4
+
+    def probe(s, shape, ax):
+        wrong = _wrong_axes(ax, len(shape))
+        try:
+            referees.reference_quantize(np.zeros(shape, np.float32), "nvfp4", axis=wrong)
+        except ValueError:
+            return probe_nvfp4(s, shape, ax)
+        return probe_nvfp4(s, shape, ax, wrong)
+
+    return probe(seed, lhs_shape, axes.lhs), probe(seed + 100, rhs_shape, axes.rhs)
+
+
+# -- through the layer -------------------------------------------------------------------
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["lhs", "rhs", "group_sizes", "out"],
+                   meta_fields=["site", "eqn"])
+@dataclasses.dataclass(frozen=True)
+class SiteCall:
+    """One call of a site in a forward pass: its name, einsum ``eqn`` (None: ragged_dot), operands and output."""
+
+    site: str
+    eqn: str | None
+    lhs: jax.Array
+    rhs: jax.Array
+    group_sizes: jax.Array | None
+    out: jax.Array
+
+
+class _Recorder:
+    """Stands in for one site: calls it and logs what it received and returned.
+
+    The barrier makes the logged operands the very buffers the site consumes
+    (else XLA may recompute an activation inside the site's fusion, an ulp away).
+    """
+
+    def __init__(self, site, name: str, log: list[SiteCall]):
+        self.site, self.name, self.log = site, name, log
+
+    def __call__(self, eqn, lhs, rhs, **kwargs):
+        lhs, rhs = jax.lax.optimization_barrier((lhs, rhs))
+        out = self.site(eqn, lhs, rhs, **kwargs)
+        self.log.append(SiteCall(self.name, eqn, lhs, rhs, None, out))
+        return out
+
+    def ragged_dot(self, lhs, rhs, group_sizes, **kwargs):
+        lhs, rhs = jax.lax.optimization_barrier((lhs, rhs))
+        out = self.site.ragged_dot(lhs, rhs, group_sizes, **kwargs)
+        self.log.append(SiteCall(self.name, None, lhs, rhs, group_sizes, out))
+        return out
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _capture(graphdef, state, x):
+    layer = nnx.merge(graphdef, state, copy=True)
+    log: list[SiteCall] = []
+    # The layer reads its sites through `self.sites`; this copy's reads go to the recorders.
+    object.__setattr__(layer, "sites", {n: _Recorder(layer.sites[n], n, log) for n in layer.sites.keys()})
+    return layer(x), log
+
+
+def capture_site_calls(layer: nnx.Module, x: ArrayLike) -> tuple[jax.Array, list[SiteCall]]:
+    """The output of ``layer(x)`` and every site call it made, in call order, from one jitted forward pass.
+
+    ``layer`` holds its call sites in ``layer.sites`` (name -> site) and reads
+    them from there; ``layer`` itself is not changed. One program per layer
+    structure and input shape.
+    """
+    if not isinstance(getattr(layer, "sites", None), Mapping) and not hasattr(getattr(layer, "sites", None), "keys"):
+        raise TypeError(f"layer must hold its call sites in layer.sites, got {type(layer).__name__}")
+    graphdef, state = nnx.split(layer)
+    return _capture(graphdef, state, x)
+
+
+def assert_layer_sites_exact(layer: nnx.Module, x: ArrayLike, recipe: Recipe | str, *, label: str = "") -> None:
+    """Every site of a fresh ``layer`` is called once in ``layer(x)`` and equals the reference of its own operands.
+
+    One jitted forward pass records each site's operands and output
+    (:func:`capture_site_calls`); on the host each output is held bit for bit
+    to the matmul of its operands quantized by the referee in the recipe's
+    formats (:func:`operand_formats`). Fails naming the site when a site is
+    never called, called more than once (another site's wrapper used in its
+    place), or computes anything else (a path that skips quantization).
+    """
+    __tracebackhide__ = True
+    check = "assert_layer_sites_exact"
+    where = f"{label}: " if label else ""
+    lhs_fmt, rhs_fmt = operand_formats(recipe)
+    _, calls = capture_site_calls(layer, x)
+    counts = {name: 0 for name in layer.sites.keys()}
+    for call in calls:
+        counts[call.site] += 1
+    tally = ", ".join(f"{n} x{c}" for n, c in counts.items())
+    for name, n in counts.items():
+        if n == 0:
+            raise AssertionError(f"{where}{check}: site {name!r} was never called in the forward pass (calls: "
+                                 f"{tally}); the layer skips it or calls another site in its place")
+        if n > 1:
+            raise AssertionError(f"{where}{check}: site {name!r} was called {n} times in one forward pass (calls: "
+                                 f"{tally}); another call site uses its wrapper")
+    for call in calls:
+        lhs, rhs, out = (np.asarray(a) for a in (call.lhs, call.rhs, call.out))
+        gs = None if call.group_sizes is None else np.asarray(call.group_sizes)
+        mm = _Matmul(call.eqn, lhs.shape, rhs.shape, gs)
+        try:
+            _check(check, call.site, mm, lhs, rhs, out, lhs_fmt, rhs_fmt, strict=False)
+        except AssertionError as e:
+            raise AssertionError(f"{where}{e}") from None
