@@ -391,10 +391,10 @@ def assert_layer_sites_exact(layer: nnx.Module, x: ArrayLike, recipe: Recipe | s
     for call in calls:
         counts[call.site] += 1
     tally = ", ".join(f"{n} x{c}" for n, c in counts.items())
+    for name in (n for n, c in counts.items() if c == 0):  # the site whose call went elsewhere comes first
+        raise AssertionError(f"{where}{check}: site {name!r} was never called in the forward pass (calls: "
+                             f"{tally}); the layer skips it or calls another site in its place")
     for name, n in counts.items():
-        if n == 0:
-            raise AssertionError(f"{where}{check}: site {name!r} was never called in the forward pass (calls: "
-                                 f"{tally}); the layer skips it or calls another site in its place")
         if n > 1:
             raise AssertionError(f"{where}{check}: site {name!r} was called {n} times in one forward pass (calls: "
                                  f"{tally}); another call site uses its wrapper")

@@ -7,6 +7,7 @@ invariants passing on healthy layers — are the invariant suite itself
 (tests/test_invariants.py).
 """
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -23,8 +24,9 @@ from qcheck import check_layer, checks, get_recipe, step
 from qcheck.suite import cases, golden, invariants
 from qcheck.bridge import QuantSite
 from qcheck.moe import MODELS, MoE
+from qcheck._site_exact import assert_layer_sites_exact
 from qcheck.recipes import ApplyRngs, Recipe
-from qcheck.recipes._sites import SiteOps
+from qcheck.recipes._sites import FormatSite, SiteOps
 from tests.test_layer_check import INPUT_GRAD, MIXTRAL, _moe, _moe_full_precision, _NaNBackwardMoE
 from tests.test_layer_check import X as LX
 
@@ -141,6 +143,73 @@ def test_check_layer_catches_nan_gradients():
     for path, size in ((INPUT_GRAD, LX.size), ("gate", 32 * 8), ("wo", 8 * 64 * 32)):
         assert f"  gradients: {path} (float32) has {size} non-finite values out of {size} in the layer" in message
 
+
+class _DropSkipsInt8Site(FormatSite):
+    """int8, except on the token-dropping path's expert matmuls, which it runs unquantized."""
+
+    def __call__(self, eqn, lhs, rhs):
+        if eqn == "EBCM,EMH->EBCH":  # the bug: one equation, one path
+            return jnp.einsum(eqn, lhs, rhs)
+        return super().__call__(eqn, lhs, rhs)
+
+
+class DropSkipsInt8(Recipe):
+    def __init__(self):
+        super().__init__("int8", lhs="int8", rhs="int8")
+
+    def site_module(self, name):
+        return _DropSkipsInt8Site(lhs="int8", rhs="int8")
+
+
+def test_exact_catches_an_int8_site_unquantized_on_the_token_dropping_path():
+    invariants.assert_sites_exact(layer(DropSkipsInt8()), get_recipe("int8"), "dense")  # passes off that path
+    broken = layer(DropSkipsInt8(), dropping=True)
+    with pytest.raises(AssertionError, match=r"bug: assert_layer_sites_exact: site 'wi_0' einsum 'EBCM,EMH->EBCH' "
+                       r"\(int8 x int8\).*equals the unquantized matmul bitwise"):
+        assert_layer_sites_exact(broken, X, "int8", label="bug")
+
+
+class _WrongAxesMxfp8Site(FormatSite):
+    def matmul(self, op, lhs, rhs, axes):  # the bug: weights blocked along axis -1, the default
+        return super().matmul(op, lhs, rhs, dataclasses.replace(axes, rhs=(-1,)))
+
+
+class WrongAxesMxfp8(Recipe):
+    def __init__(self):
+        super().__init__("mxfp8", lhs="mxfp8", rhs="mxfp8", grad="mxfp8")
+
+    def site_module(self, name):
+        return _WrongAxesMxfp8Site(lhs="mxfp8", rhs="mxfp8", grad="mxfp8")
+
+
+def test_exact_catches_mxfp8_weights_blocked_along_the_wrong_axes():
+    broken = layer(WrongAxesMxfp8())
+    with pytest.raises(AssertionError, match=r"bug: assert_site_exact: site 'wi_0' einsum 'BSM,EMH->BSEH' "
+                       r"\(mxfp8 x mxfp8\).*equals rhs in mxfp8 along the wrong axes \(2,\)"):
+        invariants.assert_sites_exact(broken, get_recipe("mxfp8"), "bug")
+    with pytest.raises(AssertionError, match=r"site 'wi_0' einsum 'BSM,EMH->BSEH' \(mxfp8 x mxfp8\).*"
+                       r"equals rhs in mxfp8 along the wrong axes \(2,\)"):
+        assert_layer_sites_exact(broken, X, "mxfp8")
+
+
+class WiZeroTwice(MoE):
+    """A dense layer that calls site 'wi_0' where 'wi_1' belongs: both sites quantize, so probes pass."""
+
+    def _dense(self, x, weights, idx):
+        wi_0, wi_1, wo = self._weights()
+        s = self.sites
+        h = self._act(s["wi_0"]("BSM,EMH->BSEH", x, wi_0), s["wi_0"]("BSM,EMH->BSEH", x, wi_1))
+        out = s["wo"]("BSEH,EHM->BSEM", h, wo)
+        combine = jnp.sum(jax.nn.one_hot(idx, self.config.num_experts) * weights[..., None], axis=2)
+        return self.combine("BSEM,BSE->BSM", out, combine)
+
+
+def test_exact_catches_a_layer_calling_wi_0_where_wi_1_belongs():
+    broken = layer("int8", cls=WiZeroTwice)
+    invariants.assert_sites_exact(broken, get_recipe("int8"), "probes")  # each site alone is fine
+    with pytest.raises(AssertionError, match=r"bug: assert_layer_sites_exact: site 'wi_1' was never called .*"
+                       r"wi_0 x2, wi_1 x0, wo x1"):
+        assert_layer_sites_exact(broken, X, "int8", label="bug")
 
 
 # -- the backward pass: each site's gradients, bitwise --------------------------------
@@ -420,6 +489,12 @@ CATALOGUE = [
      test_exact_catches_a_cast_without_saturation),
     ("a fresh layer whose scale is not 1", "`exact`, `state`",
      test_exact_and_state_catch_a_fresh_scale_that_is_not_one),
+    ("an int8 call site that skips quantization on the token-dropping path only", "`exact` (through the layer)",
+     test_exact_catches_an_int8_site_unquantized_on_the_token_dropping_path),
+    ("MXFP8 weights blocked along the wrong axes (the default axis=-1)", "`exact`",
+     test_exact_catches_mxfp8_weights_blocked_along_the_wrong_axes),
+    ("a layer calling site 'wi_0' where 'wi_1' belongs (each site alone exact)", "`exact` (through the layer)",
+     test_exact_catches_a_layer_calling_wi_0_where_wi_1_belongs),
     ("a forward pass that writes fp8 state", "`state`",
      test_state_catches_a_forward_pass_that_writes_amax_history),
     ("an fp8 layer that lost its scales and histories", "`state`",

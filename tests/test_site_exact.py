@@ -1,0 +1,115 @@
+"""qcheck._site_exact: each forward exactness check passing on a healthy site and failing on its bug."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from qcheck import formats, get_recipe
+from qcheck._site_exact import (
+    assert_layer_sites_exact,
+    assert_site_exact,
+    assert_site_ragged_exact,
+    operand_formats,
+    probe_site_operands,
+)
+from qcheck.moe import MODELS, MoE
+from qcheck.recipes import einsum_axes
+from qcheck.recipes._axes import RAGGED_AXES
+from qcheck.suite import cases
+
+EQN = "BSM,EMH->BSEH"
+LHS, RHS = (2, 32, 32), (8, 32, 64)
+
+
+def _site(fmt_l, fmt_r, lhs_axes=None, rhs_axes=None):
+    """An einsum quantizing with qcheck.formats along the given (default: contraction) axes."""
+    axes = einsum_axes(EQN, 3, 3)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def einsum(eqn, a, b):
+        a = a if fmt_l is None else formats.qdq(a, fmt_l, axis=lhs_axes or axes.lhs)
+        b = b if fmt_r is None else formats.qdq(b, fmt_r, axis=rhs_axes or axes.rhs)
+        return jnp.einsum(eqn, a, b)
+
+    return einsum
+
+
+def _probes(fmt):
+    return probe_site_operands(0, LHS, RHS, einsum_axes(EQN, 3, 3), nvfp4=fmt == "nvfp4")
+
+
+# Each row: the declared format, and a bug in the same family that must fail naming it.
+ROWS = [
+    ("int8", dict(fmt_l="int8_aqt", fmt_r="int8"), r"lhs in int8_aqt instead of int8"),
+    ("int8_qwix", dict(fmt_l="int8_qwix", fmt_r="int8"), r"rhs in int8 instead of int8_qwix"),
+    ("e4m3fn", dict(fmt_l="e4m3fn", fmt_r="e4m3fnuz"), r"rhs in e4m3fnuz instead of e4m3fn"),
+    ("e4m3fn_current", dict(fmt_l="e4m3fn", fmt_r="e4m3fn_current"), r"lhs in e4m3fn instead of e4m3fn_current"),
+    ("mxfp8", dict(fmt_l="mxfp8", fmt_r="mxfp8", rhs_axes=(2,)), r"rhs in mxfp8 along the wrong axes \(2,\)"),
+    ("nvfp4", dict(fmt_l="nvfp4", fmt_r="nvfp4", lhs_axes=(1,)), r"lhs in nvfp4 along the wrong axes \(1,\)"),
+    ("nvfp4", dict(fmt_l="nvfp4", fmt_r=None), r"rhs unquantized"),
+]
+
+
+@pytest.mark.parametrize("fmt", sorted({r[0] for r in ROWS}))
+def test_assert_site_exact_should_pass(fmt):
+    lhs, rhs = _probes(fmt)
+    assert_site_exact(_site(fmt, fmt), EQN, lhs, rhs, lhs_format=fmt, rhs_format=fmt, site="s")
+
+
+@pytest.mark.parametrize(("fmt", "bug", "why"), ROWS)
+def test_assert_site_exact_should_fail(fmt, bug, why):
+    lhs, rhs = _probes(fmt)
+    with pytest.raises(AssertionError, match=rf"assert_site_exact: site 's' einsum '{EQN}' \({fmt} x {fmt}\): "
+                       rf"differs .* first at \(.*\): got .*, expected .*; it equals {why}.* bitwise"):
+        assert_site_exact(_site(**bug), EQN, lhs, rhs, lhs_format=fmt, rhs_format=fmt, site="s")
+
+
+def test_assert_site_ragged_exact_should_pass_and_fail():
+    lhs, rhs = probe_site_operands(1, (128, 32), (8, 32, 64), RAGGED_AXES)
+    sizes = np.array([20, 0, 30, 10, 40, 8, 20, 0], np.int32)
+
+    def site(fmt_r):
+        return jax.jit(lambda a, b, gs: jax.lax.ragged_dot(formats.qdq(a, "int8", axis=1),
+                                                           formats.qdq(b, fmt_r, axis=1), gs))
+
+    assert_site_ragged_exact(site("int8"), lhs, rhs, sizes, lhs_format="int8", rhs_format="int8", site="r")
+    with pytest.raises(AssertionError, match=r"site 'r' ragged_dot \(int8 x int8\).*rhs in int8_qwix instead"):
+        assert_site_ragged_exact(site("int8_qwix"), lhs, rhs, sizes, lhs_format="int8", rhs_format="int8", site="r")
+
+
+def test_assert_site_exact_refuses_operands_that_cannot_tell_bugs_apart():
+    lhs, rhs = (np.round(x) for x in _probes("int8"))  # small integers: e4m3fn and e4m3fnuz agree
+    lhs, rhs = np.clip(lhs, -8, 8), np.clip(rhs, -8, 8)
+    with pytest.raises(ValueError, match=r"site 's' .*the reference equals the unquantized matmul bitwise"):
+        assert_site_exact(_site("e4m3fn", "e4m3fn"), EQN, lhs, rhs, lhs_format="e4m3fn", rhs_format="e4m3fn",
+                          site="s")
+
+
+def test_assert_site_exact_names_bad_arguments():
+    lhs, rhs = _probes("int8")
+    with pytest.raises(ValueError, match=r"unknown format 'int4'; valid formats: int8, "):
+        assert_site_exact(_site("int8", "int8"), EQN, lhs, rhs, lhs_format="int4", rhs_format="int8")
+    with pytest.raises(TypeError, match=r"assert_site_exact: lhs must be a float32 array, got dtype float64"):
+        assert_site_exact(_site("int8", "int8"), EQN, lhs.astype(np.float64), rhs, lhs_format="int8",
+                          rhs_format="int8")
+    with pytest.raises(ValueError, match=r"recipe 'none' declares no operand formats"):
+        operand_formats("none")
+
+
+def test_assert_layer_sites_exact_should_pass_on_every_case_of_a_recipe():
+    for case in cases.cases(("nvfp4",)):
+        assert_layer_sites_exact(cases.layer(case), cases.layer_input(case.variant.model), "nvfp4", label=case.id)
+
+
+def test_assert_layer_sites_exact_should_fail_on_a_site_swapped_for_an_unquantized_one():
+    broken = MoE(MODELS["mixtral"], get_recipe("int8"), path="sparse", rngs=nnx.Rngs(cases.SEED))
+    from qcheck.bridge import QuantSite
+
+    broken.sites["wo"] = QuantSite(get_recipe("none"), "wo", rngs=nnx.Rngs(7))
+    with pytest.raises(AssertionError, match=r"^bug: assert_layer_sites_exact: site 'wo' ragged_dot \(int8 x int8\)"
+                       r".*equals the unquantized matmul bitwise"):
+        assert_layer_sites_exact(broken, cases.layer_input("mixtral"), "int8", label="bug")
