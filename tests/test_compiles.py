@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from qcheck import checks, step
+from qcheck import _site_exact, checks, step
 from qcheck.suite import cases, golden, invariants
 from qcheck.suite.cases import SEED, Case, Variant, layer_input
 from qcheck.moe import build_moe
@@ -39,8 +39,9 @@ def suite_pass() -> None:
             step.train_step(layer, x, fp8_meta=first.fp8_meta)
         else:
             step.apply(layer, x)
-        if recipe.cast_dtype is not None:
-            invariants.assert_sites_cast_exact(layer, recipe.cast_dtype, case.id)
+        if recipe.lhs is not None or recipe.cast_dtype is not None:  # as invariants.check_exact
+            invariants.assert_sites_exact(layer, recipe, case.id)
+            _site_exact.assert_layer_sites_exact(layer, x, recipe, label=case.id)
     golden.operand_codes.__wrapped__("mxfp8", "gemma")
 
 
@@ -52,7 +53,7 @@ def suite_fixtures() -> None:
         invariants.check_sites(case)
         if recipe.materialize_at_build:
             invariants.check_state(case)
-        if recipe.cast_dtype is not None:
+        if recipe.lhs is not None or recipe.cast_dtype is not None:
             invariants.check_exact(case)
         golden.train_step_entry_params(case)
     golden.operand_codes("mxfp8", "gemma")

@@ -80,6 +80,7 @@ def test_the_guide_takes_a_new_recipe_from_nothing_to_a_passing_suite(tmp_path, 
                     if r.when == "call" and r.passed)
     assert passed == [f"test_call_sites_share_no_state[{name}-mixtral-dense]",
                       f"test_every_call_site_matmul_is_quantized[{name}-mixtral-dense]",
+                      f"test_fresh_sites_equal_cast_reference_bitwise[{name}-mixtral-dense]",
                       f"test_fresh_sites_gradients_equal_referee_gradient_matmuls_bitwise[{name}-mixtral-dense]",
                       f"test_golden_case[{name}-mixtral-dense]",
                       f"test_layer_tracks_unquantized_twin[{name}-mixtral-dense]",

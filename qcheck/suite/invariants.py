@@ -92,7 +92,6 @@ def _site_ragged_dot(graphdef, state, lhs, rhs, group_sizes):
 def assert_sites_cast_exact(layer: MoE, cast_dtype, label: str) -> None:
     """Every call site of a fresh ``layer`` equals the einsum (or ragged_dot) of cast operands, bitwise."""
     __tracebackhide__ = True
-    __tracebackhide__ = True
     for i, (name, spec) in enumerate(layer.site_specs(BATCH, SEQ).items()):
         lhs, rhs = checks.probe_operands(i, spec.lhs_shape, spec.rhs_shape)
         # Jitted, as the layer runs it: one program per kind of site (cached on its
@@ -167,7 +166,6 @@ def assert_sites_independent(layer: MoE, label: str) -> None:
     caller's stream by design.
     """
     __tracebackhide__ = True
-    __tracebackhide__ = True
     owner: dict[int, str] = {}
     seen_sites: dict[int, str] = {}
     for name, site in layer.sites.items():
@@ -188,7 +186,6 @@ def assert_sites_carry_no_rng_stream(layer: MoE, label: str) -> None:
 
     A stream kept anyway is the seed's cost: RNG state in the compiled step, once per site per layer.
     """
-    __tracebackhide__ = True
     __tracebackhide__ = True
     if carrying := [name for name, site in layer.sites.items() if nnx.state(site, nnx.RngState)]:
         raise AssertionError(
@@ -330,7 +327,6 @@ def assert_fp8_state_moves_only_in_backward(
     second step — delayed scaling, as in Flax and TransformerEngine.
     """
     __tracebackhide__ = True
-    __tracebackhide__ = True
     fresh = fp8_meta_leaves(nnx.state(layer))
     if not fresh:
         raise AssertionError(f"{label}: the layer has no fp8 scales or amax histories")
@@ -366,7 +362,6 @@ def check_paths_agree(model: str, dropping: bool) -> float:
 def assert_paths_agree(dense: np.ndarray, sparse: np.ndarray, label: str) -> float:
     """Dense and sparse outputs agree to float32 rounding; returns the max abs difference."""
     __tracebackhide__ = True
-    __tracebackhide__ = True
     worst = float(np.max(np.abs(dense - sparse)))
     if not np.allclose(dense, sparse, rtol=PATHS_RTOL, atol=PATHS_ATOL):
         raise AssertionError(
@@ -399,7 +394,6 @@ def _step_entry_params(model: str, recipe: str, layers: int, apply_rngs: ApplyRn
 def assert_rng_state_constant(u32_by_depth: dict[int, int], label: str) -> int:
     """The step's u32 entry parameters do not depend on the number of layers."""
     __tracebackhide__ = True
-    __tracebackhide__ = True
     if len(set(u32_by_depth.values())) != 1:
         raise AssertionError(
             f"{label}: RNG state grows with depth — u32 entry parameters by layer count: "
@@ -410,7 +404,6 @@ def assert_rng_state_constant(u32_by_depth: dict[int, int], label: str) -> int:
 
 def assert_rng_state_grows(u32_by_depth: dict[int, int], label: str) -> None:
     """Control: with a private stream per site, u32 entry parameters strictly grow with depth."""
-    __tracebackhide__ = True
     __tracebackhide__ = True
     counts = [u32_by_depth[n] for n in sorted(u32_by_depth)]
     if not all(a < b for a, b in zip(counts, counts[1:])):
@@ -473,7 +466,6 @@ class RunEnv:
 
 def check_golden(case: Case, env: RunEnv = RunEnv()) -> None:
     """The case matches its golden file (qcheck's own recipes: the package's; others: ``env.golden_root``)."""
-    __tracebackhide__ = True
     __tracebackhide__ = True
     from qcheck.suite import golden
 
