@@ -280,6 +280,68 @@ def test_tracks_catches_a_layer_whose_quantization_silently_fell_away():
         checks.assert_tracks(out, cases.layer_output(cases.Case("none", cases.Variant("mixtral", "dense", False))))
 
 
+# -- the train step's gradients against the twin's -----------------------------------
+
+
+class PlantedGradSite(SiteOps, nn.Module):
+    """e4m3fn operands at scale 1; the output gradient quantized by a planted ``bug``."""
+
+    bug: str
+
+    def matmul(self, op, lhs, rhs, axes):
+        from qcheck import formats
+        from qcheck.recipes._sites import fake_quant_matmul
+
+        if self.bug == "e4m3_scale_1":  # g ~ 1e-3 in e4m3fn at scale 1: most of it flushes to 0
+            q_g = lambda g: jnp.clip(g, -448, 448).astype(E4M3FN).astype(g.dtype)  # noqa: E731
+        else:  # "empty_history": a delayed scale 448 / amax from a history of zeros, unguarded
+            q_g = lambda g: g * (448.0 / jnp.zeros((), g.dtype))  # noqa: E731
+        return fake_quant_matmul(op, lhs, rhs, None,
+                                 q_lhs=lambda x: formats.qdq(x, "e4m3fn", axis=axes.lhs),
+                                 q_rhs=lambda x: formats.qdq(x, "e4m3fn", axis=axes.rhs),
+                                 q_dgrad=lambda g, _: q_g(g), q_wgrad=q_g)
+
+
+class PlantedGrad(Recipe):
+    def __init__(self, bug: str):
+        super().__init__(f"planted_{bug}", lhs="e4m3fn", rhs="e4m3fn", grad="e5m2")
+        self.bug = bug
+
+    def site_module(self, name):
+        return PlantedGradSite(bug=self.bug)
+
+
+def _planted_grads(bug: str) -> tuple[dict, dict]:
+    broken = MoE(MODELS["mixtral"], PlantedGrad(bug), rngs=nnx.Rngs(cases.SEED))
+    twin = cases.layer_step(cases.Case("none", cases.Variant("mixtral", "dense", False)))
+    return invariants.grad_leaves(step.train_step(broken, X).grads), invariants.grad_leaves(twin.grads)
+
+
+def test_grads_catches_nan_gradients_from_an_unguarded_empty_amax_history():
+    grads, twin = _planted_grads("empty_history")
+    with pytest.raises(AssertionError, match=r"bug: gradient of \w+ \(float32\) has \d+ non-finite values of \d+"):
+        invariants.assert_grads_track(grads, twin, max_grad_rel_norm=0.3, distinct=True, label="bug")
+
+
+def test_grads_catches_output_gradients_cast_to_e4m3_at_scale_1():
+    # The forward pass is a healthy e4m3fn layer: tracks passes; only the gradients are flushed.
+    grads, twin = _planted_grads("e4m3_scale_1")
+    with pytest.raises(AssertionError, match=r"bug: gradient of \w+ \(float32\) is 0\.[6-9]\d* from the none "
+                       r"twin's \(relative norm; bound 0\.3\); \d+ of \d+ values are 0"):
+        invariants.assert_grads_track(grads, twin, max_grad_rel_norm=0.3, distinct=True, label="bug")
+
+
+def test_grads_catches_a_layer_that_fell_back_to_full_precision():
+    broken = layer("fp8")
+    for name in broken.site_names():
+        swap_site(broken, name, "none")
+    twin = cases.layer_step(cases.Case("none", cases.Variant("mixtral", "dense", False)))
+    grads = invariants.grad_leaves(step.train_step(broken, X).grads)
+    with pytest.raises(AssertionError, match=r"bug: gradient of gate \(float32\) is bitwise equal to the none twin's"):
+        invariants.assert_grads_track(grads, invariants.grad_leaves(twin.grads), max_grad_rel_norm=0.3,
+                                      distinct=True, label="bug")
+
+
 # -- quantization coverage: each matmul, not the layer as a whole -------------------
 
 
@@ -512,6 +574,12 @@ CATALOGUE = [
      test_check_layer_catches_a_twin_with_other_weights),
     ("NaN gradients from a layer whose forward pass is fine", "`check_layer`: gradients",
      test_check_layer_catches_nan_gradients),
+    ("NaN gradients from an unguarded delayed scale (empty amax history)", "`grads` (finite)",
+     test_grads_catches_nan_gradients_from_an_unguarded_empty_amax_history),
+    ("output gradients cast to e4m3 at scale 1, most flushed to 0 (the forward pass unchanged)",
+     "`grads` (gradient bound)", test_grads_catches_output_gradients_cast_to_e4m3_at_scale_1),
+    ("an fp8 layer whose every site fell back: gradients bitwise equal to the twin's", "`grads` (not bitwise equal)",
+     test_grads_catches_a_layer_that_fell_back_to_full_precision),
     ("a layer whose quantization fell away everywhere", "`tracks`",
      test_tracks_catches_a_layer_whose_quantization_silently_fell_away),
     ("two call-site names bound to one wrapper", "`sites`", test_sites_catches_two_names_bound_to_one_site),

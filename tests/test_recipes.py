@@ -53,6 +53,7 @@ def test_register_recipe_rejects_duplicates_and_non_recipes():
     [
         ({"name": "Bad-Name"}, "must match"),
         ({"max_rel_norm": 0.0}, r"max_rel_norm must lie in \(0, 1\)"),
+        ({"max_grad_rel_norm": 1.5}, r"max_grad_rel_norm must lie in \(0, 1\), got 1.5"),
         ({"apply_rngs": "shared"}, "apply_rngs must be an ApplyRngs"),
     ],
 )

@@ -56,6 +56,9 @@ __all__ = [
     "check_paths_agree",
     "check_state",
     "check_tracks",
+    "assert_grads_track",
+    "check_grads",
+    "grad_leaves",
     "fp8_meta_leaves",
     "probe_group_sizes",
 ]
@@ -293,6 +296,55 @@ def check_tracks(case: Case) -> float:
     ))
 
 
+def grad_leaves(grads: nnx.State) -> dict[str, np.ndarray]:
+    """Each Param's gradient in a train step's ``grads``, by dotted path."""
+    return {".".join(map(str, path)): np.asarray(v.get_value()) for path, v in nnx.to_flat_state(grads)}
+
+
+def assert_grads_track(grads: dict[str, np.ndarray], reference: dict[str, np.ndarray], *,
+                       max_grad_rel_norm: float, distinct: bool, label: str) -> float:
+    """Every gradient is finite and within ``max_grad_rel_norm`` of the twin's at the same path.
+
+    ``distinct``: the recipe quantizes gradients (a ``grad`` format, or
+    fp8-class), so no gradient may be bitwise equal to the twin's: one that is
+    never saw the gradient quantizer. Returns the worst relative norm.
+    """
+    __tracebackhide__ = True
+    if set(grads) != set(reference):
+        raise AssertionError(f"{label}: gradients at {sorted(grads)}, the none twin's at {sorted(reference)}")
+    worst = 0.0
+    for path in sorted(grads):
+        g, r = np.asarray(grads[path]), np.asarray(reference[path])
+        if (bad := int(g.size - np.count_nonzero(np.isfinite(g)))) > 0:
+            raise AssertionError(f"{label}: gradient of {path} ({g.dtype}) has {bad} non-finite values of {g.size}")
+        figure = checks.rel_norm(g, r)
+        if not figure <= max_grad_rel_norm:
+            raise AssertionError(
+                f"{label}: gradient of {path} ({g.dtype}) is {figure:.4g} from the none twin's (relative norm; "
+                f"bound {max_grad_rel_norm}); {np.count_nonzero(g == 0)} of {g.size} values are 0, twin "
+                f"{np.count_nonzero(r == 0)}")
+        if distinct and g.dtype == r.dtype and np.array_equal(g.view(np.uint8), r.view(np.uint8)):
+            raise AssertionError(
+                f"{label}: gradient of {path} ({g.dtype}) is bitwise equal to the none twin's, but the recipe "
+                "quantizes gradients (quantization skipped?)")
+        worst = max(worst, figure)
+    return worst
+
+
+def _quantizes_grads(recipe: Recipe) -> bool:
+    # A declared grad format, or fp8-class (the e5m2 output-gradient cast).
+    return recipe.grad is not None or recipe.cast_dtype is not None
+
+
+def check_grads(case: Case) -> float:
+    """One train step: gradients finite and tracking the ``none`` twin's within the recipe's grad bound."""
+    __tracebackhide__ = True
+    recipe = get_recipe(case.recipe)
+    return assert_grads_track(
+        grad_leaves(cases_mod.layer_step(case).grads), grad_leaves(cases_mod.layer_step(case.reference).grads),
+        max_grad_rel_norm=recipe.max_grad_rel_norm, distinct=_quantizes_grads(recipe), label=case.id)
+
+
 def fp8_meta_leaves(state: nnx.State) -> dict[str, np.ndarray]:
     """The fp8 scales and amax histories in ``state``, by dotted path."""
     return {
@@ -494,6 +546,8 @@ INVARIANTS: tuple[Invariant, ...] = (
     Invariant("exact", lambda r, v: r.lhs is not None or r.cast_dtype is not None, _case_only(check_exact)),
     Invariant("backward", _backward_applies, _case_only(check_backward)),
     Invariant("tracks", lambda r, v: r.quantized, _case_only(check_tracks)),
+    # Where the train step runs: as `backward`, not where grad blocks cannot tile the tokens.
+    Invariant("grads", _backward_applies, _case_only(check_grads)),
     Invariant("state", lambda r, v: r.materialize_at_build, _case_only(check_state)),
     Invariant("rng", _rng_applies, _case_only(check_rng)),
     # Golden cases exist per model and path, without token dropping; so do sharded twins.

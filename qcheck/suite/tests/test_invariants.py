@@ -53,3 +53,8 @@ def test_rng_state_is_flat_across_depth_and_private_control_grows(qcheck_case):
 @pytest.mark.qcheck_invariant("sharded")
 def test_sharded_layer_computes_the_same_function(qcheck_case):
     assert invariants.check_sharded(qcheck_case) <= invariants.SHARDED_ATOL
+
+
+@pytest.mark.qcheck_invariant("grads")
+def test_train_step_gradients_track_unquantized_twin(qcheck_case):
+    assert invariants.check_grads(qcheck_case) > 0
