@@ -495,6 +495,34 @@ def test_golden_catches_numerics_drift(tmp_path, monkeypatch):
         golden.check_case(GOLDEN_CASE, tmp_path)
 
 
+class CastsE4m3Site(SiteOps, nn.Module):
+    def quantize_operands(self, lhs, rhs, axes):
+        q = lambda x: jnp.clip(x, -448, 448).astype(E4M3FN).astype(x.dtype)  # noqa: E731
+        return q(lhs), q(rhs)
+
+
+class DeclaresInt8(Recipe):
+    """Declares int8 operands; its site casts them to e4m3fn."""
+
+    def __init__(self):
+        super().__init__("int8", lhs="int8", rhs="int8")
+
+    def site_module(self, name):
+        return CastsE4m3Site()
+
+
+def test_golden_records_what_a_site_feeds_its_matmul_not_its_declaration(tmp_path, monkeypatch):
+    liar = QuantSite(DeclaresInt8(), "wi_0", rngs=None)
+    fed = golden.site_operands(liar, golden.CANONICAL_EQN, *golden.canonical_operands("mixtral"))
+    assert sorted(fed) == ["lhs", "lhs.float8_e4m3fn", "rhs", "rhs.float8_e4m3fn"]  # no int8 anywhere
+    golden.write_case(GOLDEN_CASE, tmp_path, overwrite=False)  # the healthy int8 site's codes
+    monkeypatch.setattr(golden, "operand_codes", lambda recipe, model: fed)
+    with pytest.raises(AssertionError, match=r"(?s)int8-mixtral-dense does not match .*codes: got keys \['lhs', "
+                       r"'lhs.float8_e4m3fn', 'rhs', 'rhs.float8_e4m3fn'\], golden \['lhs', 'lhs.int8', 'rhs', "
+                       r"'rhs.int8'\].*codes\['lhs'\]: \d+ of 128 differ"):
+        golden.check_case(GOLDEN_CASE, tmp_path)
+
+
 def test_golden_catches_a_file_edited_by_hand(tmp_path):
     golden.write_case(GOLDEN_CASE, tmp_path, overwrite=False)
     path = GOLDEN_CASE.file(tmp_path)
@@ -600,6 +628,8 @@ CATALOGUE = [
     ("Gemma's router dropping its per-expert output scale (drawn around 1, so the output moves)",
      "golden (`tracks` and dense == sparse cannot: both sides drop it)",
      test_golden_catches_gemma_dropping_its_per_expert_scale),
+    ("a plug-in whose site quantizes otherwise than it declares (int8 declared, e4m3fn cast)",
+     "golden (codes traced from the site)", test_golden_records_what_a_site_feeds_its_matmul_not_its_declaration),
     ("expert shards reassembled in the wrong order, on a mesh only", "`sharded`",
      test_sharded_catches_experts_reassembled_in_the_wrong_order),
     ("a sharded twin built without its mesh (its output equals the single-device one)",

@@ -57,8 +57,8 @@ def test_arrays_round_trip_bit_for_bit(dtype):
 
 def test_a_written_case_reads_back_and_matches(root):
     stored = golden.read_case(CASE, root)
-    assert set(stored.codes) == {"lhs", "lhs.scale.slice", "rhs", "rhs.scale.slice"}
-    assert stored.codes["lhs"].dtype == np.int8
+    assert set(stored.codes) == {"lhs", "lhs.int8", "rhs", "rhs.int8"}  # what the site fed its matmul
+    assert stored.codes["lhs"].dtype == np.float32 and stored.codes["lhs.int8"].dtype == np.int8
     assert stored.record["provenance"]["seed"] == 0 and stored.record["provenance"]["backend"] == "cpu"
     golden.check_case(CASE, root)
 
@@ -120,7 +120,7 @@ def _missing_key(path):
 
 
 def _short_bits(path):
-    edit(path, lambda r: (r["codes"]["rhs"]["bits"].pop(), redigest(r)))
+    edit(path, lambda r: (r["codes"]["rhs.int8"]["bits"].pop(), redigest(r)))
 
 
 def _unknown_dtype(path):
@@ -148,7 +148,7 @@ def _wrong_case(path):
         (lambda p: p.write_text("[1, 2]"), "holds a JSON list"),
         (_schema, r"has schema 'qcheck.golden/0', expected 'qcheck.golden/1'"),
         (_missing_key, "is missing keys: entry_params"),
-        (_short_bits, r"codes\['rhs'\]: bits hold 992 bytes, but shape \(32, 32\) of int8 needs 1024 \(truncated\?\)"),
+        (_short_bits, r"codes\['rhs\.int8'\]: bits hold 992 bytes, but shape \(32, 32\) of int8 needs 1024 \(truncated\?\)"),
         (_unknown_dtype, "output: unknown dtype 'float7'"),
         (_wrong_case, "holds case .*'gemma'.* but its name says"),
         (_string_rel_norm, "has a str under 'rel_norm', where the schema wants a number"),

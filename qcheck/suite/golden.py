@@ -5,8 +5,9 @@ Where they live: the cases of the recipes qcheck ships are inside the package
 keep theirs in the user's project (``./golden`` by default, ``--golden-dir`` or
 ``$QCHECK_GOLDEN_DIR`` to move it). :func:`root_for` says which.
 
-A case holds the layer output, the quantized codes of one canonical einsum's
-operands (raw bits plus the ml_dtypes name, since .npz does not round-trip
+A case holds the layer output, what one call site fed its matmul on a
+canonical einsum (the operands and the codes and scales on the way, traced from
+the site; raw bits plus the ml_dtypes name, since .npz does not round-trip
 those types), the relative norm against ``none``, the train step's entry
 parameters, the tolerance floats are compared with, the provenance of whoever
 wrote it, and a digest of all that. Files are written only by
@@ -34,10 +35,11 @@ import ml_dtypes
 import numpy as np
 
 from qcheck.suite import cases as cases_mod
-from qcheck import _process, checks, formats, step
+from qcheck import _process, checks, step
+from qcheck.suite._operands import site_operands
 from qcheck.suite.cases import SEED, Case, Variant
 from qcheck.moe import MODELS, PATHS
-from qcheck.recipes import einsum_axes, get_recipe, is_builtin, recipe_names, recipe_source
+from qcheck.recipes import get_recipe, is_builtin, recipe_names, recipe_source
 
 __all__ = [
     "DEFAULT_TOLERANCE",
@@ -217,22 +219,18 @@ def canonical_operands(model: str) -> tuple[np.ndarray, np.ndarray]:
 
 @functools.cache
 def operand_codes(recipe_name: str, model: str) -> dict[str, np.ndarray]:
-    """The codes and scales a fresh site of the recipe gives the canonical einsum's operands."""
+    """What the recipe's fresh ``wi_0`` site fed its matmul on the canonical einsum's operands.
+
+    Taken from the site itself (:func:`qcheck.suite._operands.site_operands`),
+    not recomputed from the recipe's declared formats: ``lhs``/``rhs`` are the
+    operands the matmul received, bitwise (codes times scales), and
+    ``<side>.<dtype>`` the narrow values (codes, block scales) computed on the
+    way, so a plug-in that quantizes otherwise than it declares, or declares
+    nothing, records what it does.
+    """
     lhs, rhs = canonical_operands(model)
-    recipe = get_recipe(recipe_name)
-    axes = einsum_axes(CANONICAL_EQN, lhs.ndim, rhs.ndim)
-    out = {}
-    for side, fmt, x, axis in (("lhs", recipe.lhs, lhs, axes.lhs), ("rhs", recipe.rhs, rhs, axes.rhs)):
-        if fmt is None:
-            continue
-        q = _quantize(x, fmt, axis)
-        out[side] = np.asarray(q.codes)
-        out.update({f"{side}.scale.{k}": np.asarray(v) for k, v in sorted(q.scales.items())})
-    return out
-
-
-#: One program per format and shape instead of dozens of eager ops (2 s -> 0.2 s a case).
-_quantize = jax.jit(lambda x, fmt, axis: formats.quantize(x, fmt, axis=axis), static_argnums=(1, 2))
+    site = cases_mod.layer(Case(recipe_name, Variant(model, "dense", False))).get_einsum("wi_0")
+    return site_operands(site, CANONICAL_EQN, lhs, rhs)
 
 
 @functools.cache
