@@ -495,6 +495,22 @@ def test_golden_catches_numerics_drift(tmp_path, monkeypatch):
         golden.check_case(GOLDEN_CASE, tmp_path)
 
 
+def test_golden_catches_gradients_that_drifted(tmp_path, monkeypatch):
+    # The forward pass (output, codes, rel_norm) is untouched: only the train step's gradients move.
+    golden.write_case(GOLDEN_CASE, tmp_path, overwrite=False)
+    real = cases.layer_step
+
+    def drifted(case):
+        out = real(case)
+        scale = np.float32(1 + 2**-12) if case.recipe == "int8" else np.float32(1)
+        return out._replace(grads=jax.tree.map(lambda g: g * scale, out.grads))
+
+    monkeypatch.setattr(cases, "layer_step", drifted)
+    with pytest.raises(AssertionError, match=r"(?s)int8-mixtral-dense does not match .*grads\['gate'\]: \d+ of 256 "
+                       r"sampled values outside rtol 1e-05, atol 5e-08.*grads\['wi_0'\]: norm .*golden update int8"):
+        golden.check_case(GOLDEN_CASE, tmp_path)
+
+
 class CastsE4m3Site(SiteOps, nn.Module):
     def quantize_operands(self, lhs, rhs, axes):
         q = lambda x: jnp.clip(x, -448, 448).astype(E4M3FN).astype(x.dtype)  # noqa: E731
@@ -624,6 +640,8 @@ CATALOGUE = [
      test_reused_stochastic_rounding_bits_are_visible),
     ("a recipe's layer output drifting from its golden case", "golden (`tests/test_golden.py`)",
      test_golden_catches_numerics_drift),
+    ("a recipe's train-step gradients drifting from its golden case (the forward pass unchanged)", "golden (gradients)",
+     test_golden_catches_gradients_that_drifted),
     ("a golden file edited by hand", "golden (content digest)", test_golden_catches_a_file_edited_by_hand),
     ("Gemma's router dropping its per-expert output scale (drawn around 1, so the output moves)",
      "golden (`tracks` and dense == sparse cannot: both sides drop it)",

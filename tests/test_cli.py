@@ -88,7 +88,7 @@ def test_json_holds_each_failure_in_full(capsys, monkeypatch):
 def test_help_explains_the_columns_and_cells():
     done = subprocess.run([sys.executable, "-m", "qcheck", "--help"], capture_output=True, text=True)
     assert done.returncode == 0
-    for name in ("sites", "exact", "tracks", "state", "rng", "sharded", "golden"):
+    for name in ("sites", "exact", "tracks", "grads", "state", "rng", "sharded", "golden"):
         assert f"\n  {name} " in done.stdout
     assert '"FAIL [n]": failure n is' in done.stdout
 

@@ -63,6 +63,22 @@ def test_a_written_case_reads_back_and_matches(root):
     golden.check_case(CASE, root)
 
 
+def test_a_case_pins_a_sample_of_every_gradient_leaf_with_its_norm(root):
+    stored = golden.read_case(CASE, root)
+    summary = stored.record["grads_summary"]
+    assert sorted(stored.grads) == sorted(summary) == ["gate", "wi_0", "wi_1", "wo"]
+    assert summary["gate"]["stride"] == 1 and stored.grads["gate"].shape == (256,)  # small leaves whole
+    assert summary["wi_0"]["shape"] == [8, 32, 64] and stored.grads["wi_0"].shape == (golden.GRAD_SAMPLE,)
+
+
+def test_the_dropping_variant_has_its_own_file_and_a_recipe_that_cannot_train_there_records_no_gradients():
+    drop = golden.GoldenCase("mxfp8", "mixtral", "dense", dropping=True)
+    assert drop.id == "mxfp8-mixtral-dense-drop" and drop.file(Path("g")) == Path("g/mxfp8/mixtral-dense-drop.json")
+    assert drop in golden.golden_cases(("mxfp8",))
+    values = golden.measure(drop)  # mxfp8's 32-blocks do not tile the 16 tokens per expert of its weight gradients
+    assert values["grads"] == {} and values["entry_params"] == {} and values["output"].shape == (2, 32, 32)
+
+
 def test_add_refuses_to_overwrite_and_update_leaves_an_unchanged_file_alone(root):
     path = CASE.file(root)
     before = path.read_bytes()
@@ -112,7 +128,8 @@ def _garbage(path):
 
 
 def _schema(path):
-    edit(path, lambda r: (r.__setitem__("schema", "qcheck.golden/0"), redigest(r)))
+    # A file of the schema before gradients and dropping cases: told to update, not to hand-edit.
+    edit(path, lambda r: (r.__setitem__("schema", "qcheck.golden/1"), redigest(r)))
 
 
 def _missing_key(path):
@@ -146,7 +163,8 @@ def _wrong_case(path):
         (_garbage, "cannot be read|is not valid JSON"),
         (lambda p: p.write_text(""), "is empty"),
         (lambda p: p.write_text("[1, 2]"), "holds a JSON list"),
-        (_schema, r"has schema 'qcheck.golden/0', expected 'qcheck.golden/1'"),
+        (_schema, r"has schema 'qcheck.golden/1', expected 'qcheck.golden/2'; rewrite it with `qcheck golden update "
+                  r"int8 --golden-dir "),
         (_missing_key, "is missing keys: entry_params"),
         (_short_bits, r"codes\['rhs\.int8'\]: bits hold 992 bytes, but shape \(32, 32\) of int8 needs 1024 \(truncated\?\)"),
         (_unknown_dtype, "output: unknown dtype 'float7'"),
@@ -216,7 +234,8 @@ def test_checking_never_writes(root):
 
 REPO = Path(__file__).parent.parent
 PROBE_MODULE = 'import qcheck\nqcheck.register_recipe(qcheck.Recipe("probe_int8", lhs="int8", rhs="int8"))\n'
-PROBE_FILES = ["gemma-dense.json", "gemma-sparse.json", "mixtral-dense.json", "mixtral-sparse.json"]
+PROBE_FILES = ["gemma-dense.json", "gemma-sparse.json", "mixtral-dense-drop.json", "mixtral-dense.json",
+               "mixtral-sparse.json"]
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +257,7 @@ def probe_module(tmp_path_factory):
 def probe_written(probe_module, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("probe-golden")
     lines = golden.write_cases(golden.golden_cases(("probe_int8",)), root, overwrite=False)
-    assert [line.rsplit(": ", 1)[1] for line in lines] == ["new"] * 4
+    assert [line.rsplit(": ", 1)[1] for line in lines] == ["new"] * 5
     return root
 
 
@@ -260,8 +279,9 @@ def test_cli_add_writes_every_case_then_refuses_and_check_reports_a_bad_one(prob
     _truncate(probe_root / "probe_int8" / "gemma-sparse.json")
     assert main(["golden", "check", *args]) == 1  # the module's recipes by default: not the built-ins
     captured = capsys.readouterr()
-    assert captured.out.splitlines() == ["ok   probe_int8-mixtral-dense", "ok   probe_int8-mixtral-sparse",
-                                         "ok   probe_int8-gemma-dense", "FAIL probe_int8-gemma-sparse"]
+    assert captured.out.splitlines() == ["ok   probe_int8-mixtral-dense", "ok   probe_int8-mixtral-dense-drop",
+                                         "ok   probe_int8-mixtral-sparse", "ok   probe_int8-gemma-dense",
+                                         "FAIL probe_int8-gemma-sparse"]
     assert "is not valid JSON" in captured.err
 
 
@@ -340,7 +360,8 @@ def test_pytest_update_golden_writes_then_the_suite_checks(probe_module, pyteste
         missing.getfailures()[0].longrepr)
     written = pytester.runpytest_inprocess("--update-golden", *args)
     assert written.ret == 0
-    written.stdout.fnmatch_lines(["*qcheck golden update*", "*probe_int8/mixtral-dense.json: new", "1 new, 0 changed*"])
+    written.stdout.fnmatch_lines(["*qcheck golden update*", "*probe_int8/mixtral-dense-drop.json: new",
+                                  "*probe_int8/mixtral-dense.json: new", "2 new, 0 changed*"])
     path = root / "probe_int8" / "mixtral-dense.json"
     before = path.read_bytes()
     assert pytester.inline_run(*args).ret == 0

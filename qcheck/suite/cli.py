@@ -22,13 +22,16 @@ Columns:
            of operands cast by ml_dtypes to the recipe's e4m3 flavour, bitwise
   tracks   the layer stays within the recipe's relative-norm bound of its
            unquantized twin and is not equal to it; the figure is the norm
+  grads    one train step: every parameter's gradient is finite and within
+           the recipe's gradient bound of the twin's (not equal to it where
+           the recipe quantizes gradients); the figure is the worst norm
   state    fp8 scales and amax histories move only in the backward pass
   rng      the train step's u32 entry parameters stay flat at 1, 2 and 8 layers
            (recipes that share a stream); the figure is that count
   sharded  the layer on a 2 x 4 mesh of host devices computes the single-device
            output; the figure is the largest difference
   golden   the case matches its golden file (codes and entry parameters exactly,
-           floats within the tolerance stored in the file)
+           outputs and gradients within the tolerance stored in the file)
 
 A cell reads "pass [figure]", "-" (does not apply) or "FAIL [n]": failure n is
 printed in full below the table, with what to run to fix it where there is one.

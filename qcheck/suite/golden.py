@@ -1,4 +1,4 @@
-"""Golden cases: what pins a recipe's numerics on a fixed seed, one JSON file per recipe × model × path.
+"""Golden cases: what pins a recipe's numerics on a fixed seed, one JSON file per recipe × variant.
 
 Where they live: the cases of the recipes qcheck ships are inside the package
 (:func:`builtin_root`), so they travel with every install; a user's recipes
@@ -9,7 +9,7 @@ A case holds the layer output, what one call site fed its matmul on a
 canonical einsum (the operands and the codes and scales on the way, traced from
 the site; raw bits plus the ml_dtypes name, since .npz does not round-trip
 those types), the relative norm against ``none``, the train step's entry
-parameters, the tolerance floats are compared with, the provenance of whoever
+parameters and gradients (a sample of each leaf, with its norm), the tolerance floats are compared with, the provenance of whoever
 wrote it, and a digest of all that. Files are written only by
 ``python -m qcheck golden add/update`` or ``pytest --update-golden``, atomically;
 a file that fails to parse, has another schema or does not match its digest is
@@ -38,7 +38,6 @@ from qcheck.suite import cases as cases_mod
 from qcheck import _process, checks, step
 from qcheck.suite._operands import site_operands
 from qcheck.suite.cases import SEED, Case, Variant
-from qcheck.moe import MODELS, PATHS
 from qcheck.recipes import get_recipe, is_builtin, recipe_names, recipe_source
 
 __all__ = [
@@ -65,19 +64,28 @@ __all__ = [
     "write_case",
 ]
 
-SCHEMA = "qcheck.golden/1"
+SCHEMA = "qcheck.golden/2"
 #: Environment variable naming the golden directory (``--golden-dir`` wins over it).
 ENV = "QCHECK_GOLDEN_DIR"
 #: Floats compare elementwise, |got − golden| <= atol + rtol·|golden|; codes and
 #: entry parameters compare exactly. Measured: jax 0.10.2 and 0.12.0.1 on CPU give
 #: identical codes and Gemma outputs, and Mixtral outputs up to 3.6e-7 apart
 #: (about 1100 of 2048 values move by an ulp or two); a 2^-12 relative drift fails.
-DEFAULT_TOLERANCE = {"output": {"rtol": 1e-5, "atol": 1e-6}, "rel_norm": {"atol": 1e-6}}
+#: Gradients (a sample of each leaf, and each leaf's norm) take the output's
+#: relative tolerance; their absolute one is scaled to their size (elements
+#: 1e-6 to 5e-2 on the table, so 1e-6 x the largest). Not measured across jax
+#: versions yet: the first update on another version says how far they move.
+DEFAULT_TOLERANCE = {"output": {"rtol": 1e-5, "atol": 1e-6}, "rel_norm": {"atol": 1e-6},
+                     "grads": {"rtol": 1e-5, "atol": 5e-8}}
+#: At most this many elements of each gradient leaf are stored: every k-th of
+#: the flattened leaf, so every expert and row is sampled; the norm and absmax
+#: of the whole leaf are stored beside them.
+GRAD_SAMPLE = 1024
 #: The einsum whose operand codes a case records (see :func:`canonical_operands`).
 CANONICAL_EQN = "tm,mh->th"
 _ROW_BYTES = 32  # one hex line of a stored array: a diff shows which rows moved
 _KEYS = ("schema", "digest", "case", "provenance", "tolerance", "rel_norm", "entry_params",
-         "output_summary", "codes", "output")
+         "output_summary", "codes", "output", "grads_summary", "grads")
 
 
 class GoldenError(ValueError):
@@ -94,28 +102,33 @@ class GoldenFileError(ValueError):
 
 @dataclasses.dataclass(frozen=True, order=True)
 class GoldenCase:
-    """One golden case: a recipe on a model and path, without token dropping."""
+    """One golden case: a recipe on a variant of the case table (model, path, token dropping)."""
 
     recipe: str
     model: str
     path: str
+    dropping: bool = False
+
+    @property
+    def variant(self) -> Variant:
+        return Variant(self.model, self.path, self.dropping)
 
     @property
     def id(self) -> str:
-        return f"{self.recipe}-{self.model}-{self.path}"
+        return f"{self.recipe}-{self.variant.id}"
 
     @property
     def case(self) -> Case:
-        return Case(self.recipe, Variant(self.model, self.path, False))
+        return Case(self.recipe, self.variant)
 
     def file(self, root: Path) -> Path:
-        return Path(root) / self.recipe / f"{self.model}-{self.path}.json"
+        return Path(root) / self.recipe / f"{self.variant.id}.json"
 
 
 def golden_cases(recipes: tuple[str, ...] | None = None) -> list[GoldenCase]:
     """The cases every registered recipe (or each of ``recipes``) must have."""
     names = recipe_names() if recipes is None else tuple(get_recipe(r).name for r in recipes)
-    return [GoldenCase(r, m, p) for r in names for m in MODELS for p in PATHS]
+    return [GoldenCase(r, v.model, v.path, v.dropping) for r in names for v in cases_mod.VARIANTS]
 
 
 def golden_dir(explicit: str | os.PathLike | None = None, *, default: str | os.PathLike) -> Path:
@@ -176,18 +189,18 @@ def collect(user: Path, recipes: tuple[str, ...] | None = None) -> Collected:
 
     A file under ``user`` for a recipe this run did not load is listed in
     ``unloaded`` (another run may load it); a file that is not named
-    ``<recipe>/<model>-<path>.json`` is listed in ``strays``.
+    ``<recipe>/<variant>.json`` (``mixtral-dense``, ``mixtral-dense-drop``, ...) is listed in ``strays``.
     """
     chosen = golden_cases(recipes)
     cases = [(c, root_for(c.recipe, user)) for c in chosen]
     loaded = set(recipe_names())
     unloaded, strays = [], []
     for path in sorted(Path(user).glob("*/*.json")) if Path(user).is_dir() else ():
-        model, _, p = path.stem.partition("-")
-        if model not in MODELS or p not in PATHS:
+        variants = [v.id for v in cases_mod.VARIANTS]
+        if path.stem not in variants:
             strays.append(GoldenFileError(
-                path, f"is not named after a case: expected <recipe>/<model>-<path>.json with model in "
-                f"{', '.join(MODELS)} and path in {', '.join(PATHS)}"))
+                path, f"is not named after a case: expected <recipe>/<variant>.json with variant one of "
+                f"{', '.join(variants)}"))
         elif path.parent.name not in loaded:
             unloaded.append((path, path.parent.name))
     return Collected(cases, unloaded, strays)
@@ -245,16 +258,32 @@ def train_step_entry_params(case: Case) -> dict[str, int]:
 
 
 def measure(case: GoldenCase) -> dict[str, Any]:
-    """The values a golden case pins, measured now: output, codes, rel_norm, entry params."""
+    """The values a golden case pins, measured now: output, codes, rel_norm, entry params, gradients.
+
+    Where the recipe cannot train on the variant
+    (:func:`qcheck.suite.invariants.train_step_runs`) there is no train step:
+    its entry parameters and gradients are recorded as empty.
+    """
+    from qcheck.suite.invariants import grad_leaves, train_step_runs
+
     recipe = get_recipe(case.recipe)
     output = cases_mod.layer_output(case.case)
     rel = checks.rel_norm(output, cases_mod.layer_output(case.case.reference)) if recipe.quantized else 0.0
+    trains = train_step_runs(recipe, case.variant)
     return {
         "rel_norm": rel,
-        "entry_params": train_step_entry_params(case.case),
+        "entry_params": train_step_entry_params(case.case) if trains else {},
         "output": output,
         "codes": operand_codes(case.recipe, case.model),
+        "grads": grad_leaves(cases_mod.layer_step(case.case).grads) if trains else {},
     }
+
+
+def grad_sample(g: np.ndarray) -> tuple[int, np.ndarray]:
+    """``(stride, every stride-th element of the flattened leaf)``, at most :data:`GRAD_SAMPLE` of them."""
+    g = np.asarray(g).reshape(-1)
+    stride = max(1, -(-g.size // GRAD_SAMPLE))
+    return stride, g[::stride]
 
 
 def provenance() -> dict[str, Any]:
@@ -338,7 +367,7 @@ def to_record(case: GoldenCase, values: dict[str, Any], *, tolerance=None) -> di
     record = {
         "schema": SCHEMA,
         "digest": "",
-        "case": {"recipe": case.recipe, "model": case.model, "path": case.path,
+        "case": {"recipe": case.recipe, "model": case.model, "path": case.path, "dropping": case.dropping,
                  "seed": SEED, "batch": cases_mod.BATCH, "seq": cases_mod.SEQ, "einsum": CANONICAL_EQN},
         "provenance": provenance(),
         "tolerance": tolerance or DEFAULT_TOLERANCE,
@@ -347,6 +376,9 @@ def to_record(case: GoldenCase, values: dict[str, Any], *, tolerance=None) -> di
         "output_summary": _summary(values["output"]),
         "codes": {k: encode_array(v) for k, v in sorted(values["codes"].items())},
         "output": encode_array(values["output"]),
+        "grads_summary": {k: {"shape": list(np.shape(g)), "stride": grad_sample(g)[0], **_summary(np.asarray(g))}
+                          for k, g in sorted(values["grads"].items())},
+        "grads": {k: encode_array(grad_sample(g)[1]) for k, g in sorted(values["grads"].items())},
     }
     record["digest"] = _digest(record)
     return record
@@ -360,6 +392,7 @@ class Stored:
     record: dict[str, Any]
     output: np.ndarray
     codes: dict[str, np.ndarray]
+    grads: dict[str, np.ndarray]  #: the stored sample of each gradient leaf
 
     @property
     def tolerance(self) -> dict[str, Any]:
@@ -396,26 +429,29 @@ def read_case(case: GoldenCase, root: Path) -> Stored:
             path, "does not match its digest: it was edited by hand or corrupted. Golden files are "
             f"written only by qcheck; to change it, run `{update_command(case.recipe, root)}`")
     for key, kind in (("case", dict), ("provenance", dict), ("tolerance", dict), ("entry_params", dict),
-                      ("codes", dict), ("rel_norm", (int, float))):
+                      ("codes", dict), ("grads", dict), ("grads_summary", dict), ("rel_norm", (int, float))):
         if not isinstance(record[key], kind) or isinstance(record[key], bool):
             raise GoldenFileError(path, f"has a {type(record[key]).__name__} under {key!r}, where the schema "
                                   f"wants {'a number' if key == 'rel_norm' else 'an object'}")
     if not all(isinstance(n, int) for n in record["entry_params"].values()):
         raise GoldenFileError(path, "has entry_params that are not all integers")
-    stated = {k: record["case"].get(k) for k in ("recipe", "model", "path")}
+    stated = {k: record["case"].get(k) for k in ("recipe", "model", "path", "dropping")}
     if stated != dataclasses.asdict(case):
         raise GoldenFileError(path, f"holds case {stated}, but its name says {dataclasses.asdict(case)}")
     try:
         output = decode_array(record["output"], "output")
         codes = {k: decode_array(v, f"codes[{k!r}]") for k, v in record["codes"].items()}
+        grads = {k: decode_array(v, f"grads[{k!r}]") for k, v in record["grads"].items()}
+        if set(grads) != set(record["grads_summary"]):
+            raise ValueError(f"grads has leaves {sorted(grads)}, grads_summary {sorted(record['grads_summary'])}")
         tol = record["tolerance"]
-        for key, fields in (("output", ("rtol", "atol")), ("rel_norm", ("atol",))):
+        for key, fields in (("output", ("rtol", "atol")), ("rel_norm", ("atol",)), ("grads", ("rtol", "atol"))):
             for f in fields:
                 if not isinstance(tol.get(key, {}).get(f), (int, float)):
                     raise ValueError(f"tolerance.{key}.{f} must be a number")
     except (ValueError, AttributeError) as e:
         raise GoldenFileError(path, str(e)) from None
-    return Stored(path, record, output, codes)
+    return Stored(path, record, output, codes, grads)
 
 
 def update_command(recipe: str, root: Path) -> str:
@@ -476,6 +512,7 @@ def differences(stored: Stored, values: dict[str, Any]) -> list[str]:
         out.append(f"rel_norm: got {rel:.6g}, golden {golden_rel:.6g} (atol {tol['rel_norm']['atol']})")
     if dict(values["entry_params"]) != stored.record["entry_params"]:
         out.append(f"entry_params: got {dict(values['entry_params'])}, golden {stored.record['entry_params']}")
+    out += _grad_differences(stored, values["grads"])
     codes = values["codes"]
     if set(codes) != set(stored.codes):
         out.append(f"codes: got keys {sorted(codes)}, golden {sorted(stored.codes)}")
@@ -497,10 +534,40 @@ def differences(stored: Stored, values: dict[str, Any]) -> list[str]:
     return out
 
 
+def _outside(got: np.ndarray, want: np.ndarray, rtol: float, atol: float) -> tuple[np.ndarray, np.ndarray]:
+    diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    return ~(diff <= atol + rtol * np.abs(want.astype(np.float64))), diff
+
+
+def _grad_differences(stored: Stored, grads: dict[str, np.ndarray]) -> list[str]:
+    """Each gradient leaf's sample, elementwise, and its norm, within the ``grads`` tolerance."""
+    rtol, atol = stored.tolerance["grads"]["rtol"], stored.tolerance["grads"]["atol"]
+    if set(grads) != set(stored.grads):
+        return [f"grads: got leaves {sorted(grads)}, golden {sorted(stored.grads)}"]
+    out = []
+    for k in sorted(grads):
+        stride, got = grad_sample(grads[k])
+        want, summary = stored.grads[k], stored.record["grads_summary"][k]
+        if got.shape != want.shape or got.dtype != want.dtype or stride != summary.get("stride"):
+            out.append(f"grads[{k!r}]: got a sample of {got.shape} {got.dtype} (stride {stride}), golden "
+                       f"{want.shape} {want.dtype} (stride {summary.get('stride')})")
+            continue
+        bad, diff = _outside(got, want, rtol, atol)
+        if bad.any():
+            i = int(np.argmax(np.where(bad, diff, -1)))
+            out.append(f"grads[{k!r}]: {int(bad.sum())} of {bad.size} sampled values outside rtol {rtol}, atol "
+                       f"{atol}; worst at element {i * stride}: got {got[i]!r}, golden {want[i]!r} "
+                       f"(|diff| {diff[i]:.3g})")
+        norm = float(np.linalg.norm(np.asarray(grads[k], np.float64)))
+        if not abs(norm - summary["norm"]) <= rtol * abs(summary["norm"]):
+            out.append(f"grads[{k!r}]: norm {norm:.9g}, golden {summary['norm']:.9g} (rtol {rtol})")
+    return out
+
+
 def _bitwise_same(stored: Stored, values: dict[str, Any]) -> bool:
-    fresh = to_record(GoldenCase(**{k: stored.record["case"][k] for k in ("recipe", "model", "path")}),
+    fresh = to_record(GoldenCase(**{k: stored.record["case"][k] for k in ("recipe", "model", "path", "dropping")}),
                       values, tolerance=stored.tolerance)
-    keys = ("rel_norm", "entry_params", "codes", "output")
+    keys = ("rel_norm", "entry_params", "codes", "output", "grads_summary", "grads")
     return all(fresh[k] == stored.record[k] for k in keys)
 
 

@@ -59,6 +59,7 @@ __all__ = [
     "assert_grads_track",
     "check_grads",
     "grad_leaves",
+    "train_step_runs",
     "fp8_meta_leaves",
     "probe_group_sizes",
 ]
@@ -331,6 +332,11 @@ def assert_grads_track(grads: dict[str, np.ndarray], reference: dict[str, np.nda
     return worst
 
 
+def train_step_runs(recipe: Recipe, variant: Variant) -> bool:
+    """Whether the case's train step can run: ``none`` always, quantized recipes where ``backward`` applies."""
+    return not recipe.quantized or _backward_applies(recipe, variant)
+
+
 def _quantizes_grads(recipe: Recipe) -> bool:
     # A declared grad format, or fp8-class (the e5m2 output-gradient cast).
     return recipe.grad is not None or recipe.cast_dtype is not None
@@ -522,7 +528,7 @@ def check_golden(case: Case, env: RunEnv = RunEnv()) -> None:
     from qcheck.suite import golden
 
     v = case.variant
-    gcase = golden.GoldenCase(case.recipe, v.model, v.path)
+    gcase = golden.GoldenCase(case.recipe, v.model, v.path, v.dropping)
     golden.check_case(gcase, golden.root_for(case.recipe, env.golden_root))
 
 
@@ -550,7 +556,7 @@ INVARIANTS: tuple[Invariant, ...] = (
     Invariant("grads", _backward_applies, _case_only(check_grads)),
     Invariant("state", lambda r, v: r.materialize_at_build, _case_only(check_state)),
     Invariant("rng", _rng_applies, _case_only(check_rng)),
-    # Golden cases exist per model and path, without token dropping; so do sharded twins.
+    # Sharded twins exist per model and path, without token dropping; golden cases for every variant.
     Invariant("sharded", lambda r, v: not v.dropping, _case_only(check_sharded)),
-    Invariant("golden", lambda r, v: not v.dropping, check_golden),
+    Invariant("golden", lambda r, v: True, check_golden),
 )
