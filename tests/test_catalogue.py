@@ -337,9 +337,13 @@ def test_grads_catches_a_layer_that_fell_back_to_full_precision():
         swap_site(broken, name, "none")
     twin = cases.layer_step(cases.Case("none", cases.Variant("mixtral", "dense", False)))
     grads = invariants.grad_leaves(step.train_step(broken, X).grads)
+    twin = invariants.grad_leaves(twin.grads)
     with pytest.raises(AssertionError, match=r"bug: gradient of gate \(float32\) is bitwise equal to the none twin's"):
-        invariants.assert_grads_track(grads, invariants.grad_leaves(twin.grads), max_grad_rel_norm=0.3,
-                                      distinct=True, label="bug")
+        invariants.assert_grads_track(grads, twin, max_grad_rel_norm=0.3, distinct=True, label="bug")
+    # A recipe that declares no gradient quantization: all of them equal is still a fallback.
+    with pytest.raises(AssertionError, match=r"bug: every gradient is bitwise equal to the none twin's — the "
+                       r"quantized path was not taken"):
+        invariants.assert_grads_track(grads, twin, max_grad_rel_norm=0.3, distinct=False, label="bug")
 
 
 # -- quantization coverage: each matmul, not the layer as a whole -------------------

@@ -306,9 +306,10 @@ def assert_grads_track(grads: dict[str, np.ndarray], reference: dict[str, np.nda
                        max_grad_rel_norm: float, distinct: bool, label: str) -> float:
     """Every gradient is finite and within ``max_grad_rel_norm`` of the twin's at the same path.
 
-    ``distinct``: the recipe quantizes gradients (a ``grad`` format, or
-    fp8-class), so no gradient may be bitwise equal to the twin's: one that is
-    never saw the gradient quantizer. Returns the worst relative norm.
+    Not all of them may be bitwise equal to the twin's (a layer that fell back
+    to full precision); with ``distinct`` (the recipe quantizes gradients: a
+    ``grad`` format, or fp8-class) none may: one that is never saw the
+    gradient quantizer. Returns the worst relative norm.
     """
     __tracebackhide__ = True
     if set(grads) != set(reference):
@@ -329,6 +330,10 @@ def assert_grads_track(grads: dict[str, np.ndarray], reference: dict[str, np.nda
                 f"{label}: gradient of {path} ({g.dtype}) is bitwise equal to the none twin's, but the recipe "
                 "quantizes gradients (quantization skipped?)")
         worst = max(worst, figure)
+    if grads and all(np.array_equal(np.asarray(grads[k]).view(np.uint8), np.asarray(reference[k]).view(np.uint8))
+                     for k in grads):
+        raise AssertionError(f"{label}: every gradient is bitwise equal to the none twin's — the quantized path "
+                             "was not taken (silent fallback?)")
     return worst
 
 
