@@ -55,12 +55,13 @@ def test_the_guide_takes_a_new_recipe_from_nothing_to_a_passing_suite(tmp_path, 
     fill = lambda argv: [a.replace(PLACEHOLDER, str(module)) for a in argv]  # noqa: E731
     name = add[add.index("add") + 1]
 
-    # Step 2: one command writes the four cases, into the project's ./golden.
+    # Step 2: one command writes the five cases, into the project's ./golden.
     assert add[:1] == ["qcheck"]
     assert main(fill(add)[1:]) == 0
     assert sorted(p.name for p in (golden_root / name).iterdir()) == [
-        "gemma-dense.json", "gemma-sparse.json", "mixtral-dense.json", "mixtral-sparse.json"]
-    assert "4 new" in capsys.readouterr().out
+        "gemma-dense.json", "gemma-sparse.json", "mixtral-dense-drop.json", "mixtral-dense.json",
+        "mixtral-sparse.json"]
+    assert "5 new" in capsys.readouterr().out
 
     # Step 3: the module's recipes, and only they, in the matrix, passing (in this
     # process: the layers it shares with the suite are built already; workers get
@@ -84,4 +85,5 @@ def test_the_guide_takes_a_new_recipe_from_nothing_to_a_passing_suite(tmp_path, 
                       f"test_fresh_sites_gradients_equal_referee_gradient_matmuls_bitwise[{name}-mixtral-dense]",
                       f"test_golden_case[{name}-mixtral-dense]",
                       f"test_layer_tracks_unquantized_twin[{name}-mixtral-dense]",
-                      f"test_sharded_layer_computes_the_same_function[{name}-mixtral-dense]"]
+                      f"test_sharded_layer_computes_the_same_function[{name}-mixtral-dense]",
+                      f"test_train_step_gradients_track_unquantized_twin[{name}-mixtral-dense]"]
