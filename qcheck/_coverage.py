@@ -256,6 +256,20 @@ def _input_val(aval: Any, value: Any = None, const: bool = False) -> _Val:
     return _Val(quant, const, scale, value, value)
 
 
+def _scan_operands(params: dict, ins: list) -> tuple[list, list, list]:
+    """A scan's inputs split into consts, carry and scanned xs.
+
+    jax 0.10 states the split as ``num_consts`` / ``num_carry``; jax 0.12 as a
+    tree of the three groups (``ft_in``) whose ``update(...).unpack()`` splits
+    them (as its own ``_scan_impl`` does).
+    """
+    if "num_consts" in params:
+        n_consts, n_carry = params["num_consts"], params["num_carry"]
+        return ins[:n_consts], ins[n_consts:n_consts + n_carry], ins[n_consts + n_carry:]
+    consts, carry, xs = (list(group) for group in params["ft_in"].update(list(ins)).unpack())
+    return consts, carry, xs
+
+
 class _Walker:
     def __init__(self):
         self.records: list[MatmulRecord] = []
@@ -421,8 +435,9 @@ class _Walker:
             quants = [self.agree([o[i].quant for o in outs_per_branch]) for i in range(len(eqn.outvars))]
         else:
             if name == "scan":
-                body, n_consts, n_carry = p["jaxpr"], p["num_consts"], p["num_carry"]
-                consts, carry, xs = ins[:n_consts], ins[n_consts:n_consts + n_carry], ins[n_consts + n_carry:]
+                body = p["jaxpr"]
+                consts, carry, xs = _scan_operands(p, ins)
+                n_consts, n_carry = len(consts), len(carry)
             else:
                 body, n_consts = p["body_jaxpr"], p["body_nconsts"]
                 consts, carry, xs = ins[p["cond_nconsts"]:p["cond_nconsts"] + n_consts], ins[p["cond_nconsts"] + n_consts:], []
