@@ -17,7 +17,7 @@ pytest_plugins = ("pytester",)  # the plugin's own tests run pytest inside pytes
 # compiled once: 144 s -> 110 s of CPU on 2 cores. Runs stay cold: the controller
 # makes a new directory per run, the workers inherit its path, and it is removed
 # at the end. QCHECK_XLA_CACHE=DIR opts into a cache that persists across runs
-# instead (see the README's Speed section for what it buys).
+# instead (docs/performance.md says what it buys).
 _CACHE_ENV = "QCHECK_RUN_XLA_CACHE"
 
 
