@@ -64,31 +64,6 @@ def _configure_test_process() -> None:
     settings.load_profile(os.environ.get("QCHECK_HYPOTHESIS_PROFILE", "ci"))
 
 
-# For bench/run_suite.py: each process tallies its XLA compilations (through
-# jax.monitoring, which costs nothing measurable) and leaves them in this
-# directory at the end of the session.
-_COUNT_ENV = "QCHECK_COUNT_COMPILES"
-_TALLY = pytest.StashKey[object]()
-
-
-def pytest_sessionstart(session):
-    if os.environ.get(_COUNT_ENV) and _runs_tests(session.config):
-        from qcheck._compiles import tally_compilations
-
-        session.config.stash[_TALLY] = tally_compilations()
-
-
-def pytest_sessionfinish(session):
-    if (tally := session.config.stash.get(_TALLY, None)) is not None:
-        import dataclasses
-        import json
-
-        who = os.environ.get("PYTEST_XDIST_WORKER", "main")
-        out = os.path.join(os.environ[_COUNT_ENV], f"{who}-{os.getpid()}.json")
-        with open(out, "w") as f:
-            json.dump(dataclasses.asdict(tally), f)
-
-
 def pytest_configure(config):
     if _runs_tests(config):
         _configure_test_process()

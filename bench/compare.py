@@ -49,8 +49,8 @@ WORKLOADS = ("suite", "matrix")
 SIDES = ("ref", "new")
 COMPILE_DIR_ENV = "QCHECK_BENCH_COMPILE_DIR"
 # Variables that would make one side's runs differ from the other's or warm: the
-# persistent compilation cache, the older in-conftest compile counter.
-_DROPPED_ENV = ("QCHECK_XLA_CACHE", "QCHECK_COUNT_COMPILES", "QCHECK_RUN_XLA_CACHE", "PYTHONHOME", "VIRTUAL_ENV")
+# persistent compilation cache and the run-scoped cache of a pytest controller.
+_DROPPED_ENV = ("QCHECK_XLA_CACHE", "QCHECK_RUN_XLA_CACHE", "PYTHONHOME", "VIRTUAL_ENV")
 
 # "1 failed, 3 passed, 2 skipped, 1 warning in 3.10s" (pytest -q), also inside "=== ... ===".
 _SUMMARY = re.compile(r"^=*\s*((?:\d+ \w+(?:, )?)+|no tests ran) in [\d.]+s\b.*$")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import dataclasses
 import contextlib
 import logging
 import re
@@ -52,37 +51,3 @@ def counting_compilations() -> Iterator[CompileLog]:
         jax.config.update("jax_log_compiles", previous_flag)
         logger.setLevel(previous_level)
         logger.removeHandler(collector)
-
-
-@dataclasses.dataclass
-class CompileTally:
-    """XLA compilations since :func:`tally_compilations`: programs compiled (or fetched from the persistent
-    cache), of which ``cache_hits`` came from it, and the seconds they took."""
-
-    compiles: int = 0
-    cache_hits: int = 0
-    seconds: float = 0.0
-
-
-def tally_compilations() -> CompileTally:
-    """A process-wide :class:`CompileTally` fed by ``jax.monitoring`` events from now on.
-
-    Cheaper than :func:`counting_compilations` (no compile log to format), so a
-    benchmark can count without slowing what it times; it cannot name programs.
-    """
-    from jax._src.dispatch import BACKEND_COMPILE_EVENT
-
-    tally = CompileTally()
-
-    def on_duration(event: str, seconds: float, **_) -> None:
-        if event == BACKEND_COMPILE_EVENT:
-            tally.compiles += 1
-            tally.seconds += seconds
-
-    def on_event(event: str, **_) -> None:
-        if event == "/jax/compilation_cache/cache_hits":
-            tally.cache_hits += 1
-
-    jax.monitoring.register_event_duration_secs_listener(on_duration)
-    jax.monitoring.register_event_listener(on_event)
-    return tally
