@@ -305,7 +305,7 @@ def _check(
     key: jax.Array,
     site_grads,
     grad_matmuls,
-) -> None:
+) -> dict[str, int]:
     __tracebackhide__ = True
     if not isinstance(recipe, Recipe):
         raise TypeError(f"{check}: recipe must be a qcheck.Recipe, got {type(recipe).__name__}")
@@ -332,6 +332,7 @@ def _check(
 
     want = grads(q_lhs, q_rhs, dgrad.g, wgrad.g)
     got = tuple(np.asarray(x) for x in site_grads(jax.device_put(lhs), jax.device_put(rhs), jax.device_put(g), key))
+    margins: dict[str, int] = {}
     for i, (which, exp) in enumerate((("dgrad", dgrad), ("wgrad", wgrad))):
         prefix = f"{check}: site {name!r} {which} ({exp.what})"
         # The bugs this gradient must tell apart, as that gradient would come out.
@@ -347,6 +348,8 @@ def _check(
                     "bitwise, so that bug would pass; use probe_operands and probe_grad"
                 )
         _assert_equal(prefix, got[i], want[i], bugs)
+        margins[which] = min(int(np.sum(_bits(b) != _bits(want[i]))) for b in bugs.values())
+    return margins
 
 
 def _assert_equal(prefix: str, got: np.ndarray, want: np.ndarray, bugs: dict[str, np.ndarray]) -> None:
@@ -380,7 +383,7 @@ def assert_site_backward_exact(
     *,
     recipe: Recipe,
     key: jax.Array | None = None,
-) -> None:
+) -> dict[str, int]:
     """Assert a fresh site's einsum gradients equal the gradient matmuls of referee-quantized ``g``, bitwise.
 
     ``site`` is a fresh :class:`~qcheck.QuantSite` of ``recipe`` (fp8 scales
@@ -389,6 +392,9 @@ def assert_site_backward_exact(
     (default ``jax.random.key(0)``) so a stochastic recipe's bits are known.
     See the module docstring for what each recipe's gradients must equal. A
     ValueError refuses inputs that cannot tell the reference from a known bug.
+
+    Returns, for ``"dgrad"`` and ``"wgrad"``, how many elements the nearest known
+    bug's gradient differs from the reference in: the margin the check had.
     """
     __tracebackhide__ = True
     lhs, rhs, g = (_float32(x, w) for x, w in ((lhs, "lhs"), (rhs, "rhs"), (g, "g")))
@@ -396,7 +402,7 @@ def assert_site_backward_exact(
     _check_g_shape("assert_site_backward_exact", g, jax.eval_shape(functools.partial(jnp.einsum, eqn), lhs, rhs))
     key = jax.random.key(0) if key is None else key
     graphdef, state = nnx.split(site)
-    _check(
+    return _check(
         "assert_site_backward_exact", site, recipe, axes, lhs, rhs, g, key,
         lambda a, b, gg, k: _einsum_site_grads(graphdef, eqn, state, a, b, gg, k),
         lambda a, b, gd, gw: _einsum_grad_matmuls(eqn, a, b, gd, gw),
@@ -412,7 +418,7 @@ def assert_site_ragged_backward_exact(
     *,
     recipe: Recipe,
     key: jax.Array | None = None,
-) -> None:
+) -> dict[str, int]:
     """:func:`assert_site_backward_exact` for a sparse site's ``ragged_dot(lhs[m, k], rhs[e, k, n], group_sizes)``."""
     __tracebackhide__ = True
     lhs, rhs, g = (_float32(x, w) for x, w in ((lhs, "lhs"), (rhs, "rhs"), (g, "g")))
@@ -421,7 +427,7 @@ def assert_site_ragged_backward_exact(
                    jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[-1]), np.float32))
     key = jax.random.key(0) if key is None else key
     graphdef, state = nnx.split(site)
-    _check(
+    return _check(
         "assert_site_ragged_backward_exact", site, recipe, RAGGED_AXES, lhs, rhs, g, key,
         lambda a, b, gg, k: _ragged_site_grads(graphdef, state, a, b, gs, gg, k),
         lambda a, b, gd, gw: _ragged_grad_matmuls(a, b, gs, gd, gw),

@@ -39,13 +39,12 @@ def probes(kind: str, nvfp4: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return lhs, rhs, probe_grad(1, spec["g"][0])
 
 
-def run(site: QuantSite, recipe: Recipe, kind: str, lhs=None, rhs=None, g=None) -> None:
+def run(site: QuantSite, recipe: Recipe, kind: str, lhs=None, rhs=None, g=None) -> dict[str, int]:
     plhs, prhs, pg = probes(kind, recipe.grad == "nvfp4")
     lhs, rhs, g = (plhs if lhs is None else lhs), (prhs if rhs is None else rhs), (pg if g is None else g)
     if kind == "dense":
-        assert_site_backward_exact(site, EQN, lhs, rhs, g, recipe=recipe)
-    else:
-        assert_site_ragged_backward_exact(site, lhs, rhs, GROUP_SIZES, g, recipe=recipe)
+        return assert_site_backward_exact(site, EQN, lhs, rhs, g, recipe=recipe)
+    return assert_site_ragged_backward_exact(site, lhs, rhs, GROUP_SIZES, g, recipe=recipe)
 
 
 @functools.cache
@@ -64,7 +63,9 @@ def test_site_backward_exact_should_pass(name, kind):
     # int8 has no grad format: g passes straight through, and both gradients equal,
     # bitwise, the matmuls of unquantized g against the int8-quantized operands.
     recipe = get_recipe(name)
-    run(site_of(recipe), recipe, kind)
+    margins = run(site_of(recipe), recipe, kind)
+    # Both gradients matched the reference while every known bug's gradient differed from it somewhere.
+    assert set(margins) == {"dgrad", "wgrad"} and min(margins.values()) > 0, margins
 
 
 # -- should fail: one planted bug each ----------------------------------------------------

@@ -7,6 +7,7 @@ strict settings (warnings are errors, no rank promotion), as a user's test would
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests import test_adapters
@@ -34,9 +35,33 @@ def test_every_library_has_a_block():
 @pytest.mark.parametrize("label", sorted(doc_blocks()))
 @test_adapters.qwix_warns[0]  # qwix 0.1.8 uses APIs flax 0.12 deprecates
 @test_adapters.qwix_warns[1]
-def test_doc_block_runs(label):
+def test_doc_block_runs(label, capsys):
     pytest.importorskip(NEEDS[label])
-    exec(compile(doc_blocks()[label], f"docs/libraries.md[{label}]", "exec"), {"__name__": f"doc_{label}"})
+    namespace = {"__name__": f"doc_{label}"}
+    exec(compile(doc_blocks()[label], f"docs/libraries.md[{label}]", "exec"), namespace)
+    assert capsys.readouterr().out.strip(), "a block shows its figures"
+    FIGURES[label](namespace)
+
+
+def _flax_figures(ns) -> None:
+    # Each history's newest entry is its own operand's amax (the swap the check exists for would trade them).
+    amax = ns["amax"]
+    (inp,) = [v for k, v in amax.items() if k.endswith("input_amax_history")]
+    (ker,) = [v for k, v in amax.items() if k.endswith("kernel_amax_history")]
+    assert inp == float(np.max(np.abs(ns["lhs"]))) and ker == float(np.max(np.abs(8 * ns["rhs"])))
+
+
+def _tracks_figure(ns) -> None:
+    assert 0 < ns["rel"] <= 0.05  # quantized (not equal), and close
+
+
+def _aqt_figures(ns) -> None:
+    _tracks_figure(ns)
+    assert ns["rows"] == 7  # the other experts' rows: group sizes [5, 7, 0], group 0 scaled
+
+
+#: What each block's figures must be.
+FIGURES = {"flax": _flax_figures, "aqt": _aqt_figures, "qwix": _tracks_figure}
 
 
 def test_defect_table_rows_name_existing_defect_tests():
