@@ -56,11 +56,13 @@ __all__ = [
     "NVFP4_DECODE_ORDERS",
     "SiteCall",
     "assert_layer_sites_exact",
+    "assert_site_calls_exact",
     "assert_site_exact",
     "assert_site_ragged_exact",
     "capture_site_calls",
     "operand_formats",
     "probe_site_operands",
+    "record_site_calls",
 ]
 
 #: NVFP4 decode orders the reference accepts: qcheck's documented one, and XLA's rewrite of it.
@@ -350,13 +352,17 @@ class _Recorder:
         return out
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _capture(graphdef, state, x):
-    layer = nnx.merge(graphdef, state, copy=True)
+def record_site_calls(layer: nnx.Module, x: jax.Array) -> tuple[jax.Array, list[SiteCall]]:
+    """``layer(x)`` and its site calls, traced inside the caller's program; ``layer`` must be a copy it owns."""
     log: list[SiteCall] = []
     # The layer reads its sites through `self.sites`; this copy's reads go to the recorders.
     object.__setattr__(layer, "sites", {n: _Recorder(layer.sites[n], n, log) for n in layer.sites.keys()})
     return layer(x), log
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _capture(graphdef, state, x):
+    return record_site_calls(nnx.merge(graphdef, state, copy=True), x)
 
 
 def capture_site_calls(layer: nnx.Module, x: ArrayLike) -> tuple[jax.Array, list[SiteCall]]:
@@ -383,11 +389,23 @@ def assert_layer_sites_exact(layer: nnx.Module, x: ArrayLike, recipe: Recipe | s
     place), or computes anything else (a path that skips quantization).
     """
     __tracebackhide__ = True
+    operand_formats(recipe)  # a recipe without formats fails before anything compiles
+    _, calls = capture_site_calls(layer, x)
+    assert_site_calls_exact(tuple(layer.sites.keys()), calls, recipe, label=label)
+
+
+def assert_site_calls_exact(
+    sites: tuple[str, ...], calls: list[SiteCall], recipe: Recipe | str, *, label: str = ""
+) -> None:
+    """:func:`assert_layer_sites_exact` on calls already captured (by :func:`record_site_calls` in some program).
+
+    ``sites`` names every site the layer holds, so one that was never called fails.
+    """
+    __tracebackhide__ = True
     check = "assert_layer_sites_exact"
     where = f"{label}: " if label else ""
     lhs_fmt, rhs_fmt = operand_formats(recipe)
-    _, calls = capture_site_calls(layer, x)
-    counts = {name: 0 for name in layer.sites.keys()}
+    counts = {name: 0 for name in sites}
     for call in calls:
         counts[call.site] += 1
     tally = ", ".join(f"{n} x{c}" for n, c in counts.items())

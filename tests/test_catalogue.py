@@ -578,6 +578,7 @@ def test_golden_catches_gemma_dropping_its_per_expert_scale(tmp_path, monkeypatc
     invariants.assert_paths_agree(np.asarray(step.apply(dropped, x)[0]), np.asarray(step.apply(sparse, x)[0]), "blind")
     monkeypatch.setattr(cases, "layer", lambda case: dropped if case == gemma.case else real(case))
     monkeypatch.setattr(cases, "forward_output", cases.forward_output.__wrapped__)  # no cached healthy output
+    monkeypatch.setattr(cases, "layer_step", cases.layer_step.__wrapped__)
     monkeypatch.setattr(cases, "layer_output", cases.layer_output.__wrapped__)
     with pytest.raises(AssertionError, match=r"(?s)none-gemma-dense does not match .*output: 2048 of 2048 values "
                        r"outside rtol"):
