@@ -226,10 +226,32 @@ def assert_layer_quantized(layer: MoE, x, label: str):
     return _prefixed(label, lambda: assert_quantized(layer, x, skip=skip_functions(*UNQUANTIZED_BY_DESIGN)))
 
 
-def check_coverage(case: Case) -> int:
-    """:func:`assert_layer_quantized` on the case's fresh layer; returns how many matmuls are quantized."""
+def assert_layer_fp8_native(layer: MoE, x, recipe: Recipe, label: str) -> None:
+    """The fp8 types ``layer`` casts its matmul operands to, forward and backward, and those ``recipe``
+    declares, are native to ``recipe.fp8_target`` (nothing to check without one).
+
+    Tracing only (one vjp trace). Folded into ``coverage``, not a column of its
+    own: it reads the same coverage map, from the same fresh layer, at the cost
+    of a trace, and a recipe's flavour is a property of what its matmuls take.
+    """
     __tracebackhide__ = True
-    records = assert_layer_quantized(cases_mod.layer(case), cases_mod.layer_input(case.variant.model), case.id)
+    if recipe.fp8_target is None:
+        return
+    from qcheck._fp8_native import assert_fp8_dtypes_native, assert_recipe_fp8_native
+
+    _prefixed(label, lambda: assert_recipe_fp8_native(recipe))
+    _prefixed(label, lambda: assert_fp8_dtypes_native(layer, x, target=recipe.fp8_target))
+
+
+def check_coverage(case: Case) -> int:
+    """:func:`assert_layer_quantized` and :func:`assert_layer_fp8_native` on the case's fresh layer.
+
+    Returns how many matmuls are quantized.
+    """
+    __tracebackhide__ = True
+    layer, x = cases_mod.layer(case), cases_mod.layer_input(case.variant.model)
+    records = assert_layer_quantized(layer, x, case.id)
+    assert_layer_fp8_native(layer, x, get_recipe(case.recipe), case.id)
     return sum(r.quantized for r in records)
 
 
