@@ -249,6 +249,26 @@ def test_flax_fp8einsum_casts_gradients_to_e5m2_when_asked_for_e5m2fnuz():
     assert got == {"forward": {"float8_e4m3fn"}, "gradient": {"float8_e5m2"}}, got
 
 
+@pytest.mark.parametrize("path", ["dense", "sparse"])
+def test_flax_fp8einsum_for_mi300_casts_to_nvidia_types_forward_and_backward(path):
+    """Fp8Einsum(e4m3_dtype=e4m3fnuz, e5m2_dtype=e5m2fnuz) for MI300 multiplies e4m3fn forward, e5m2 backward.
+
+    flax 0.12.8 and 0.12.12: fp8_scaled_dot_general hard-codes float8_e4m3fn and
+    quantized_dot_bwd float8_e5m2, neither of which MI300 multiplies. The check
+    reads the casts from a traced forward and backward pass against the target.
+    """
+    recipe = flax_fp8_recipe("flax_einsum_mi300", nn.Fp8Einsum, e4m3_dtype=jnp.float8_e4m3fnuz,
+                             e5m2_dtype=jnp.float8_e5m2fnuz, fp8_target="mi300")
+    checks.assert_recipe_fp8_native(recipe)  # the declaration is right: only the program is not
+    layer = qcheck.build_moe("mixtral", recipe, path=path)
+    with pytest.raises(AssertionError, match=r"^assert_fp8_dtypes_native: \d+ operand casts to fp8 types not native "
+                       r"to target 'mi300' \(native fp8: float8_e4m3fnuz, float8_e5m2fnuz\):\n  forward: ") as info:
+        checks.assert_fp8_dtypes_native(layer, _input(), target="mi300")
+    found = {(line.split(":", 1)[0].strip(), line.rsplit(" cast to ", 1)[1])
+             for line in str(info.value).splitlines()[1:]}
+    assert found == {("forward", "float8_e4m3fn"), ("backward", "float8_e4m3fn"), ("backward", "float8_e5m2")}
+
+
 def _amax_operands() -> tuple[np.ndarray, np.ndarray]:
     """``BSEH`` activations of amax 3 and ``EHM`` weights of amax 100."""
     rng = np.random.default_rng(0)
