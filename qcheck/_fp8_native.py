@@ -25,7 +25,7 @@ from qcheck import formats
 from qcheck._coverage import MatmulRecord, coverage
 from qcheck.hardware import fp8_target_dtypes
 
-__all__ = ["assert_fp8_dtypes_native", "assert_recipe_fp8_native", "declared_fp8_dtypes"]
+__all__ = ["assert_fp8_dtypes_native", "assert_recipe_fp8_native", "declared_fp8_dtypes", "declared_operand_fp8_dtypes"]
 
 # Wide enough for every block format (NVFP4: 16, MXFP8: 32) along its last axis.
 _PROBE = jax.ShapeDtypeStruct((1, 32), np.float32)
@@ -35,10 +35,10 @@ def _fp8_types(dtypes: Any) -> set[str]:
     return {str(np.dtype(d)) for d in dtypes} & set(formats.FP8_DTYPES)
 
 
-def _format_fp8_dtypes(fmt: str) -> set[str]:
-    """The fp8 types ``fmt`` stores codes and scales in, read off :func:`qcheck.formats.quantize` (shapes only)."""
+def _format_fp8_dtypes(fmt: str, *, codes_only: bool = False) -> set[str]:
+    """The fp8 types ``fmt`` stores codes (and scales) in, read off :func:`qcheck.formats.quantize` (shapes only)."""
     q = jax.eval_shape(lambda x: formats.quantize(x, fmt, axis=-1), _PROBE)
-    return _fp8_types(leaf.dtype for leaf in jax.tree.leaves(q))
+    return _fp8_types(leaf.dtype for leaf in jax.tree.leaves(q.codes if codes_only else q))
 
 
 def declared_fp8_dtypes(recipe: Any) -> dict[str, set[str]]:
@@ -56,6 +56,21 @@ def declared_fp8_dtypes(recipe: Any) -> dict[str, set[str]]:
         dtype = getattr(recipe, arg, None)
         if dtype is not None and (types := _fp8_types([dtype])):
             out[arg] = types
+    return out
+
+
+def declared_operand_fp8_dtypes(recipe: Any) -> set[str]:
+    """The fp8 types ``recipe`` declares its matmul operands' codes in (not scales): what a trace must show.
+
+    ``lhs``/``rhs`` codes and ``cast_dtype``. NVFP4 declares none (e2m1 codes;
+    its e4m3 block scales divide, which the coverage map does not follow).
+    """
+    out = set()
+    for arg in ("lhs", "rhs"):
+        if (fmt := getattr(recipe, arg, None)) is not None:
+            out |= _format_fp8_dtypes(fmt, codes_only=True)
+    if (dtype := getattr(recipe, "cast_dtype", None)) is not None:
+        out |= _fp8_types([dtype])
     return out
 
 
@@ -88,13 +103,15 @@ def assert_fp8_dtypes_native(
     *args: Any,
     target: str,
     skip: Callable[[MatmulRecord], bool] | None = None,
+    backward: bool = True,
     **kwargs: Any,
 ) -> list[MatmulRecord]:
     """Assert every fp8 type ``fn``'s matmul operands are cast to, forward and backward, is native to ``target``.
 
     ``fn`` as for :func:`qcheck.coverage` (a function of arrays or an NNX
     module); it is traced with its vjp (``coverage(..., backward=True)``), no
-    compilation. Each operand's casts are read from the program: codes and
+    compilation; ``backward=False`` traces the forward pass alone (for a layer
+    that cannot take a gradient). Each operand's casts are read from the program: codes and
     scales, and an operand that arrives in an fp8 type. ``skip(record)``
     leaves matmuls out. Fails naming, per offending operand, the pass
     (forward/backward), the matmul's location and function, the operand, its
@@ -104,14 +121,16 @@ def assert_fp8_dtypes_native(
     if skip is not None and not callable(skip):
         raise TypeError(f"assert_fp8_dtypes_native: skip must be a callable (record) -> bool, "
                         f"got {type(skip).__name__}")
-    records = coverage(fn, *args, backward=True, **kwargs)
+    records = coverage(fn, *args, backward=backward, **kwargs)
     lines: list[str] = []
+    found = 0
     for r in records:
         if skip is not None and skip(r):
             continue
         for side, quant, casts in (("lhs", r.lhs, r.lhs_casts), ("rhs", r.rhs, r.rhs_casts)):
-            seen = set(casts) | ({quant.dtype} if quant.kind == "cast" else set())
-            for dtype in sorted(_fp8_types(seen) - native):
+            seen = _fp8_types(set(casts) | ({quant.dtype} if quant.kind == "cast" else set()))
+            found += bool(seen)
+            for dtype in sorted(seen - native):
                 line = (f"  {'backward' if r.backward else 'forward'}: {r.primitive} at {r.location} "
                         f"({r.function}): {side} cast to {dtype}")
                 if line not in lines:
@@ -120,4 +139,9 @@ def assert_fp8_dtypes_native(
         raise AssertionError(
             f"assert_fp8_dtypes_native: {len(lines)} operand casts to fp8 types not native to "
             f"{_target(target, native)}:\n" + "\n".join(lines))
+    if not found:
+        # Nothing to hold to the target: a check that saw nothing must not pass.
+        raise ValueError(
+            f"assert_fp8_dtypes_native: none of the {len(records)} matmuls takes an operand cast to an fp8 type "
+            f"({', '.join(formats.FP8_DTYPES)}); nothing to check against target {target!r}")
     return records

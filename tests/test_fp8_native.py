@@ -10,7 +10,7 @@ from flax import nnx
 
 import qcheck
 from qcheck import checks, get_recipe, hardware
-from qcheck._fp8_native import declared_fp8_dtypes
+from qcheck._fp8_native import declared_fp8_dtypes, declared_operand_fp8_dtypes
 from qcheck.moe import MODELS, MoE
 from qcheck.recipes import DelayedScalingFp8, Recipe, _registry
 from qcheck.suite import cases, invariants
@@ -106,7 +106,7 @@ def _layer(recipe: Recipe, path: str = "dense") -> MoE:
     return MoE(MODELS["mixtral"], recipe, path=path, rngs=nnx.Rngs(cases.SEED))
 
 
-@pytest.mark.parametrize("name", ["fp8", "nanoo_fp8", "flax_fp8", "flax_nanoo_fp8", "nvfp4", "fp8_current"])
+@pytest.mark.parametrize("name", ["fp8", "nanoo_fp8", "flax_fp8", "flax_nanoo_fp8", "fp8_current", "mxfp8"])
 @pytest.mark.parametrize("path", ["dense", "sparse"])
 def test_fp8_dtypes_native_should_pass(name, path):
     recipe = get_recipe(name)
@@ -163,3 +163,21 @@ def test_the_fp8_check_costs_a_trace_not_a_compile():
     layer = _layer(get_recipe("fp8"), "sparse")
     checks.assert_no_recompiles(lambda: checks.assert_fp8_dtypes_native(layer, X, target="nvidia"),
                                 warmup=lambda: None)
+
+
+def test_coverage_invariant_checks_the_forward_alone_where_gradients_cannot_tile():
+    # MXFP8's 32-blocks cannot tile the dropping layer's 16-token gradient matmuls: forward only.
+    case = cases.Case("mxfp8", cases.Variant("mixtral", "dense", True))
+    assert invariants.check_coverage(case) > 0
+    records = checks.assert_fp8_dtypes_native(cases.layer(case), X, target="nvidia", backward=False)
+    assert records and not any(r.backward for r in records)
+    assert {d for r in records for d in r.lhs_casts} == {"float8_e4m3fn"}
+
+
+def test_fp8_dtypes_native_refuses_a_program_without_fp8_casts():
+    # int8 everywhere, and NVFP4 (e2m1 codes; its e4m3 block scales divide, which the map does not follow).
+    for name in ("int8", "nvfp4"):
+        with pytest.raises(ValueError, match=r"none of the \d+ matmuls takes an operand cast to an fp8 type"):
+            checks.assert_fp8_dtypes_native(_layer(get_recipe(name)), X, target="nvidia")
+    assert declared_operand_fp8_dtypes(get_recipe("nvfp4")) == set()
+    assert declared_operand_fp8_dtypes(get_recipe("nanoo_fp8")) == {"float8_e4m3fnuz"}

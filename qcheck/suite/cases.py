@@ -38,6 +38,7 @@ __all__ = [
     "layer_output",
     "backward_applies",
     "forward_output",
+    "gradient_tiles",
     "train_step_runs",
     "layer_step",
     "mesh",
@@ -131,6 +132,11 @@ def backward_applies(recipe: Recipe, variant: Variant) -> bool:
     """
     if not recipe.quantized or variant.path not in recipe.backward_paths:
         return False
+    return gradient_tiles(recipe, variant)
+
+
+def gradient_tiles(recipe: Recipe, variant: Variant) -> bool:
+    """Whether the recipe's gradient blocks tile the variant's gradient matmuls, so a backward pass traces."""
     block = formats.block_size(recipe.grad) if recipe.grad else None
     if block is None or not variant.dropping:
         return True

@@ -226,21 +226,22 @@ def assert_layer_quantized(layer: MoE, x, label: str):
     return _prefixed(label, lambda: assert_quantized(layer, x, skip=skip_functions(*UNQUANTIZED_BY_DESIGN)))
 
 
-def assert_layer_fp8_native(layer: MoE, x, recipe: Recipe, label: str) -> None:
+def assert_layer_fp8_native(layer: MoE, x, recipe: Recipe, label: str, *, backward: bool = True) -> None:
     """The fp8 types ``layer`` casts its matmul operands to, forward and backward, and those ``recipe``
     declares, are native to ``recipe.fp8_target`` (nothing to check without one).
 
-    Tracing only (one vjp trace). Folded into ``coverage``, not a column of its
+    Tracing only (one vjp trace; the forward pass alone without ``backward``). Folded into ``coverage``, not a column of its
     own: it reads the same coverage map, from the same fresh layer, at the cost
     of a trace, and a recipe's flavour is a property of what its matmuls take.
     """
     __tracebackhide__ = True
     if recipe.fp8_target is None:
         return
-    from qcheck._fp8_native import assert_fp8_dtypes_native, assert_recipe_fp8_native
+    from qcheck._fp8_native import assert_fp8_dtypes_native, assert_recipe_fp8_native, declared_operand_fp8_dtypes
 
     _prefixed(label, lambda: assert_recipe_fp8_native(recipe))
-    _prefixed(label, lambda: assert_fp8_dtypes_native(layer, x, target=recipe.fp8_target))
+    if declared_operand_fp8_dtypes(recipe):  # else no fp8 type reaches an operand's chain (NVFP4)
+        _prefixed(label, lambda: assert_fp8_dtypes_native(layer, x, target=recipe.fp8_target, backward=backward))
 
 
 def check_coverage(case: Case) -> int:
@@ -251,7 +252,8 @@ def check_coverage(case: Case) -> int:
     __tracebackhide__ = True
     layer, x = cases_mod.layer(case), cases_mod.layer_input(case.variant.model)
     records = assert_layer_quantized(layer, x, case.id)
-    assert_layer_fp8_native(layer, x, get_recipe(case.recipe), case.id)
+    recipe = get_recipe(case.recipe)
+    assert_layer_fp8_native(layer, x, recipe, case.id, backward=cases_mod.gradient_tiles(recipe, case.variant))
     return sum(r.quantized for r in records)
 
 
