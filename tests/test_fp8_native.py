@@ -15,7 +15,7 @@ from qcheck.moe import MODELS, MoE
 from qcheck.recipes import DelayedScalingFp8, Recipe, _registry
 from qcheck.suite import cases, invariants
 
-E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ = (jnp.float8_e4m3fn, jnp.float8_e4m3fnuz, jnp.float8_e5m2, jnp.float8_e5m2fnuz)
+E4M3FN, E5M2, E5M2FNUZ = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e5m2fnuz
 X = cases.layer_input("mixtral")
 
 
@@ -87,7 +87,8 @@ def test_recipe_fp8_native_should_pass(name):
      r"recipe 'slip' declares fp8 types not native to its target 'nvidia' \(native fp8: float8_e4m3fn, "
      r"float8_e5m2\): grad float8_e5m2fnuz$"),
     (DelayedScalingFp8("nanoo_e4m3fn", e4m3_dtype=E4M3FN, e5m2_dtype=E5M2FNUZ, fp8_target="mi300"),
-     r"recipe 'nanoo_e4m3fn' .*target 'mi300' .*: lhs float8_e4m3fn, rhs float8_e4m3fn, cast_dtype float8_e4m3fn, e4m3_dtype float8_e4m3fn$"),
+     r"recipe 'nanoo_e4m3fn' .*target 'mi300' .*: lhs float8_e4m3fn, rhs float8_e4m3fn, "
+     r"cast_dtype float8_e4m3fn, e4m3_dtype float8_e4m3fn$"),
 ])
 def test_recipe_fp8_native_should_fail(recipe, match):
     with pytest.raises(AssertionError, match=r"^assert_recipe_fp8_native: " + match):
@@ -181,3 +182,32 @@ def test_fp8_dtypes_native_refuses_a_program_without_fp8_casts():
             checks.assert_fp8_dtypes_native(_layer(get_recipe(name)), X, target="nvidia")
     assert declared_operand_fp8_dtypes(get_recipe("nvfp4")) == set()
     assert declared_operand_fp8_dtypes(get_recipe("nanoo_fp8")) == {"float8_e4m3fnuz"}
+
+
+def _einsum_grad_cast_to(dtype):
+    """e4m3fn operands forward; the output gradient cast to ``dtype`` in the backward pass only."""
+    import jax
+
+    @jax.custom_vjp
+    def grad_cast(y):
+        return y
+
+    grad_cast.defvjp(lambda y: (y, None), lambda _, g: (g.astype(dtype).astype(g.dtype),))
+
+    def fn(x, w):
+        q = lambda v: v.astype(E4M3FN).astype(jnp.float32)  # noqa: E731
+        return grad_cast(jnp.einsum("tm,mh->th", q(x), q(w)))
+
+    return fn
+
+
+def test_fp8_dtypes_native_sees_a_cast_made_only_in_the_backward_pass():
+    x, w, _ = _xw()
+    records = checks.assert_fp8_dtypes_native(_einsum_grad_cast_to(E5M2), x, w, target="nvidia")
+    assert [(r.backward, sorted(r.lhs_casts | r.rhs_casts)) for r in records] == [
+        (False, ["float8_e4m3fn"]), (True, ["float8_e4m3fn", "float8_e5m2"]), (True, ["float8_e4m3fn", "float8_e5m2"])]
+    # Both gradient matmuls take g as their lhs at the same line: one line names them (no forward line).
+    with pytest.raises(AssertionError, match=r"^assert_fp8_dtypes_native: 1 operand casts to fp8 types not native to "
+                       r"target 'nvidia' \(native fp8: float8_e4m3fn, float8_e5m2\):\n"
+                       r"  backward: dot_general at tests/test_fp8_native.py:\d+ \(.*fn\): lhs cast to float8_e5m2fnuz$"):
+        checks.assert_fp8_dtypes_native(_einsum_grad_cast_to(E5M2FNUZ), x, w, target="nvidia")

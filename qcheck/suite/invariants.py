@@ -227,12 +227,13 @@ def assert_layer_quantized(layer: MoE, x, label: str):
 
 
 def assert_layer_fp8_native(layer: MoE, x, recipe: Recipe, label: str, *, backward: bool = True) -> None:
-    """The fp8 types ``layer`` casts its matmul operands to, forward and backward, and those ``recipe``
-    declares, are native to ``recipe.fp8_target`` (nothing to check without one).
+    """The fp8 types ``layer``'s matmul operands are cast to, and those ``recipe`` declares, suit its target.
 
-    Tracing only (one vjp trace; the forward pass alone without ``backward``). Folded into ``coverage``, not a column of its
-    own: it reads the same coverage map, from the same fresh layer, at the cost
-    of a trace, and a recipe's flavour is a property of what its matmuls take.
+    Native to ``recipe.fp8_target``, forward and backward; nothing to check
+    without a target. Tracing only: one vjp trace (the forward pass alone
+    without ``backward``). Folded into ``coverage``, not a column of its own:
+    it reads the same coverage map of the same fresh layer, at the cost of a
+    trace, and a recipe's flavour is a property of what its matmuls take.
     """
     __tracebackhide__ = True
     if recipe.fp8_target is None:
