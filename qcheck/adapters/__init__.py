@@ -29,10 +29,13 @@ from qcheck.adapters._ragged import ragged_dot_from_einsum
 
 __all__ = [
     "AQT_RAGGED",
+    "AQT_RAGGED_NO_GRADIENT",
+    "AQT_RAGGED_SHARED_SCALE",
     "FLAX_FP8_MODULES",
     "AqtRecipe",
     "FlaxFp8Recipe",
     "aqt_int8",
+    "aqt_int8_ragged",
     "aqt_recipe",
     "flax_fp8",
     "flax_fp8_recipe",
@@ -42,11 +45,13 @@ __all__ = [
     "ragged_dot_from_einsum",
 ]
 
-_LAZY = {name: "qcheck.adapters._aqt" for name in ("AQT_RAGGED", "AqtRecipe", "aqt_int8", "aqt_recipe")}
+_LAZY = {name: "qcheck.adapters._aqt" for name in ("AQT_RAGGED", "AQT_RAGGED_NO_GRADIENT", "AQT_RAGGED_SHARED_SCALE",
+                                                   "AqtRecipe", "aqt_int8", "aqt_int8_ragged", "aqt_recipe")}
 _LAZY["qwix_quantize_model"] = "qcheck.adapters._qwix"
 
 if TYPE_CHECKING:
-    from qcheck.adapters._aqt import AQT_RAGGED, AqtRecipe, aqt_int8, aqt_recipe
+    from qcheck.adapters._aqt import (AQT_RAGGED, AQT_RAGGED_NO_GRADIENT, AQT_RAGGED_SHARED_SCALE, AqtRecipe, aqt_int8, aqt_int8_ragged,
+                                      aqt_recipe)
     from qcheck.adapters._qwix import qwix_quantize_model
 
 
@@ -73,5 +78,6 @@ def installed_recipes() -> tuple[Recipe, ...]:
     """
     recipes: list[Recipe] = [flax_fp8(), flax_nanoo_fp8()]
     if _has("aqt"):
-        recipes.append(importlib.import_module("qcheck.adapters._aqt").aqt_int8())
+        aqt = importlib.import_module("qcheck.adapters._aqt")
+        recipes += [aqt.aqt_int8(), aqt.aqt_int8_ragged()]
     return tuple(recipes)

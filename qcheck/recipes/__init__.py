@@ -20,9 +20,11 @@ from qcheck.recipes._registry import (
     register_recipe,
 )
 from qcheck.recipes._sites import SiteOps
+from qcheck.recipes._unsupported import UNSUPPORTED_KINDS, KnownDefect, Unsupported, assert_still_unsupported
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "KnownDefect",
     "ApplyRngs",
     "DelayedScalingFp8",
     "MatmulAxes",
@@ -30,6 +32,9 @@ __all__ = [
     "NoQuant",
     "Recipe",
     "SiteOps",
+    "UNSUPPORTED_KINDS",
+    "Unsupported",
+    "assert_still_unsupported",
     "einsum_axes",
     "get_recipe",
     "import_recipes",

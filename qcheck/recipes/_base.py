@@ -137,6 +137,20 @@ class Recipe:
     #: exact reference exists, saying why (qcheck.adapters' library recipes).
     backward_paths: tuple[str, ...] = ("dense", "sparse")
 
+    #: How a site multiplies its quantized operands, which the ``exact``
+    #: reference follows: "float" (the float32 matmul of dequantized operands)
+    #: or "integer" (int8 codes in integer arithmetic, scales applied after, as
+    #: AQT does: :mod:`qcheck._integer_matmul`).
+    matmul: str = "float"
+
+    #: What the recipe's library refuses by design (:class:`qcheck.recipes.Unsupported`):
+    #: the suite runs none of those checks there, the matrix names the reason,
+    #: and pytest asserts the library still refuses.
+    unsupported: tuple = ()
+    #: Library defects a check of the suite catches (:class:`qcheck.recipes.KnownDefect`):
+    #: the check runs there and must fail with the declared message.
+    known_defects: tuple = ()
+
     @property
     def quantized(self) -> bool:
         """False only for the unquantized reference recipe."""

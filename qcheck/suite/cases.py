@@ -132,6 +132,8 @@ def backward_applies(recipe: Recipe, variant: Variant) -> bool:
     """
     if not recipe.quantized or variant.path not in recipe.backward_paths:
         return False
+    if any(u.kind == "gradient" and variant.path in u.paths for u in recipe.unsupported):
+        return False  # the library refuses gradients there: a declared cell (qcheck.suite._declared)
     return gradient_tiles(recipe, variant)
 
 

@@ -123,11 +123,11 @@ def assert_sites_exact(layer: MoE, recipe: Recipe, label: str, runs: SiteRuns | 
         if p.eqn is not None:
             run = functools.partial(
                 _site_exact.assert_site_exact, _site_programs.replay(got, p, p.lhs, p.rhs),
-                p.eqn, p.lhs, p.rhs, lhs_format=lhs_fmt, rhs_format=rhs_fmt, site=p.site)
+                p.eqn, p.lhs, p.rhs, lhs_format=lhs_fmt, rhs_format=rhs_fmt, site=p.site, matmul=recipe.matmul)
         else:
             run = functools.partial(
                 _site_exact.assert_site_ragged_exact, _site_programs.replay(got, p, p.lhs, p.rhs, p.group_sizes),
-                p.lhs, p.rhs, p.group_sizes, lhs_format=lhs_fmt, rhs_format=rhs_fmt, site=p.site)
+                p.lhs, p.rhs, p.group_sizes, lhs_format=lhs_fmt, rhs_format=rhs_fmt, site=p.site, matmul=recipe.matmul)
         _prefixed(label, run)
 
 

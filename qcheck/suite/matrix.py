@@ -33,14 +33,15 @@ from qcheck.suite import invariants
 from qcheck.suite.cases import Case, cases
 from qcheck.recipes import get_recipe
 
-__all__ = ["Cell", "PathsRow", "Row", "default_jobs", "failures", "format_table", "run_matrix", "run_paths_agree",
+__all__ = ["Cell", "PathsRow", "Row", "default_jobs", "failures", "format_table", "notes", "run_matrix",
+           "run_paths_agree",
            "to_json", "worker_pool"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
-    status: str  #: "pass", "fail" or "n/a"
-    detail: str = ""  #: for a failure, the exception type and its whole message
+    status: str  #: "pass", "fail", "n/a", "unsupported" (the library refuses it) or "known" (a declared defect)
+    detail: str = ""  #: for a failure, the exception type and its whole message; for a declared cell, its note
     figure: float | int | None = None
 
     def text(self, note: int | None = None) -> str:
@@ -50,7 +51,12 @@ class Cell:
             return f"pass {self.figure}" if isinstance(self.figure, int) else f"pass {self.figure:.4f}"
         if self.status == "n/a":
             return "-"
-        return "FAIL" if note is None else f"FAIL [{note}]"
+        word = _WORDS.get(self.status, "FAIL")
+        return word if note is None else f"{word} [{note}]"
+
+
+# Declared cells (qcheck.suite._declared): checked like any other, their note says what the library does.
+_WORDS = {"unsupported": "not supported", "known": "known defect"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,12 +77,21 @@ def _run(check, *args) -> Cell:
     return Cell("pass", figure=figure)
 
 
-def _row(case: Case, env: invariants.RunEnv) -> Row:
+def _cell(inv: invariants.Invariant, case: Case, env: invariants.RunEnv) -> Cell:
+    from qcheck.suite import _declared
+
     recipe = get_recipe(case.recipe)
-    return Row(case, {
-        inv.name: _run(inv.run, case, env) if inv.applies(recipe, case.variant) else Cell("n/a")
-        for inv in invariants.INVARIANTS
-    })
+    found = _declared.declared(recipe, case.variant, inv.name)
+    if found is not None:
+        cell = _run(_declared.check_declared, case, inv.name, env)  # fails once the declaration is stale
+        if cell.status == "fail":
+            return cell
+        return Cell("unsupported" if found in recipe.unsupported else "known", cell.figure)
+    return _run(inv.run, case, env) if inv.applies(recipe, case.variant) else Cell("n/a")
+
+
+def _row(case: Case, env: invariants.RunEnv) -> Row:
+    return Row(case, {inv.name: _cell(inv, case, env) for inv in invariants.INVARIANTS})
 
 
 def run_matrix(
@@ -175,20 +190,27 @@ def failures(rows: list[Row]) -> list[tuple[str, str, str]]:
     return [(r.case.id, n, c.detail) for r in rows for n, c in r.cells.items() if c.status == "fail"]
 
 
+def notes(rows: list[Row]) -> list[tuple[str, str, str]]:
+    """``(case id, invariant, full text)`` of every failed or declared cell, in table order."""
+    return [(r.case.id, n, c.detail) for r in rows for n, c in r.cells.items()
+            if c.status in ("fail", *_WORDS)]
+
+
 def format_table(rows: list[Row]) -> str:
-    """The table, then every failure in full, numbered as its cell says."""
+    """The table, then every failure and declared cell in full, numbered as its cell says."""
     names = [inv.name for inv in invariants.INVARIANTS]
-    notes = {(case_id, n): i for i, (case_id, n, _) in enumerate(failures(rows), 1)}
+    listed = notes(rows)
+    numbers = {(case_id, n): i for i, (case_id, n, _) in enumerate(listed, 1)}
     header = ["recipe", "model", "path", *names]
     body = [
         [r.case.recipe, r.case.variant.model, r.case.variant.id.split("-", 1)[1],
-         *(r.cells[n].text(notes.get((r.case.id, n))) for n in names)]
+         *(r.cells[n].text(numbers.get((r.case.id, n))) for n in names)]
         for r in rows
     ]
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
     fmt = lambda line: "  ".join(s.ljust(w) for s, w in zip(line, widths)).rstrip()  # noqa: E731
     lines = [fmt(header), fmt(["-" * w for w in widths]), *map(fmt, body)]
-    for i, (case_id, name, text) in enumerate(failures(rows), 1):
+    for i, (case_id, name, text) in enumerate(listed, 1):
         lines += ["", f"[{i}] {case_id} {name}:", *("    " + t for t in text.splitlines())]
     return "\n".join(lines)
 
