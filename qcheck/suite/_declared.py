@@ -18,13 +18,20 @@ __all__ = ["KIND_INVARIANTS", "check_declared", "declared"]
 
 #: The invariants each kind of refusal covers: "gradient", every check that differentiates the layer.
 KIND_INVARIANTS = {"gradient": frozenset({"backward", "grads", "state", "rng"})}
+#: Of those, the ones that say "not supported" for any recipe; the others (fp8 state, RNG plumbing) only
+#: where they would run for the recipe at all, else they stay "-".
+_ALWAYS = frozenset({"backward", "grads"})
 
 
 def declared(recipe: Recipe, variant: Variant, invariant: str) -> Unsupported | KnownDefect | None:
     """The recipe's declaration covering ``invariant`` on the variant's path, if any (refusals first)."""
+    from qcheck.suite import invariants
+
     for u in recipe.unsupported:
         if variant.path in u.paths and invariant in KIND_INVARIANTS[u.kind]:
-            return u
+            if invariant in _ALWAYS or any(i.name == invariant and i.applies(recipe, variant)
+                                           for i in invariants.INVARIANTS):
+                return u
     for d in recipe.known_defects:
         if variant.path in d.paths and invariant == d.invariant:
             return d
