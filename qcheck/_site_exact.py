@@ -195,12 +195,9 @@ def _neighbours(mm: _Matmul, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt) -> Iterat
             except ValueError:  # the wrong axes cannot hold whole blocks: that bug could not run here
                 continue
             yield f"{side} in {fmt} along the wrong axes {wrong} (contraction: {axes})", with_(q)
-    if mm.eqn is None and rhs_fmt in _AXIS_FORMATS:
-        try:
-            shared = _qdq(rhs, rhs_fmt, _SHARED_AXES)
-        except ValueError:  # blocks cannot span groups and contraction here
-            return
-        yield _SHARED, mm(q_lhs, shared)
+    # Per-slice formats only: a block format's blocks lie within one group's contraction either way.
+    if mm.eqn is None and rhs_fmt in _INTEGER_FORMATS:
+        yield _SHARED, mm(q_lhs, _qdq(rhs, rhs_fmt, _SHARED_AXES))
 
 
 # A ragged weight calibrated over its groups and contraction: one scale shared by every expert (AQT, qwix).

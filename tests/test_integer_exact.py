@@ -131,3 +131,18 @@ def test_aqt_recipes_declare_formats_and_integer_matmul():
         assert (recipe.lhs, recipe.rhs, recipe.matmul, recipe.backward_paths) == ("int8_aqt", "int8_aqt", "integer", ())
     assert qcheck.get_recipe("int8").matmul == "float"
 
+
+
+def test_float_exact_names_a_weight_scale_shared_across_groups_should_fail():
+    """The same neighbour on the float path: qcheck's int8 with the ragged weight calibrated over all experts."""
+    lhs, rhs = probe_site_operands(3, (16, 32), (4, 32, 8), RAGGED_AXES)
+
+    def shared(a, b, gs):
+        qa = referees.reference_qdq(np.asarray(a), "int8", axis=(1,), ftz=True, xla_reciprocal=True)
+        qb = referees.reference_qdq(np.asarray(b), "int8", axis=(0, 1), ftz=True, xla_reciprocal=True)
+        return jax.lax.ragged_dot(qa, qb, gs)
+
+    with pytest.raises(AssertionError, match=r"ragged_dot \(int8 x int8\): differs .*it equals rhs with one weight "
+                                             r"scale shared across groups \(calibrated over groups and contraction\) "
+                                             r"bitwise"):
+        assert_site_ragged_exact(shared, lhs, rhs, probe_group_sizes(16, 4, 3), lhs_format="int8", rhs_format="int8")

@@ -10,8 +10,11 @@ site here gets its own config from the factory, never AQT's shared default.
 So the sparse path runs through the site's ``AqtEinsum`` by default
 (``ragged="einsum"``): a recipe must survive every invariant, and qcheck's
 golden cases and train step take a gradient. ``ragged="aqt"`` runs AQT's own
-ragged_dot, for forward-only use; its defects are pinned against the real
-library in qcheck's tests/test_adapters.py.
+ragged_dot, for forward-only use (registered as ``aqt_int8_ragged``): the
+recipe declares the missing gradient (:data:`AQT_RAGGED_NO_GRADIENT`, the
+suite asserts AQT still refuses it) and the shared weight scale, which the
+``exact`` check catches (:data:`AQT_RAGGED_SHARED_SCALE`, its failure
+asserted). Its defects are also pinned in qcheck's tests/test_adapters.py.
 """
 
 from __future__ import annotations
