@@ -12,6 +12,7 @@ import pytest
 from qcheck.recipes import KnownDefect, Unsupported, assert_still_unsupported
 from qcheck.suite import _declared, invariants, matrix
 from qcheck.suite.cases import Case, Variant
+from tests.helpers import INNER
 
 pytest.importorskip("aqt.jax.v2")
 from qcheck.adapters import AQT_RAGGED_NO_GRADIENT, AQT_RAGGED_SHARED_SCALE  # noqa: E402
@@ -107,3 +108,26 @@ def test_matrix_names_the_refusal_and_the_defect_in_notes():
     assert "[2] aqt_int8_ragged-mixtral-sparse backward:\n    not supported by aqtp 0.9.0: aqt_ragged_dot" in table
     detail = json.loads(matrix.to_json([row]))["aqt_int8_ragged-mixtral-sparse"]["grads"]
     assert detail["status"] == "unsupported" and detail["detail"].startswith("not supported by aqtp 0.9.0: ")
+
+
+def test_plugin_moves_declared_cells_from_their_invariant_test_to_the_declared_test(pytester):
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.qcheck_invariant("exact")
+        def test_exact(qcheck_case):
+            pass
+
+        def test_declared(qcheck_declared):
+            pass
+        """
+    )
+    result = pytester.runpytest("--collect-only", "-q", *INNER, "--qcheck-recipe=aqt_int8_ragged")
+    # Only this file's items: the plugin adds its own suite modules to a run that selects recipes.
+    ids = {line.split("::", 1)[1] for line in result.outlines if line.startswith("test_plugin_moves")}
+    assert {i for i in ids if i.startswith("test_exact")} == {
+        f"test_exact[aqt_int8_ragged-{v}]" for v in ("mixtral-dense", "mixtral-dense-drop", "gemma-dense")}
+    assert {i for i in ids if i.startswith("test_declared")} == {
+        f"test_declared[aqt_int8_ragged-{m}-sparse-{n}]" for m in ("mixtral", "gemma")
+        for n in ("exact", "backward", "grads")}
