@@ -5,7 +5,10 @@ the relative norm against ``none``, ``sharded`` the largest difference from the
 single-device output, ``rng`` the u32 entry parameters of the train step),
 ``-`` (the invariant does not apply to the case) or ``FAIL [n]``, where ``[n]``
 points to the failure's full text below the table (and in ``--json``): the
-diagnosis and the command that fixes it are never cut.
+diagnosis and the command that fixes it are never cut. A cell its recipe
+declares (:mod:`qcheck.suite._declared`) reads ``not supported [n]`` (the
+library refuses the case) or ``known defect [n]`` (the check fails as declared),
+its note the library, version and reason; it turns ``FAIL`` once untrue.
 
 Cases are independent (same seed, same bits in any process), so the matrix can
 run them in worker processes (:func:`worker_pool`): compiling dominates and is
