@@ -22,10 +22,20 @@ from qcheck._site_exact import assert_site_exact, assert_site_ragged_exact, prob
 from qcheck.bridge import QuantSite
 from qcheck.recipes import einsum_axes
 from qcheck.recipes._axes import RAGGED_AXES
-from qcheck.suite.invariants import _site_einsum, _site_ragged_dot, probe_group_sizes
+from qcheck.suite.invariants import probe_group_sizes
 
 pytest.importorskip("aqt.jax.v2")
 from qcheck.adapters import aqt_int8, aqt_int8_ragged  # noqa: E402
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _site_einsum(graphdef, eqn: str, state, lhs, rhs):
+    return nnx.merge(graphdef, state, copy=True)(eqn, lhs, rhs)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _site_ragged_dot(graphdef, state, lhs, rhs, group_sizes):
+    return nnx.merge(graphdef, state, copy=True).ragged_dot(lhs, rhs, group_sizes)
+
 
 # The mixtral layer's call sites: dot_general gets the einsum's lhs first for wi, its rhs first for wo.
 SITES = [("wi_0", "BSM,EMH->BSEH", (2, 8, 32), (4, 32, 16), "lhs"),
