@@ -181,4 +181,6 @@ def aqt_int8() -> AqtRecipe:
 
 def aqt_int8_ragged() -> AqtRecipe:
     """:func:`aqt_int8` with AQT's own ``ragged_dot`` on the sparse path: forward only, one weight scale."""
-    return aqt_recipe("aqt_int8_ragged", ragged="aqt", lhs="int8_aqt", rhs="int8_aqt")
+    recipe = aqt_recipe("aqt_int8_ragged", ragged="aqt", lhs="int8_aqt", rhs="int8_aqt")
+    recipe.paths = ("sparse",)  # its dense path is aqt_int8's: the same AqtEinsum, the same cases
+    return recipe

@@ -132,6 +132,11 @@ class Recipe:
             check_choice("fp8_target", fp8_target, FP8_TARGETS)
         self.fp8_target = fp8_target
 
+    #: The layer paths the suite's cases run this recipe on. A recipe that
+    #: differs from another only on one path narrows it, so the suite does not
+    #: run the other path's cases twice (qcheck.adapters.aqt_int8_ragged).
+    paths: tuple[str, ...] = ("dense", "sparse")
+
     #: The paths on which the suite holds the sites' gradients bitwise to a
     #: reference (the ``backward`` invariant). A recipe narrows it where no
     #: exact reference exists, saying why (qcheck.adapters' library recipes).

@@ -119,7 +119,8 @@ def cases(
         Case(r, v)
         for r in names
         for v in VARIANTS
-        if (models is None or v.model in models) and (paths is None or v.path in paths)
+        if v.path in get_recipe(r).paths
+        and (models is None or v.model in models) and (paths is None or v.path in paths)
     ]
 
 
