@@ -1,7 +1,8 @@
 """The quantization libraries people ship, run through qcheck as recipes.
 
 Flax's fp8 modules are always available (qcheck depends on Flax). AQT v2
-(``pip install 'qcheck[aqt]'``) and qwix (``qcheck[qwix]``) load on first use
+(``pip install 'qcheck[aqt]'``) and qwix (``qcheck[qwix]``, an interception
+recipe: qwix applied to the ``none`` layer's call sites) load on first use
 of their names, so importing this package needs neither; without them those
 names raise ImportError saying which extra to install.
 
@@ -32,22 +33,26 @@ __all__ = [
     "FLAX_FP8_MODULES",
     "AqtRecipe",
     "FlaxFp8Recipe",
+    "QwixRecipe",
     "aqt_int8",
     "aqt_recipe",
     "flax_fp8",
     "flax_fp8_recipe",
     "flax_nanoo_fp8",
     "installed_recipes",
+    "qwix_int8",
     "qwix_quantize_model",
     "ragged_dot_from_einsum",
 ]
 
 _LAZY = {name: "qcheck.adapters._aqt" for name in ("AQT_RAGGED", "AqtRecipe", "aqt_int8", "aqt_recipe")}
 _LAZY["qwix_quantize_model"] = "qcheck.adapters._qwix"
+_LAZY.update({name: "qcheck.adapters._qwix_recipe" for name in ("QwixRecipe", "qwix_int8")})
 
 if TYPE_CHECKING:
     from qcheck.adapters._aqt import AQT_RAGGED, AqtRecipe, aqt_int8, aqt_recipe
     from qcheck.adapters._qwix import qwix_quantize_model
+    from qcheck.adapters._qwix_recipe import QwixRecipe, qwix_int8
 
 
 def __getattr__(name: str):
@@ -74,4 +79,6 @@ def installed_recipes() -> tuple[Recipe, ...]:
     recipes: list[Recipe] = [flax_fp8(), flax_nanoo_fp8()]
     if _has("aqt"):
         recipes.append(importlib.import_module("qcheck.adapters._aqt").aqt_int8())
+    if _has("qwix"):
+        recipes.append(importlib.import_module("qcheck.adapters._qwix_recipe").qwix_int8())
     return tuple(recipes)
