@@ -481,7 +481,14 @@ def test_installed_recipes_include_aqt_when_aqtp_is_installed():
     _aqt()
     from qcheck.adapters import installed_recipes
 
-    assert [r.name for r in installed_recipes()] == ["flax_fp8", "flax_nanoo_fp8", "aqt_int8"]
+    assert [r.name for r in installed_recipes()][:3] == ["flax_fp8", "flax_nanoo_fp8", "aqt_int8"]
+
+
+def test_installed_recipes_include_qwix_int8_when_qwix_is_installed():
+    pytest.importorskip("qwix")
+    from qcheck.adapters import installed_recipes
+
+    assert [r.name for r in installed_recipes()][-1] == "qwix_int8"
 
 
 def test_installed_recipes_leave_out_a_missing_library(monkeypatch):
@@ -615,11 +622,11 @@ def test_qwix_weight_only_rule_skips_a_weight_passed_to_a_child_module():
 
 @_qwix_test
 def test_qwix_cannot_walk_a_qcheck_layer_and_qcheck_says_why():
-    """qwix.quantize_model on any model holding nnx.bridge.ToNNX (qwix 0.1.8): every qcheck layer does."""
+    """qwix.quantize_model on any model holding nnx.bridge.ToNNX (qwix 0.1.8): every quantized qcheck layer does."""
     _qwix()
     from qcheck.adapters import qwix_quantize_model
 
-    layer = qcheck.build_moe("mixtral", "none")
+    layer = qcheck.build_moe("mixtral", "int8")
     x = jnp.asarray(_input())
     provider = _qwix_rule(weight_qtype=jnp.int8, act_qtype=jnp.int8)
     with pytest.raises(ValueError, match=r"Cannot infer collection name from value: \('sites', 'wi_0'\)"):
