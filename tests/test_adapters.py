@@ -23,6 +23,7 @@ from qcheck import checks, step
 from qcheck.adapters import flax_fp8, flax_fp8_recipe, flax_nanoo_fp8, ragged_dot_from_einsum
 from qcheck.checks import assert_amax_histories_follow_operands, assert_ragged_groups_independent
 from qcheck.bridge import QuantSite
+from qcheck.suite import cases, invariants
 
 BATCH, SEQ = 2, 8
 
@@ -660,3 +661,39 @@ def test_qwix_adapter_without_qwix_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "qwix", None)
     with pytest.raises(ImportError, match=r"pip install 'qcheck\[qwix\]'"):
         importlib.import_module("qcheck.adapters._qwix")
+
+
+# -- qwix as a qcheck recipe (qcheck.adapters.qwix_int8, an interception recipe) ----------------
+
+
+def _qwix_int8_case(model: str, path: str):
+    _qwix()
+    return cases.Case("qwix_int8", cases.Variant(model, path, False))
+
+
+@_qwix_test
+def test_qwix_int8_recipe_sparse_layer_differs_on_a_mesh():
+    """qwix 0.1.8 int8 (jax 0.10.2, CPU): Mixtral's sparse qwix_int8 layer on the suite's 2 x 4 mesh computes
+    another function than on one device; the `sharded` invariant catches it, and the recipe declares it
+    (its matrix cell reads "defect")."""
+    from qcheck.adapters._qwix_recipe import QWIX_INT8_SHARDED_SPARSE
+
+    with pytest.raises(AssertionError, match=QWIX_INT8_SHARDED_SPARSE.match + r", by up to 0\.0\d+"):
+        invariants.check_sharded(_qwix_int8_case("mixtral", "sparse"))
+
+
+@_qwix_test
+def test_qwix_int8_recipe_sparse_layer_matches_on_a_mesh_for_gemma_should_pass():
+    assert invariants.check_sharded(_qwix_int8_case("gemma", "sparse")) <= invariants.SHARDED_ATOL
+
+
+@_qwix_test
+def test_qwix_int8_recipe_sparse_site_shares_one_weight_scale_across_experts():
+    """qwix 0.1.8 through qcheck's qwix_int8 recipe: the sparse path's call site (qwix's ragged_dot) scales all
+    experts' weights together, as on a user's model (the row above)."""
+    site = cases.layer(_qwix_int8_case("mixtral", "sparse")).get_einsum("wi_0")
+    lhs, rhs = checks.probe_operands(0, (12, 32), (3, 32, 8))
+    with pytest.raises(AssertionError, match=r"assert_ragged_groups_independent: qwix_int8 site: scaling group 0's "
+                                             r"weights by 1000 changed 7 of 7 rows .*one weight scale shared"):
+        assert_ragged_groups_independent(site.ragged_dot, lhs, rhs, np.array([5, 7, 0], np.int32),
+                                         label="qwix_int8 site")

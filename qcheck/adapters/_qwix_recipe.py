@@ -43,7 +43,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("qcheck.adapters' qwix recipes need qwix: pip install 'qcheck[qwix]'") from e
 
-from qcheck.recipes import InterceptRecipe
+from qcheck.recipes import InterceptRecipe, KnownDefect
 
 __all__ = ["QwixRecipe", "qwix_int8"]
 
@@ -146,9 +146,25 @@ def _even_groups(rows: int, groups: int) -> jax.Array:
     return jnp.asarray(sizes, jnp.int32)
 
 
+#: qwix 0.1.8 (jax 0.10.2, CPU): on the 2 x 4 mesh, Mixtral's sparse layer computes another function
+#: than on one device; its first site (wi_0) already differs, in 24 of 128 rows, for the same operands.
+QWIX_INT8_SHARDED_SPARSE = KnownDefect(
+    "sharded", "mixtral-sparse",
+    match=r"qwix_int8-mixtral-sparse: the sharded layer differs from the single-device one at \d+ of 2048 values",
+    reason="qwix 0.1.8's int8 ragged_dot gives other results on a 2 x 4 mesh than on one device",
+)
+
+
 def qwix_int8(name: str = "qwix_int8") -> QwixRecipe:
-    """qwix's QAT int8 (weights and activations int8, absmax, dynamic scales; gradients straight through)."""
+    """qwix's QAT int8 (weights and activations int8, absmax, dynamic scales; gradients straight through).
+
+    No operand formats are declared: qwix's codes are ``int8_qwix`` (tests/test_int8_libraries.py), but it
+    multiplies the int8 codes and rescales the product, which differs from the matmul of the dequantized
+    operands in the last bits (most outputs on the dense path), so the ``exact`` invariant has no bitwise reference.
+    """
     rule = qwix.QtRule(module_path=".*", weight_qtype=jnp.int8, act_qtype=jnp.int8)
-    return QwixRecipe(name, [rule])
+    recipe = QwixRecipe(name, [rule])
+    recipe.known_defects = (QWIX_INT8_SHARDED_SPARSE,)
+    return recipe
 
 

@@ -124,6 +124,11 @@ class Recipe:
     #: exact reference exists, saying why (qcheck.adapters' library recipes).
     backward_paths: tuple[str, ...] = ("dense", "sparse")
 
+    #: Cells this recipe fails because of a known defect in the library it
+    #: runs (:class:`qcheck.recipes.KnownDefect`): the suite runs each and
+    #: requires that failure and its message, never skips it.
+    known_defects: tuple = ()
+
     @property
     def quantized(self) -> bool:
         """False only for the unquantized reference recipe."""
