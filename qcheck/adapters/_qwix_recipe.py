@@ -69,6 +69,13 @@ def _quietly(method):
     return call
 
 
+def _qtype(qtype) -> str:
+    try:
+        return jnp.dtype(qtype).name
+    except TypeError:  # qwix also takes names of its own types ("nf4", "mxfp8")
+        return str(qtype)
+
+
 def _check_rule(recipe: str, i: int, rule) -> None:
     if not isinstance(rule, qwix.QtRule):
         raise TypeError(f"QwixRecipe {recipe!r}: rules[{i}] must be a qwix.QtRule, got {type(rule).__name__}")
@@ -78,8 +85,8 @@ def _check_rule(recipe: str, i: int, rule) -> None:
         why = (f"weight_qtype={rule.weight_qtype!r}, act_qtype={rule.act_qtype!r}: qwix's QT provider skips a "
                "matmul without weight_qtype, and one without act_qtype leaves what it takes for an activation in "
                "full precision")
-    elif jnp.dtype(rule.weight_qtype) != jnp.dtype(rule.act_qtype):
-        why = f"weight_qtype {jnp.dtype(rule.weight_qtype)} differs from act_qtype {jnp.dtype(rule.act_qtype)}"
+    elif _qtype(rule.weight_qtype) != _qtype(rule.act_qtype):
+        why = f"weight_qtype {_qtype(rule.weight_qtype)} differs from act_qtype {_qtype(rule.act_qtype)}"
     elif rule.weight_calibration_method != act_method:
         why = f"weight_calibration_method {rule.weight_calibration_method!r} differs from act_calibration_method {act_method!r}"
     elif rule.act_static_scale:
