@@ -326,11 +326,14 @@ def build_moe(
         dtype=dtype,
         mesh=mesh,
     )
-    if not intercept:
-        return layer
-    # An interception recipe's layer is the `none` layer, transformed.
+    return transform_layer(layer, recipe) if intercept else layer
+
+
+def transform_layer(layer: MoE, recipe: InterceptRecipe) -> MoE:
+    """An interception recipe's layer: ``recipe.transform`` of a freshly built ``none`` layer."""
     layer.recipe_name = recipe.name
-    sample = jax.random.normal(jax.random.key(seed), (1, 8, config.emb), jnp.float32)
+    # Libraries that initialize by running the model get a fixed sample; its values do not matter to them.
+    sample = jax.random.normal(jax.random.key(0), (1, 8, layer.config.emb), jnp.float32)
     return recipe.transform(layer, sample)
 
 

@@ -77,7 +77,20 @@ def test_intercept_recipe_bad_transform_is_named(kwargs, error, match):
 
 def test_intercept_recipe_has_no_site_module_to_build_a_layer_around():
     with pytest.raises(TypeError, match=r"InterceptRecipe 'doubled_wo' has no site module: .*qcheck.build_moe"):
-        build_decoder("mixtral", InterceptRecipe("doubled_wo", _double_wo), layers=1)
+        MoE(MODELS["mixtral"], InterceptRecipe("doubled_wo", _double_wo), rngs=nnx.Rngs(0))
+
+
+def test_unrolled_decoder_builds_an_intercept_recipe_layer_by_layer():
+    d = build_decoder("mixtral", InterceptRecipe("doubled_wo", _double_wo), layers=2)
+    assert [type(layer.sites["wo"]) for layer in d.layers] == [_Doubled, _Doubled]
+    mine = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(d, nnx.Param))}
+    none = _decoder_params("none")
+    assert mine.keys() == none.keys() and all(np.array_equal(mine[k], none[k]) for k in none)
+
+
+def test_scanned_decoder_refuses_an_intercept_recipe():
+    with pytest.raises(ValueError, match=r"recipe 'doubled_wo' is an InterceptRecipe: .*use scan=False"):
+        build_decoder("mixtral", InterceptRecipe("doubled_wo", _double_wo), layers=2, scan=True)
 
 
 # -- qwix ------------------------------------------------------------------------
