@@ -1,5 +1,6 @@
 """Interception recipes: the `none` layer's walkable call sites, InterceptRecipe, and qwix_int8 built through it."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -157,3 +158,30 @@ def test_qwix_recipe_bad_rules_are_named():
         QwixRecipe("q", [])
     with pytest.raises(TypeError, match=r"QwixRecipe 'q': rules\[0\] must be a qwix.QtRule, got dict"):
         QwixRecipe("q", [dict(weight_qtype=jnp.int8)])
+
+
+def _site_vjp(recipe: str, path: str, lhs, rhs):
+    site = cases.layer(cases.Case(recipe, cases.Variant("mixtral", path, False))).get_einsum("wi_0")
+    graphdef, state = nnx.split(site)
+    sizes = jnp.asarray([16] * 8, jnp.int32)
+
+    def run(a, b):
+        s = nnx.merge(graphdef, state)
+        return s("BSM,EMH->BSEH", a, b) if path == "dense" else s.ragged_dot(a, b, sizes)
+
+    y, vjp = jax.vjp(jax.jit(run), lhs, rhs)
+    g = 0.37 + jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape) * 1e-3
+    return np.asarray(y), [np.asarray(t) for t in vjp(g)]
+
+
+@qwix_test
+@pytest.mark.parametrize("path, lhs_shape, same", [("dense", (2, 32, 32), True), ("sparse", (128, 32), False)])
+def test_qwix_int8_site_gradients_against_the_unquantized_sites(path, lhs_shape, same):
+    """Why `backward` does not apply to qwix_int8 (qwix 0.1.8, no bwd_qtype): on the dense path the gradients are
+    the unquantized site's, bitwise (qwix keeps the original operands for the backward pass), not the product with
+    the quantized operands that qcheck's straight-through referee computes; its ragged_dot's differ from the unquantized ones."""
+    _qwix()
+    lhs, rhs = checks.probe_operands(0, lhs_shape, (8, 32, 64))
+    (yq, gq), (yn, gn) = _site_vjp("qwix_int8", path, lhs, rhs), _site_vjp("none", path, lhs, rhs)
+    assert not np.array_equal(yq, yn)
+    assert [np.array_equal(a, b) for a, b in zip(gq, gn)] == [same, same]
