@@ -27,7 +27,7 @@ from qcheck._plain_site import UnquantizedSite
 from qcheck.bridge import QuantSite
 from qcheck.recipes import ApplyRngs, InterceptRecipe, Recipe, get_recipe
 
-__all__ = ["MESH_AXES", "MODELS", "PATHS", "MoE", "MoEConfig", "SiteSpec", "build_moe"]
+__all__ = ["MESH_AXES", "MODELS", "PATHS", "MoE", "MoEConfig", "SiteSpec", "build_moe", "transform_layer"]
 
 #: The mesh axes a sharded layer expects: tokens split over "data", experts over "expert".
 MESH_AXES = ("data", "expert")

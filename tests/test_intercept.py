@@ -179,7 +179,8 @@ def _site_vjp(recipe: str, path: str, lhs, rhs):
 def test_qwix_int8_site_gradients_against_the_unquantized_sites(path, lhs_shape, same):
     """Why `backward` does not apply to qwix_int8 (qwix 0.1.8, no bwd_qtype): on the dense path the gradients are
     the unquantized site's, bitwise (qwix keeps the original operands for the backward pass), not the product with
-    the quantized operands that qcheck's straight-through referee computes; its ragged_dot's differ from the unquantized ones."""
+    the quantized operands that qcheck's straight-through referee computes; its ragged_dot's differ from the
+    unquantized ones."""
     _qwix()
     lhs, rhs = checks.probe_operands(0, lhs_shape, (8, 32, 64))
     (yq, gq), (yn, gn) = _site_vjp("qwix_int8", path, lhs, rhs), _site_vjp("none", path, lhs, rhs)

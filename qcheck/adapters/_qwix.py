@@ -1,4 +1,4 @@
-"""qwix (pip ``qwix``): why a quantized qcheck layer cannot be handed to ``qwix.quantize_model``, and the ways that work.
+"""qwix (pip ``qwix``): why a quantized qcheck layer cannot go to ``qwix.quantize_model``, and the ways that work.
 
 qwix quantizes a model by intercepting ``jnp.einsum``, ``jax.lax.dot_general``
 and ``jax.lax.ragged_dot`` while it runs, and tells weights from activations by
@@ -53,8 +53,9 @@ def qwix_quantize_model(model: nnx.Module, provider: Any, *model_inputs: Any, **
             f"qwix_quantize_model: model {type(model).__name__} holds nnx.bridge.ToNNX modules at "
             f"{', '.join(bridged[:4])}{' ...' if len(bridged) > 4 else ''} ({len(bridged)} in all). "
             "qwix.quantize_model (qwix 0.1.8) cannot place a bridged Linen module's variables in an NNX "
-            "collection, and a quantized qcheck layer's call sites (QuantSite) are such modules. Build the `none` "
-            "layer (plain NNX call sites) and quantize it with qcheck.adapters.QwixRecipe, or quantize your own model, whose "
+            "collection, and a quantized qcheck layer's call sites (QuantSite) are such modules. Build the "
+            "`none` layer (plain NNX call sites) and quantize it with qcheck.adapters.QwixRecipe, or quantize "
+            "your own model, whose "
             "matmuls are jnp.einsum / jax.lax.dot_general / jax.lax.ragged_dot on its own nnx.Param weights, and "
             "check it against its unquantized twin with qcheck.checks.assert_tracks, "
             "qcheck.checks.assert_ragged_groups_independent and qcheck.coverage (see docs/libraries.md)")

@@ -88,7 +88,8 @@ def _check_rule(recipe: str, i: int, rule) -> None:
     elif _qtype(rule.weight_qtype) != _qtype(rule.act_qtype):
         why = f"weight_qtype {_qtype(rule.weight_qtype)} differs from act_qtype {_qtype(rule.act_qtype)}"
     elif rule.weight_calibration_method != act_method:
-        why = f"weight_calibration_method {rule.weight_calibration_method!r} differs from act_calibration_method {act_method!r}"
+        why = (f"weight_calibration_method {rule.weight_calibration_method!r} differs from "
+               f"act_calibration_method {act_method!r}")
     elif rule.act_static_scale:
         why = "act_static_scale=True would give the weights running activation statistics"
     elif rule.bwd_weight_grad_tile_size is not None:
