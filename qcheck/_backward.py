@@ -45,9 +45,12 @@ from qcheck.recipes._axes import RAGGED_AXES
 __all__ = [
     "assert_site_backward_exact",
     "assert_site_ragged_backward_exact",
+    "check_einsum_grads",
+    "check_ragged_grads",
     "probe_grad",
     "probe_nvfp4",
     "site_dgrad_key",
+    "site_grads",
 ]
 
 # The gradient flavour that goes with each forward e4m3 flavour: same family.
@@ -150,18 +153,23 @@ class _MakeRng(nn.Module):
 # -- the programs: one per kind of site (its graph definition) and shapes ---------------
 
 
+def site_grads(site, eqn: str | None, lhs, rhs, group_sizes, g, key) -> tuple[jax.Array, jax.Array]:
+    """The site's (dgrad, wgrad) for output gradient ``g``, traced in the caller's program (``eqn`` None: ragged_dot)."""
+    if eqn is None:
+        _, vjp = jax.vjp(lambda a, b: site.ragged_dot(a, b, group_sizes, rngs=key), lhs, rhs)
+    else:
+        _, vjp = jax.vjp(lambda a, b: site(eqn, a, b, rngs=key), lhs, rhs)
+    return vjp(g)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _einsum_site_grads(graphdef, eqn: str, state, lhs, rhs, g, key):
-    site = nnx.merge(graphdef, state, copy=True)
-    _, vjp = jax.vjp(lambda a, b: site(eqn, a, b, rngs=key), lhs, rhs)
-    return vjp(g)
+    return site_grads(nnx.merge(graphdef, state, copy=True), eqn, lhs, rhs, None, g, key)
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _ragged_site_grads(graphdef, state, lhs, rhs, group_sizes, g, key):
-    site = nnx.merge(graphdef, state, copy=True)
-    _, vjp = jax.vjp(lambda a, b: site.ragged_dot(a, b, group_sizes, rngs=key), lhs, rhs)
-    return vjp(g)
+    return site_grads(nnx.merge(graphdef, state, copy=True), None, lhs, rhs, group_sizes, g, key)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -397,14 +405,24 @@ def assert_site_backward_exact(
     bug's gradient differs from the reference in: the margin the check had.
     """
     __tracebackhide__ = True
+    graphdef, state = nnx.split(site)
+    return check_einsum_grads(site, eqn, lhs, rhs, g, recipe=recipe, key=key, site_grads=(
+        lambda a, b, gg, k: _einsum_site_grads(graphdef, eqn, state, a, b, gg, k)))
+
+
+def check_einsum_grads(site: QuantSite, eqn: str, lhs: ArrayLike, rhs: ArrayLike, g: ArrayLike, *,
+                       recipe: Recipe, key: jax.Array | None, site_grads) -> dict[str, int]:
+    """:func:`assert_site_backward_exact` with the site's gradients from ``site_grads(lhs, rhs, g, key)``.
+
+    For a caller that ran the site inside a larger program of its own (:func:`site_grads`).
+    """
+    __tracebackhide__ = True
     lhs, rhs, g = (_float32(x, w) for x, w in ((lhs, "lhs"), (rhs, "rhs"), (g, "g")))
     axes = einsum_axes(eqn, lhs.ndim, rhs.ndim)
     _check_g_shape("assert_site_backward_exact", g, jax.eval_shape(functools.partial(jnp.einsum, eqn), lhs, rhs))
     key = jax.random.key(0) if key is None else key
-    graphdef, state = nnx.split(site)
     return _check(
-        "assert_site_backward_exact", site, recipe, axes, lhs, rhs, g, key,
-        lambda a, b, gg, k: _einsum_site_grads(graphdef, eqn, state, a, b, gg, k),
+        "assert_site_backward_exact", site, recipe, axes, lhs, rhs, g, key, site_grads,
         lambda a, b, gd, gw: _einsum_grad_matmuls(eqn, a, b, gd, gw),
     )
 
@@ -421,15 +439,23 @@ def assert_site_ragged_backward_exact(
 ) -> dict[str, int]:
     """:func:`assert_site_backward_exact` for a sparse site's ``ragged_dot(lhs[m, k], rhs[e, k, n], group_sizes)``."""
     __tracebackhide__ = True
+    graphdef, state = nnx.split(site)
+    gs = jax.device_put(np.asarray(group_sizes, np.int32))
+    return check_ragged_grads(site, lhs, rhs, group_sizes, g, recipe=recipe, key=key, site_grads=(
+        lambda a, b, gg, k: _ragged_site_grads(graphdef, state, a, b, gs, gg, k)))
+
+
+def check_ragged_grads(site: QuantSite, lhs: ArrayLike, rhs: ArrayLike, group_sizes: ArrayLike, g: ArrayLike, *,
+                       recipe: Recipe, key: jax.Array | None, site_grads) -> dict[str, int]:
+    """:func:`assert_site_ragged_backward_exact` with the site's gradients from ``site_grads(lhs, rhs, g, key)``."""
+    __tracebackhide__ = True
     lhs, rhs, g = (_float32(x, w) for x, w in ((lhs, "lhs"), (rhs, "rhs"), (g, "g")))
     gs = jax.device_put(np.asarray(group_sizes, np.int32))
     _check_g_shape("assert_site_ragged_backward_exact", g,
                    jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[-1]), np.float32))
     key = jax.random.key(0) if key is None else key
-    graphdef, state = nnx.split(site)
     return _check(
-        "assert_site_ragged_backward_exact", site, recipe, RAGGED_AXES, lhs, rhs, g, key,
-        lambda a, b, gg, k: _ragged_site_grads(graphdef, state, a, b, gs, gg, k),
+        "assert_site_ragged_backward_exact", site, recipe, RAGGED_AXES, lhs, rhs, g, key, site_grads,
         lambda a, b, gd, gw: _ragged_grad_matmuls(a, b, gs, gd, gw),
     )
 

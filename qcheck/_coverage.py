@@ -142,7 +142,11 @@ class MatmulRecord:
     quantization; None when not computed: full-precision operands, scaled
     matmuls, matmuls inside scan/while/cond bodies (their bodies are walked
     for quantization only), operands narrow from the start (no earlier value),
-    or ``errors=False``.
+    or ``errors=False``. ``backward``: the matmul belongs to the backward pass
+    (it depends on the output gradient; only with ``coverage(..., backward=True)``).
+    ``lhs_casts``/``rhs_casts``: every narrow type the operand's quantized chain
+    was cast to (or arrived in), its scales' included (NVFP4's e4m3fn block
+    scales beside its emulated e2m1 codes), where ``lhs``/``rhs`` report one.
     """
 
     primitive: str
@@ -155,6 +159,9 @@ class MatmulRecord:
     lhs: OperandQuant
     rhs: OperandQuant
     error: float | None = None
+    backward: bool = False
+    lhs_casts: frozenset[str] = frozenset()
+    rhs_casts: frozenset[str] = frozenset()
 
     @property
     def quantized(self) -> bool:
@@ -247,13 +254,15 @@ class _Val:
     scale: bool = False  # a scalar, or broadcast from fewer elements
     actual: Any = None
     shadow: Any = None  # the value before quantization (actual when not on a quantized chain)
+    grad: bool = False  # depends on the output gradient: part of the backward pass
+    casts: frozenset[str] = frozenset()  # every narrow type on the quantized chain, codes and scales alike
 
 
 def _input_val(aval: Any, value: Any = None, const: bool = False) -> _Val:
     bits = _narrow_bits(aval.dtype) if hasattr(aval, "dtype") else None
     quant = OperandQuant("cast", str(np.dtype(aval.dtype)), "input") if bits else None
     scale = getattr(aval, "size", 2) == 1
-    return _Val(quant, const, scale, value, value)
+    return _Val(quant, const, scale, value, value, casts=frozenset({quant.dtype}) if quant else frozenset())
 
 
 def _scan_operands(params: dict, ins: list) -> tuple[list, list, list]:
@@ -317,10 +326,18 @@ class _Walker:
                 self.run(sub, [None] * len(sub.constvars), self.align(ins, sub.invars), where, values=False)
         quant = self.propagate(eqn, ins)
         const = all(v.const for v in ins)
+        grad = any(v.grad for v in ins)
+        casts = frozenset()
+        if quant is not None:
+            # Scales and codes meet here: the record reports one quantization, this keeps every cast.
+            casts = frozenset().union(*(v.casts for v in ins))
+            if quant.kind == "cast" and not any(quant is v.quant for v in ins):
+                casts |= {quant.dtype}
         outs = []
         for i, var in enumerate(eqn.outvars):
             a = actual[i] if values else None
-            val = _Val(quant if i == 0 else None, const, getattr(var.aval, "size", 2) == 1, a, a)
+            val = _Val(quant if i == 0 else None, const, getattr(var.aval, "size", 2) == 1, a, a, grad=grad,
+                       casts=casts if i == 0 else frozenset())
             outs.append(val)
         if len(outs) == 1:
             outs[0].scale = outs[0].scale or self.scale_like(eqn, ins)
@@ -332,8 +349,9 @@ class _Walker:
     @staticmethod
     def align(ins: list[_Val], invars: Sequence[Any]) -> list[_Val]:
         if len(ins) == len(invars):
-            return [_Val(v.quant, v.const, v.scale) for v in ins]
-        return [_Val() for _ in invars]
+            return [_Val(v.quant, v.const, v.scale, grad=v.grad, casts=v.casts) for v in ins]
+        grad = any(v.grad for v in ins)
+        return [_Val(grad=grad) for _ in invars]
 
     @staticmethod
     def scale_like(eqn: jcore.JaxprEqn, ins: list[_Val]) -> bool:
@@ -411,6 +429,9 @@ class _Walker:
             rhs_dtype=str(np.dtype(eqn.invars[1].aval.dtype)),
             lhs=lhs.quant or _FULL,
             rhs=rhs.quant or _FULL,
+            backward=any(v.grad for v in ins),
+            lhs_casts=lhs.casts,
+            rhs_casts=rhs.casts,
         ))
         if out is None or eqn.primitive.name not in _ERROR_PRIMITIVES:
             return
@@ -446,8 +467,10 @@ class _Walker:
             # A carry is quantized only if every iteration leaves it so: iterate to a fixed point.
             for _ in range(len(carry_q) + 1):
                 saved = len(self.records)
-                body_ins = [_Val(v.quant, v.const, v.scale) for v in consts]
-                body_ins += [_Val(q) for q in carry_q] + [_Val(v.quant) for v in xs]
+                # Gradient dependence is not iterated to a fixed point: any input's taints the whole body.
+                grad = any(v.grad for v in ins)
+                body_ins = [_Val(v.quant, v.const, v.scale, grad=grad) for v in consts]
+                body_ins += [_Val(q, grad=grad) for q in carry_q] + [_Val(v.quant, grad=grad) for v in xs]
                 outs = self.run(body.jaxpr, body.consts, body_ins, where, values=False)
                 new_q = [q if q == o.quant else None for q, o in zip(carry_q, outs[:n_carry])]
                 if new_q == carry_q:
@@ -460,8 +483,9 @@ class _Walker:
         actual = None
         if values:
             actual = eqn.primitive.bind(*[v.actual for v in ins], **p)
-        return [_Val(q, False, False, None if actual is None else actual[i], None if actual is None else actual[i])
-                for i, q in enumerate(quants)]
+        grad = any(v.grad for v in ins)
+        return [_Val(q, False, False, None if actual is None else actual[i], None if actual is None else actual[i],
+                     grad=grad) for i, q in enumerate(quants)]
 
     @staticmethod
     def agree(quants: list[OperandQuant | None]) -> OperandQuant | None:
@@ -497,7 +521,36 @@ def _pure(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Callable[.
     return (lambda args, kwargs: fn(*args, **kwargs)), (args, kwargs), None
 
 
-def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, **kwargs: Any) -> list[MatmulRecord]:
+def _with_backward(pure: Callable[..., Any], inputs: tuple) -> tuple[Callable[..., Any], tuple, int]:
+    """``pure`` and its vjp as one function of (differentiable leaves, other leaves, seed); the seed's position.
+
+    Differentiated: every inexact leaf of the inputs (parameters and fp8 state
+    alike, as a train step does); keys and integers are held. The output
+    gradient is ``seed`` times ones, so the seed is the one input the backward
+    pass (and only it) depends on; a product keeps it from looking like a
+    broadcast scale to the walk.
+    """
+    leaves, treedef = jax.tree.flatten(inputs)
+    inexact = [jnp.issubdtype(getattr(x, "dtype", np.float32), jnp.inexact)
+               and not jnp.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.extended) for x in leaves]
+
+    def forward(diff, held):
+        diff_it, held_it = iter(diff), iter(held)
+        merged = [next(diff_it) if d else next(held_it) for d in inexact]
+        out = pure(*jax.tree.unflatten(treedef, merged))
+        return [o for o in jax.tree.leaves(out) if jnp.issubdtype(o.dtype, jnp.inexact)]
+
+    def both(diff, held, seed):
+        out, pull = jax.vjp(lambda d: forward(d, held), diff)
+        return out, pull([jnp.ones(o.shape, o.dtype) * seed.astype(o.dtype) for o in out])
+
+    diff = [x for x, d in zip(leaves, inexact) if d]
+    held = [x for x, d in zip(leaves, inexact) if not d]
+    return both, (diff, held, np.float32(1.0)), len(jax.tree.leaves((diff, held)))
+
+
+def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward: bool = False,
+             **kwargs: Any) -> list[MatmulRecord]:
     """One :class:`MatmulRecord` per matrix multiplication ``fn(*args, **kwargs)`` performs, in program order.
 
     ``fn`` is a function of arrays (pytrees) or an ``flax.nnx.Module``, which is
@@ -507,9 +560,20 @@ def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, **kwargs:
     program that also computes each quantized matmul's ``error`` (see
     :class:`MatmulRecord` for where it is None). Python scalars and other
     non-array arguments are traced as arrays; close over static ones.
+
+    ``backward``: trace a vjp of ``fn`` too (with respect to every inexact
+    input, an NNX module's state included, of its inexact outputs), still
+    tracing only; the matmuls of the backward pass come after the forward
+    pass's, with ``backward=True``. Not with ``errors``.
     """
+    if backward and errors:
+        raise ValueError("coverage: errors=True needs values, which the backward trace does not compute; "
+                         "pass errors=False with backward=True")
     pure, inputs, module = _pure(fn, args, kwargs)
     before = _state_bits(module) if module is not None else None
+    seed_at = None
+    if backward:
+        pure, inputs, seed_at = _with_backward(pure, inputs)
     closed = jax.make_jaxpr(pure)(*inputs)
     if module is not None:
         after = _state_bits(module)
@@ -519,6 +583,8 @@ def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, **kwargs:
             raise RuntimeError("coverage: tracing changed the module's state; it must not mutate its inputs")
     outer = ("<unknown>", "<unknown>")
     ins = [_input_val(v.aval) for v in closed.jaxpr.invars]
+    if seed_at is not None:
+        ins[seed_at].grad = True
     if not errors:
         walker = _Walker()
         walker.run(closed.jaxpr, closed.consts, ins, outer, values=False)
@@ -539,7 +605,7 @@ def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, **kwargs:
 
 
 def format_coverage(records: Sequence[MatmulRecord]) -> str:
-    """A table of the records, one line per matmul."""
+    """A table of the records, one line per matmul (with a ``pass`` column when any is from a backward pass)."""
     header = ("primitive", "location", "function", "lhs", "rhs", "quantized", "error")
     rows = [header] + [
         (r.primitive, r.location, r.function,
@@ -547,7 +613,10 @@ def format_coverage(records: Sequence[MatmulRecord]) -> str:
          "yes" if r.quantized else "NO", "-" if r.error is None else f"{r.error:.4g}")
         for r in records
     ]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    if any(r.backward for r in records):
+        rows = [rows[0] + ("pass",)] + [
+            row + ("backward" if r.backward else "forward",) for row, r in zip(rows[1:], records)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
 
 

@@ -47,7 +47,7 @@ import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike
 
-from qcheck import referees
+from qcheck import _integer_matmul, referees
 from qcheck.recipes import MatmulAxes, Recipe, einsum_axes, get_recipe
 from qcheck.recipes._axes import RAGGED_AXES
 
@@ -56,11 +56,13 @@ __all__ = [
     "NVFP4_DECODE_ORDERS",
     "SiteCall",
     "assert_layer_sites_exact",
+    "assert_site_calls_exact",
     "assert_site_exact",
     "assert_site_ragged_exact",
     "capture_site_calls",
     "operand_formats",
     "probe_site_operands",
+    "record_site_calls",
 ]
 
 #: NVFP4 decode orders the reference accepts: qcheck's documented one, and XLA's rewrite of it.
@@ -193,16 +195,54 @@ def _neighbours(mm: _Matmul, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt) -> Iterat
             except ValueError:  # the wrong axes cannot hold whole blocks: that bug could not run here
                 continue
             yield f"{side} in {fmt} along the wrong axes {wrong} (contraction: {axes})", with_(q)
+    # Per-slice formats only: a block format's blocks lie within one group's contraction either way.
+    if mm.eqn is None and rhs_fmt in _INTEGER_FORMATS:
+        yield _SHARED, mm(q_lhs, _qdq(rhs, rhs_fmt, _SHARED_AXES))
 
 
-def _check(check: str, site: str, mm: _Matmul, lhs, rhs, got, lhs_fmt: str, rhs_fmt: str, *, strict: bool) -> None:
+# A ragged weight calibrated over its groups and contraction: one scale shared by every expert (AQT, qwix).
+_SHARED_AXES = (0, 1)
+_SHARED = "rhs with one weight scale shared across groups (calibrated over groups and contraction)"
+_INTEGER_FORMATS = frozenset({"int8", "int8_aqt", "int8_qwix"})
+
+
+def _integer_reference(mm: _Matmul, lhs, rhs, lhs_fmt: str, rhs_fmt: str, order: str, rhs_axes=None) -> np.ndarray:
+    """The integer-mode reference: referee codes multiplied exactly, then the scales in ``order``."""
+    ftz = jax.default_backend() == "cpu"
+    rhs_axes = mm.axes.rhs if rhs_axes is None else rhs_axes
+    (cl, sl), (cr, sr) = ((c, s["slice"]) for c, s in (
+        referees.reference_quantize(lhs, lhs_fmt, axis=mm.axes.lhs, ftz=ftz, xla_reciprocal=True),
+        referees.reference_quantize(rhs, rhs_fmt, axis=rhs_axes, ftz=ftz, xla_reciprocal=True)))
+    if mm.eqn is None:
+        return _integer_matmul.integer_ragged_dot(cl, sl, cr, sr, mm.group_sizes, order=order, ftz=ftz)
+    return _integer_matmul.integer_einsum(mm.eqn, cl, sl, cr, sr, mm.axes, order=order, ftz=ftz)
+
+
+def _integer_neighbours(mm: _Matmul, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt) -> Iterator[tuple[str, np.ndarray]]:
+    """The integer-mode bugs: the float matmul a library might run instead, the scales in the other order."""
+    yield "the float32 matmul of the dequantized operands (matmul='float')", mm(q_lhs, q_rhs)
+    yield (f"the scales applied in the other order ({_integer_matmul.SCALE_ORDERS[1]})",
+           _integer_reference(mm, lhs, rhs, lhs_fmt, rhs_fmt, _integer_matmul.SCALE_ORDERS[1]))
+    if mm.eqn is None:
+        yield _SHARED + ", in integer arithmetic", _integer_reference(
+            mm, lhs, rhs, lhs_fmt, rhs_fmt, _integer_matmul.SCALE_ORDERS[0], rhs_axes=_SHARED_AXES)
+
+
+def _check(check: str, site: str, mm: _Matmul, lhs, rhs, got, lhs_fmt: str, rhs_fmt: str, *, strict: bool,
+           matmul: str = "float") -> None:
     __tracebackhide__ = True
-    prefix = f"{check}: site {site!r} {mm.what} ({lhs_fmt} x {rhs_fmt})"
+    integer = matmul == "integer"
+    prefix = f"{check}: site {site!r} {mm.what} ({lhs_fmt} x {rhs_fmt}{', integer matmul' if integer else ''})"
     q = {(o1, o2): (_qdq(lhs, lhs_fmt, mm.axes.lhs, o1), _qdq(rhs, rhs_fmt, mm.axes.rhs, o2))
          for o1, o2 in itertools.product(_orders(lhs_fmt), _orders(rhs_fmt))}
     q_lhs, q_rhs = q[(NVFP4_DECODE_ORDERS[0], NVFP4_DECODE_ORDERS[0])]
-    want = mm(q_lhs, q_rhs)
-    bugs = _neighbours(mm, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt)
+    if integer:
+        want = _integer_reference(mm, lhs, rhs, lhs_fmt, rhs_fmt, _integer_matmul.SCALE_ORDERS[0])
+        bugs = itertools.chain(_neighbours(mm, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt),
+                               _integer_neighbours(mm, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt))
+    else:
+        want = mm(q_lhs, q_rhs)
+        bugs = _neighbours(mm, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt)
     if not strict:  # the layer's own operands: only the bug every path can have must be tellable
         bugs = itertools.islice(bugs, 1)
     known = {}
@@ -211,8 +251,10 @@ def _check(check: str, site: str, mm: _Matmul, lhs, rhs, got, lhs_fmt: str, rhs_
             raise ValueError(f"{prefix}: for these operands the reference equals {desc} bitwise, so that bug "
                              "would pass; use probe_site_operands")
         known[desc] = bug
+    if integer and _equal(got, want):
+        return
     candidates = ((a, b, layout) for (a, b) in q.values() for layout in mm.layouts())
-    if any(_equal(got, mm(a, b, layout)) for a, b, layout in candidates):
+    if not integer and any(_equal(got, mm(a, b, layout)) for a, b, layout in candidates):
         return
     if got.shape != want.shape or got.dtype != want.dtype:
         raise AssertionError(f"{prefix}: result is {got.dtype}{list(got.shape)}, the reference "
@@ -221,6 +263,8 @@ def _check(check: str, site: str, mm: _Matmul, lhs, rhs, got, lhs_fmt: str, rhs_
     first = tuple(int(i) for i in np.argwhere(off)[0])
     if not strict:  # now it failed, name the bug if it is a known one
         known.update(_neighbours(mm, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt))
+        if integer:
+            known.update(_integer_neighbours(mm, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt))
     matched = [desc for desc, bug in known.items() if _equal(got, bug)]
     why = f"it equals {matched[0]} bitwise" if matched else (
         f"it matches no known bug; relative norm to the reference "
@@ -239,6 +283,7 @@ def assert_site_exact(
     lhs_format: str,
     rhs_format: str,
     site: str = "",
+    matmul: str = "float",
 ) -> None:
     """Assert ``einsum(eqn, lhs, rhs)`` equals the einsum of referee-quantized operands, bitwise.
 
@@ -246,14 +291,16 @@ def assert_site_exact(
     along the einsum's contraction axes. Operands that cannot tell the reference
     from a neighbouring bug are refused with a ValueError (see
     :func:`probe_site_operands`). ``site`` names the call site in messages.
+    ``matmul="integer"`` (int8 formats): the reference multiplies the codes
+    exactly and applies the scales after (:mod:`qcheck._integer_matmul`).
     """
     __tracebackhide__ = True
     check = "assert_site_exact"
     lhs, rhs = _float32(lhs, "lhs", check), _float32(rhs, "rhs", check)
-    _check_formats(check, lhs_format, rhs_format)
+    _check_formats(check, lhs_format, rhs_format, matmul=matmul)
     mm = _Matmul(eqn, lhs.shape, rhs.shape)
     got = np.asarray(einsum(eqn, jax.device_put(lhs), jax.device_put(rhs)))
-    _check(check, site, mm, lhs, rhs, got, lhs_format, rhs_format, strict=True)
+    _check(check, site, mm, lhs, rhs, got, lhs_format, rhs_format, strict=True, matmul=matmul)
 
 
 def assert_site_ragged_exact(
@@ -265,22 +312,28 @@ def assert_site_ragged_exact(
     lhs_format: str,
     rhs_format: str,
     site: str = "",
+    matmul: str = "float",
 ) -> None:
     """:func:`assert_site_exact` for a grouped matmul ``ragged_dot(lhs[m, k], rhs[g, k, n], group_sizes)``."""
     __tracebackhide__ = True
     check = "assert_site_ragged_exact"
     lhs, rhs = _float32(lhs, "lhs", check), _float32(rhs, "rhs", check)
-    _check_formats(check, lhs_format, rhs_format)
+    _check_formats(check, lhs_format, rhs_format, matmul=matmul)
     gs = np.asarray(group_sizes, np.int32)
     mm = _Matmul(None, lhs.shape, rhs.shape, gs)
     got = np.asarray(ragged_dot(jax.device_put(lhs), jax.device_put(rhs), jax.device_put(gs)))
-    _check(check, site, mm, lhs, rhs, got, lhs_format, rhs_format, strict=True)
+    _check(check, site, mm, lhs, rhs, got, lhs_format, rhs_format, strict=True, matmul=matmul)
 
 
-def _check_formats(check: str, *fmts: str) -> None:
+def _check_formats(check: str, *fmts: str, matmul: str = "float") -> None:
     for fmt in fmts:
         if fmt not in _NEIGHBOURS:
             raise ValueError(f"{check}: unknown format {fmt!r}; valid formats: {', '.join(_NEIGHBOURS)}")
+    if matmul not in _integer_matmul.MATMUL_MODES:
+        raise ValueError(f"{check}: unknown matmul {matmul!r}; valid: {', '.join(_integer_matmul.MATMUL_MODES)}")
+    if matmul == "integer" and (bad := [f for f in fmts if f not in _INTEGER_FORMATS]):
+        raise ValueError(f"{check}: matmul='integer' needs integer formats ({', '.join(sorted(_INTEGER_FORMATS))}), "
+                         f"got {', '.join(bad)}")
 
 
 def probe_site_operands(
@@ -350,13 +403,17 @@ class _Recorder:
         return out
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _capture(graphdef, state, x):
-    layer = nnx.merge(graphdef, state, copy=True)
+def record_site_calls(layer: nnx.Module, x: jax.Array) -> tuple[jax.Array, list[SiteCall]]:
+    """``layer(x)`` and its site calls, traced inside the caller's program; ``layer`` must be a copy it owns."""
     log: list[SiteCall] = []
     # The layer reads its sites through `self.sites`; this copy's reads go to the recorders.
     object.__setattr__(layer, "sites", {n: _Recorder(layer.sites[n], n, log) for n in layer.sites.keys()})
     return layer(x), log
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _capture(graphdef, state, x):
+    return record_site_calls(nnx.merge(graphdef, state, copy=True), x)
 
 
 def capture_site_calls(layer: nnx.Module, x: ArrayLike) -> tuple[jax.Array, list[SiteCall]]:
@@ -383,11 +440,25 @@ def assert_layer_sites_exact(layer: nnx.Module, x: ArrayLike, recipe: Recipe | s
     place), or computes anything else (a path that skips quantization).
     """
     __tracebackhide__ = True
+    operand_formats(recipe)  # a recipe without formats fails before anything compiles
+    _, calls = capture_site_calls(layer, x)
+    assert_site_calls_exact(tuple(layer.sites.keys()), calls, recipe, label=label)
+
+
+def assert_site_calls_exact(
+    sites: tuple[str, ...], calls: list[SiteCall], recipe: Recipe | str, *, label: str = ""
+) -> None:
+    """:func:`assert_layer_sites_exact` on calls already captured (by :func:`record_site_calls` in some program).
+
+    ``sites`` names every site the layer holds, so one that was never called fails.
+    """
+    __tracebackhide__ = True
     check = "assert_layer_sites_exact"
     where = f"{label}: " if label else ""
     lhs_fmt, rhs_fmt = operand_formats(recipe)
-    _, calls = capture_site_calls(layer, x)
-    counts = {name: 0 for name in layer.sites.keys()}
+    matmul = getattr(get_recipe(recipe), "matmul", "float")
+    _check_formats(check, lhs_fmt, rhs_fmt, matmul=matmul)
+    counts = {name: 0 for name in sites}
     for call in calls:
         counts[call.site] += 1
     tally = ", ".join(f"{n} x{c}" for n, c in counts.items())
@@ -403,6 +474,6 @@ def assert_layer_sites_exact(layer: nnx.Module, x: ArrayLike, recipe: Recipe | s
         gs = None if call.group_sizes is None else np.asarray(call.group_sizes)
         mm = _Matmul(call.eqn, lhs.shape, rhs.shape, gs)
         try:
-            _check(check, call.site, mm, lhs, rhs, out, lhs_fmt, rhs_fmt, strict=False)
+            _check(check, call.site, mm, lhs, rhs, out, lhs_fmt, rhs_fmt, strict=False, matmul=matmul)
         except AssertionError as e:
             raise AssertionError(f"{where}{e}") from None

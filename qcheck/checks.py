@@ -22,6 +22,7 @@ from jax.typing import ArrayLike
 
 __all__ = [
     "assert_amax_histories_follow_operands",
+    "assert_fp8_dtypes_native",
     "assert_format_matches_referee",
     "assert_fresh_cast_exact",
     "assert_fresh_ragged_cast_exact",
@@ -31,6 +32,7 @@ __all__ = [
     "assert_site_ragged_backward_exact",
     "assert_quantized",
     "assert_ragged_groups_independent",
+    "assert_recipe_fp8_native",
     "assert_tracks",
     "cast_reference",
     "coverage",
@@ -394,3 +396,4 @@ from qcheck._referee_checks import assert_format_matches_referee  # noqa: E402
 from qcheck._backward import assert_site_backward_exact, assert_site_ragged_backward_exact  # noqa: E402
 from qcheck._fp8_amax import assert_amax_histories_follow_operands  # noqa: E402
 from qcheck._ragged_groups import assert_ragged_groups_independent  # noqa: E402
+from qcheck._fp8_native import assert_fp8_dtypes_native, assert_recipe_fp8_native  # noqa: E402

@@ -8,7 +8,23 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["MARKERS", "fp8_gemm_dtypes", "missing"]
+__all__ = ["FP8_TARGETS", "MARKERS", "fp8_gemm_dtypes", "fp8_target_dtypes", "missing"]
+
+#: Hardware families a recipe can target -> the fp8 element types their matmuls
+#: take natively (ml_dtypes names). NVIDIA's fp8 tensor cores (sm_89 Ada,
+#: Hopper, Blackwell) take the OCP types; AMD MI300's (CDNA3) the fnuz ones,
+#: which is what NANOO fp8 is.
+FP8_TARGETS: dict[str, frozenset[str]] = {
+    "nvidia": frozenset({"float8_e4m3fn", "float8_e5m2"}),
+    "mi300": frozenset({"float8_e4m3fnuz", "float8_e5m2fnuz"}),
+}
+
+
+def fp8_target_dtypes(target: str) -> frozenset[str]:
+    """The fp8 element types ``target`` (a key of :data:`FP8_TARGETS`) multiplies natively."""
+    if not isinstance(target, str) or target not in FP8_TARGETS:
+        raise ValueError(f"unknown fp8 target {target!r}; valid targets: {', '.join(FP8_TARGETS)}")
+    return FP8_TARGETS[target]
 
 #: marker name -> what a test carrying it needs (the skip reason names it).
 MARKERS: dict[str, str] = {
@@ -63,9 +79,9 @@ def fp8_gemm_dtypes() -> frozenset[str]:
     gpus = _devices("gpu")
     out: set[str] = set()
     if any(_is_amd_fp8(d) for d in gpus):
-        out |= {"float8_e4m3fnuz", "float8_e5m2fnuz"}
+        out |= FP8_TARGETS["mi300"]
     if any((c := _cuda_capability(d)) is not None and c >= (8, 9) for d in gpus):
-        out |= {"float8_e4m3fn", "float8_e5m2"}
+        out |= FP8_TARGETS["nvidia"]
     return frozenset(out)
 
 

@@ -379,6 +379,25 @@ def test_coverage_catches_a_layer_that_quantizes_nothing_listing_every_expert_ma
         "dispatch", "wi_0", "wi_1", "wo", "combine"]
 
 
+def test_coverage_catches_nanoo_declared_and_built_in_e4m3fn(monkeypatch):
+    # exact, backward and tracks follow the declaration, which agrees with the site:
+    # only the hardware it targets (MI300, fnuz types) says the flavour is wrong.
+    from qcheck.recipes import DelayedScalingFp8
+
+    planted = DelayedScalingFp8("nanoo_fp8_e4m3fn", e4m3_dtype=E4M3FN, e5m2_dtype=jnp.float8_e5m2fnuz,
+                                fp8_target="mi300")
+    monkeypatch.setitem(qcheck.recipes._registry._REGISTRY, planted.name, planted)
+    case = cases.Case(planted.name, cases.Variant("mixtral", "dense", False))
+    with pytest.raises(AssertionError, match=rf"^{case.id}: assert_recipe_fp8_native: .*target 'mi300'.*: "
+                       r"lhs float8_e4m3fn"):
+        invariants.check_coverage(case)
+    # The program alone, declaration aside: the site, the type, the pass, the target.
+    with pytest.raises(AssertionError, match=r"not native to target 'mi300' \(native fp8: float8_e4m3fnuz, "
+                       r"float8_e5m2fnuz\):\n  forward: dot_general at qcheck/moe.py:\d+ \(MoE._dense\): "
+                       r"lhs cast to float8_e4m3fn"):
+        checks.assert_fp8_dtypes_native(cases.layer(case), X, target="mi300")
+
+
 # -- independent call sites -------------------------------------------------------
 
 
@@ -578,6 +597,7 @@ def test_golden_catches_gemma_dropping_its_per_expert_scale(tmp_path, monkeypatc
     invariants.assert_paths_agree(np.asarray(step.apply(dropped, x)[0]), np.asarray(step.apply(sparse, x)[0]), "blind")
     monkeypatch.setattr(cases, "layer", lambda case: dropped if case == gemma.case else real(case))
     monkeypatch.setattr(cases, "forward_output", cases.forward_output.__wrapped__)  # no cached healthy output
+    monkeypatch.setattr(cases, "layer_step", cases.layer_step.__wrapped__)
     monkeypatch.setattr(cases, "layer_output", cases.layer_output.__wrapped__)
     with pytest.raises(AssertionError, match=r"(?s)none-gemma-dense does not match .*output: 2048 of 2048 values "
                        r"outside rtol"):
@@ -630,6 +650,8 @@ CATALOGUE = [
      test_grads_catches_a_layer_that_fell_back_to_full_precision),
     ("a layer whose quantization fell away everywhere", "`tracks`",
      test_tracks_catches_a_layer_whose_quantization_silently_fell_away),
+    ("NANOO fp8 declared and built with e4m3fn alike (`exact`, `backward`, `tracks` follow the declaration)",
+     "`coverage` (fp8 types against the target hardware)", test_coverage_catches_nanoo_declared_and_built_in_e4m3fn),
     ("two call-site names bound to one wrapper", "`sites`", test_sites_catches_two_names_bound_to_one_site),
     ("two call sites sharing a scale", "`sites`", test_sites_catches_two_sites_sharing_a_scale),
     ("RNG streams kept by the sites of a recipe that never draws", "`sites`",

@@ -18,7 +18,7 @@ from qcheck.moe import build_moe
 from qcheck.recipes import get_recipe
 
 #: Every kind of program the suite compiles: fp8 state with dropping (train
-#: steps, per-site exact programs), a drawing recipe on the sparse path (ragged
+#: steps, the per-site program of exact and backward), a drawing recipe on the sparse path (ragged
 #: dot, stochastic rounding), golden's lowering and codes.
 REPRESENTATIVE = (
     Case("fp8", Variant("mixtral", "dense", True)),
@@ -34,14 +34,17 @@ def suite_pass() -> None:
         x = layer_input(v.model)
         step.lower_train_step(*step.split_for_step(layer), x)  # golden's entry parameters
         invariants.assert_sites_independent(layer, case.id)
-        if recipe.materialize_at_build:  # as cases.layer_output: the output comes from the train step
+        if cases.train_step_runs(recipe, v):  # as cases.layer_output: the output comes from the train step
             first = step.train_step(layer, x)
-            step.train_step(layer, x, fp8_meta=first.fp8_meta)
+            if recipe.materialize_at_build:  # as invariants.check_state
+                step.train_step(layer, x, fp8_meta=first.fp8_meta)
         else:
             step.apply(layer, x)
-        if recipe.lhs is not None or recipe.cast_dtype is not None:  # as invariants.check_exact
-            invariants.assert_sites_exact(layer, recipe, case.id)
-            _site_exact.assert_layer_sites_exact(layer, x, recipe, label=case.id)
+        runs = invariants.site_runs(layer, recipe, v)  # as invariants.case_site_runs: exact's and backward's program
+        if recipe.lhs is not None or recipe.cast_dtype is not None:
+            invariants.assert_sites_exact(layer, recipe, case.id, runs)
+            _site_exact.assert_site_calls_exact(tuple(layer.sites.keys()), runs.calls, recipe, label=case.id)
+        invariants.assert_sites_backward_exact(layer, recipe, case.id, runs)
     golden.operand_codes.__wrapped__("mxfp8", "gemma")
 
 
@@ -55,6 +58,7 @@ def suite_fixtures() -> None:
             invariants.check_state(case)
         if recipe.lhs is not None or recipe.cast_dtype is not None:
             invariants.check_exact(case)
+        invariants.check_backward(case)
         golden.train_step_entry_params(case)
     golden.operand_codes("mxfp8", "gemma")
 

@@ -30,11 +30,14 @@ from qcheck.adapters._ragged import ragged_dot_from_einsum
 
 __all__ = [
     "AQT_RAGGED",
+    "AQT_RAGGED_NO_GRADIENT",
+    "AQT_RAGGED_SHARED_SCALE",
     "FLAX_FP8_MODULES",
     "AqtRecipe",
     "FlaxFp8Recipe",
     "QwixRecipe",
     "aqt_int8",
+    "aqt_int8_ragged",
     "aqt_recipe",
     "flax_fp8",
     "flax_fp8_recipe",
@@ -45,12 +48,14 @@ __all__ = [
     "ragged_dot_from_einsum",
 ]
 
-_LAZY = {name: "qcheck.adapters._aqt" for name in ("AQT_RAGGED", "AqtRecipe", "aqt_int8", "aqt_recipe")}
+_LAZY = {name: "qcheck.adapters._aqt" for name in ("AQT_RAGGED", "AQT_RAGGED_NO_GRADIENT", "AQT_RAGGED_SHARED_SCALE",
+                                                   "AqtRecipe", "aqt_int8", "aqt_int8_ragged", "aqt_recipe")}
 _LAZY["qwix_quantize_model"] = "qcheck.adapters._qwix"
 _LAZY.update({name: "qcheck.adapters._qwix_recipe" for name in ("QwixRecipe", "qwix_int8")})
 
 if TYPE_CHECKING:
-    from qcheck.adapters._aqt import AQT_RAGGED, AqtRecipe, aqt_int8, aqt_recipe
+    from qcheck.adapters._aqt import (AQT_RAGGED, AQT_RAGGED_NO_GRADIENT, AQT_RAGGED_SHARED_SCALE, AqtRecipe, aqt_int8, aqt_int8_ragged,
+                                      aqt_recipe)
     from qcheck.adapters._qwix import qwix_quantize_model
     from qcheck.adapters._qwix_recipe import QwixRecipe, qwix_int8
 
@@ -78,7 +83,8 @@ def installed_recipes() -> tuple[Recipe, ...]:
     """
     recipes: list[Recipe] = [flax_fp8(), flax_nanoo_fp8()]
     if _has("aqt"):
-        recipes.append(importlib.import_module("qcheck.adapters._aqt").aqt_int8())
+        aqt = importlib.import_module("qcheck.adapters._aqt")
+        recipes += [aqt.aqt_int8(), aqt.aqt_int8_ragged()]
     if _has("qwix"):
         recipes.append(importlib.import_module("qcheck.adapters._qwix_recipe").qwix_int8())
     return tuple(recipes)

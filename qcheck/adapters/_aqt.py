@@ -10,8 +10,11 @@ site here gets its own config from the factory, never AQT's shared default.
 So the sparse path runs through the site's ``AqtEinsum`` by default
 (``ragged="einsum"``): a recipe must survive every invariant, and qcheck's
 golden cases and train step take a gradient. ``ragged="aqt"`` runs AQT's own
-ragged_dot, for forward-only use; its defects are pinned against the real
-library in qcheck's tests/test_adapters.py.
+ragged_dot, for forward-only use (registered as ``aqt_int8_ragged``): the
+recipe declares the missing gradient (:data:`AQT_RAGGED_NO_GRADIENT`, the
+suite asserts AQT still refuses it) and the shared weight scale, which the
+``exact`` check catches (:data:`AQT_RAGGED_SHARED_SCALE`, its failure
+asserted). Its defects are also pinned in qcheck's tests/test_adapters.py.
 """
 
 from __future__ import annotations
@@ -32,9 +35,9 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from qcheck._choices import check_choice
 from qcheck.adapters._ragged import ragged_dot_from_einsum
-from qcheck.recipes import ApplyRngs, Recipe
+from qcheck.recipes import ApplyRngs, KnownDefect, Recipe, Unsupported
 
-__all__ = ["AQT_RAGGED", "AqtRecipe", "aqt_int8", "aqt_recipe"]
+__all__ = ["AQT_RAGGED", "AQT_RAGGED_NO_GRADIENT", "AQT_RAGGED_SHARED_SCALE", "AqtRecipe", "aqt_int8", "aqt_int8_ragged", "aqt_recipe"]
 
 #: How an AQT recipe's sparse-path (ragged_dot) sites multiply.
 #: "aqt": AQT's own aqt_ragged_dot.ragged_dot (forward only, one weight scale across experts).
@@ -42,6 +45,38 @@ __all__ = ["AQT_RAGGED", "AqtRecipe", "aqt_int8", "aqt_recipe"]
 AQT_RAGGED = ("aqt", "einsum")
 
 ConfigFactory = Callable[[], "aqt_dot_general.DotGeneral"]
+
+
+def _grad_through_aqt_ragged_dot() -> None:
+    # The smallest case: jitted, as a train step runs it (eager, aqtp 0.9.0 also warns on jax 0.10).
+    def loss(lhs, rhs, group_sizes):
+        return aqt_ragged_dot.ragged_dot(lhs, rhs, group_sizes, cfg=aqt_config.config_v4()).sum()
+
+    jax.jit(jax.grad(loss, argnums=(0, 1)))(
+        jax.numpy.ones((3, 4)), jax.numpy.ones((2, 4, 5)), jax.numpy.asarray([1, 2], jax.numpy.int32))
+
+
+#: AQT's ragged_dot has no backward pass: its docstring says "Currently only forward pass is supported",
+#: and jax.grad through it raises an IndexError while tracing.
+AQT_RAGGED_NO_GRADIENT = Unsupported(
+    library="aqtp",
+    kind="gradient",
+    paths=("sparse",),
+    reason="aqt_ragged_dot.ragged_dot has no backward pass (\"Currently only forward pass is supported\")",
+    reproduce=_grad_through_aqt_ragged_dot,
+    raises=IndexError,
+    match="out of bounds",
+)
+
+#: AQT's ragged_dot calibrates the weight over [experts, contraction] (its source: "We want to use the same
+#: scale for all the experts in the rhs"), so the `exact` check, which scales per expert, fails naming it.
+AQT_RAGGED_SHARED_SCALE = KnownDefect(
+    library="aqtp",
+    invariant="exact",
+    paths=("sparse",),
+    reason="aqt_ragged_dot.ragged_dot shares one weight scale across all experts",
+    match=r"equals rhs with one weight scale shared across groups .* bitwise",
+)
 
 
 class AqtSite(nn.Module):
@@ -73,8 +108,13 @@ class AqtRecipe(Recipe):
     """Every call site runs AQT v2 with a fresh config from ``config_factory``."""
 
     # AQT quantizes gradients its own way (config_v4: dlhs in int8 with
-    # stochastic rounding from its own RNG), which no qcheck referee models.
+    # stochastic rounding from its own RNG), which no qcheck referee models:
+    # no exact backward check; `grads` needs it too, so no train step either.
     backward_paths = ()
+    # config_v4's forward: int8 codes multiplied with an int32 accumulator,
+    # the lhs scale applied to the float32 sum, then the rhs scale
+    # (aqt_dot_general._qtensor_dot_general, QTensor.dequant).
+    matmul = "integer"
 
     def __init__(
         self,
@@ -83,6 +123,8 @@ class AqtRecipe(Recipe):
         *,
         ragged: str = "einsum",
         max_rel_norm: float = 0.22,
+        lhs: str | None = None,
+        rhs: str | None = None,
     ):
         if not callable(config_factory):
             raise TypeError(
@@ -95,9 +137,13 @@ class AqtRecipe(Recipe):
             )
         # PRIVATE: AQT draws its gradient stochastic rounding from the "params"
         # stream of each module, which upstream forks per module.
-        super().__init__(name, apply_rngs=ApplyRngs.PRIVATE, max_rel_norm=max_rel_norm)
+        super().__init__(name, lhs=lhs, rhs=rhs, apply_rngs=ApplyRngs.PRIVATE, max_rel_norm=max_rel_norm)
         self.config_factory = config_factory
         self.ragged = check_choice("ragged", ragged, AQT_RAGGED)
+        if self.ragged == "aqt":
+            self.unsupported = (AQT_RAGGED_NO_GRADIENT,)
+            if lhs == rhs == "int8_aqt":  # what the exact check sees only where formats are declared
+                self.known_defects = (AQT_RAGGED_SHARED_SCALE,)
 
     def site_module(self, name: str) -> nn.Module:
         return AqtSite(config_factory=self.config_factory, ragged=self.ragged)
@@ -113,16 +159,26 @@ def aqt_recipe(
     *,
     ragged: str = "einsum",
     max_rel_norm: float = 0.22,
+    lhs: str | None = None,
+    rhs: str | None = None,
 ) -> AqtRecipe:
     """A recipe running ``AqtEinsum(cfg=config_factory())`` at every einsum call site.
 
     ``ragged`` picks the sparse path's grouped matmul (:data:`AQT_RAGGED`): the
     default ``"einsum"`` has a backward pass and per-expert weight scales;
-    ``"aqt"`` (AQT's ragged_dot) has neither.
+    ``"aqt"`` (AQT's ragged_dot) has neither, and declares
+    :data:`AQT_RAGGED_NO_GRADIENT`. ``lhs``/``rhs``: the qcheck formats the
+    config's forward quantizes to, if any (``int8_aqt`` for ``config_v4``),
+    which turns on the ``exact`` check in integer arithmetic.
     """
-    return AqtRecipe(name, config_factory, ragged=ragged, max_rel_norm=max_rel_norm)
+    return AqtRecipe(name, config_factory, ragged=ragged, max_rel_norm=max_rel_norm, lhs=lhs, rhs=rhs)
 
 
 def aqt_int8() -> AqtRecipe:
     """AQT v2's default int8 (``config_v4``: absmax/127.5 scales, stochastic rounding of dlhs), AqtEinsum on both paths."""
-    return aqt_recipe("aqt_int8")
+    return aqt_recipe("aqt_int8", lhs="int8_aqt", rhs="int8_aqt")
+
+
+def aqt_int8_ragged() -> AqtRecipe:
+    """:func:`aqt_int8` with AQT's own ``ragged_dot`` on the sparse path: forward only, one weight scale."""
+    return aqt_recipe("aqt_int8_ragged", ragged="aqt", lhs="int8_aqt", rhs="int8_aqt")

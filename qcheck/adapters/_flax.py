@@ -102,6 +102,7 @@ class FlaxFp8Recipe(DelayedScalingFp8):
         e4m3_dtype,
         e5m2_dtype,
         amax_history_length: int = 1024,
+        fp8_target: str | None = None,
     ):
         if not (isinstance(module_cls, type) and issubclass(module_cls, fp8_ops.Fp8DotGeneralBase)):
             raise TypeError(
@@ -117,7 +118,8 @@ class FlaxFp8Recipe(DelayedScalingFp8):
         e5m2 = _fp8_arg("e5m2_dtype", e5m2_dtype, _E5M2)
         if not (isinstance(amax_history_length, int) and amax_history_length > 0):
             raise ValueError(f"amax_history_length must be a positive int, got {amax_history_length!r}")
-        super().__init__(name, e4m3_dtype=e4m3, e5m2_dtype=e5m2, amax_history_length=amax_history_length)
+        super().__init__(name, e4m3_dtype=e4m3, e5m2_dtype=e5m2, amax_history_length=amax_history_length,
+                         fp8_target=fp8_target)
         self.module_cls = module_cls
 
     def site_module(self, name: str) -> nn.Module:
@@ -140,6 +142,7 @@ def flax_fp8_recipe(
     e4m3_dtype,
     e5m2_dtype,
     amax_history_length: int = 1024,
+    fp8_target: str | None = None,
 ) -> FlaxFp8Recipe:
     """A qcheck recipe running ``module_cls`` (a flax.linen fp8 module class) at every call site.
 
@@ -147,24 +150,30 @@ def flax_fp8_recipe(
     check then reports as the wrong fp8 flavour::
 
         flax_fp8_recipe("flax_einsum_fnuz", flax.linen.Fp8Einsum,
-                        e4m3_dtype=jnp.float8_e4m3fnuz, e5m2_dtype=jnp.float8_e5m2fnuz)
+                        e4m3_dtype=jnp.float8_e4m3fnuz, e5m2_dtype=jnp.float8_e5m2fnuz,
+                        fp8_target="mi300")
+
+    ``fp8_target`` is the hardware the recipe is for ("nvidia", "mi300"; see
+    :attr:`qcheck.Recipe`); with it the ``coverage`` invariant reads the fp8
+    types the module really casts to, forward and backward, against that
+    hardware's (which ``Fp8Einsum`` asked for fnuz fails).
 
     Einsum call sites call the module (an ``Fp8Einsum``) or run ``jnp.einsum``
     with the module as its dot_general; ragged_dot call sites run every row
     against its own group through that same einsum.
     """
     return FlaxFp8Recipe(name, module_cls, e4m3_dtype=e4m3_dtype, e5m2_dtype=e5m2_dtype,
-                         amax_history_length=amax_history_length)
+                         amax_history_length=amax_history_length, fp8_target=fp8_target)
 
 
 flax_fp8 = partial(
     flax_fp8_recipe, "flax_fp8", fp8_ops.Fp8Einsum,
-    e4m3_dtype=jnp.float8_e4m3fn, e5m2_dtype=jnp.float8_e5m2,
+    e4m3_dtype=jnp.float8_e4m3fn, e5m2_dtype=jnp.float8_e5m2, fp8_target="nvidia",
 )
 flax_fp8.__doc__ = "``flax.linen.Fp8Einsum`` in its default flavours (e4m3fn forward, e5m2 gradients)."
 
 flax_nanoo_fp8 = partial(
     flax_fp8_recipe, "flax_nanoo_fp8", fp8_ops.NANOOFp8DotGeneralOp,
-    e4m3_dtype=jnp.float8_e4m3fnuz, e5m2_dtype=jnp.float8_e5m2fnuz,
+    e4m3_dtype=jnp.float8_e4m3fnuz, e5m2_dtype=jnp.float8_e5m2fnuz, fp8_target="mi300",
 )
 flax_nanoo_fp8.__doc__ = "``flax.linen.NANOOFp8DotGeneralOp``: AMD's fnuz flavours, which it honours."

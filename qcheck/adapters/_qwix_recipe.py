@@ -157,9 +157,9 @@ def _even_groups(rows: int, groups: int) -> jax.Array:
 #: qwix 0.1.8 (jax 0.10.2, CPU): on the 2 x 4 mesh, Mixtral's sparse layer computes another function
 #: than on one device; its first site (wi_0) already differs, in 24 of 128 rows, for the same operands.
 QWIX_INT8_SHARDED_SPARSE = KnownDefect(
-    "sharded", "mixtral-sparse",
+    library="qwix", invariant="sharded", paths=("sparse",), models=("mixtral",),
+    reason="int8 ragged_dot gives other results on a 2 x 4 mesh than on one device",
     match=r"qwix_int8-mixtral-sparse: the sharded layer differs from the single-device one at \d+ of 2048 values",
-    reason="qwix 0.1.8's int8 ragged_dot gives other results on a 2 x 4 mesh than on one device",
 )
 
 

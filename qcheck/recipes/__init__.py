@@ -9,7 +9,6 @@ from qcheck.recipes._axes import MatmulAxes, einsum_axes
 from qcheck.recipes._base import ApplyRngs, Recipe
 from qcheck.recipes._fp8 import DelayedScalingFp8, fp8, nanoo_fp8
 from qcheck.recipes._intercept import InterceptRecipe
-from qcheck.recipes._known import KnownDefect
 from qcheck.recipes._none import NoQuant
 from qcheck.recipes._nvfp4 import NVFP4
 from qcheck.recipes._registry import (
@@ -22,18 +21,22 @@ from qcheck.recipes._registry import (
     register_recipe,
 )
 from qcheck.recipes._sites import SiteOps
+from qcheck.recipes._unsupported import UNSUPPORTED_KINDS, KnownDefect, Unsupported, assert_still_unsupported
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "KnownDefect",
     "ApplyRngs",
     "DelayedScalingFp8",
     "InterceptRecipe",
-    "KnownDefect",
     "MatmulAxes",
     "NVFP4",
     "NoQuant",
     "Recipe",
     "SiteOps",
+    "UNSUPPORTED_KINDS",
+    "Unsupported",
+    "assert_still_unsupported",
     "einsum_axes",
     "get_recipe",
     "import_recipes",

@@ -74,6 +74,13 @@ class Recipe:
       materialize_at_build: create the site's state when the layer is built, from
         a canonical operand pair (fixed-shape state such as fp8 scales and amax
         histories), rather than on first use.
+      fp8_target: the hardware family whose fp8 matmuls the recipe is for (a key
+        of :data:`qcheck.hardware.FP8_TARGETS`: "nvidia", "mi300"); None for a
+        recipe without fp8 types. The ``coverage`` invariant holds every fp8
+        type the layer casts its matmul operands to, forward and backward, and
+        every declared format, to that hardware's native types
+        (:func:`qcheck.checks.assert_fp8_dtypes_native`): an intent independent
+        of the formats, so a flavour wrong in declaration and site alike fails.
     """
 
     def __init__(
@@ -88,6 +95,7 @@ class Recipe:
         max_grad_rel_norm: float | None = None,
         cast_dtype: np.dtype | type | None = None,
         materialize_at_build: bool = False,
+        fp8_target: str | None = None,
     ):
         if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", name):
             raise ValueError(f"recipe name must match [a-z][a-z0-9_]*, got {name!r}")
@@ -118,15 +126,29 @@ class Recipe:
         self.apply_rngs = apply_rngs
         self.cast_dtype = None if cast_dtype is None else np.dtype(cast_dtype)
         self.materialize_at_build = materialize_at_build
+        if fp8_target is not None:
+            from qcheck.hardware import FP8_TARGETS
+
+            check_choice("fp8_target", fp8_target, FP8_TARGETS)
+        self.fp8_target = fp8_target
 
     #: The paths on which the suite holds the sites' gradients bitwise to a
     #: reference (the ``backward`` invariant). A recipe narrows it where no
     #: exact reference exists, saying why (qcheck.adapters' library recipes).
     backward_paths: tuple[str, ...] = ("dense", "sparse")
 
-    #: Cells this recipe fails because of a known defect in the library it
-    #: runs (:class:`qcheck.recipes.KnownDefect`): the suite runs each and
-    #: requires that failure and its message, never skips it.
+    #: How a site multiplies its quantized operands, which the ``exact``
+    #: reference follows: "float" (the float32 matmul of dequantized operands)
+    #: or "integer" (int8 codes in integer arithmetic, scales applied after, as
+    #: AQT does: :mod:`qcheck._integer_matmul`).
+    matmul: str = "float"
+
+    #: What the recipe's library refuses by design (:class:`qcheck.recipes.Unsupported`):
+    #: the suite runs none of those checks there, the matrix names the reason,
+    #: and pytest asserts the library still refuses.
+    unsupported: tuple = ()
+    #: Library defects a check of the suite catches (:class:`qcheck.recipes.KnownDefect`):
+    #: the check runs there and must fail with the declared message.
     known_defects: tuple = ()
 
     @property

@@ -75,7 +75,7 @@ class NVFP4(Recipe):
         # SHARED: it draws, but the per-quantizer hash means it needs no stream of its own.
         super().__init__(name, lhs="nvfp4", rhs="nvfp4", grad="nvfp4",
                          apply_rngs=ApplyRngs.SHARED, max_rel_norm=NVFP4_MAX_REL_NORM,
-                         max_grad_rel_norm=NVFP4_MAX_GRAD_REL_NORM)
+                         max_grad_rel_norm=NVFP4_MAX_GRAD_REL_NORM, fp8_target="nvidia")
 
     def site_module(self, name: str) -> nn.Module:
         return NVFP4Site(quantizer=name)

@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from qcheck import step
+from qcheck import formats, step
 from qcheck._choices import check_choice
 from qcheck.models import Decoder, build_decoder
-from qcheck.moe import MESH_AXES, MODELS, PATHS, MoE, build_moe
-from qcheck.recipes import ApplyRngs, get_recipe, recipe_names
+from qcheck.moe import MESH_AXES, MODELS, PATHS, MoE, build_moe, capacity
+from qcheck.recipes import ApplyRngs, Recipe, get_recipe, recipe_names
 
 __all__ = [
     "BATCH",
@@ -36,7 +36,10 @@ __all__ = [
     "layer",
     "layer_input",
     "layer_output",
+    "backward_applies",
     "forward_output",
+    "gradient_tiles",
+    "train_step_runs",
     "layer_step",
     "mesh",
     "sharded_layer",
@@ -120,6 +123,33 @@ def cases(
     ]
 
 
+def backward_applies(recipe: Recipe, variant: Variant) -> bool:
+    """Whether ``backward`` and ``grads`` run: every quantized recipe on its ``backward_paths``, where blocks tile.
+
+    Not where the gradient format's blocks cannot tile the weight gradient's
+    contraction: on the dropping layer that runs over batch x capacity tokens
+    per expert (2 x 8 = 16), fewer than MXFP8's 32.
+    """
+    if not recipe.quantized or variant.path not in recipe.backward_paths:
+        return False
+    if any(u.kind == "gradient" and variant.path in u.paths for u in recipe.unsupported):
+        return False  # the library refuses gradients there: a declared cell (qcheck.suite._declared)
+    return gradient_tiles(recipe, variant)
+
+
+def gradient_tiles(recipe: Recipe, variant: Variant) -> bool:
+    """Whether the recipe's gradient blocks tile the variant's gradient matmuls, so a backward pass traces."""
+    block = formats.block_size(recipe.grad) if recipe.grad else None
+    if block is None or not variant.dropping:
+        return True
+    return (BATCH * capacity(MODELS[variant.model], variant.capacity_factor, SEQ)) % block == 0
+
+
+def train_step_runs(recipe: Recipe, variant: Variant) -> bool:
+    """Whether the case's train step can run: ``none`` always, quantized recipes where ``backward`` applies."""
+    return not recipe.quantized or backward_applies(recipe, variant)
+
+
 @functools.cache
 def layer(case: Case) -> MoE:
     """The fresh layer for ``case``, built once per process."""
@@ -144,10 +174,11 @@ def layer_step(case: Case) -> step.StepOutput:
 def layer_output(case: Case) -> np.ndarray:
     """The fresh layer's forward output on :func:`layer_input`, as a host array.
 
-    For recipes with fp8 state the state invariant compiles the train step
-    anyway, so the output is the forward pass inside it: one program per case.
+    Where the case's train step runs (:func:`train_step_runs`) the ``grads``
+    invariant and golden compile it anyway, so the output is the forward pass
+    inside it: one program per case, not a forward program beside it.
     """
-    if get_recipe(case.recipe).materialize_at_build:
+    if train_step_runs(get_recipe(case.recipe), case.variant):
         return np.asarray(layer_step(case).output)
     return forward_output(case)
 

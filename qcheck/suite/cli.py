@@ -35,8 +35,6 @@ Columns:
 
 A cell reads "pass [figure]", "-" (does not apply) or "FAIL [n]": failure n is
 printed in full below the table, with what to run to fix it where there is one.
-"defect [n]" is a known upstream defect the recipe declares (Recipe.known_defects),
-reproduced as declared; it fails the run once it stops reproducing.
 """
 
 

@@ -18,9 +18,12 @@ import numpy as np
 from flax import nnx
 
 from qcheck.suite import cases as cases_mod
-from qcheck import checks, formats, step
+from qcheck import checks, step
 from qcheck.bridge import Fp8Meta
-from qcheck.suite.cases import BATCH, SEQ, Case, Variant
+from qcheck.suite.cases import BATCH, SEQ, Case, Variant, train_step_runs
+from qcheck.suite.cases import backward_applies as _backward_applies
+from qcheck.suite import _site_programs
+from qcheck.suite._site_programs import SiteRuns, probe_group_sizes
 from qcheck.suite._sharded import (SHARDED_ATOL, SHARDED_RTOL, assert_layer_sharded,
                                    assert_layer_sharded_matches, assert_sharded_matches)
 from qcheck.moe import MoE
@@ -62,6 +65,8 @@ __all__ = [
     "train_step_runs",
     "fp8_meta_leaves",
     "probe_group_sizes",
+    "case_site_runs",
+    "site_runs",
 ]
 
 #: dense and sparse sum the same products in a different order: float32 rounding only.
@@ -77,90 +82,91 @@ def _prefixed(prefix: str, fn: Callable[[], object]):
         raise AssertionError(f"{prefix}: {e}") from None
 
 
-def probe_group_sizes(rows: int, groups: int, seed: int) -> np.ndarray:
-    """Uneven group sizes summing to ``rows``, with the last group empty."""
-    rng = np.random.default_rng(seed)
-    return np.bincount(rng.integers(0, groups - 1, rows), minlength=groups).astype(np.int32)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _site_einsum(graphdef, eqn: str, state, lhs, rhs):
-    return nnx.merge(graphdef, state, copy=True)(eqn, lhs, rhs)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _site_ragged_dot(graphdef, state, lhs, rhs, group_sizes):
-    return nnx.merge(graphdef, state, copy=True).ragged_dot(lhs, rhs, group_sizes)
-
-
 def assert_sites_cast_exact(layer: MoE, cast_dtype, label: str) -> None:
     """Every call site of a fresh ``layer`` equals the einsum (or ragged_dot) of cast operands, bitwise."""
     __tracebackhide__ = True
+    probes = []
     for i, (name, spec) in enumerate(layer.site_specs(BATCH, SEQ).items()):
         lhs, rhs = checks.probe_operands(i, spec.lhs_shape, spec.rhs_shape)
-        # Jitted, as the layer runs it: one program per kind of site (cached on its
-        # graph definition, so equal sites of any layer share it), not dozens of eager ops.
-        graphdef, state = nnx.split(layer.get_einsum(name))
-        if spec.eqn is not None:
-            run = lambda: checks.assert_fresh_cast_exact(  # noqa: E731
-                lambda eqn, a, b: _site_einsum(graphdef, eqn, state, a, b), spec.eqn, lhs, rhs,
-                cast_dtype=cast_dtype)
+        sizes = None if spec.eqn is not None else probe_group_sizes(lhs.shape[0], rhs.shape[0], i)
+        probes.append(_site_programs.Probe(name, spec.eqn, lhs, rhs, sizes))
+    runs = _site_programs.run_sites(layer, forward=probes)  # one program for all sites
+    for p in probes:
+        if p.eqn is not None:
+            run = functools.partial(checks.assert_fresh_cast_exact, _site_programs.replay(runs.forward[p.site], p, p.lhs, p.rhs),
+                                    p.eqn, p.lhs, p.rhs, cast_dtype=cast_dtype)
         else:
-            sizes = probe_group_sizes(lhs.shape[0], rhs.shape[0], i)
-            run = lambda: checks.assert_fresh_ragged_cast_exact(  # noqa: E731
-                lambda a, b, gs: _site_ragged_dot(graphdef, state, a, b, gs), lhs, rhs, sizes,
-                cast_dtype=cast_dtype)
-        _prefixed(f"{label} site {name!r}", run)
+            run = functools.partial(checks.assert_fresh_ragged_cast_exact,
+                                    _site_programs.replay(runs.forward[p.site], p, p.lhs, p.rhs, p.group_sizes),
+                                    p.lhs, p.rhs, p.group_sizes, cast_dtype=cast_dtype)
+        _prefixed(f"{label} site {p.site!r}", run)
 
 
-def assert_sites_exact(layer: MoE, recipe: Recipe, label: str) -> None:
+def assert_sites_exact(layer: MoE, recipe: Recipe, label: str, runs: SiteRuns | None = None) -> None:
     """Every call site of a fresh ``layer`` equals the matmul of referee-quantized probe operands, bitwise.
 
     :func:`qcheck._site_exact.assert_site_exact` (its ragged twin on the sparse
     path) per site, in the recipe's declared formats along each matmul's
     contraction axes, on probes that tell the reference from every neighbouring
     bug (another int8 variant or fp8 flavour, unscaled current scaling, blocks
-    along the wrong axes, an operand unquantized).
+    along the wrong axes, an operand unquantized). The sites run in one program
+    (``runs``: one that also served other checks, :func:`case_site_runs`).
     """
     __tracebackhide__ = True
     from qcheck import _site_exact
-    from qcheck.recipes import einsum_axes
-    from qcheck.recipes._axes import RAGGED_AXES
 
     lhs_fmt, rhs_fmt = _site_exact.operand_formats(recipe)
-    nvfp4 = "nvfp4" in (lhs_fmt, rhs_fmt)
-    for i, (name, spec) in enumerate(layer.site_specs(BATCH, SEQ).items()):
-        graphdef, state = nnx.split(layer.get_einsum(name))
-        axes = (einsum_axes(spec.eqn, len(spec.lhs_shape), len(spec.rhs_shape)) if spec.eqn is not None
-                else RAGGED_AXES)
-        lhs, rhs = _site_exact.probe_site_operands(i, spec.lhs_shape, spec.rhs_shape, axes, nvfp4=nvfp4)
-        if spec.eqn is not None:
+    probes = _site_programs.exact_probes(layer, recipe)
+    runs = runs or _site_programs.run_sites(layer, forward=probes)
+    for p in probes:
+        got = runs.forward[p.site]
+        if p.eqn is not None:
             run = functools.partial(
-                _site_exact.assert_site_exact, lambda eqn, a, b: _site_einsum(graphdef, eqn, state, a, b),
-                spec.eqn, lhs, rhs, lhs_format=lhs_fmt, rhs_format=rhs_fmt, site=name)
+                _site_exact.assert_site_exact, _site_programs.replay(got, p, p.lhs, p.rhs),
+                p.eqn, p.lhs, p.rhs, lhs_format=lhs_fmt, rhs_format=rhs_fmt, site=p.site, matmul=recipe.matmul)
         else:
             run = functools.partial(
-                _site_exact.assert_site_ragged_exact,
-                lambda a, b, gs: _site_ragged_dot(graphdef, state, a, b, gs), lhs, rhs,
-                probe_group_sizes(lhs.shape[0], rhs.shape[0], i), lhs_format=lhs_fmt, rhs_format=rhs_fmt, site=name)
+                _site_exact.assert_site_ragged_exact, _site_programs.replay(got, p, p.lhs, p.rhs, p.group_sizes),
+                p.lhs, p.rhs, p.group_sizes, lhs_format=lhs_fmt, rhs_format=rhs_fmt, site=p.site, matmul=recipe.matmul)
         _prefixed(label, run)
+
+
+@functools.cache
+def case_site_runs(case: Case) -> SiteRuns:
+    """The case's fresh layer in one program: ``exact``'s and ``backward``'s probes, and the recorded forward pass.
+
+    Built for whichever of the two apply to the case and read by both, once per
+    process: the per-site programs were two thirds of the matrix's compiles.
+    """
+    return site_runs(cases_mod.layer(case), get_recipe(case.recipe), case.variant)
+
+
+def site_runs(layer: MoE, recipe: Recipe, variant: Variant) -> SiteRuns:
+    """:func:`case_site_runs` for any layer of ``variant``: the one program, for the checks that apply."""
+    exact = _exact_applies(recipe, variant)
+    return _site_programs.run_sites(
+        layer,
+        forward=_site_programs.exact_probes(layer, recipe) if exact else [],
+        backward=_site_programs.backward_probes(layer, recipe) if _backward_applies(recipe, variant) else [],
+        x=cases_mod.layer_input(variant.model) if exact else None)
 
 
 def check_exact(case: Case) -> None:
     """Every site exact in the recipe's declared formats: on probes, and through one forward pass of the layer.
 
     :func:`assert_sites_exact` on the case's fresh layer, then
-    :func:`qcheck._site_exact.assert_layer_sites_exact` on its input, which
-    sees a layer that skips a site, calls another site's wrapper, or skips
-    quantization at one call site on one path.
+    :func:`qcheck._site_exact.assert_site_calls_exact` on the site calls of
+    its forward pass on the case's input, which sees a layer that skips a
+    site, calls another site's wrapper, or skips quantization at one call site
+    on one path. Both read :func:`case_site_runs`.
     """
     __tracebackhide__ = True
     from qcheck import _site_exact
 
     layer, recipe = cases_mod.layer(case), get_recipe(case.recipe)
-    assert_sites_exact(layer, recipe, case.id)
-    _prefixed(case.id, lambda: _site_exact.assert_layer_sites_exact(
-        layer, cases_mod.layer_input(case.variant.model), recipe))
+    runs = case_site_runs(case)
+    assert_sites_exact(layer, recipe, case.id, runs)
+    _prefixed(case.id, lambda: _site_exact.assert_site_calls_exact(tuple(layer.sites.keys()), runs.calls, recipe))
 
 
 def assert_sites_independent(layer: MoE, label: str) -> None:
@@ -220,14 +226,39 @@ def assert_layer_quantized(layer: MoE, x, label: str):
     return _prefixed(label, lambda: assert_quantized(layer, x, skip=skip_functions(*UNQUANTIZED_BY_DESIGN)))
 
 
-def check_coverage(case: Case) -> int:
-    """:func:`assert_layer_quantized` on the case's fresh layer; returns how many matmuls are quantized."""
+def assert_layer_fp8_native(layer: MoE, x, recipe: Recipe, label: str, *, backward: bool = True) -> None:
+    """The fp8 types ``layer``'s matmul operands are cast to, and those ``recipe`` declares, suit its target.
+
+    Native to ``recipe.fp8_target``, forward and backward; nothing to check
+    without a target. Tracing only: one vjp trace (the forward pass alone
+    without ``backward``). Folded into ``coverage``, not a column of its own:
+    it reads the same coverage map of the same fresh layer, at the cost of a
+    trace, and a recipe's flavour is a property of what its matmuls take.
+    """
     __tracebackhide__ = True
-    records = assert_layer_quantized(cases_mod.layer(case), cases_mod.layer_input(case.variant.model), case.id)
+    if recipe.fp8_target is None:
+        return
+    from qcheck._fp8_native import assert_fp8_dtypes_native, assert_recipe_fp8_native, declared_operand_fp8_dtypes
+
+    _prefixed(label, lambda: assert_recipe_fp8_native(recipe))
+    if declared_operand_fp8_dtypes(recipe):  # else no fp8 type reaches an operand's chain (NVFP4)
+        _prefixed(label, lambda: assert_fp8_dtypes_native(layer, x, target=recipe.fp8_target, backward=backward))
+
+
+def check_coverage(case: Case) -> int:
+    """:func:`assert_layer_quantized` and :func:`assert_layer_fp8_native` on the case's fresh layer.
+
+    Returns how many matmuls are quantized.
+    """
+    __tracebackhide__ = True
+    layer, x = cases_mod.layer(case), cases_mod.layer_input(case.variant.model)
+    records = assert_layer_quantized(layer, x, case.id)
+    recipe = get_recipe(case.recipe)
+    assert_layer_fp8_native(layer, x, recipe, case.id, backward=cases_mod.gradient_tiles(recipe, case.variant))
     return sum(r.quantized for r in records)
 
 
-def assert_sites_backward_exact(layer: MoE, recipe: Recipe, label: str) -> None:
+def assert_sites_backward_exact(layer: MoE, recipe: Recipe, label: str, runs: SiteRuns | None = None) -> None:
     """Both gradients of every call site of a fresh ``layer`` equal the referee's gradient matmuls, bitwise.
 
     :func:`qcheck.checks.assert_site_backward_exact` per site (its ragged twin
@@ -235,55 +266,34 @@ def assert_sites_backward_exact(layer: MoE, recipe: Recipe, label: str) -> None:
     (fp8-class: cast to the e5m2 flavour at scale 1; ``grad=``: the referee's
     format along each gradient matmul's contraction; NVFP4's DGRAD with the
     site's own uniforms), on probes chosen so that a wrong flavour, wrong axes
-    or a skipped quantization each give other bits.
+    or a skipped quantization each give other bits. The sites' vjps run in one
+    program (``runs``: one that also served other checks, :func:`case_site_runs`).
     """
     __tracebackhide__ = True
     from qcheck import _backward
-    from qcheck.recipes import einsum_axes
-    from qcheck.recipes._axes import RAGGED_AXES
 
-    for i, (name, spec) in enumerate(layer.site_specs(BATCH, SEQ).items()):
-        site = layer.get_einsum(name)
-        if spec.eqn is not None:
-            axes = einsum_axes(spec.eqn, len(spec.lhs_shape), len(spec.rhs_shape))
-            out = jax.eval_shape(functools.partial(jax.numpy.einsum, spec.eqn),
-                                 *(jax.ShapeDtypeStruct(s, np.float32) for s in (spec.lhs_shape, spec.rhs_shape))).shape
+    probes = _site_programs.backward_probes(layer, recipe)
+    runs = runs or _site_programs.run_sites(layer, backward=probes)
+    for p in probes:
+        site, grads = layer.get_einsum(p.site), _site_programs.replay(runs.grads[p.site], p, p.lhs, p.rhs, p.g)
+        if p.eqn is not None:
+            run = functools.partial(_backward.check_einsum_grads, site, p.eqn, p.lhs, p.rhs, p.g, recipe=recipe,
+                                    key=runs.key, site_grads=grads)
         else:
-            axes, out = RAGGED_AXES, (spec.lhs_shape[0], spec.rhs_shape[-1])
-        if recipe.grad == "nvfp4":  # probes on which NVFP4 decodes exactly in any order XLA picks
-            lhs = _backward.probe_nvfp4(i, spec.lhs_shape, axes.lhs)
-            rhs = _backward.probe_nvfp4(i + 100, spec.rhs_shape, axes.rhs)
-            g = _backward.probe_nvfp4(i + 200, out, axes.dgrad, axes.wgrad)
-        else:
-            lhs, rhs = checks.probe_operands(i, spec.lhs_shape, spec.rhs_shape)
-            g = _backward.probe_grad(i, out)
-        if spec.eqn is not None:
-            run = functools.partial(_backward.assert_site_backward_exact, site, spec.eqn, lhs, rhs, g, recipe=recipe)
-        else:
-            sizes = probe_group_sizes(lhs.shape[0], rhs.shape[0], i)
-            run = functools.partial(_backward.assert_site_ragged_backward_exact, site, lhs, rhs, sizes, g,
-                                    recipe=recipe)
-        _prefixed(f"{label} site {name!r}", run)
+            run = functools.partial(_backward.check_ragged_grads, site, p.lhs, p.rhs, p.group_sizes, p.g,
+                                    recipe=recipe, key=runs.key, site_grads=grads)
+        _prefixed(f"{label} site {p.site!r}", run)
 
 
 def check_backward(case: Case) -> None:
-    """:func:`assert_sites_backward_exact` on the case's fresh layer."""
+    """:func:`assert_sites_backward_exact` on the case's fresh layer, from :func:`case_site_runs`."""
     __tracebackhide__ = True
-    assert_sites_backward_exact(cases_mod.layer(case), get_recipe(case.recipe), case.id)
+    assert_sites_backward_exact(cases_mod.layer(case), get_recipe(case.recipe), case.id, case_site_runs(case))
 
 
-def _backward_applies(recipe: Recipe, variant: Variant) -> bool:
-    # Every quantized recipe, except where its gradient format's blocks cannot
-    # tile the weight gradient's contraction: on the dropping layer that runs over
-    # batch x capacity tokens per expert (2 x 8 = 16), fewer than MXFP8's 32.
-    if not recipe.quantized or variant.path not in recipe.backward_paths:
-        return False
-    block = formats.block_size(recipe.grad) if recipe.grad else None
-    if block is None or not variant.dropping:
-        return True
-    from qcheck.moe import MODELS, capacity
-
-    return (BATCH * capacity(MODELS[variant.model], variant.capacity_factor, SEQ)) % block == 0
+def _exact_applies(recipe: Recipe, variant: Variant) -> bool:
+    # Recipes that declare operand formats (lhs=/rhs=) or a cast dtype.
+    return recipe.lhs is not None or recipe.cast_dtype is not None
 
 
 def check_tracks(case: Case) -> float:
@@ -335,11 +345,6 @@ def assert_grads_track(grads: dict[str, np.ndarray], reference: dict[str, np.nda
         raise AssertionError(f"{label}: every gradient is bitwise equal to the none twin's — the quantized path "
                              "was not taken (silent fallback?)")
     return worst
-
-
-def train_step_runs(recipe: Recipe, variant: Variant) -> bool:
-    """Whether the case's train step can run: ``none`` always, quantized recipes where ``backward`` applies."""
-    return not recipe.quantized or _backward_applies(recipe, variant)
 
 
 def _quantizes_grads(recipe: Recipe) -> bool:
@@ -553,8 +558,7 @@ def _case_only(check: Callable[[Case], float | None]) -> Callable[[Case, RunEnv]
 INVARIANTS: tuple[Invariant, ...] = (
     Invariant("sites", lambda r, v: r.quantized, _case_only(check_sites)),
     Invariant("coverage", lambda r, v: r.quantized, _case_only(check_coverage)),
-    # Recipes that declare operand formats (lhs=/rhs=) or a cast dtype.
-    Invariant("exact", lambda r, v: r.lhs is not None or r.cast_dtype is not None, _case_only(check_exact)),
+    Invariant("exact", _exact_applies, _case_only(check_exact)),
     Invariant("backward", _backward_applies, _case_only(check_backward)),
     Invariant("tracks", lambda r, v: r.quantized, _case_only(check_tracks)),
     # Where the train step runs: as `backward`, not where grad blocks cannot tile the tokens.

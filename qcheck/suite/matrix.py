@@ -5,7 +5,10 @@ the relative norm against ``none``, ``sharded`` the largest difference from the
 single-device output, ``rng`` the u32 entry parameters of the train step),
 ``-`` (the invariant does not apply to the case) or ``FAIL [n]``, where ``[n]``
 points to the failure's full text below the table (and in ``--json``): the
-diagnosis and the command that fixes it are never cut.
+diagnosis and the command that fixes it are never cut. A cell its recipe
+declares (:mod:`qcheck.suite._declared`) reads ``not supported [n]`` (the
+library refuses the case) or ``known defect [n]`` (the check fails as declared),
+its note the library, version and reason; it turns ``FAIL`` once untrue.
 
 Cases are independent (same seed, same bits in any process), so the matrix can
 run them in worker processes (:func:`worker_pool`): compiling dominates and is
@@ -30,18 +33,18 @@ from concurrent.futures import Executor, ProcessPoolExecutor
 
 from qcheck import _process
 from qcheck.suite import invariants
-from qcheck.suite._known_defects import assert_known_defect_reproduces, known_defect
 from qcheck.suite.cases import Case, cases
 from qcheck.recipes import get_recipe
 
-__all__ = ["Cell", "PathsRow", "Row", "default_jobs", "failures", "format_table", "run_matrix", "run_paths_agree",
+__all__ = ["Cell", "PathsRow", "Row", "default_jobs", "failures", "format_table", "notes", "run_matrix",
+           "run_paths_agree",
            "to_json", "worker_pool"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
-    status: str  #: "pass", "fail", "n/a" or "defect" (a declared upstream defect, reproduced)
-    detail: str = ""  #: for a failure, the exception type and its whole message
+    status: str  #: "pass", "fail", "n/a", "unsupported" (the library refuses it) or "known" (a declared defect)
+    detail: str = ""  #: for a failure, the exception type and its whole message; for a declared cell, its note
     figure: float | int | None = None
 
     def text(self, note: int | None = None) -> str:
@@ -51,9 +54,12 @@ class Cell:
             return f"pass {self.figure}" if isinstance(self.figure, int) else f"pass {self.figure:.4f}"
         if self.status == "n/a":
             return "-"
-        if self.status == "defect":
-            return "defect" if note is None else f"defect [{note}]"
-        return "FAIL" if note is None else f"FAIL [{note}]"
+        word = _WORDS.get(self.status, "FAIL")
+        return word if note is None else f"{word} [{note}]"
+
+
+# Declared cells (qcheck.suite._declared): checked like any other, their note says what the library does.
+_WORDS = {"unsupported": "not supported", "known": "known defect"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,15 +81,16 @@ def _run(check, *args) -> Cell:
 
 
 def _cell(inv: invariants.Invariant, case: Case, env: invariants.RunEnv) -> Cell:
+    from qcheck.suite import _declared
+
     recipe = get_recipe(case.recipe)
-    if not inv.applies(recipe, case.variant):
-        return Cell("n/a")
-    defect = known_defect(recipe, inv.name, case.variant)
-    if defect is None:
-        return _run(inv.run, case, env)
-    # A declared upstream defect still runs, and must fail as declared.
-    cell = _run(lambda: assert_known_defect_reproduces(lambda: inv.run(case, env), defect, case.id))
-    return cell if cell.status == "fail" else Cell("defect", f"known upstream defect: {defect.reason}\n{cell.figure}")
+    found = _declared.declared(recipe, case.variant, inv.name)
+    if found is not None:
+        cell = _run(_declared.check_declared, case, inv.name, env)  # fails once the declaration is stale
+        if cell.status == "fail":
+            return cell
+        return Cell("unsupported" if found in recipe.unsupported else "known", cell.figure)
+    return _run(inv.run, case, env) if inv.applies(recipe, case.variant) else Cell("n/a")
 
 
 def _row(case: Case, env: invariants.RunEnv) -> Row:
@@ -186,21 +193,27 @@ def failures(rows: list[Row]) -> list[tuple[str, str, str]]:
     return [(r.case.id, n, c.detail) for r in rows for n, c in r.cells.items() if c.status == "fail"]
 
 
+def notes(rows: list[Row]) -> list[tuple[str, str, str]]:
+    """``(case id, invariant, full text)`` of every failed or declared cell, in table order."""
+    return [(r.case.id, n, c.detail) for r in rows for n, c in r.cells.items()
+            if c.status in ("fail", *_WORDS)]
+
+
 def format_table(rows: list[Row]) -> str:
-    """The table, then every failure in full, numbered as its cell says."""
+    """The table, then every failure and declared cell in full, numbered as its cell says."""
     names = [inv.name for inv in invariants.INVARIANTS]
-    noted = [(r.case.id, n, c.detail) for r in rows for n, c in r.cells.items() if c.status in ("fail", "defect")]
-    notes = {(case_id, n): i for i, (case_id, n, _) in enumerate(noted, 1)}
+    listed = notes(rows)
+    numbers = {(case_id, n): i for i, (case_id, n, _) in enumerate(listed, 1)}
     header = ["recipe", "model", "path", *names]
     body = [
         [r.case.recipe, r.case.variant.model, r.case.variant.id.split("-", 1)[1],
-         *(r.cells[n].text(notes.get((r.case.id, n))) for n in names)]
+         *(r.cells[n].text(numbers.get((r.case.id, n))) for n in names)]
         for r in rows
     ]
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
     fmt = lambda line: "  ".join(s.ljust(w) for s, w in zip(line, widths)).rstrip()  # noqa: E731
     lines = [fmt(header), fmt(["-" * w for w in widths]), *map(fmt, body)]
-    for i, (case_id, name, text) in enumerate(noted, 1):
+    for i, (case_id, name, text) in enumerate(listed, 1):
         lines += ["", f"[{i}] {case_id} {name}:", *("    " + t for t in text.splitlines())]
     return "\n".join(lines)
 

@@ -24,7 +24,7 @@ from qcheck.hardware import MARKERS
 SUITE_DIR = Path(__file__).resolve().parent / "tests"
 SUITE_MODULES = ("test_invariants.py", "test_golden_cases.py")
 _SELECTED = pytest.StashKey[tuple[str, ...] | None]()
-_CASE_FIXTURES = ("qcheck_case", "qcheck_golden", "qcheck_paths")
+_CASE_FIXTURES = ("qcheck_case", "qcheck_golden", "qcheck_paths", "qcheck_declared")
 GOLDEN_ENV = "QCHECK_GOLDEN_DIR"  # qcheck.suite.golden.ENV, without importing JAX here
 
 
@@ -217,26 +217,20 @@ def _params(config: pytest.Config, fixture: str, function) -> list:
                 + [pytest.param(("stray", e), id=f"unknown-file-{e.path.parent.name}-{e.path.stem}")
                    for e in found.strays])
     chosen = cases(selected)
+    from qcheck.suite._declared import declared
+
+    if fixture == "qcheck_declared":  # the cells recipes declare: each checked, none skipped
+        return [pytest.param((c, inv.name), id=f"{c.id}-{inv.name}") for c in chosen for inv in INVARIANTS
+                if declared(get_recipe(c.recipe), c.variant, inv.name) is not None]
     marker = next((m for m in getattr(function, "pytestmark", []) if m.name == "qcheck_invariant"), None)
     if marker is not None:
         by_name = {inv.name: inv for inv in INVARIANTS}
         (name,) = marker.args
         if name not in by_name:
             raise pytest.UsageError(f"unknown qcheck_invariant {name!r}; known invariants: {', '.join(by_name)}")
-        chosen = [c for c in chosen if by_name[name].applies(get_recipe(c.recipe), c.variant)]
-        return [pytest.param(c, id=c.id, marks=_known_defect_marks(get_recipe(c.recipe), name, c.variant))
-                for c in chosen]
+        chosen = [c for c in chosen if by_name[name].applies(get_recipe(c.recipe), c.variant)
+                  and declared(get_recipe(c.recipe), c.variant, name) is None]
     return [pytest.param(c, id=c.id) for c in chosen]
-
-
-def _known_defect_marks(recipe, invariant: str, variant) -> list:
-    """A cell with a declared upstream defect runs as a strict expected failure (a fixed library fails the run)."""
-    from qcheck.suite._known_defects import known_defect
-
-    defect = known_defect(recipe, invariant, variant)
-    if defect is None:
-        return []
-    return [pytest.mark.xfail(strict=True, raises=AssertionError, reason=f"known upstream defect: {defect.reason}")]
 
 
 def _qcheck_fixtures(function) -> list[str]:
@@ -275,6 +269,13 @@ def qcheck_case(request: pytest.FixtureRequest):
     """A :class:`qcheck.suite.cases.Case` (recipe, model, path, dropping): the plugin parametrizes a test that asks
     for it over the case table of this run's recipes; ``@pytest.mark.qcheck_invariant("name")`` keeps the cases that
     invariant applies to. Its id reads ``fp8-mixtral-dense``."""
+    return request.param
+
+
+@pytest.fixture
+def qcheck_declared(request: pytest.FixtureRequest):
+    """``(case, invariant)`` of a cell its recipe declares (a library refusal or known defect); ids read
+    ``aqt_int8_ragged-mixtral-sparse-grads``."""
     return request.param
 
 

@@ -58,3 +58,12 @@ def test_sharded_layer_computes_the_same_function(qcheck_case):
 @pytest.mark.qcheck_invariant("grads")
 def test_train_step_gradients_track_unquantized_twin(qcheck_case):
     assert invariants.check_grads(qcheck_case) > 0
+
+
+def test_declared_library_refusals_and_defects_still_hold(qcheck_declared):
+    """Where a recipe declares that its library refuses a case, or has a defect a check catches, assert it still does."""
+    from qcheck.suite import _declared
+
+    case, invariant = qcheck_declared
+    note = _declared.check_declared(case, invariant)
+    assert note.startswith(("not supported by ", "known defect of ")), note

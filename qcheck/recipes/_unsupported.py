@@ -1,0 +1,126 @@
+"""What a recipe's library refuses by design, declared with the proof that it still does.
+
+An adapter recipe wraps a library that may refuse some case outright (AQT's
+``ragged_dot`` has no backward pass). Such a case is neither a pass nor a
+qcheck failure. The recipe lists it in ``Recipe.unsupported``; the suite runs
+none of the checks it covers there, the matrix says
+``not supported by <library> <version>: <reason>`` in those cells, and pytest
+runs ``reproduce`` — the library on the refused case — and asserts it still
+raises: the day upstream supports the case, that test fails and says to drop
+the declaration. Never a silent skip.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from importlib import metadata
+
+from qcheck._choices import check_choice
+
+__all__ = ["UNSUPPORTED_KINDS", "KnownDefect", "Unsupported", "assert_still_unsupported"]
+
+#: What a declaration can cover. "gradient": anything that differentiates the
+#: layer (the suite's backward, grads, state and rng checks, golden gradients).
+UNSUPPORTED_KINDS = ("gradient",)
+_PATHS = ("dense", "sparse")
+
+
+@dataclasses.dataclass(frozen=True)
+class Unsupported:
+    """One refusal: ``library`` (its distribution name) refuses ``kind`` on ``paths``, for ``reason``.
+
+    ``reproduce`` runs the library on the refused case and must raise
+    ``raises`` (whose message must match ``match``, if given) while the refusal
+    lasts.
+    """
+
+    library: str
+    kind: str
+    paths: tuple[str, ...]
+    reason: str
+    reproduce: Callable[[], object] = dataclasses.field(compare=False, repr=False)
+    raises: type[BaseException] | tuple[type[BaseException], ...] = Exception
+    match: str = ""
+
+    def __post_init__(self):
+        check_choice("unsupported kind", self.kind, UNSUPPORTED_KINDS)
+        if isinstance(self.paths, str) or not self.paths:
+            raise TypeError(f"paths must be a non-empty tuple of {', '.join(_PATHS)}, got {self.paths!r}")
+        for path in self.paths:
+            check_choice("path", path, _PATHS)
+        if not callable(self.reproduce):
+            raise TypeError(f"reproduce must be a callable that runs {self.library} on the refused case, "
+                            f"got {self.reproduce!r}")
+        if not self.reason.strip():
+            raise ValueError("reason must say why the library refuses the case")
+
+    @property
+    def version(self) -> str:
+        """The installed version of ``library`` ("not installed" if it is not)."""
+        try:
+            return metadata.version(self.library)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    def text(self) -> str:
+        """``not supported by <library> <version>: <reason>``: the matrix's note for the cells it covers."""
+        return f"not supported by {self.library} {self.version}: {self.reason}"
+
+
+def assert_still_unsupported(declared: Unsupported, label: str = "") -> str:
+    """Run ``declared.reproduce``: it must raise ``declared.raises`` (matching ``match``). Returns the cell note.
+
+    Raises AssertionError, telling to drop the declaration, when the library
+    now runs the case; any other exception propagates as it is.
+    """
+    __tracebackhide__ = True
+    import re
+
+    where = f"{label}: " if label else ""
+    prefix = f"{where}assert_still_unsupported: {declared.library} {declared.version} {declared.kind} on " \
+             f"{'/'.join(declared.paths)}"
+    try:
+        declared.reproduce()
+    except declared.raises as e:
+        if declared.match and not re.search(declared.match, str(e)):
+            raise AssertionError(f"{prefix}: still raises {type(e).__name__}, but not matching "
+                                 f"{declared.match!r}: {e}") from None
+        return f"{declared.text()} ({type(e).__name__}: {e})"
+    names = getattr(declared.raises, "__name__", None) or "/".join(t.__name__ for t in declared.raises)
+    raise AssertionError(f"{prefix}: the library ran the refused case without raising {names}; it is supported "
+                         "now: drop this Unsupported declaration from the recipe so the suite checks it")
+
+
+@dataclasses.dataclass(frozen=True)
+class KnownDefect:
+    """A defect of ``library`` that qcheck's ``invariant`` catches on ``paths``: its failure is expected.
+
+    The suite still runs the check there and asserts it fails with a message
+    matching ``match``; the day it passes (upstream fixed it) that assertion
+    fails and says to drop the declaration.
+    """
+
+    library: str
+    invariant: str
+    paths: tuple[str, ...]
+    reason: str
+    match: str
+    #: The models (qcheck.MODELS names) it shows on; empty: every model. A defect
+    #: seen on one model's shapes only (qwix's sharded ragged_dot) declares that one.
+    models: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if isinstance(self.paths, str) or not self.paths:
+            raise TypeError(f"paths must be a non-empty tuple of {', '.join(_PATHS)}, got {self.paths!r}")
+        for path in self.paths:
+            check_choice("path", path, _PATHS)
+        if isinstance(self.models, str) or not all(isinstance(m, str) and m for m in self.models):
+            raise TypeError(f"models must be a tuple of model names (empty: every model), got {self.models!r}")
+        if not self.match:
+            raise ValueError("match must be a pattern of the expected failure message")
+
+    version = Unsupported.version
+
+    def text(self) -> str:
+        return f"known defect of {self.library} {self.version}: {self.reason}"

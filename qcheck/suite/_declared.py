@@ -1,0 +1,66 @@
+"""Cells a recipe declares: what its library refuses (Unsupported) and the library defects a check catches.
+
+Both are checked, never skipped: a refused cell runs the library's own
+reproduction of the refusal (:func:`qcheck.recipes.assert_still_unsupported`),
+a known defect runs the invariant and asserts its failure message. Either
+raises AssertionError, telling to drop the declaration, once it no longer holds.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+from qcheck.recipes import KnownDefect, Recipe, Unsupported, assert_still_unsupported, get_recipe
+from qcheck.suite.cases import Case, Variant
+
+__all__ = ["KIND_INVARIANTS", "check_declared", "declared"]
+
+#: The invariants each kind of refusal covers: "gradient", every check that differentiates the layer.
+KIND_INVARIANTS = {"gradient": frozenset({"backward", "grads", "state", "rng"})}
+#: Of those, the ones that say "not supported" for any recipe; the others (fp8 state, RNG plumbing) only
+#: where they would run for the recipe at all, else they stay "-".
+_ALWAYS = frozenset({"backward", "grads"})
+
+
+def declared(recipe: Recipe, variant: Variant, invariant: str) -> Unsupported | KnownDefect | None:
+    """The recipe's declaration covering ``invariant`` on the variant's path, if any (refusals first)."""
+    from qcheck.suite import invariants
+
+    for u in recipe.unsupported:
+        if variant.path in u.paths and invariant in KIND_INVARIANTS[u.kind]:
+            if invariant in _ALWAYS or any(i.name == invariant and i.applies(recipe, variant)
+                                           for i in invariants.INVARIANTS):
+                return u
+    for d in recipe.known_defects:
+        if variant.path in d.paths and invariant == d.invariant and (not d.models or variant.model in d.models):
+            return d
+    return None
+
+
+@functools.cache
+def _refusal(declared_: Unsupported) -> str:
+    # One run of the library per declaration and process: every cell it covers asks the same question.
+    return assert_still_unsupported(declared_, declared_.library)
+
+
+def check_declared(case: Case, invariant: str, env=None) -> str:
+    """The note for a declared cell, after checking the declaration still holds; AssertionError if not."""
+    __tracebackhide__ = True
+    from qcheck.suite import invariants
+
+    found = declared(get_recipe(case.recipe), case.variant, invariant)
+    if found is None:
+        raise ValueError(f"{case.id}: no Unsupported or KnownDefect declaration covers invariant {invariant!r}")
+    if isinstance(found, Unsupported):
+        return _refusal(found)
+    (inv,) = (i for i in invariants.INVARIANTS if i.name == invariant)
+    try:
+        inv.run(case, env or invariants.RunEnv())
+    except AssertionError as e:
+        if not re.search(found.match, str(e)):
+            raise AssertionError(f"{case.id}: {invariant} fails, but not as the declared {found.library} defect "
+                                 f"({found.match!r}): {e}") from None
+        return f"{found.text()} ({e})"
+    raise AssertionError(f"{case.id}: {invariant} passes where {found.library} {found.version} has the declared "
+                         f"defect ({found.reason}): fixed upstream? drop the KnownDefect declaration")
