@@ -720,3 +720,22 @@ def test_qwix_int8_recipe_sparse_site_shares_one_weight_scale_across_experts():
                                              r"weights by 1000 changed 7 of 7 rows .*one weight scale shared"):
         assert_ragged_groups_independent(site.ragged_dot, lhs, rhs, np.array([5, 7, 0], np.int32),
                                          label="qwix_int8 site")
+
+
+@_qwix_test
+def test_qwix_int8_recipe_sparse_path_fails_exact_with_one_weight_scale_shared():
+    """qwix 0.1.8 through qwix_int8: its sites equal int8_qwix codes multiplied in integer arithmetic, scales after
+    (the dense path, below), but the sparse path's ragged_dot is exact only against one weight scale shared across
+    experts, which the `exact` check names (declared: its matrix cell reads "known defect")."""
+    from qcheck.adapters._qwix_recipe import QWIX_INT8_RAGGED_SHARED_SCALE
+
+    with pytest.raises(AssertionError, match=r"qwix_int8-gemma-sparse: assert_site_ragged_exact: site 'wi_0' "
+                                             r"ragged_dot \(int8_qwix x int8_qwix, integer matmul\): .*"
+                                             + QWIX_INT8_RAGGED_SHARED_SCALE.match):
+        invariants.check_exact(_qwix_int8_case("gemma", "sparse"))
+
+
+@_qwix_test
+@pytest.mark.parametrize("model", ["mixtral", "gemma"])
+def test_qwix_int8_recipe_dense_path_is_exact_in_integer_arithmetic_should_pass(model):
+    invariants.check_exact(_qwix_int8_case(model, "dense"))
