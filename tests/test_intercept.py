@@ -186,3 +186,32 @@ def test_qwix_int8_site_gradients_against_the_unquantized_sites(path, lhs_shape,
     (yq, gq), (yn, gn) = _site_vjp("qwix_int8", path, lhs, rhs), _site_vjp("none", path, lhs, rhs)
     assert not np.array_equal(yq, yn)
     assert [np.array_equal(a, b) for a, b in zip(gq, gn)] == [same, same]
+
+
+# -- KnownDefect(models=...): a defect one model's shapes show -----------------------------------
+
+
+def _defect(**kw):
+    from qcheck.recipes import KnownDefect
+
+    return KnownDefect(**(dict(library="lib", invariant="sharded", paths=("sparse",), reason="r", match="m") | kw))
+
+
+def test_known_defect_for_one_model_covers_only_that_model():
+    from qcheck.suite._declared import declared
+
+    class Declares:
+        unsupported = ()
+        known_defects = (_defect(models=("mixtral",)),)
+
+    sparse = {m: cases.Variant(m, "sparse", False) for m in MODELS}
+    assert declared(Declares(), sparse["mixtral"], "sharded") is Declares.known_defects[0]
+    assert declared(Declares(), sparse["gemma"], "sharded") is None
+    Declares.known_defects = (_defect(),)  # no models: every model
+    assert declared(Declares(), sparse["gemma"], "sharded") is Declares.known_defects[0]
+
+
+@pytest.mark.parametrize("models", ["mixtral", ("mixtral", "")])
+def test_known_defect_bad_models_are_named(models):
+    with pytest.raises(TypeError, match=r"models must be a tuple of model names \(empty: every model\), got"):
+        _defect(models=models)
