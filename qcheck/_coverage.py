@@ -136,7 +136,7 @@ class MatmulRecord:
     ``location`` is ``path/to/file.py:LINE``, the innermost frame outside JAX,
     Flax, the standard library and qcheck's machinery (this module, the checks,
     and the quantization plumbing ``qcheck/recipes/``, ``bridge.py``,
-    ``formats.py``), so a quantized site's matmul is reported where the layer
+    ``_plain_site.py``, ``formats.py``), so a quantized site's matmul is reported where the layer
     calls the site; ``function`` is that frame's qualified name. ``error`` is
     ``||out - ref|| / ||ref||`` against the same product of the operands before
     quantization; None when not computed: full-precision operands, scaled
@@ -197,7 +197,7 @@ def _machinery_prefixes() -> tuple[str, ...]:
         _package_dir(jax), _package_dir(jaxlib), _package_dir(flax),
         os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep,
         os.path.abspath(__file__), here + "checks.py", here + "recipes" + os.sep,
-        here + "bridge.py", here + "formats.py",
+        here + "bridge.py", here + "_plain_site.py", here + "formats.py",
     )
 
 

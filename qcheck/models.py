@@ -7,8 +7,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qcheck._choices import check_choice
-from qcheck.moe import MODELS, MoE, MoEConfig
-from qcheck.recipes import ApplyRngs, Recipe, get_recipe
+from qcheck.moe import MODELS, MoE, MoEConfig, transform_layer
+from qcheck.recipes import ApplyRngs, InterceptRecipe, Recipe, get_recipe
 
 __all__ = ["Decoder", "build_decoder"]
 
@@ -41,7 +41,15 @@ class Decoder(nnx.Module):
         self.scan = scan
         self.rngs = rngs
 
+        intercept = isinstance(recipe, InterceptRecipe)
+        if intercept and scan:
+            raise ValueError(
+                f"recipe {recipe.name!r} is an InterceptRecipe: its layers are transformed after they are built, "
+                "which a scanned stack (built under nnx.vmap) cannot do; use scan=False")
+
         def make(r: nnx.Rngs) -> MoE:
+            if intercept:
+                return transform_layer(MoE(config, get_recipe("none"), rngs=r, dtype=dtype), recipe)
             return MoE(config, recipe, rngs=r, apply_rngs=apply_rngs, dtype=dtype)
 
         if scan:

@@ -6,7 +6,8 @@ formulations of the same function: ``dense`` (einsums over every expert, with
 optional capacity-based token dropping through dispatch/combine einsums) and
 ``sparse`` (tokens sorted by expert, grouped matmuls via ``jax.lax.ragged_dot``).
 Every matmul that touches expert weights, and dispatch/combine when tokens are
-dropped, goes through a named :class:`~qcheck.bridge.QuantSite`.
+dropped, goes through a named call site: a :class:`~qcheck.bridge.QuantSite`, or for
+the unquantized recipe a plain NNX module that interception libraries can walk.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from qcheck._choices import check_choice
+from qcheck._plain_site import UnquantizedSite
 from qcheck.bridge import QuantSite
-from qcheck.recipes import ApplyRngs, Recipe, get_recipe
+from qcheck.recipes import ApplyRngs, InterceptRecipe, Recipe, get_recipe
 
-__all__ = ["MESH_AXES", "MODELS", "PATHS", "MoE", "MoEConfig", "SiteSpec", "build_moe"]
+__all__ = ["MESH_AXES", "MODELS", "PATHS", "MoE", "MoEConfig", "SiteSpec", "build_moe", "transform_layer"]
 
 #: The mesh axes a sharded layer expects: tokens split over "data", experts over "expert".
 MESH_AXES = ("data", "expert")
@@ -131,9 +133,7 @@ class MoE(nnx.Module):
         names = ["wi_0", "wi_1", "wo"]
         if self.dropping and self.path == "dense":
             names = ["dispatch", *names, "combine"]
-        self.sites = nnx.Dict(
-            {n: QuantSite(recipe, n, rngs=rngs, apply_rngs=apply_rngs, dtype=self.dtype) for n in names}
-        )
+        self.sites = nnx.Dict({n: _site(recipe, n, rngs, apply_rngs, self.dtype) for n in names})
 
     def _sharding(self, *spec) -> NamedSharding:
         return NamedSharding(self.mesh, P(*spec))
@@ -149,7 +149,7 @@ class MoE(nnx.Module):
     def site_names(self) -> tuple[str, ...]:
         return tuple(self.sites.keys())
 
-    def get_einsum(self, name: str) -> QuantSite:
+    def get_einsum(self, name: str) -> QuantSite | UnquantizedSite:
         """The quantized callable ``(eqn, lhs, rhs) -> array`` used at call site ``name``."""
         if name not in self.sites:
             raise ValueError(
@@ -315,15 +315,34 @@ def build_moe(
     included. The function computed is the same as without one.
     """
     config = MODELS[check_choice("model", model, tuple(MODELS))]
-    return MoE(
+    recipe = get_recipe(recipe)
+    intercept = isinstance(recipe, InterceptRecipe)
+    layer = MoE(
         config,
-        get_recipe(recipe),
+        get_recipe("none") if intercept else recipe,
         path=path,
         capacity_factor=capacity_factor,
         rngs=nnx.Rngs(seed),
         dtype=dtype,
         mesh=mesh,
     )
+    return transform_layer(layer, recipe) if intercept else layer
+
+
+def transform_layer(layer: MoE, recipe: InterceptRecipe) -> MoE:
+    """An interception recipe's layer: ``recipe.transform`` of a freshly built ``none`` layer."""
+    layer.recipe_name = recipe.name
+    # Libraries that initialize by running the model get a fixed sample; its values do not matter to them.
+    sample = jax.random.normal(jax.random.key(0), (1, 8, layer.config.emb), jnp.float32)
+    return recipe.transform(layer, sample)
+
+
+def _site(recipe: Recipe, name: str, rngs: nnx.Rngs, apply_rngs: ApplyRngs | None, dtype) -> nnx.Module:
+    # The unquantized layer's sites are plain NNX modules (not ToNNX), so
+    # interception libraries (qwix) can walk it (qcheck._plain_site).
+    if not recipe.quantized:
+        return UnquantizedSite(name, rngs=rngs)
+    return QuantSite(recipe, name, rngs=rngs, apply_rngs=apply_rngs, dtype=dtype)
 
 
 def _check_mesh(mesh: Mesh | None, config: MoEConfig) -> Mesh | None:

@@ -23,6 +23,7 @@ from qcheck import checks, step
 from qcheck.adapters import flax_fp8, flax_fp8_recipe, flax_nanoo_fp8, ragged_dot_from_einsum
 from qcheck.checks import assert_amax_histories_follow_operands, assert_ragged_groups_independent
 from qcheck.bridge import QuantSite
+from qcheck.suite import cases, invariants
 
 BATCH, SEQ = 2, 8
 
@@ -504,7 +505,14 @@ def test_installed_recipes_include_aqt_when_aqtp_is_installed():
     _aqt()
     from qcheck.adapters import installed_recipes
 
-    assert [r.name for r in installed_recipes()] == ["flax_fp8", "flax_nanoo_fp8", "aqt_int8", "aqt_int8_ragged"]
+    assert [r.name for r in installed_recipes()][:4] == ["flax_fp8", "flax_nanoo_fp8", "aqt_int8", "aqt_int8_ragged"]
+
+
+def test_installed_recipes_include_qwix_int8_when_qwix_is_installed():
+    pytest.importorskip("qwix")
+    from qcheck.adapters import installed_recipes
+
+    assert [r.name for r in installed_recipes()][-1] == "qwix_int8"
 
 
 def test_installed_recipes_leave_out_a_missing_library(monkeypatch):
@@ -638,11 +646,11 @@ def test_qwix_weight_only_rule_skips_a_weight_passed_to_a_child_module():
 
 @_qwix_test
 def test_qwix_cannot_walk_a_qcheck_layer_and_qcheck_says_why():
-    """qwix.quantize_model on any model holding nnx.bridge.ToNNX (qwix 0.1.8): every qcheck layer does."""
+    """qwix.quantize_model on any model holding nnx.bridge.ToNNX (qwix 0.1.8): every quantized qcheck layer does."""
     _qwix()
     from qcheck.adapters import qwix_quantize_model
 
-    layer = qcheck.build_moe("mixtral", "none")
+    layer = qcheck.build_moe("mixtral", "int8")
     x = jnp.asarray(_input())
     provider = _qwix_rule(weight_qtype=jnp.int8, act_qtype=jnp.int8)
     with pytest.raises(ValueError, match=r"Cannot infer collection name from value: \('sites', 'wi_0'\)"):
@@ -676,3 +684,58 @@ def test_qwix_adapter_without_qwix_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "qwix", None)
     with pytest.raises(ImportError, match=r"pip install 'qcheck\[qwix\]'"):
         importlib.import_module("qcheck.adapters._qwix")
+
+
+# -- qwix as a qcheck recipe (qcheck.adapters.qwix_int8, an interception recipe) ----------------
+
+
+def _qwix_int8_case(model: str, path: str):
+    _qwix()
+    return cases.Case("qwix_int8", cases.Variant(model, path, False))
+
+
+@_qwix_test
+def test_qwix_int8_recipe_sparse_layer_differs_on_a_mesh():
+    """qwix 0.1.8 int8 (jax 0.10.2, CPU): Mixtral's sparse qwix_int8 layer on the suite's 2 x 4 mesh computes
+    another function than on one device; the `sharded` invariant catches it, and the recipe declares it
+    (its matrix cell reads "known defect")."""
+    from qcheck.adapters._qwix_recipe import QWIX_INT8_SHARDED_SPARSE
+
+    with pytest.raises(AssertionError, match=QWIX_INT8_SHARDED_SPARSE.match + r", by up to 0\.0\d+"):
+        invariants.check_sharded(_qwix_int8_case("mixtral", "sparse"))
+
+
+@_qwix_test
+def test_qwix_int8_recipe_sparse_layer_matches_on_a_mesh_for_gemma_should_pass():
+    assert invariants.check_sharded(_qwix_int8_case("gemma", "sparse")) <= invariants.SHARDED_ATOL
+
+
+@_qwix_test
+def test_qwix_int8_recipe_sparse_site_shares_one_weight_scale_across_experts():
+    """qwix 0.1.8 through qcheck's qwix_int8 recipe: the sparse path's call site (qwix's ragged_dot) scales all
+    experts' weights together, as on a user's model (the row above)."""
+    site = cases.layer(_qwix_int8_case("mixtral", "sparse")).get_einsum("wi_0")
+    lhs, rhs = checks.probe_operands(0, (12, 32), (3, 32, 8))
+    with pytest.raises(AssertionError, match=r"assert_ragged_groups_independent: qwix_int8 site: scaling group 0's "
+                                             r"weights by 1000 changed 7 of 7 rows .*one weight scale shared"):
+        assert_ragged_groups_independent(site.ragged_dot, lhs, rhs, np.array([5, 7, 0], np.int32),
+                                         label="qwix_int8 site")
+
+
+@_qwix_test
+def test_qwix_int8_recipe_sparse_path_fails_exact_with_one_weight_scale_shared():
+    """qwix 0.1.8 through qwix_int8: its sites equal int8_qwix codes multiplied in integer arithmetic, scales after
+    (the dense path, below), but the sparse path's ragged_dot is exact only against one weight scale shared across
+    experts, which the `exact` check names (declared: its matrix cell reads "known defect")."""
+    from qcheck.adapters._qwix_recipe import QWIX_INT8_RAGGED_SHARED_SCALE
+
+    with pytest.raises(AssertionError, match=r"qwix_int8-gemma-sparse: assert_site_ragged_exact: site 'wi_0' "
+                                             r"ragged_dot \(int8_qwix x int8_qwix, integer matmul\): .*"
+                                             + QWIX_INT8_RAGGED_SHARED_SCALE.match):
+        invariants.check_exact(_qwix_int8_case("gemma", "sparse"))
+
+
+@_qwix_test
+@pytest.mark.parametrize("model", ["mixtral", "gemma"])
+def test_qwix_int8_recipe_dense_path_is_exact_in_integer_arithmetic_should_pass(model):
+    invariants.check_exact(_qwix_int8_case(model, "dense"))

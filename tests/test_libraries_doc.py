@@ -14,7 +14,7 @@ from tests import test_adapters
 
 DOC = (Path(__file__).parent.parent / "docs" / "libraries.md").read_text()
 #: The library each block needs, by its label.
-NEEDS = {"flax": "flax", "aqt": "aqt.jax.v2", "qwix": "qwix"}
+NEEDS = {"flax": "flax", "aqt": "aqt.jax.v2", "qwix": "qwix", "qwix_recipe": "qwix"}
 
 
 def doc_blocks() -> dict[str, str]:
@@ -61,7 +61,7 @@ def _aqt_figures(ns) -> None:
 
 
 #: What each block's figures must be.
-FIGURES = {"flax": _flax_figures, "aqt": _aqt_figures, "qwix": _tracks_figure}
+FIGURES = {"flax": _flax_figures, "aqt": _aqt_figures, "qwix": _tracks_figure, "qwix_recipe": _tracks_figure}
 
 
 def test_defect_table_rows_name_existing_defect_tests():

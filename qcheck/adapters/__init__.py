@@ -1,7 +1,8 @@
 """The quantization libraries people ship, run through qcheck as recipes.
 
 Flax's fp8 modules are always available (qcheck depends on Flax). AQT v2
-(``pip install 'qcheck[aqt]'``) and qwix (``qcheck[qwix]``) load on first use
+(``pip install 'qcheck[aqt]'``) and qwix (``qcheck[qwix]``, an interception
+recipe: qwix applied to the ``none`` layer's call sites) load on first use
 of their names, so importing this package needs neither; without them those
 names raise ImportError saying which extra to install.
 
@@ -34,6 +35,7 @@ __all__ = [
     "FLAX_FP8_MODULES",
     "AqtRecipe",
     "FlaxFp8Recipe",
+    "QwixRecipe",
     "aqt_int8",
     "aqt_int8_ragged",
     "aqt_recipe",
@@ -41,6 +43,7 @@ __all__ = [
     "flax_fp8_recipe",
     "flax_nanoo_fp8",
     "installed_recipes",
+    "qwix_int8",
     "qwix_quantize_model",
     "ragged_dot_from_einsum",
 ]
@@ -48,11 +51,13 @@ __all__ = [
 _LAZY = {name: "qcheck.adapters._aqt" for name in ("AQT_RAGGED", "AQT_RAGGED_NO_GRADIENT", "AQT_RAGGED_SHARED_SCALE",
                                                    "AqtRecipe", "aqt_int8", "aqt_int8_ragged", "aqt_recipe")}
 _LAZY["qwix_quantize_model"] = "qcheck.adapters._qwix"
+_LAZY.update({name: "qcheck.adapters._qwix_recipe" for name in ("QwixRecipe", "qwix_int8")})
 
 if TYPE_CHECKING:
     from qcheck.adapters._aqt import (AQT_RAGGED, AQT_RAGGED_NO_GRADIENT, AQT_RAGGED_SHARED_SCALE, AqtRecipe, aqt_int8, aqt_int8_ragged,
                                       aqt_recipe)
     from qcheck.adapters._qwix import qwix_quantize_model
+    from qcheck.adapters._qwix_recipe import QwixRecipe, qwix_int8
 
 
 def __getattr__(name: str):
@@ -80,4 +85,6 @@ def installed_recipes() -> tuple[Recipe, ...]:
     if _has("aqt"):
         aqt = importlib.import_module("qcheck.adapters._aqt")
         recipes += [aqt.aqt_int8(), aqt.aqt_int8_ragged()]
+    if _has("qwix"):
+        recipes.append(importlib.import_module("qcheck.adapters._qwix_recipe").qwix_int8())
     return tuple(recipes)

@@ -8,6 +8,7 @@ or a module named with ``--recipes`` / ``--qcheck-recipes``.
 from qcheck.recipes._axes import MatmulAxes, einsum_axes
 from qcheck.recipes._base import ApplyRngs, Recipe
 from qcheck.recipes._fp8 import DelayedScalingFp8, fp8, nanoo_fp8
+from qcheck.recipes._intercept import InterceptRecipe
 from qcheck.recipes._none import NoQuant
 from qcheck.recipes._nvfp4 import NVFP4
 from qcheck.recipes._registry import (
@@ -27,6 +28,7 @@ __all__ = [
     "KnownDefect",
     "ApplyRngs",
     "DelayedScalingFp8",
+    "InterceptRecipe",
     "MatmulAxes",
     "NVFP4",
     "NoQuant",

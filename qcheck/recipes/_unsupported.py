@@ -106,12 +106,17 @@ class KnownDefect:
     paths: tuple[str, ...]
     reason: str
     match: str
+    #: The models (qcheck.MODELS names) it shows on; empty: every model. A defect
+    #: seen on one model's shapes only (qwix's sharded ragged_dot) declares that one.
+    models: tuple[str, ...] = ()
 
     def __post_init__(self):
         if isinstance(self.paths, str) or not self.paths:
             raise TypeError(f"paths must be a non-empty tuple of {', '.join(_PATHS)}, got {self.paths!r}")
         for path in self.paths:
             check_choice("path", path, _PATHS)
+        if isinstance(self.models, str) or not all(isinstance(m, str) and m for m in self.models):
+            raise TypeError(f"models must be a tuple of model names (empty: every model), got {self.models!r}")
         if not self.match:
             raise ValueError("match must be a pattern of the expected failure message")
 

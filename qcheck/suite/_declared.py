@@ -33,7 +33,7 @@ def declared(recipe: Recipe, variant: Variant, invariant: str) -> Unsupported | 
                                            for i in invariants.INVARIANTS):
                 return u
     for d in recipe.known_defects:
-        if variant.path in d.paths and invariant == d.invariant:
+        if variant.path in d.paths and invariant == d.invariant and (not d.models or variant.model in d.models):
             return d
     return None
 
