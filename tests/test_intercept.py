@@ -122,6 +122,24 @@ def test_qwix_int8_layer_tracks_the_none_layer_should_pass(path):
 
 
 @qwix_test
+@pytest.mark.parametrize("path", ["dense", "sparse"])
+def test_qwix_int8_skipping_qwixs_initializing_call_changes_no_state_and_no_bit(path):
+    """Why QwixRecipe skips qwix's first call of each site: for its rules that call creates nothing."""
+    from qcheck.adapters import qwix_int8
+
+    ran = qwix_int8()
+    ran.skip_init = False
+    built = {skip: qcheck.build_moe("mixtral", recipe, path=path, seed=cases.SEED)
+             for skip, recipe in ((True, qwix_int8()), (False, ran))}
+    states = {skip: nnx.to_flat_state(nnx.state(layer)) for skip, layer in built.items()}
+    assert [p for p, _ in states[True]] == [p for p, _ in states[False]]
+    for (path_, a), (_, b) in zip(states[True], states[False]):
+        assert np.array_equal(np.asarray(a.get_value()), np.asarray(b.get_value())), path_
+    out = {skip: np.asarray(step.apply(layer, X)[0]) for skip, layer in built.items()}
+    assert np.array_equal(out[True].view(np.uint32), out[False].view(np.uint32))
+
+
+@qwix_test
 def test_qwix_sees_a_qcheck_sites_weight_as_an_activation():
     """Why QwixRecipe refuses rules that treat weights differently: qwix 0.1.8 walks the none layer, but a
     weight-only rule quantizes nothing there (the weights reach the sites as arguments)."""

@@ -106,6 +106,10 @@ def _check_rule(recipe: str, i: int, rule) -> None:
 class QwixRecipe(InterceptRecipe):
     """``qwix.quantize_model`` with a fresh ``qwix.QtProvider(rules)`` on each call site of the ``none`` layer."""
 
+    #: Skip qwix's initializing call of each site (``skip_nnx_init``): with weights and activations alike
+    #: and dynamic scales, it creates no state. False runs it, as qwix does by default.
+    skip_init: bool = True
+
     def __init__(
         self,
         name: str,
@@ -138,7 +142,11 @@ class QwixRecipe(InterceptRecipe):
                 else:
                     inputs, method = (spec.eqn, lhs, rhs), "__call__"
                 provider = qwix.QtProvider(list(self.rules))
-                site = qwix.quantize_model(layer.sites[name], provider, *inputs, methods=(method,))
+                # qwix's first call only creates state (converted weights, static-scale statistics),
+                # and the rules accepted here create none (tests/test_intercept.py holds the two
+                # bitwise alike); run eagerly, that call compiled some 60 one-op programs per layer.
+                site = qwix.quantize_model(layer.sites[name], provider, *inputs, methods=(method,),
+                                           skip_nnx_init=self.skip_init)
                 cls = type(site)
                 site.__class__ = type(cls.__name__, (cls,), {method: _quietly(getattr(cls, method))})
                 layer.sites[name] = site
