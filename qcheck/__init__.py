@@ -13,12 +13,15 @@ __all__ = [
     "MODELS",
     "PATHS",
     "ApplyRngs",
+    "InterceptRecipe",
+    "KnownDefect",
     "LayerFigures",
     "MoE",
     "MoEConfig",
     "QuantSite",
     "MatmulRecord",
     "Recipe",
+    "Unsupported",
     "assert_quantized",
     "build_decoder",
     "build_moe",
@@ -46,6 +49,9 @@ _WHERE = {
     "QuantSite": "qcheck.bridge",
     "ApplyRngs": "qcheck.recipes",
     "Recipe": "qcheck.recipes",
+    "InterceptRecipe": "qcheck.recipes",
+    "KnownDefect": "qcheck.recipes",
+    "Unsupported": "qcheck.recipes",
     "get_recipe": "qcheck.recipes",
     "recipe_names": "qcheck.recipes",
     "register_recipe": "qcheck.recipes",
@@ -66,7 +72,8 @@ if TYPE_CHECKING:
     from qcheck.bridge import QuantSite
     from qcheck.models import build_decoder
     from qcheck.moe import MODELS, PATHS, MoE, MoEConfig, build_moe
-    from qcheck.recipes import ApplyRngs, Recipe, get_recipe, recipe_names, register_recipe
+    from qcheck.recipes import (ApplyRngs, InterceptRecipe, KnownDefect, Recipe, Unsupported, get_recipe,
+                                recipe_names, register_recipe)
 
 
 def __getattr__(name: str):
