@@ -17,9 +17,13 @@ Columns:
            never draws carries no RNG stream
   coverage every matmul but the router, the combine and the dropping masks
            takes quantized operands (qcheck.coverage); the figure is how many
-           (`qcheck coverage` prints the map)
-  exact    each call site of a fresh fp8 layer equals the einsum (or ragged_dot)
-           of operands cast by ml_dtypes to the recipe's e4m3 flavour, bitwise
+           (`qcheck coverage` prints the map); with an fp8_target, every fp8
+           cast, forward and backward, is a type that hardware multiplies
+  exact    each call site of a fresh layer equals, bitwise, the matmul of its
+           operands quantized by the numpy referee in the recipe's declared
+           formats: on probes, and on what it receives in the layer's forward
+  backward each site's input and weight gradients equal, bitwise, the
+           referee's gradient matmuls (g quantized as the recipe declares)
   tracks   the layer stays within the recipe's relative-norm bound of its
            unquantized twin and is not equal to it; the figure is the norm
   grads    one train step: every parameter's gradient is finite and within
@@ -33,8 +37,11 @@ Columns:
   golden   the case matches its golden file (codes and entry parameters exactly,
            outputs and gradients within the tolerance stored in the file)
 
-A cell reads "pass [figure]", "-" (does not apply) or "FAIL [n]": failure n is
-printed in full below the table, with what to run to fix it where there is one.
+A cell reads "pass [figure]", "-" (does not apply), "not supported [n]" or
+"known defect [n]" (a library recipe declares that its library refuses the
+case, or fails this check on it; the check is run and must still fail so), or
+"FAIL [n]": note or failure n is printed in full below the table, with what to
+run to fix it where there is one.
 """
 
 
