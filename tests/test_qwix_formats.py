@@ -1,0 +1,244 @@
+"""qwix's fp8 and fp4 formats against qcheck's referees, bit for bit (qwix 0.1.8, jax 0.10.2, CPU).
+
+qwix's rule, read from qwix/_src/core/qarray.py (``calibrate``,
+``compute_scale_zero_point``, ``quantize_with_scale_zero_point``) and
+numerics.py (``get_symmetric_bound``, ``convert_to``): scale = absmax / bound
+(bound: the element type's max, 448 for e4m3fn and mxfp8, 6 for nvfp4); a scale
+below sqrt(float32 tiny) = 2^-63 becomes 1; mxfp8 rounds the scale up to
+2^ceil(log2 scale), nvfp4 casts it to e4m3fn; codes = x / scale, clipped to the
+element type's range and cast. The numpy models below are that rule, written
+again; each is pinned bitwise against qwix, so a diagnosis made with one is the
+library's, not a guess. XLA rewrites a division by a constant (absmax / bound)
+into a multiplication by its float32 reciprocal, eager and jitted, and under jit
+also x / scale (as qcheck.referees' ``xla_reciprocal`` notes); eager divides
+there. The models take that switch.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from qcheck import checks, referees
+
+qwix = pytest.importorskip("qwix")
+
+F32 = np.float32
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+E2M1 = np.dtype(ml_dtypes.float4_e2m1fn)
+QWIX_MIN_SCALE = F32(2.0**-63)  # qwix: jnp.sqrt(jnp.finfo(float32).tiny)
+RUNS = {"eager": lambda f: f, "jit": jax.jit}
+
+_rng = np.random.default_rng(17)
+#: A batch of 24 tensors (axis 0), each with its own magnitude 2^k, k in [-50, 60]: above qwix's floor.
+WIDE = (_rng.standard_normal((24, 16, 64)) * np.exp2(_rng.integers(-50, 60, (24, 1, 1)))).astype(F32)
+#: The same with each tensor's amax set to exactly 448 · 2^k: both scale rules are then powers of two.
+POW2 = WIDE.copy()
+POW2[:, 0, 0] = F32(448) * np.exp2(_rng.integers(-50, 60, 24)).astype(F32) * np.sign(_rng.standard_normal(24))
+POW2[:, 1:, :] = np.clip(POW2[:, 1:, :], -np.abs(POW2[:, :1, :1]), np.abs(POW2[:, :1, :1]))
+POW2[:, 0, 1:] = np.clip(POW2[:, 0, 1:], -np.abs(POW2[:, :1, :1])[:, 0], np.abs(POW2[:, :1, :1])[:, 0])
+#: Tensors whose amax straddles qwix's floor, 448 · 2^-63 (about 4.9e-17).
+TINY = (_rng.standard_normal((4, 16, 64)) * F32([1e-18, 1e-17, 1e-15, 1e-12])[:, None, None]).astype(F32)
+#: Blocks of 32 (mxfp8) / 16 (nvfp4) along the last axis, magnitudes 2^±30 per row.
+BLOCKS = (_rng.standard_normal((32, 64)) * np.exp2(_rng.integers(-30, 30, (32, 1)))).astype(F32)
+
+
+def _bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view(np.dtype(f"u{a.dtype.itemsize}"))
+
+
+def assert_same_bits(what: str, qcheck_side, qwix_side) -> None:
+    """``qcheck_side`` and ``qwix_side`` are the same array, bitwise; else name the first difference."""
+    got, want = np.asarray(qcheck_side), np.asarray(qwix_side)
+    if (got.dtype, got.shape) != (want.dtype, want.shape):
+        raise AssertionError(f"{what}: qcheck {got.dtype}{list(got.shape)}, qwix {want.dtype}{list(want.shape)}")
+    off = _bits(got) != _bits(want)
+    if off.any():
+        i = tuple(int(j) for j in np.argwhere(off)[0])
+        raise AssertionError(f"{what} differ at index {i}: qcheck {got[i]!r} vs qwix {want[i]!r}; "
+                             f"{int(off.sum())} of {off.size} differ ({got.dtype})")
+
+
+def _quietly(fn, *args):
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        return fn(*args)
+
+
+# -- the numpy models of qwix's rule ------------------------------------------------------------
+
+
+def _divide(a: np.ndarray, b: np.ndarray, xla_reciprocal: bool) -> np.ndarray:
+    return _quietly(lambda: (a * (F32(1) / b) if xla_reciprocal else a / b).astype(F32))
+
+
+def _qwix_scale(amax: np.ndarray, bound: float, constant_reciprocal: bool = True) -> np.ndarray:
+    s = _divide(amax, F32(bound), constant_reciprocal)
+    return np.where(s < QWIX_MIN_SCALE, F32(1), s).astype(F32)  # qwix: a scale below 2^-63 is 1
+
+
+def _cast(v: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    fmax = F32(ml_dtypes.finfo(dtype).max)
+    return np.clip(v, -fmax, fmax).astype(dtype)  # qwix convert_to: clip to the finite range, then cast
+
+
+def _blocks(x: np.ndarray, block: int) -> np.ndarray:
+    return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def model_e4m3fn_per_tensor(x: np.ndarray, xla_reciprocal: bool) -> tuple[np.ndarray, np.ndarray]:
+    """qwix.quantize(x, float8_e4m3fn, channelwise_axes=(0,)): one scale per x[i]."""
+    amax = np.max(np.abs(x), axis=(1, 2), keepdims=True)
+    scale = _qwix_scale(amax, 448.0)
+    return _cast(_divide(x, scale, xla_reciprocal), E4M3), scale
+
+
+def _ceil_log2(s: np.ndarray) -> np.ndarray:
+    m, e = np.frexp(s)  # s = m · 2^e, m in [0.5, 1): ceil(log2 s) is e, or e - 1 at a power of two, exactly
+    return np.where(m == 0.5, e - 1, e).astype(np.int32)
+
+
+def model_mxfp8(x: np.ndarray, xla_reciprocal: bool) -> tuple[np.ndarray, np.ndarray]:
+    """qwix.quantize(x, "mxfp8", channelwise_axes=(0,), tiled_axes={1: 32}) for 2-d ``x``."""
+    b = _blocks(x, 32)
+    s = _qwix_scale(np.max(np.abs(b), axis=-1, keepdims=True), 448.0)
+    scale = np.ldexp(F32(1), _ceil_log2(s)).astype(F32)  # qwix: 2 ** ceil(log2(scale))
+    return _cast(_divide(b, scale, xla_reciprocal), E4M3).reshape(x.shape), scale[..., 0]
+
+
+def model_nvfp4(x: np.ndarray, xla_reciprocal: bool) -> tuple[np.ndarray, np.ndarray]:
+    """qwix.quantize(x, "nvfp4", channelwise_axes=(0,), tiled_axes={1: 16}) for 2-d ``x``: one level."""
+    b = _blocks(x, 16)
+    s = _qwix_scale(np.max(np.abs(b), axis=-1, keepdims=True), 6.0)
+    scale = _cast(s, E4M3).astype(F32)  # qwix: the block scale cast to e4m3fn; no tensor scale
+    return _cast(_divide(b, scale, xla_reciprocal), E2M1).reshape(x.shape), scale[..., 0]
+
+
+def _qwix_quantize(x: np.ndarray, qtype, run: str, **how):
+    qa = RUNS[run](lambda v: qwix.quantize(v, qtype, **how))(x)
+    return np.asarray(qa.qvalue), np.asarray(qa.scale), np.asarray(qwix.dequantize(qa))
+
+
+def qwix_e4m3fn(x, run):
+    return _qwix_quantize(x, jnp.float8_e4m3fn, run, channelwise_axes=(0,))
+
+
+def qwix_mxfp8(x, run):
+    return _qwix_quantize(x, "mxfp8", run, channelwise_axes=(0,), tiled_axes={1: 32})
+
+
+def qwix_nvfp4(x, run):
+    return _qwix_quantize(x, "nvfp4", run, channelwise_axes=(0,), tiled_axes={1: 16})
+
+
+# -- each model equals qwix bitwise (should pass), on every input set -----------------------------
+
+MODELS = {
+    "e4m3fn": (qwix_e4m3fn, model_e4m3fn_per_tensor, {"wide": WIDE, "pow2": POW2, "tiny": TINY}),
+    "mxfp8": (qwix_mxfp8, model_mxfp8, {"blocks": BLOCKS, "tiny": TINY[:, 0]}),
+    "nvfp4": (qwix_nvfp4, model_nvfp4, {"blocks": BLOCKS, "tiny": TINY[:, 0], "big": BLOCKS[:4] * F32(1e4)}),
+}
+MODEL_ROWS = [(fmt, data) for fmt, (_, _, sets) in MODELS.items() for data in sets]
+
+
+@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("fmt, data", MODEL_ROWS)
+def test_qwix_equals_its_numpy_model_should_pass(fmt, data, run):
+    library, model, sets = MODELS[fmt]
+    x = sets[data]
+    codes, scale, _ = library(x, run)
+    want_codes, want_scale = model(x, xla_reciprocal=run == "jit")
+    assert_same_bits(f"qwix {fmt} model ({run}): codes", want_codes, codes)
+    assert_same_bits(f"qwix {fmt} model ({run}): scales", want_scale.reshape(scale.shape), scale)
+
+
+def test_qwix_model_fails_with_a_true_division_by_the_bound():
+    # The rewrite matters: absmax / 448 as an IEEE division misses qwix's scale (eager too).
+    amax = np.max(np.abs(WIDE), axis=(1, 2), keepdims=True)
+    _, scale, _ = qwix_e4m3fn(WIDE, "eager")
+    with pytest.raises(AssertionError, match=r"qwix e4m3fn model \(eager\): scales differ at index \(\d+, 0, 0\): "
+                                             r"qcheck np.float32\(.*\) vs qwix np.float32\(.*\); \d+ of 24 differ"):
+        assert_same_bits("qwix e4m3fn model (eager): scales", _qwix_scale(amax, 448.0, False), scale)
+
+
+# -- 1. per-tensor e4m3fn: qcheck's e4m3fn_current, but for the floor and the division order -----
+
+
+def _referee_per_tensor(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    # e4m3fn_current is one scale per tensor: each x[i] is its own tensor.
+    out = [referees.reference_quantize(t, "e4m3fn_current", axis=(0, 1)) for t in x]
+    codes = np.stack([c for c, _ in out])
+    encode = np.stack([s["tensor"] for _, s in out]).reshape(-1, 1, 1)
+    deq = np.stack([referees.reference_dequantize(c, s, "e4m3fn_current", axis=(0, 1)) for c, s in out])
+    return codes, encode, deq
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_qwix_e4m3fn_per_tensor_equals_e4m3fn_current_at_power_of_two_scales_should_pass(run):
+    # Where both scales are powers of two, qwix's x / (amax/448) and qcheck's x · (448/amax) are exact:
+    # same tensor amax, same bound, same saturating cast, so the same codes and values.
+    codes, scale, deq = qwix_e4m3fn(POW2, run)
+    ref_codes, encode, ref_deq = _referee_per_tensor(POW2)
+    assert np.all(np.frexp(scale)[0] == 0.5), "the inputs reach what they are for: power-of-two scales"
+    assert_same_bits(f"qwix e4m3fn vs e4m3fn_current ({run}): codes", ref_codes, codes)
+    assert_same_bits(f"qwix e4m3fn vs e4m3fn_current ({run}): decode scales", F32(1) / encode, scale)
+    assert_same_bits(f"qwix e4m3fn vs e4m3fn_current ({run}): dequantized values", ref_deq, deq)
+
+
+def _midpoints() -> np.ndarray:
+    grid = np.unique(np.abs(np.arange(256, dtype=np.uint8).view(E4M3).astype(F32)))
+    grid = grid[np.isfinite(grid)]
+    return ((grid[:-1] + grid[1:]) / 2).astype(F32)  # exact: e4m3 values have 4 significant bits
+
+
+def _ties() -> np.ndarray:
+    # 64 tensors, each amax 448 · (random, not a power of two) with every other element a rounding tie of
+    # e4m3fn in qcheck's units (m / encode): the two division orders round them up to an ulp apart.
+    rng = np.random.default_rng(5)
+    mids = _midpoints()
+    amax = (F32(448) * rng.uniform(1.0, 2.0, 64) * np.exp2(rng.integers(-20, 20, 64))).astype(F32)
+    x = (rng.choice(mids, (64, 8, 32)) * rng.choice(F32([-1, 1]), (64, 8, 32)) / (F32(448) / amax)[:, None, None])
+    x = x.astype(F32)
+    x[:, 0, 0] = amax
+    return x
+
+
+def test_qwix_e4m3fn_per_tensor_rounds_some_ties_otherwise_than_e4m3fn_current():
+    """qwix 0.1.8: x / fl(amax · fl(1/448)) against qcheck's x · fl(448 / amax); near an e4m3 rounding tie
+    the two quotients fall on either side. A fact, not a defect: both are the same rule rounded otherwise."""
+    x = _ties()
+    codes, _, _ = qwix_e4m3fn(x, "eager")
+    ref_codes, encode, _ = _referee_per_tensor(x)
+    with pytest.raises(AssertionError, match=r"qwix e4m3fn vs e4m3fn_current \(eager\): codes differ at index "
+                                             r"\(\d+, \d+, \d+\): qcheck .* vs qwix .*; \d+ of 16384 differ"):
+        assert_same_bits("qwix e4m3fn vs e4m3fn_current (eager): codes", ref_codes, codes)
+    # Every difference is a tie: qcheck's scaled value is within 2 float32 ulps of an e4m3 midpoint,
+    # and the two codes are the neighbours either side of it.
+    off = _bits(ref_codes) != _bits(codes)
+    v = (x * encode)[off]
+    lo, hi = np.minimum(codes[off], ref_codes[off]).astype(F32), np.maximum(codes[off], ref_codes[off]).astype(F32)
+    mid = (lo + hi) / 2
+    assert np.all(np.abs(v - mid) <= 2 * np.spacing(np.abs(mid))), "every difference is at a rounding tie"
+    assert np.all(np.isin(np.abs(mid), _midpoints())), "the two codes are neighbours"
+
+
+def test_qwix_e4m3fn_quantizes_a_tensor_below_its_scale_floor_to_zeros():
+    """qwix 0.1.8 (qarray.compute_scale_zero_point): a scale below 2^-63 becomes 1, so a tensor whose amax is
+    below 448 · 2^-63 (about 4.9e-17) casts unscaled to e4m3fn and comes back zero; e4m3fn_current scales it."""
+    codes, _, deq = qwix_e4m3fn(TINY, "eager")
+    ref_codes, _, ref_deq = _referee_per_tensor(TINY)
+    with pytest.raises(AssertionError, match=r"qwix e4m3fn vs e4m3fn_current \(eager\): codes differ at index "
+                                             r"\(0, 0, 0\): .*; 2048 of 4096 differ"):
+        assert_same_bits("qwix e4m3fn vs e4m3fn_current (eager): codes", ref_codes, codes)
+    for i, amax in enumerate(np.max(np.abs(TINY), axis=(1, 2))):
+        assert checks.assert_tracks(ref_deq[i], TINY[i], max_rel_norm=0.05) > 0
+        if amax < F32(448) * QWIX_MIN_SCALE:
+            with pytest.raises(AssertionError, match=r"assert_tracks: relative norm 1\.0000 exceeds the bound 0\.05"):
+                checks.assert_tracks(deq[i], TINY[i], max_rel_norm=0.05)
+        else:
+            assert_same_bits("qwix e4m3fn vs e4m3fn_current above the floor: codes", ref_codes[i], codes[i])
