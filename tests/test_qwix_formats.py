@@ -23,8 +23,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 
 from qcheck import checks, referees
+from qcheck._site_exact import assert_site_exact
 
 qwix = pytest.importorskip("qwix")
 
@@ -242,3 +244,152 @@ def test_qwix_e4m3fn_quantizes_a_tensor_below_its_scale_floor_to_zeros():
                 checks.assert_tracks(deq[i], TINY[i], max_rel_norm=0.05)
         else:
             assert_same_bits("qwix e4m3fn vs e4m3fn_current above the floor: codes", ref_codes[i], codes[i])
+
+
+# -- 2. MXFP8: qwix rounds the scale up from amax / 448; OCP MX takes floor(log2 amax) - 8 ---------
+
+
+def _significand(a: np.ndarray) -> np.ndarray:
+    return 2 * np.frexp(a)[0]  # a = s · 2^e with s in [1, 2)
+
+
+def test_qwix_mxfp8_scale_is_ceil_of_amax_over_448_not_ocp_mx():
+    """qwix 0.1.8 mxfp8 scale: 2^ceil(log2(amax / 448)) (qarray.compute_scale_zero_point), not OCP MX v1.0's
+    2^(floor(log2 amax) - 8) as qcheck's mxfp8 referee computes it: a block whose amax's significand is above
+    1.75 (448 = 1.75 · 2^8) gets twice OCP's scale, so qwix never saturates where OCP clips to 448."""
+    codes, scale, _ = qwix_mxfp8(BLOCKS, "eager")
+    ref_codes, ref_scales = referees.reference_quantize(BLOCKS, "mxfp8", axis=1)
+    ocp = np.ldexp(F32(1), ref_scales["block"].view(np.uint8).astype(np.int32) - 127).astype(F32)
+    with pytest.raises(AssertionError, match=r"qwix mxfp8 vs qcheck mxfp8 \(OCP MX\): scales differ at index "
+                                             r"\(\d+, \d+\): qcheck np.float32\(.*\) vs qwix np.float32\(.*\); "
+                                             r"\d+ of 64 differ"):
+        assert_same_bits("qwix mxfp8 vs qcheck mxfp8 (OCP MX): scales", ocp, scale)
+    # The diagnosis, exactly: the blocks apart are those whose amax's significand is above 1.75, by a factor 2.
+    amax = np.max(np.abs(_blocks(BLOCKS, 32)), axis=-1)
+    above = _significand(amax) > F32(1.75)
+    assert 0 < above.sum() < above.size, "the inputs reach both cases"
+    np.testing.assert_array_equal(scale != ocp, above)
+    np.testing.assert_array_equal(scale[above], 2 * ocp[above])
+    # Where the scales agree the codes do (a power-of-two scale divides exactly); elsewhere they differ.
+    same_codes = np.all(_blocks(_bits(codes) == _bits(ref_codes), 32), axis=-1)
+    np.testing.assert_array_equal(same_codes, ~above)
+    # And the ceil rule, written in numpy, is qwix's bitwise (the models above), the floor rule is not.
+    assert_same_bits("qwix mxfp8 vs the ceil rule: scales", model_mxfp8(BLOCKS, False)[1], scale)
+
+
+class _Dense(nnx.Module):
+    def __init__(self, w):
+        self.w = nnx.Param(jnp.asarray(w))
+
+    def __call__(self, x):
+        return jnp.einsum("tk,kn->tn", x, self.w[...])
+
+
+def _qwix_site(qtype: str, tile_size: int):
+    """A user's dense layer under a qwix rule, as an ``einsum(eqn, lhs, rhs)`` site for qcheck's exact check."""
+    provider = qwix.QtProvider([qwix.QtRule(module_path=".*", weight_qtype=qtype, act_qtype=qtype,
+                                            tile_size=tile_size)])
+
+    def einsum(eqn, lhs, rhs):
+        assert eqn == "tk,kn->tn"
+        return qwix.quantize_model(_Dense(rhs), provider, lhs)(lhs)
+
+    return einsum
+
+
+def _model_dequantized(model, x: np.ndarray, block: int) -> np.ndarray:
+    codes, scale = model(x, False)
+    return (_blocks(codes.astype(F32), block) * scale[..., None]).reshape(x.shape)
+
+
+_SITE_OPERANDS = tuple(np.random.default_rng(3).standard_normal(s).astype(F32) for s in ((8, 64), (64, 16)))
+
+
+@pytest.mark.filterwarnings(r"ignore:The 'm\.iter_modules\(\)' method is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings(r"ignore:'\.value' access is now deprecated:DeprecationWarning")
+@pytest.mark.parametrize("qtype, block, model", [("mxfp8", 32, model_mxfp8), ("nvfp4", 16, model_nvfp4)])
+def test_qwix_site_fails_exact_against_qcheck_format_and_equals_qwix_rule(qtype, block, model):
+    """qwix 0.1.8: a dense einsum under an mxfp8 / nvfp4 rule, through qcheck's exact site check with that format,
+    fails it (qcheck's referees are OCP MX v1.0's floor rule and two-level NVFP4); the same site is, bitwise, the
+    matmul of operands quantized by the numpy model of qwix's rule (ceil scale / one level), so that rule and
+    nothing else is the difference. The check says "it matches no known bug": it has no diagnosis for these."""
+    lhs, rhs = _SITE_OPERANDS
+    site = _qwix_site(qtype, block)
+    with pytest.raises(AssertionError, match=rf"assert_site_exact: site 'qwix {qtype}' einsum 'tk,kn->tn' "
+                                             rf"\({qtype} x {qtype}\): differs from the referee-quantized reference "
+                                             r"at \d+ of 128 elements"):
+        assert_site_exact(site, "tk,kn->tn", lhs, rhs, lhs_format=qtype, rhs_format=qtype, site=f"qwix {qtype}")
+    a = _model_dequantized(model, lhs, block)
+    b = _model_dequantized(model, np.ascontiguousarray(rhs.T), block).T  # qwix tiles rhs along k, its axis 0
+    want = (a.astype(np.float64) @ b.astype(np.float64)).astype(F32)  # exact products; the sums round once
+    assert_same_bits(f"qwix {qtype} site vs the matmul of qwix-rule operands", want, site("tk,kn->tn", lhs, rhs))
+
+
+# -- 3. NVFP4: one level (e4m3 block scales of amax / 6), no per-tensor scale -----------------------
+
+
+def test_qwix_nvfp4_is_one_level_without_a_tensor_scale():
+    """qwix 0.1.8 nvfp4: the block scale is amax / 6 cast to e4m3fn (qarray.compute_scale_zero_point), with no
+    per-tensor scale; qcheck's nvfp4 referee (NVIDIA's two-level NVFP4) scales the blocks by 6 · 448 / amax first.
+    Blocks whose amax / 6 is above 448 saturate their scale, and below e4m3's range flush it."""
+    codes, scale, _ = qwix_nvfp4(BLOCKS, "eager")
+    ref_codes, ref_scales = referees.reference_quantize(BLOCKS, "nvfp4", axis=1)
+    assert scale.shape == ref_scales["block"].shape and ref_scales["tensor"].shape == ()  # no second level in qwix
+    with pytest.raises(AssertionError, match=r"qwix nvfp4 vs qcheck nvfp4 \(two-level\): codes differ at index "
+                                             r"\(\d+, \d+\): .*; \d+ of 2048 differ \(float4_e2m1fn\)"):
+        assert_same_bits("qwix nvfp4 vs qcheck nvfp4 (two-level): codes", ref_codes, codes)
+    assert_same_bits("qwix nvfp4 vs the one-level rule: scales", model_nvfp4(BLOCKS, False)[1], scale)
+
+
+@pytest.mark.parametrize(
+    "magnitude, qwix_error",
+    [
+        (1.0, None),
+        (1e4, r"relative norm 0\.[3-9]\d+ exceeds the bound 0\.15"),
+        (1e-4, r"relative norm 1\.0000 exceeds"),
+    ],
+    ids=["in-range", "scales-saturate", "scales-flush"],
+)
+def test_qwix_nvfp4_tracks_only_in_e4m3s_range(magnitude, qwix_error):
+    """qwix 0.1.8's one-level nvfp4 against qcheck's two-level referee, through ``checks.assert_tracks``."""
+    x = (BLOCKS / np.max(np.abs(BLOCKS), axis=1, keepdims=True) * F32(magnitude)).astype(F32)
+    _, _, deq = qwix_nvfp4(x, "eager")
+    assert checks.assert_tracks(referees.reference_qdq(x, "nvfp4", axis=1), x, max_rel_norm=0.15) > 0
+    if qwix_error is None:
+        assert checks.assert_tracks(deq, x, max_rel_norm=0.15) > 0
+    else:
+        with pytest.raises(AssertionError, match="assert_tracks: " + qwix_error):
+            checks.assert_tracks(deq, x, max_rel_norm=0.15)
+
+
+# -- 4. MXFP8 and NVFP4 rules on ragged_dot: tile_size is ignored, and qwix refuses its own format ----
+
+
+class _Experts(nnx.Module):
+    def __init__(self, w):
+        self.w = nnx.Param(jnp.asarray(w))
+
+    def __call__(self, x, group_sizes):
+        return jax.lax.ragged_dot(x, self.w[...], group_sizes)
+
+
+@pytest.mark.filterwarnings(r"ignore:The 'm\.iter_modules\(\)' method is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings(r"ignore:'\.value' access is now deprecated:DeprecationWarning")
+@pytest.mark.parametrize("qtype, tile_size, error", [
+    ("mxfp8", 32, r"Format mxfp8 requires `tiled_axes` to be specified"),
+    ("nvfp4", 16, r"Format nvfp4 requires `tiled_axes` to be specified"),
+    ("int8", None, None),
+])
+def test_qwix_ragged_dot_crashes_on_mxfp8_and_nvfp4_rules(qtype, tile_size, error):
+    """qwix 0.1.8 ragged_dot_qt builds HowToQuantize(channelwise_axes=[0] / [2]) without tiled_axes, whatever the
+    rule's tile_size, and HowToQuantize refuses mxfp8/nvfp4 without tiles; int8 runs (the control)."""
+    lhs, rhs = checks.probe_operands(0, (12, 64), (3, 64, 32))
+    gs = jnp.asarray([5, 7, 0], jnp.int32)
+    rule = qwix.QtRule(module_path=".*", weight_qtype=qtype, act_qtype=qtype, tile_size=tile_size)
+    if error is None:
+        model = qwix.quantize_model(_Experts(rhs), qwix.QtProvider([rule]), lhs, gs)
+        assert checks.assert_tracks(np.asarray(model(lhs, gs)), np.asarray(jax.lax.ragged_dot(lhs, rhs, gs)),
+                                    max_rel_norm=0.05) > 0
+        return
+    with pytest.raises(ValueError, match=error):
+        qwix.quantize_model(_Experts(rhs), qwix.QtProvider([rule]), lhs, gs)
