@@ -10,7 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests import test_adapters
+from tests import test_adapters, test_qwix_formats
+
+#: The modules whose tests the defect table may name.
+DEFECT_MODULES = (test_adapters, test_qwix_formats)
 
 DOC = (Path(__file__).parent.parent / "docs" / "libraries.md").read_text()
 #: The library each block needs, by its label.
@@ -64,12 +67,17 @@ def _aqt_figures(ns) -> None:
 FIGURES = {"flax": _flax_figures, "aqt": _aqt_figures, "qwix": _tracks_figure, "qwix_recipe": _tracks_figure}
 
 
+def _defect_test(name: str):
+    found = [(m, getattr(m, name)) for m in DEFECT_MODULES if callable(getattr(m, name, None))]
+    return found[0] if found else None
+
+
 def test_defect_table_rows_name_existing_defect_tests():
     rows = defect_rows()
     assert rows
     for defect, library, version, caught_by, test in rows:
         name = test.strip("`")
-        assert callable(getattr(test_adapters, name, None)), f"{name}: no such test in tests/test_adapters.py"
+        assert _defect_test(name) is not None, f"{name}: no such test in {[m.__name__ for m in DEFECT_MODULES]}"
         assert "should_pass" not in name, f"{name} is a control, not the defect's test"
         assert library and caught_by and re.search(r"\d+\.\d+", version), (defect, library, version, caught_by)
 
@@ -77,6 +85,7 @@ def test_defect_table_rows_name_existing_defect_tests():
 def test_defect_table_lists_the_library_versions_the_tests_pin():
     # The version column and the test's docstring must agree, so neither drifts alone.
     for defect, _, version, _, test in defect_rows():
-        doc = getattr(test_adapters, test.strip("`")).__doc__ or test_adapters.__doc__
+        module, fn = _defect_test(test.strip("`"))
+        doc = fn.__doc__ or module.__doc__
         for v in re.findall(r"\d+\.\d+\.\d+", version):
             assert v in doc, f"{test}: docstring does not mention {v} ({defect})"

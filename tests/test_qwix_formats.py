@@ -28,7 +28,11 @@ from flax import nnx
 from qcheck import checks, referees
 from qcheck._site_exact import assert_site_exact
 
-qwix = pytest.importorskip("qwix")
+try:
+    import qwix
+except ImportError:  # pragma: no cover - depends on the environment; the module stays importable for its names
+    qwix = None
+pytestmark = pytest.mark.skipif(qwix is None, reason="needs qwix: pip install 'qcheck[qwix]'")
 
 F32 = np.float32
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -317,7 +321,7 @@ def test_qwix_site_fails_exact_against_qcheck_format_and_equals_qwix_rule(qtype,
     site = _qwix_site(qtype, block)
     with pytest.raises(AssertionError, match=rf"assert_site_exact: site 'qwix {qtype}' einsum 'tk,kn->tn' "
                                              rf"\({qtype} x {qtype}\): differs from the referee-quantized reference "
-                                             r"at \d+ of 128 elements"):
+                                             r"at \d+ of 128 elements, .*it matches no known bug"):
         assert_site_exact(site, "tk,kn->tn", lhs, rhs, lhs_format=qtype, rhs_format=qtype, site=f"qwix {qtype}")
     a = _model_dequantized(model, lhs, block)
     b = _model_dequantized(model, np.ascontiguousarray(rhs.T), block).T  # qwix tiles rhs along k, its axis 0
