@@ -431,6 +431,54 @@ def test_paths_agree_catches_a_sparse_routing_bug():
         invariants.assert_paths_agree(dense, np.asarray(sparse), "bug")
 
 
+class StraightThroughWo(MoE):
+    """On the sparse path the layer takes ``wo``'s gradients from a plain ragged_dot (straight through).
+
+    The forward value is the site's (``stop_gradient(site) + plain - stop_gradient(plain)``),
+    and the site itself is healthy, so forward exact, probes and tracks all pass.
+    """
+
+    def _sparse(self, x, weights, idx):
+        real = self.sites["wo"]
+
+        class _StraightThrough:
+            def ragged_dot(self, lhs, rhs, sizes, **kwargs):
+                plain = jax.lax.ragged_dot(lhs, rhs, sizes)
+                return jax.lax.stop_gradient(real.ragged_dot(lhs, rhs, sizes, **kwargs)) + (
+                    plain - jax.lax.stop_gradient(plain))
+
+        # The layer's own code around its call to the site, not the site: the recorder wraps the real one.
+        sites = self.sites
+        object.__setattr__(self, "sites", {**sites, "wo": _Around(sites["wo"], _StraightThrough())})
+        try:
+            return super()._sparse(x, weights, idx)
+        finally:
+            object.__setattr__(self, "sites", sites)
+
+
+class _Around:
+    """The layer's call of ``site.ragged_dot`` goes through ``around`` (which calls the site inside)."""
+
+    def __init__(self, site, around):
+        self.site, self.around = site, around
+
+    def ragged_dot(self, lhs, rhs, sizes, **kwargs):
+        return self.around.ragged_dot(lhs, rhs, sizes, **kwargs)
+
+
+def test_backward_catches_a_layer_taking_a_weights_gradient_around_its_site():
+    broken = layer("fp8", path="sparse", cls=StraightThroughWo)
+    invariants.assert_sites_backward_exact(broken, get_recipe("fp8"), "probes")  # each site alone is fine
+    assert_layer_sites_exact(broken, X, "fp8", label="forward")  # and so is the forward
+    from qcheck._layer_backward import assert_layer_sites_backward_exact
+
+    assert_layer_sites_backward_exact(layer("fp8", path="sparse"), X, "fp8", label="healthy")
+    with pytest.raises(AssertionError, match=r"bug: assert_layer_sites_backward_exact: the layer's gradient of its "
+                       r"parameter 'wo' is not the gradient its site gave \(they differ at \d+ of 16384 elements; "
+                       r"the site's is all zeros\): the layer takes that weight's gradient from elsewhere"):
+        assert_layer_sites_backward_exact(broken, X, "fp8", label="bug")
+
+
 # -- sharded layers ---------------------------------------------------------------
 
 
@@ -638,6 +686,8 @@ CATALOGUE = [
     ("NVFP4 blocking the input gradient's copy of g along the weight-gradient axes", "`backward`",
      test_backward_catches_nvfp4_blocking_the_input_gradient_along_the_weight_gradient_axes),
     ("a gradient that skipped quantization", "`backward`", test_backward_catches_a_gradient_that_skipped_quantization),
+    ("a layer taking a weight's gradient around its site (straight through, sparse path)",
+     "`backward` (through the layer)", test_backward_catches_a_layer_taking_a_weights_gradient_around_its_site),
     ("a twin with other weights than the layer (`copy_params_into` not used)", "`check_layer`: tracks, gradients",
      test_check_layer_catches_a_twin_with_other_weights),
     ("NaN gradients from a layer whose forward pass is fine", "`check_layer`: gradients",

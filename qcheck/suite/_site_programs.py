@@ -4,8 +4,10 @@ The suite is compile-bound, and the per-site checks were its largest share of
 programs: a forward program per site for ``exact``'s probes, a ``jax.vjp``
 program per site for ``backward``'s, and a recorded forward pass of the layer.
 Here one jitted program runs them all for a layer — every site on its forward
-probes, every site's vjp on its backward probes, and the layer's forward pass
-with each site's operands recorded (:func:`qcheck._site_exact.record_site_calls`)
+probes, every site's vjp on its backward probes, the layer's forward pass
+with each site's operands recorded (:func:`qcheck._site_exact.record_site_calls`),
+and one backward pass of the layer with each site's gradients recorded
+(:func:`qcheck._layer_backward.record_site_grads`)
 — and the checks read its results. Each site runs exactly as it does alone
 (the same merge of its fresh state, the same call), so the references stay
 what they were: numpy referees and plain JAX matmuls of their quantized
@@ -22,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from qcheck import _backward, _site_exact, checks
+from qcheck import _backward, _layer_backward, _site_exact, checks
 from qcheck.moe import MoE
 from qcheck.recipes import Recipe, einsum_axes
 from qcheck.recipes._axes import RAGGED_AXES
@@ -54,12 +56,14 @@ class Probe:
 
 @dataclasses.dataclass(frozen=True)
 class SiteRuns:
-    """What the program computed: each site's output on its forward probe, its (dgrad, wgrad), the recorded calls."""
+    """What the program computed: each site's output on its forward probe, its (dgrad, wgrad), the recorded calls
+    of the layer's forward pass and of its backward pass."""
 
     forward: dict[str, np.ndarray]
     grads: dict[str, tuple[np.ndarray, np.ndarray]]
     calls: list[_site_exact.SiteCall] | None
     key: jax.Array
+    grad_calls: list[_layer_backward.SiteGradCall] | None = None
 
 
 def _axes(spec):
@@ -104,7 +108,7 @@ def backward_probes(layer: MoE, recipe: Recipe) -> list[Probe]:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _program(graphdef, forward: tuple, backward: tuple, capture: bool, state, x, fwd_in, bwd_in, key):
+def _program(graphdef, forward: tuple, backward: tuple, capture: bool, state, x, fwd_in, bwd_in, key, layer_g):
     def fresh():  # every part sees the fresh layer, as each did in a program of its own
         return nnx.merge(graphdef, state, copy=True)
 
@@ -116,19 +120,27 @@ def _program(graphdef, forward: tuple, backward: tuple, capture: bool, state, x,
     grads = {name: _backward.site_grads(fresh().sites[name], eqn, *bwd_in[name][:3], bwd_in[name][3], key)
              for name, eqn in backward}
     calls = _site_exact.record_site_calls(fresh(), x)[1] if capture else None
-    return outs, grads, calls
+    grad_calls = None if layer_g is None else _layer_backward.record_site_grads(fresh(), x, layer_g)
+    return outs, grads, calls, grad_calls
 
 
 def run_sites(layer: MoE, *, forward: list[Probe] = (), backward: list[Probe] = (), x: jax.Array | None = None,
-              key: jax.Array | None = None) -> SiteRuns:
-    """Run ``layer``'s sites on their probes (and, given ``x``, the recorded forward pass) in one jitted program."""
+              capture: bool | None = None, layer_g: np.ndarray | None = None, key: jax.Array | None = None) -> SiteRuns:
+    """Run ``layer``'s sites on their probes in one jitted program.
+
+    Given ``x``: also the layer's forward pass with each site call recorded
+    (unless ``capture`` is False), and with ``layer_g`` one backward pass of it
+    with each site's gradients recorded (:func:`qcheck._layer_backward.record_site_grads`).
+    """
     key = jax.random.key(0) if key is None else key
+    capture = x is not None if capture is None else capture
     graphdef, state = nnx.split(layer)
-    outs, grads, calls = _program(
+    outs, grads, calls, grad_calls = _program(
         graphdef, tuple((p.site, p.eqn) for p in forward), tuple((p.site, p.eqn) for p in backward),
-        x is not None, state, x, {p.site: p.arrays() for p in forward}, {p.site: p.arrays() for p in backward}, key)
+        capture, state, x, {p.site: p.arrays() for p in forward}, {p.site: p.arrays() for p in backward}, key,
+        None if layer_g is None else jax.device_put(layer_g))
     return SiteRuns({k: np.asarray(v) for k, v in outs.items()},
-                    {k: (np.asarray(d), np.asarray(w)) for k, (d, w) in grads.items()}, calls, key)
+                    {k: (np.asarray(d), np.asarray(w)) for k, (d, w) in grads.items()}, calls, key, grad_calls)
 
 
 def replay(result, probe: Probe, *arrays: np.ndarray):

@@ -23,7 +23,9 @@ Columns:
            operands quantized by the numpy referee in the recipe's declared
            formats: on probes, and on what it receives in the layer's forward
   backward each site's input and weight gradients equal, bitwise, the
-           referee's gradient matmuls (g quantized as the recipe declares)
+           referee's gradient matmuls (g quantized as the recipe declares): on
+           probes, and in one backward pass of the layer, whose weight
+           gradients must be the ones their sites gave
   tracks   the layer stays within the recipe's relative-norm bound of its
            unquantized twin and is not equal to it; the figure is the norm
   grads    one train step: every parameter's gradient is finite and within

@@ -143,12 +143,17 @@ def case_site_runs(case: Case) -> SiteRuns:
 
 def site_runs(layer: MoE, recipe: Recipe, variant: Variant) -> SiteRuns:
     """:func:`case_site_runs` for any layer of ``variant``: the one program, for the checks that apply."""
-    exact = _exact_applies(recipe, variant)
+    from qcheck import _backward, _layer_backward
+
+    exact, backward = _exact_applies(recipe, variant), _backward_applies(recipe, variant)
+    through = backward and _layer_backward.through_layer_applies(recipe)
+    x = cases_mod.layer_input(variant.model)
     return _site_programs.run_sites(
         layer,
         forward=_site_programs.exact_probes(layer, recipe) if exact else [],
-        backward=_site_programs.backward_probes(layer, recipe) if _backward_applies(recipe, variant) else [],
-        x=cases_mod.layer_input(variant.model) if exact else None)
+        backward=_site_programs.backward_probes(layer, recipe) if backward else [],
+        x=x if exact or through else None, capture=exact,
+        layer_g=_backward.probe_grad(7, x.shape) if through else None)
 
 
 def check_exact(case: Case) -> None:
@@ -286,9 +291,21 @@ def assert_sites_backward_exact(layer: MoE, recipe: Recipe, label: str, runs: Si
 
 
 def check_backward(case: Case) -> None:
-    """:func:`assert_sites_backward_exact` on the case's fresh layer, from :func:`case_site_runs`."""
+    """Every site's gradients exact: on probes, and in one backward pass of the layer.
+
+    :func:`assert_sites_backward_exact` on the case's fresh layer, then
+    :func:`qcheck._layer_backward.assert_site_grad_calls_exact` on the
+    gradients each site gave in the layer's own backward pass (not for NVFP4's
+    stochastic DGRAD), which sees a layer that takes a site's gradient from
+    anywhere else. Both read :func:`case_site_runs`.
+    """
     __tracebackhide__ = True
-    assert_sites_backward_exact(cases_mod.layer(case), get_recipe(case.recipe), case.id, case_site_runs(case))
+    from qcheck import _layer_backward
+
+    recipe, runs = get_recipe(case.recipe), case_site_runs(case)
+    assert_sites_backward_exact(cases_mod.layer(case), recipe, case.id, runs)
+    if runs.grad_calls is not None:
+        _prefixed(case.id, lambda: _layer_backward.assert_site_grad_calls_exact(runs.grad_calls, recipe))
 
 
 def _exact_applies(recipe: Recipe, variant: Variant) -> bool:
