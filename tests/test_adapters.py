@@ -174,6 +174,52 @@ def test_aqt_backward_has_no_reference():
         invariants.assert_sites_backward_exact(_aqt_layer("einsum", "dense"), _aqt_recipe("einsum"), "aqt_int8")
 
 
+@pytest.mark.parametrize(
+    "recipe, paths",
+    [("flax_fp8", ("dense", "sparse")), ("aqt_int8", ("dense", "sparse")), ("aqt_int8_ragged", ()),
+     ("qwix_int8", ("dense", "sparse"))],
+)
+def test_grads_invariant_trains_library_recipes_wherever_their_library_has_gradients(recipe, paths):
+    """Without an exact reference for a library's gradients, `grads` still holds them to the none twin's;
+    only AQT's ragged_dot, which has no backward pass (a declared cell), does not train."""
+    pytest.importorskip({"aqt_int8": "aqt.jax.v2", "aqt_int8_ragged": "aqt.jax.v2",
+                         "qwix_int8": "qwix"}.get(recipe, "flax"))
+    from qcheck.suite.cases import VARIANTS
+
+    (grads,) = (inv for inv in invariants.INVARIANTS if inv.name == "grads")
+    r = qcheck.get_recipe(recipe)
+    assert {v.path for v in VARIANTS if grads.applies(r, v) and v.path in r.paths} == set(paths)
+
+
+def _aqt_grads(recipe) -> dict[str, np.ndarray]:
+    return invariants.grad_leaves(step.train_step(qcheck.build_moe("mixtral", recipe, path="dense", seed=cases.SEED),
+                                                          cases.layer_input("mixtral")).grads)
+
+
+def _none_grads() -> dict[str, np.ndarray]:
+    return invariants.grad_leaves(cases.layer_step(cases.Case("none", cases.Variant("mixtral", "dense", False))).grads)
+
+
+def test_aqt_gradients_track_unquantized_should_pass():
+    figure = invariants.assert_grads_track(_aqt_grads(_aqt_recipe("einsum")), _none_grads(), max_grad_rel_norm=0.3,
+                                           distinct=False, label="aqt_int8")
+    assert 0 < figure < 0.05
+
+
+def test_aqt_two_bit_gradients_fail_grads():
+    """A config whose gradient matmuls quantize to 2 bits (config_v4(dlhs_bits=2, drhs_bits=2)): its forward is
+    aqt_int8's, so tracks and exact pass, and AQT's stochastic gradient rounding has no exact reference; the
+    gradient bound catches it (wi_0 0.76 from the twin, aqtp 0.9.0, jax 0.10.2)."""
+    _aqt()
+    from aqt.jax.v2 import config
+
+    two_bit = _aqt().aqt_recipe("aqt_2bit_grads", functools.partial(config.config_v4, dlhs_bits=2, drhs_bits=2))
+    with pytest.raises(AssertionError, match=r"aqt_2bit_grads: gradient of wi_0 \(float32\) is 0\.[5-9]\d* from the "
+                                             r"none twin's \(relative norm; bound 0\.3\)"):
+        invariants.assert_grads_track(_aqt_grads(two_bit), _none_grads(), max_grad_rel_norm=0.3, distinct=False,
+                                      label="aqt_2bit_grads")
+
+
 def test_ragged_dot_from_einsum_rejects_wrong_ranks():
     with pytest.raises(ValueError, match=r"expects lhs \[m, k\], rhs \[g, k, n\]"):
         ragged_dot_from_einsum(jnp.einsum, jnp.ones((4, 3)), jnp.ones((3, 2)), jnp.ones((1,), jnp.int32))

@@ -109,7 +109,7 @@ class AqtRecipe(Recipe):
 
     # AQT quantizes gradients its own way (config_v4: dlhs in int8 with
     # stochastic rounding from its own RNG), which no qcheck referee models:
-    # no exact backward check; `grads` needs it too, so no train step either.
+    # no exact backward check. `grads` still holds them to the none twin's.
     backward_paths = ()
     # config_v4's forward: int8 codes multiplied with an int32 accumulator,
     # the lhs scale applied to the float32 sum, then the rhs scale

@@ -39,6 +39,7 @@ __all__ = [
     "backward_applies",
     "forward_output",
     "gradient_tiles",
+    "grads_applies",
     "train_step_runs",
     "layer_step",
     "mesh",
@@ -124,18 +125,30 @@ def cases(
     ]
 
 
-def backward_applies(recipe: Recipe, variant: Variant) -> bool:
-    """Whether ``backward`` and ``grads`` run: every quantized recipe on its ``backward_paths``, where blocks tile.
+def grads_applies(recipe: Recipe, variant: Variant) -> bool:
+    """Whether the case trains (``grads``, gradients in golden): every quantized recipe, where gradients exist.
 
-    Not where the gradient format's blocks cannot tile the weight gradient's
-    contraction: on the dropping layer that runs over batch x capacity tokens
-    per expert (2 x 8 = 16), fewer than MXFP8's 32.
+    Not where the recipe's library refuses gradients on the path (a declared
+    cell, :mod:`qcheck.suite._declared`), nor where the gradient format's blocks
+    cannot tile the weight gradient's contraction: on the dropping layer that
+    runs over batch x capacity tokens per expert (2 x 8 = 16), fewer than
+    MXFP8's 32.
     """
-    if not recipe.quantized or variant.path not in recipe.backward_paths:
+    if not recipe.quantized:
         return False
     if any(u.kind == "gradient" and variant.path in u.paths for u in recipe.unsupported):
-        return False  # the library refuses gradients there: a declared cell (qcheck.suite._declared)
+        return False
     return gradient_tiles(recipe, variant)
+
+
+def backward_applies(recipe: Recipe, variant: Variant) -> bool:
+    """Whether ``backward`` runs: where the case trains, on the recipe's ``backward_paths``.
+
+    A library recipe narrows ``backward_paths`` where qcheck has no exact
+    reference for its gradients; its gradients are still held to the ``none``
+    twin's by ``grads``.
+    """
+    return variant.path in recipe.backward_paths and grads_applies(recipe, variant)
 
 
 def gradient_tiles(recipe: Recipe, variant: Variant) -> bool:
@@ -147,8 +160,8 @@ def gradient_tiles(recipe: Recipe, variant: Variant) -> bool:
 
 
 def train_step_runs(recipe: Recipe, variant: Variant) -> bool:
-    """Whether the case's train step can run: ``none`` always, quantized recipes where ``backward`` applies."""
-    return not recipe.quantized or backward_applies(recipe, variant)
+    """Whether the case's train step runs: ``none`` always, quantized recipes where ``grads`` applies."""
+    return not recipe.quantized or grads_applies(recipe, variant)
 
 
 @functools.cache

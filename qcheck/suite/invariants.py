@@ -578,8 +578,8 @@ INVARIANTS: tuple[Invariant, ...] = (
     Invariant("exact", _exact_applies, _case_only(check_exact)),
     Invariant("backward", _backward_applies, _case_only(check_backward)),
     Invariant("tracks", lambda r, v: r.quantized, _case_only(check_tracks)),
-    # Where the train step runs: as `backward`, not where grad blocks cannot tile the tokens.
-    Invariant("grads", _backward_applies, _case_only(check_grads)),
+    # Wherever the case trains; `backward` only where an exact reference exists too.
+    Invariant("grads", cases_mod.grads_applies, _case_only(check_grads)),
     Invariant("state", lambda r, v: r.materialize_at_build, _case_only(check_state)),
     Invariant("rng", _rng_applies, _case_only(check_rng)),
     # Sharded twins exist per model and path, without token dropping; golden cases for every variant.
