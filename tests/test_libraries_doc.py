@@ -1,4 +1,4 @@
-"""docs/libraries.md: its code blocks run, and its table of library defects names tests that exist.
+"""docs/libraries.md's code blocks run, and the README's table of library defects names tests that exist.
 
 The blocks run in this process, each in a fresh namespace, under the repository's
 strict settings (warnings are errors, no rank promotion), as a user's test would.
@@ -15,7 +15,9 @@ from tests import test_adapters, test_qwix_formats
 #: The modules whose tests the defect table may name.
 DEFECT_MODULES = (test_adapters, test_qwix_formats)
 
-DOC = (Path(__file__).parent.parent / "docs" / "libraries.md").read_text()
+ROOT = Path(__file__).parent.parent
+DOC = (ROOT / "docs" / "libraries.md").read_text()
+README = (ROOT / "README.md").read_text()
 #: The library each block needs, by its label.
 NEEDS = {"flax": "flax", "aqt": "aqt.jax.v2", "qwix": "qwix", "qwix_recipe": "qwix"}
 
@@ -25,7 +27,7 @@ def doc_blocks() -> dict[str, str]:
 
 
 def defect_rows() -> list[list[str]]:
-    table = DOC.split("## Defects qcheck finds in the libraries you use", 1)[1]
+    table = README.split("## Defects qcheck finds in the libraries you use", 1)[1].split("\n## ", 1)[0]
     lines = [line for line in table.splitlines() if line.startswith("|")]
     assert lines[0] == "| defect | library | version checked | caught by | test |"
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
