@@ -48,6 +48,7 @@ from flax import nnx
 from jax.typing import ArrayLike
 
 from qcheck import _integer_matmul, referees
+from qcheck._library_rules import LIBRARY_RULES
 from qcheck.recipes import MatmulAxes, Recipe, einsum_axes, get_recipe
 from qcheck.recipes._axes import RAGGED_AXES
 
@@ -206,6 +207,19 @@ _SHARED = "rhs with one weight scale shared across groups (calibrated over group
 _INTEGER_FORMATS = frozenset({"int8", "int8_aqt", "int8_qwix"})
 
 
+def _library_neighbours(mm: _Matmul, lhs, rhs, lhs_fmt: str, rhs_fmt: str) -> Iterator[tuple[str, np.ndarray]]:
+    """What a library computes under the declared formats' names (qcheck._library_rules), on both operands.
+
+    Names for a failure only: the reference need not tell them apart on every
+    operand (qwix's MXFP8 equals OCP's on blocks whose amax significand is at
+    most 1.75), so they never refuse operands.
+    """
+    ftz = jax.default_backend() == "cpu"
+    for (dl, ql), (dr, qr) in itertools.product(LIBRARY_RULES.get(lhs_fmt, ()), LIBRARY_RULES.get(rhs_fmt, ())):
+        desc = f"both operands in {dl}" if dl == dr else f"lhs in {dl}, rhs in {dr}"
+        yield desc, mm(ql(lhs, mm.axes.lhs, ftz), qr(rhs, mm.axes.rhs, ftz))
+
+
 def _integer_reference(mm: _Matmul, lhs, rhs, lhs_fmt: str, rhs_fmt: str, order: str, rhs_axes=None) -> np.ndarray:
     """The integer-mode reference: referee codes multiplied exactly, then the scales in ``order``."""
     ftz = jax.default_backend() == "cpu"
@@ -266,6 +280,8 @@ def _check(check: str, site: str, mm: _Matmul, lhs, rhs, got, lhs_fmt: str, rhs_
         if integer:
             known.update(_integer_neighbours(mm, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt))
     matched = [desc for desc, bug in known.items() if _equal(got, bug)]
+    if not matched and not integer:
+        matched = [desc for desc, bug in _library_neighbours(mm, lhs, rhs, lhs_fmt, rhs_fmt) if _equal(got, bug)]
     why = f"it equals {matched[0]} bitwise" if matched else (
         f"it matches no known bug; relative norm to the reference "
         f"{float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)):.3g}")

@@ -6,9 +6,10 @@ numerics.py (``get_symmetric_bound``, ``convert_to``): scale = absmax / bound
 (bound: the element type's max, 448 for e4m3fn and mxfp8, 6 for nvfp4); a scale
 below sqrt(float32 tiny) = 2^-63 becomes 1; mxfp8 rounds the scale up to
 2^ceil(log2 scale), nvfp4 casts it to e4m3fn; codes = x / scale, clipped to the
-element type's range and cast. The numpy models below are that rule, written
-again; each is pinned bitwise against qwix, so a diagnosis made with one is the
-library's, not a guess. XLA rewrites a division by a constant (absmax / bound)
+element type's range and cast. qcheck._library_rules writes that rule in
+numpy, and the exact check names a site that equals it; the models below are
+those functions on qwix's own layouts, each pinned bitwise against qwix, so a
+diagnosis made with one is the library's, not a guess. XLA rewrites a division by a constant (absmax / bound)
 into a multiplication by its float32 reciprocal, eager and jitted, and under jit
 also x / scale (as qcheck.referees' ``xla_reciprocal`` notes); eager divides
 there. The models take that switch.
@@ -24,6 +25,8 @@ import pytest
 from flax import nnx
 
 from qcheck import checks, referees
+from qcheck._library_rules import (QWIX_MIN_SCALE, quantize_qwix_mxfp8, quantize_qwix_nvfp4, qwix_cast, qwix_divide,
+                                    qwix_scale)
 from qcheck._site_exact import assert_site_exact
 
 try:
@@ -35,7 +38,6 @@ pytestmark = pytest.mark.skipif(qwix is None, reason="needs qwix: pip install 'q
 F32 = np.float32
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E2M1 = np.dtype(ml_dtypes.float4_e2m1fn)
-QWIX_MIN_SCALE = F32(2.0**-63)  # qwix: jnp.sqrt(jnp.finfo(float32).tiny)
 RUNS = {"eager": lambda f: f, "jit": jax.jit}
 
 _rng = np.random.default_rng(17)
@@ -67,26 +69,7 @@ def assert_same_bits(what: str, qcheck_side, qwix_side) -> None:
                              f"{int(off.sum())} of {off.size} differ ({got.dtype})")
 
 
-def _quietly(fn, *args):
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        return fn(*args)
-
-
 # -- the numpy models of qwix's rule ------------------------------------------------------------
-
-
-def _divide(a: np.ndarray, b: np.ndarray, xla_reciprocal: bool) -> np.ndarray:
-    return _quietly(lambda: (a * (F32(1) / b) if xla_reciprocal else a / b).astype(F32))
-
-
-def _qwix_scale(amax: np.ndarray, bound: float, constant_reciprocal: bool = True) -> np.ndarray:
-    s = _divide(amax, F32(bound), constant_reciprocal)
-    return np.where(s < QWIX_MIN_SCALE, F32(1), s).astype(F32)  # qwix: a scale below 2^-63 is 1
-
-
-def _cast(v: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    fmax = F32(ml_dtypes.finfo(dtype).max)
-    return np.clip(v, -fmax, fmax).astype(dtype)  # qwix convert_to: clip to the finite range, then cast
 
 
 def _blocks(x: np.ndarray, block: int) -> np.ndarray:
@@ -96,29 +79,18 @@ def _blocks(x: np.ndarray, block: int) -> np.ndarray:
 def model_e4m3fn_per_tensor(x: np.ndarray, xla_reciprocal: bool) -> tuple[np.ndarray, np.ndarray]:
     """qwix.quantize(x, float8_e4m3fn, channelwise_axes=(0,)): one scale per x[i]."""
     amax = np.max(np.abs(x), axis=(1, 2), keepdims=True)
-    scale = _qwix_scale(amax, 448.0)
-    return _cast(_divide(x, scale, xla_reciprocal), E4M3), scale
-
-
-def _ceil_log2(s: np.ndarray) -> np.ndarray:
-    m, e = np.frexp(s)  # s = m · 2^e, m in [0.5, 1): ceil(log2 s) is e, or e - 1 at a power of two, exactly
-    return np.where(m == 0.5, e - 1, e).astype(np.int32)
+    scale = qwix_scale(amax, 448.0)
+    return qwix_cast(qwix_divide(x, scale, xla_reciprocal), E4M3), scale
 
 
 def model_mxfp8(x: np.ndarray, xla_reciprocal: bool) -> tuple[np.ndarray, np.ndarray]:
     """qwix.quantize(x, "mxfp8", channelwise_axes=(0,), tiled_axes={1: 32}) for 2-d ``x``."""
-    b = _blocks(x, 32)
-    s = _qwix_scale(np.max(np.abs(b), axis=-1, keepdims=True), 448.0)
-    scale = np.ldexp(F32(1), _ceil_log2(s)).astype(F32)  # qwix: 2 ** ceil(log2(scale))
-    return _cast(_divide(b, scale, xla_reciprocal), E4M3).reshape(x.shape), scale[..., 0]
+    return quantize_qwix_mxfp8(x, (x.ndim - 1,), xla_reciprocal)
 
 
 def model_nvfp4(x: np.ndarray, xla_reciprocal: bool) -> tuple[np.ndarray, np.ndarray]:
     """qwix.quantize(x, "nvfp4", channelwise_axes=(0,), tiled_axes={1: 16}) for 2-d ``x``: one level."""
-    b = _blocks(x, 16)
-    s = _qwix_scale(np.max(np.abs(b), axis=-1, keepdims=True), 6.0)
-    scale = _cast(s, E4M3).astype(F32)  # qwix: the block scale cast to e4m3fn; no tensor scale
-    return _cast(_divide(b, scale, xla_reciprocal), E2M1).reshape(x.shape), scale[..., 0]
+    return quantize_qwix_nvfp4(x, (x.ndim - 1,), xla_reciprocal)
 
 
 def _qwix_quantize(x: np.ndarray, qtype, run: str, **how):
@@ -165,7 +137,7 @@ def test_qwix_model_fails_with_a_true_division_by_the_bound():
     _, scale, _ = qwix_e4m3fn(WIDE, "eager")
     with pytest.raises(AssertionError, match=r"qwix e4m3fn model \(eager\): scales differ at index \(\d+, 0, 0\): "
                                              r"qcheck np.float32\(.*\) vs qwix np.float32\(.*\); \d+ of 24 differ"):
-        assert_same_bits("qwix e4m3fn model (eager): scales", _qwix_scale(amax, 448.0, False), scale)
+        assert_same_bits("qwix e4m3fn model (eager): scales", qwix_scale(amax, 448.0, False), scale)
 
 
 # -- 1. per-tensor e4m3fn: qcheck's e4m3fn_current, but for the floor and the division order -----
@@ -307,17 +279,20 @@ _SITE_OPERANDS = tuple(np.random.default_rng(3).standard_normal(s).astype(F32) f
 
 @pytest.mark.filterwarnings(r"ignore:The 'm\.iter_modules\(\)' method is deprecated:DeprecationWarning")
 @pytest.mark.filterwarnings(r"ignore:'\.value' access is now deprecated:DeprecationWarning")
-@pytest.mark.parametrize("qtype, block, model", [("mxfp8", 32, model_mxfp8), ("nvfp4", 16, model_nvfp4)])
-def test_qwix_site_fails_exact_against_qcheck_format_and_equals_qwix_rule(qtype, block, model):
+@pytest.mark.parametrize("qtype, block, model, named", [
+    ("mxfp8", 32, model_mxfp8, r"qwix's mxfp8 \(block scale 2\^ceil\(log2\(amax / 448\)\), not OCP MX's "),
+    ("nvfp4", 16, model_nvfp4, r"qwix's one-level nvfp4 \(e4m3fn block scales of amax / 6, no per-tensor scale\)"),
+])
+def test_qwix_site_fails_exact_against_qcheck_format_and_equals_qwix_rule(qtype, block, model, named):
     """qwix 0.1.8: a dense einsum under an mxfp8 / nvfp4 rule, through qcheck's exact site check with that format,
-    fails it (qcheck's referees are OCP MX v1.0's floor rule and two-level NVFP4); the same site is, bitwise, the
-    matmul of operands quantized by the numpy model of qwix's rule (ceil scale / one level), so that rule and
-    nothing else is the difference. The check says "it matches no known bug": it has no diagnosis for these."""
+    fails it (qcheck's referees are OCP MX v1.0's floor rule and two-level NVFP4), and the check names qwix's rule
+    (qcheck._library_rules); the same site is, bitwise, the float64-summed matmul of operands quantized by qwix's
+    rule (ceil scale / one level), so that rule and nothing else is the difference."""
     lhs, rhs = _SITE_OPERANDS
     site = _qwix_site(qtype, block)
     with pytest.raises(AssertionError, match=rf"assert_site_exact: site 'qwix {qtype}' einsum 'tk,kn->tn' "
                                              rf"\({qtype} x {qtype}\): differs from the referee-quantized reference "
-                                             r"at \d+ of 128 elements, .*it matches no known bug"):
+                                             rf"at \d+ of 128 elements, .*it equals both operands in {named}"):
         assert_site_exact(site, "tk,kn->tn", lhs, rhs, lhs_format=qtype, rhs_format=qtype, site=f"qwix {qtype}")
     a = _model_dequantized(model, lhs, block)
     b = _model_dequantized(model, np.ascontiguousarray(rhs.T), block).T  # qwix tiles rhs along k, its axis 0

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from qcheck import formats, get_recipe
+from qcheck import formats, get_recipe, referees
+from qcheck._library_rules import LIBRARY_RULES
 from qcheck._site_exact import (
     assert_layer_sites_exact,
     assert_site_exact,
@@ -66,6 +67,26 @@ def test_assert_site_exact_should_fail(fmt, bug, why):
     with pytest.raises(AssertionError, match=rf"assert_site_exact: site 's' einsum '{EQN}' \({fmt} x {fmt}\): "
                        rf"differs .* first at \(.*\): got .*, expected .*; it equals {why}.* bitwise"):
         assert_site_exact(_site(**bug), EQN, lhs, rhs, lhs_format=fmt, rhs_format=fmt, site="s")
+
+
+def test_library_rules_name_a_failure_but_never_refuse_operands():
+    """qwix's MXFP8 (ceil block scale, qcheck._library_rules) equals OCP's on blocks whose amax significand is at
+    most 1.75: on such operands the reference cannot tell the two apart, yet a correct site still passes (the
+    library rules only name failures), and a failing site is still named by the bug it does have."""
+    axes = einsum_axes(EQN, 3, 3)
+    lhs, rhs = _probes("mxfp8")
+
+    def amax_significand_1_5(x, axis):
+        return (x / np.max(np.abs(x), axis=axis, keepdims=True) * np.float32(1.5)).astype(np.float32)
+
+    lhs, rhs = amax_significand_1_5(lhs, axes.lhs), amax_significand_1_5(rhs, axes.rhs)
+    ((_, qwix_mxfp8),) = LIBRARY_RULES["mxfp8"]
+    for x, ax in ((lhs, axes.lhs), (rhs, axes.rhs)):  # the control: here qwix's rule is OCP's, bitwise
+        ocp = referees.reference_qdq(x, "mxfp8", axis=ax, ftz=True, xla_reciprocal=True)
+        assert np.array_equal(qwix_mxfp8(x, ax, True).view(np.uint32), ocp.view(np.uint32))
+    assert_site_exact(_site("mxfp8", "mxfp8"), EQN, lhs, rhs, lhs_format="mxfp8", rhs_format="mxfp8", site="s")
+    with pytest.raises(AssertionError, match=r"it equals rhs unquantized bitwise"):
+        assert_site_exact(_site("mxfp8", None), EQN, lhs, rhs, lhs_format="mxfp8", rhs_format="mxfp8", site="s")
 
 
 def test_assert_site_ragged_exact_should_pass_and_fail():

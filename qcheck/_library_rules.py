@@ -1,0 +1,98 @@
+"""Number formats a library computes under the name of a qcheck format, so the exact check can name them.
+
+qwix 0.1.8 (qwix/_src/core/qarray.py ``calibrate``, ``compute_scale_zero_point``,
+``quantize_with_scale_zero_point``; numerics.py ``get_symmetric_bound``,
+``convert_to``): scale = absmax / bound (the element type's max: 448 for
+e4m3fn and mxfp8, 6 for nvfp4), a scale below sqrt(float32 tiny) = 2^-63
+becomes 1; its ``mxfp8`` rounds the block scale up to 2^ceil(log2 scale),
+where OCP MX v1.0 takes 2^(floor(log2 amax) - 8); its ``nvfp4`` casts the block
+scale to e4m3fn with no per-tensor scale (one level, where NVIDIA's NVFP4 has
+two); codes = x / scale, clipped to the element type's range and cast.
+
+XLA rewrites a division by a constant (absmax / bound) into a multiplication by
+its float32 reciprocal, eager and jitted, and under jit x / scale too
+(``xla_reciprocal``; eager divides there). qcheck's tests/test_qwix_formats.py
+holds these functions bitwise to qwix itself, both ways, so a diagnosis made
+with one is the library's, not a guess.
+
+They are not qcheck formats (no JAX implementation, no recipe declares them):
+they only name a failure of ``exact`` that equals one of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import ml_dtypes
+import numpy as np
+
+from qcheck.referees import _Blocks, _flush
+
+__all__ = ["LIBRARY_RULES", "QWIX_MIN_SCALE", "qwix_cast", "qwix_divide", "quantize_qwix_mxfp8", "quantize_qwix_nvfp4",
+           "qwix_scale"]
+
+_F32 = np.float32
+_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+_E2M1 = np.dtype(ml_dtypes.float4_e2m1fn)
+QWIX_MIN_SCALE = _F32(2.0**-63)  # qwix: jnp.sqrt(jnp.finfo(float32).tiny)
+
+
+def qwix_divide(a: np.ndarray, b: np.ndarray, xla_reciprocal: bool) -> np.ndarray:
+    """``a / b`` in float32 as XLA computes it: times the reciprocal where it rewrites the division."""
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        return (a * (_F32(1) / b) if xla_reciprocal else a / b).astype(_F32)
+
+
+def qwix_scale(amax: np.ndarray, bound: float, constant_reciprocal: bool = True) -> np.ndarray:
+    """qwix's scale ``amax / bound`` (XLA: times 1/bound), 1 below 2^-63."""
+    s = qwix_divide(amax, _F32(bound), constant_reciprocal)
+    return np.where(s < QWIX_MIN_SCALE, _F32(1), s).astype(_F32)
+
+
+def qwix_cast(v: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """qwix's ``convert_to``: clip to the type's finite range, then cast."""
+    fmax = _F32(ml_dtypes.finfo(dtype).max)
+    return np.clip(v, -fmax, fmax).astype(dtype)
+
+
+def _ceil_log2(s: np.ndarray) -> np.ndarray:
+    m, e = np.frexp(s)  # s = m · 2^e, m in [0.5, 1): ceil(log2 s) is e, or e - 1 at a power of two, exactly
+    return np.where(m == 0.5, e - 1, e).astype(np.int32)
+
+
+def quantize_qwix_mxfp8(x: np.ndarray, axes: tuple[int, ...], xla_reciprocal: bool) -> tuple[np.ndarray, np.ndarray]:
+    """qwix's mxfp8 along ``axes`` in blocks of 32: ``(e4m3fn codes shaped as x, float32 scales [..., blocks])``."""
+    b = _Blocks(x.shape, axes, 32, "mxfp8")
+    blocks = b.split(np.asarray(x, _F32))
+    s = qwix_scale(np.max(np.abs(blocks), axis=-1, keepdims=True), 448.0)
+    scale = np.ldexp(_F32(1), _ceil_log2(s)).astype(_F32)  # qwix: 2 ** ceil(log2(scale))
+    return b.join(qwix_cast(qwix_divide(blocks, scale, xla_reciprocal), _E4M3)), scale[..., 0]
+
+
+def quantize_qwix_nvfp4(x: np.ndarray, axes: tuple[int, ...], xla_reciprocal: bool) -> tuple[np.ndarray, np.ndarray]:
+    """qwix's nvfp4 along ``axes`` in blocks of 16, one level: ``(e2m1 codes, e4m3fn block scales as float32)``."""
+    b = _Blocks(x.shape, axes, 16, "nvfp4")
+    blocks = b.split(np.asarray(x, _F32))
+    s = qwix_scale(np.max(np.abs(blocks), axis=-1, keepdims=True), 6.0)
+    scale = qwix_cast(s, _E4M3).astype(_F32)  # qwix: the block scale cast to e4m3fn; no tensor scale
+    return b.join(qwix_cast(qwix_divide(blocks, scale, xla_reciprocal), _E2M1)), scale[..., 0]
+
+
+def _dequantized(rule: Callable, block: int) -> Callable[[np.ndarray, tuple[int, ...], bool], np.ndarray]:
+    def qdq(x: np.ndarray, axes: tuple[int, ...], ftz: bool) -> np.ndarray:
+        # A jitted site (what exact checks) divides by the scale as XLA does under jit.
+        codes, scale = rule(x, axes, True)
+        b = _Blocks(x.shape, axes, block, "")
+        return b.join(_flush(b.split(codes.astype(_F32)) * scale[..., None], ftz).astype(_F32))
+
+    return qdq
+
+
+#: For each qcheck format, ``(description, qdq(x, contraction_axes, ftz))`` of what a library computes
+#: in its place: the exact check names a failing site that equals one of them.
+LIBRARY_RULES: dict[str, tuple[tuple[str, Callable[[np.ndarray, tuple[int, ...], bool], np.ndarray]], ...]] = {
+    "mxfp8": (("qwix's mxfp8 (block scale 2^ceil(log2(amax / 448)), not OCP MX's 2^(floor(log2 amax) - 8))",
+               _dequantized(quantize_qwix_mxfp8, 32)),),
+    "nvfp4": (("qwix's one-level nvfp4 (e4m3fn block scales of amax / 6, no per-tensor scale)",
+               _dequantized(quantize_qwix_nvfp4, 16)),),
+}
