@@ -15,7 +15,8 @@ by :mod:`qcheck.referees`, never by :mod:`qcheck.formats`:
   :class:`~qcheck.recipes.NVFP4` rounds DGRAD's copy stochastically with the
   site's salted key, and the referee gets the uniforms that key draws;
 - recipes without ``grad=``: ``g`` unquantized (straight through the operand
-  quantizers) against the quantized operands.
+  quantizers) against the quantized operands, or against the operands as
+  received where the recipe says so (``grad_operands="original"``, qwix's QAT).
 
 Each expectation comes with its neighbours — the bugs it exists for (``g``
 unquantized, in the e4m3 flavour, in the sibling fnuz/non-fnuz flavour,
@@ -53,6 +54,8 @@ __all__ = [
     "site_grads",
 ]
 
+#: What a site's gradient matmuls may take (``Recipe.grad_operands``).
+GRAD_OPERANDS = ("quantized", "original")
 # The gradient flavour that goes with each forward e4m3 flavour: same family.
 _E5M2_OF = {"e4m3fn": "e5m2", "e4m3fnuz": "e5m2fnuz"}
 _SIBLING = {"e5m2": "e5m2fnuz", "e5m2fnuz": "e5m2"}
@@ -154,11 +157,16 @@ class _MakeRng(nn.Module):
 
 
 def site_grads(site, eqn: str | None, lhs, rhs, group_sizes, g, key) -> tuple[jax.Array, jax.Array]:
-    """The site's (dgrad, wgrad) for output gradient ``g``, traced in the caller's program (``eqn`` None: ragged_dot)."""
+    """The site's (dgrad, wgrad) for output gradient ``g``, traced in the caller's program (``eqn`` None: ragged_dot).
+
+    A :class:`~qcheck.QuantSite` draws from ``key``; an interception recipe's
+    site (a plain module a library rewrote) takes no streams.
+    """
+    kw = {"rngs": key} if isinstance(site, QuantSite) else {}
     if eqn is None:
-        _, vjp = jax.vjp(lambda a, b: site.ragged_dot(a, b, group_sizes, rngs=key), lhs, rhs)
+        _, vjp = jax.vjp(lambda a, b: site.ragged_dot(a, b, group_sizes, **kw), lhs, rhs)
     else:
-        _, vjp = jax.vjp(lambda a, b: site(eqn, a, b, rngs=key), lhs, rhs)
+        _, vjp = jax.vjp(lambda a, b: site(eqn, a, b, **kw), lhs, rhs)
     return vjp(g)
 
 
@@ -245,7 +253,8 @@ def _expectations(
         )
         return exp, exp
     if recipe.grad is None:
-        exp = _Expectation("g unquantized (straight through)", g, {})
+        on = " to the original operands" if recipe.grad_operands == "original" else ""
+        exp = _Expectation(f"g unquantized (straight through{on})", g, {})
         return exp, exp
     fmt = recipe.grad
     out = []
@@ -268,6 +277,18 @@ def _expectations(
             neighbours[f"g in {lhs_fmt} (the operands' format)"] = _qdq(g, lhs_fmt, own)
         out.append(_Expectation(f"g in {fmt} along axes {own}{rounding}", _qdq(g, fmt, own, u), neighbours))
     return out[0], out[1]
+
+
+def grad_operands(recipe: Recipe, lhs: np.ndarray, rhs: np.ndarray, q_lhs: np.ndarray, q_rhs: np.ndarray
+                  ) -> tuple[tuple[np.ndarray, np.ndarray], str, tuple[np.ndarray, np.ndarray]]:
+    """``(operands, other's description, other operands)``: what the gradient matmuls take, and the bug of
+    taking the other ones (``recipe.grad_operands``)."""
+    if recipe.grad_operands not in GRAD_OPERANDS:
+        raise ValueError(f"recipe {recipe.name!r}: grad_operands must be one of {', '.join(GRAD_OPERANDS)}, "
+                         f"got {recipe.grad_operands!r}")
+    if recipe.grad_operands == "original":
+        return (lhs, rhs), "the quantized operands (straight through the quantizers)", (q_lhs, q_rhs)
+    return (q_lhs, q_rhs), "unquantized operands", (lhs, rhs)
 
 
 def _require_exact_nvfp4_decode(check: str, what: str, x: np.ndarray, axes: tuple[int, ...]) -> None:
@@ -317,8 +338,9 @@ def _check(
     __tracebackhide__ = True
     if not isinstance(recipe, Recipe):
         raise TypeError(f"{check}: recipe must be a qcheck.Recipe, got {type(recipe).__name__}")
-    if not isinstance(site, QuantSite):
-        raise TypeError(f"{check}: site must be a qcheck.QuantSite, got {type(site).__name__}")
+    if not isinstance(site, nnx.Module) or not hasattr(site, "site_name"):
+        raise TypeError(f"{check}: site must be a qcheck call site (a QuantSite, or an interception recipe's site), "
+                        f"got {type(site).__name__}")
     name = site.site_name
     lhs_fmt, rhs_fmt = _operand_formats(recipe)
     dgrad_key = unsalted = None
@@ -338,7 +360,8 @@ def _check(
         d, w = grad_matmuls(jax.device_put(a), jax.device_put(b), jax.device_put(gd), jax.device_put(gw))
         return np.asarray(d), np.asarray(w)
 
-    want = grads(q_lhs, q_rhs, dgrad.g, wgrad.g)
+    (a, b), other, (other_a, other_b) = grad_operands(recipe, lhs, rhs, q_lhs, q_rhs)
+    want = grads(a, b, dgrad.g, wgrad.g)
     got = tuple(np.asarray(x) for x in site_grads(jax.device_put(lhs), jax.device_put(rhs), jax.device_put(g), key))
     margins: dict[str, int] = {}
     for i, (which, exp) in enumerate((("dgrad", dgrad), ("wgrad", wgrad))):
@@ -347,8 +370,8 @@ def _check(
         bugs: dict[str, np.ndarray] = {}
         for desc, bug_g in exp.neighbours.items():
             gd, gw = (bug_g, wgrad.g) if i == 0 else (dgrad.g, bug_g)
-            bugs[desc] = grads(q_lhs, q_rhs, gd, gw)[i]
-        bugs["unquantized operands"] = grads(lhs, rhs, dgrad.g, wgrad.g)[i]
+            bugs[desc] = grads(a, b, gd, gw)[i]
+        bugs[other] = grads(other_a, other_b, dgrad.g, wgrad.g)[i]
         for desc, bug in bugs.items():
             if _equal(bug, want[i]):
                 raise ValueError(

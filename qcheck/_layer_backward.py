@@ -178,7 +178,8 @@ def assert_site_grad_calls_exact(calls: Sequence[SiteGradCall], recipe: Recipe |
                     else _backward._ragged_grad_matmuls(a, b, sizes, gd, gw))
             return np.asarray(d), np.asarray(w)
 
-        want = matmuls(q_lhs, q_rhs, dgrad.g, wgrad.g)
+        (a, b), other, (other_a, other_b) = _backward.grad_operands(recipe, lhs, rhs, q_lhs, q_rhs)
+        want = matmuls(a, b, dgrad.g, wgrad.g)
         got = (np.asarray(call.dgrad), np.asarray(call.wgrad))
         if call.weight_grad is not None and not _backward._equal(w := np.asarray(call.weight_grad), got[1]):
             off = int(np.sum(_backward._bits(w) != _backward._bits(got[1]))) if w.shape == got[1].shape else w.size
@@ -189,9 +190,9 @@ def assert_site_grad_calls_exact(calls: Sequence[SiteGradCall], recipe: Recipe |
         for i, (which, exp) in enumerate((("dgrad", dgrad), ("wgrad", wgrad))):
             if _backward._equal(got[i], want[i]):
                 continue
-            bugs = {desc: matmuls(q_lhs, q_rhs, *((bug, wgrad.g) if i == 0 else (dgrad.g, bug)))[i]
+            bugs = {desc: matmuls(a, b, *((bug, wgrad.g) if i == 0 else (dgrad.g, bug)))[i]
                     for desc, bug in exp.neighbours.items()}
-            bugs["unquantized operands"] = matmuls(lhs, rhs, dgrad.g, wgrad.g)[i]
+            bugs[other] = matmuls(other_a, other_b, dgrad.g, wgrad.g)[i]
             what = "einsum " + repr(call.eqn) if call.eqn is not None else "ragged_dot"
             _backward._assert_equal(f"{where}{check}: site {call.site!r} {what} {which} in the layer's backward "
                                     f"({exp.what})", got[i], want[i], bugs)

@@ -141,11 +141,14 @@ def test_ragged_dot_from_einsum_gradients_sum_in_another_order_than_lax_ragged_d
 
 @pytest.mark.parametrize(
     "recipe, paths",
-    [("flax_fp8", ("dense",)), ("flax_nanoo_fp8", ("dense",)), ("aqt_int8", ()), ("fp8", ("dense", "sparse"))],
+    [("flax_fp8", ("dense",)), ("flax_nanoo_fp8", ("dense",)), ("aqt_int8", ()), ("qwix_int8", ("dense",)),
+     ("fp8", ("dense", "sparse"))],
 )
 def test_backward_invariant_applies_on_the_declared_paths(recipe, paths):
     if recipe == "aqt_int8":
         _aqt()
+    if recipe == "qwix_int8":
+        _qwix()
     from qcheck.suite import invariants
     from qcheck.suite.cases import VARIANTS
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import qcheck
 from qcheck import checks, formats, get_recipe
 from qcheck._backward import (
     _uniforms,
@@ -130,6 +131,41 @@ class _UnquantizedResidualInt8(Recipe):
         return _UnquantizedResidualSite(lhs="int8", rhs="int8")
 
 
+class _OriginalOperandsInt8(_UnquantizedResidualInt8):
+    """Declares what its site does: gradients against the operands as received (as qwix's QAT)."""
+
+    grad_operands = "original"
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_site_backward_exact_original_operands_should_pass(kind):
+    recipe = _OriginalOperandsInt8("int8_original", lhs="int8", rhs="int8")
+    margins = run(QuantSite(recipe, "wi_0", rngs=nnx.Rngs(0)), recipe, kind)
+    assert min(margins.values()) > 0
+
+
+def test_layer_backward_names_quantized_operands_where_the_original_ones_are_declared():
+    from qcheck._layer_backward import assert_layer_sites_backward_exact
+    from qcheck.suite import cases
+
+    layer = qcheck.build_moe("mixtral", Recipe("int8_ste", lhs="int8", rhs="int8"), path="dense", seed=cases.SEED)
+    x = cases.layer_input("mixtral")
+    assert_layer_sites_backward_exact(layer, x, Recipe("int8_ste", lhs="int8", rhs="int8"), label="healthy")
+    with pytest.raises(AssertionError, match=r"bug: assert_layer_sites_backward_exact: site '\w+' einsum .* in the "
+                       r"layer's backward \(g unquantized \(straight through to the original operands\)\).*equals "
+                       r"the gradient with the quantized operands \(straight through the quantizers\) bitwise"):
+        assert_layer_sites_backward_exact(layer, x, _OriginalOperandsInt8("int8_original", lhs="int8", rhs="int8"),
+                                          label="bug")
+
+
+def test_unknown_grad_operands_lists_the_valid_ones():
+    recipe = _OriginalOperandsInt8("int8_typo", lhs="int8", rhs="int8")
+    recipe.grad_operands = "originals"
+    with pytest.raises(ValueError, match=r"recipe 'int8_typo': grad_operands must be one of quantized, original, "
+                                         r"got 'originals'"):
+        run(QuantSite(recipe, "wi_0", rngs=nnx.Rngs(0)), recipe, "dense")
+
+
 E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ = jnp.float8_e4m3fn, jnp.float8_e4m3fnuz, jnp.float8_e5m2, jnp.float8_e5m2fnuz
 
 # (id, site's recipe, recipe checked against, kind, message)
@@ -155,6 +191,10 @@ FAILS = [
      r"dgrad .*stochastic\).*rounded with the unsalted key bitwise"),
     ("int8-unquantized-residuals", lambda: _UnquantizedResidualInt8("int8", lhs="int8", rhs="int8"), "int8",
      "sparse", r"dgrad \(g unquantized \(straight through\)\).*equals the gradient with unquantized operands"),
+    ("int8-original-operands-declared", lambda: Recipe("int8", lhs="int8", rhs="int8"),
+     _OriginalOperandsInt8("int8_original", lhs="int8", rhs="int8"), "dense",
+     r"dgrad \(g unquantized \(straight through to the original operands\)\).*equals the gradient with the "
+     r"quantized operands \(straight through the quantizers\) bitwise"),
 ]
 
 

@@ -195,10 +195,10 @@ def _site_vjp(recipe: str, path: str, lhs, rhs):
 @qwix_test
 @pytest.mark.parametrize("path, lhs_shape, same", [("dense", (2, 32, 32), True), ("sparse", (128, 32), False)])
 def test_qwix_int8_site_gradients_against_the_unquantized_sites(path, lhs_shape, same):
-    """Why `backward` does not apply to qwix_int8 (qwix 0.1.8, no bwd_qtype): on the dense path the gradients are
-    the unquantized site's, bitwise (qwix keeps the original operands for the backward pass), not the product with
-    the quantized operands that qcheck's straight-through referee computes; its ragged_dot's differ from the
-    unquantized ones."""
+    """Why `backward` holds qwix_int8 (qwix 0.1.8, no bwd_qtype) to g against the original operands
+    (grad_operands="original") on the dense path only: there the gradients are the unquantized site's, bitwise
+    (qwix keeps the original operands for the backward pass), not the product with the quantized operands;
+    its ragged_dot's differ from the unquantized ones."""
     _qwix()
     lhs, rhs = checks.probe_operands(0, lhs_shape, (8, 32, 64))
     (yq, gq), (yn, gn) = _site_vjp("qwix_int8", path, lhs, rhs), _site_vjp("none", path, lhs, rhs)
@@ -233,3 +233,21 @@ def test_known_defect_for_one_model_covers_only_that_model():
 def test_known_defect_bad_models_are_named(models):
     with pytest.raises(TypeError, match=r"models must be a tuple of model names \(empty: every model\), got"):
         _defect(models=models)
+
+
+@qwix_test
+def test_qwix_rule_with_bwd_qtype_has_no_backward_reference_and_fails_the_straight_through_one():
+    """A rule that quantizes gradients (bwd_qtype=int8, qwix 0.1.8) leaves backward_paths empty: qcheck has no
+    referee for qwix's gradient quantization; held to the straight-through reference anyway, it fails."""
+    from qcheck.adapters import QwixRecipe
+    from qcheck.suite import invariants
+
+    rule = _int8_rule(weight_qtype=jnp.int8, act_qtype=jnp.int8, bwd_qtype=jnp.int8)
+    recipe = QwixRecipe("qwix_int8_bwd", [rule], lhs="int8_qwix", rhs="int8_qwix")
+    recipe.matmul = "integer"
+    assert recipe.backward_paths == () and recipe.grad_operands == "original"
+    with pytest.raises(AssertionError, match=r"qwix_int8_bwd site '\w+': assert_site_backward_exact: site '\w+' "
+                                             r"dgrad \(g unquantized \(straight through to the original operands\)\)"
+                                             r": differs from the reference"):
+        invariants.assert_sites_backward_exact(qcheck.build_moe("mixtral", recipe, path="dense"), recipe,
+                                               "qwix_int8_bwd")

@@ -110,6 +110,13 @@ class QwixRecipe(InterceptRecipe):
     #: and dynamic scales, it creates no state. False runs it, as qwix does by default.
     skip_init: bool = True
 
+    #: qwix's QAT keeps the original operands for the backward pass: without ``bwd_qtype`` a dense site's
+    #: gradients are g against the operands as received, bitwise (qwix 0.1.8). Its ``ragged_dot``'s are
+    #: neither those nor the quantized operands' (tests/test_intercept.py), so no sparse reference; a rule
+    #: with ``bwd_qtype`` quantizes g in a way no qcheck referee models, so no reference at all.
+    grad_operands = "original"
+    backward_paths = ("dense",)
+
     def __init__(
         self,
         name: str,
@@ -128,6 +135,8 @@ class QwixRecipe(InterceptRecipe):
         super().__init__(name, self._quantize_sites, lhs=lhs, rhs=rhs, max_rel_norm=max_rel_norm,
                          max_grad_rel_norm=max_grad_rel_norm)
         self.rules = rules
+        if any(rule.bwd_qtype is not None for rule in rules):
+            self.backward_paths = ()
 
     def _quantize_sites(self, layer: nnx.Module, sample_input: jax.Array) -> nnx.Module:
         batch, seq, _ = sample_input.shape

@@ -145,6 +145,13 @@ class Recipe:
     #: ``grads`` (the gradients against the none twin's) runs on every path.
     backward_paths: tuple[str, ...] = ("dense", "sparse")
 
+    #: Which operands the gradient matmuls of a site take, which the ``backward``
+    #: reference follows: "quantized" (g against the operands as the forward
+    #: pass quantized them: fp8 recipes, and straight-through quantizers) or
+    #: "original" (g against the operands as the site received them, as qwix's
+    #: QAT keeps them for its backward pass).
+    grad_operands: str = "quantized"
+
     #: How a site multiplies its quantized operands, which the ``exact``
     #: reference follows: "float" (the float32 matmul of dequantized operands)
     #: or "integer" (int8 codes in integer arithmetic, scales applied after, as

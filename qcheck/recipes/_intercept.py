@@ -35,9 +35,9 @@ class InterceptRecipe(Recipe):
     referee); leave them out where no qcheck format matches.
     """
 
-    # An interception library quantizes gradients its own way (qwix's QAT is
-    # straight-through), which no qcheck backward referee models; a subclass
-    # that has one widens this.
+    # An interception library computes gradients its own way, which a qcheck
+    # backward referee models only where a subclass says how (QwixRecipe: the
+    # dense path, g against the original operands) and widens this.
     backward_paths: tuple[str, ...] = ()
 
     def __init__(
