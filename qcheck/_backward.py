@@ -48,6 +48,7 @@ __all__ = [
     "assert_site_ragged_backward_exact",
     "check_einsum_grads",
     "check_ragged_grads",
+    "grad_operands",
     "probe_grad",
     "probe_nvfp4",
     "site_dgrad_key",
