@@ -1,4 +1,5 @@
-"""docs/libraries.md's code blocks run, and the README's table of library defects names tests that exist.
+"""docs/libraries.md: its code blocks run, its table of library defects names tests that exist, and the
+README's summary of that table has its libraries and versions.
 
 The blocks run in this process, each in a fresh namespace, under the repository's
 strict settings (warnings are errors, no rank promotion), as a user's test would.
@@ -27,10 +28,20 @@ def doc_blocks() -> dict[str, str]:
 
 
 def defect_rows() -> list[list[str]]:
-    table = README.split("## Defects qcheck finds in the libraries you use", 1)[1].split("\n## ", 1)[0]
+    return _table(DOC, "| defect | library | version checked | caught by | test |")
+
+
+def _table(text: str, header: str) -> list[list[str]]:
+    table = text.split("## Defects qcheck finds in the libraries you use", 1)[1].split("\n## ", 1)[0]
     lines = [line for line in table.splitlines() if line.startswith("|")]
-    assert lines[0] == "| defect | library | version checked | caught by | test |"
+    assert lines[0] == header
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
+
+
+def test_readme_sums_up_the_defect_table_by_library_and_version():
+    summary = {library: versions for library, versions, _ in
+               _table(README, "| library | versions checked | defects |")}
+    assert summary == {library: version for _, library, version, _, _ in defect_rows()}
 
 
 def test_every_library_has_a_block():
