@@ -13,6 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
@@ -20,7 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import qcheck
-from qcheck import formats, referees
+from qcheck import checks, formats, referees
 from qcheck._site_exact import _NEIGHBOURS, PARTING_BINADES, probe_site_operands
 from qcheck.moe import MODELS, MoE
 from qcheck.recipes import _registry, einsum_axes
@@ -155,3 +156,68 @@ def test_the_plain_probes_cannot_part_e5m2_from_e5m2fnuz():
     lhs, rhs = probe_site_operands(0, lhs_shape, rhs_shape, axes)
     assert np.array_equal(_bits(_reference(eqn, None, axes, lhs, rhs, "e5m2", "e5m2")),
                           _bits(_reference(eqn, None, axes, lhs, rhs, "e5m2fnuz", "e5m2fnuz")))
+
+
+# -- the public fp8 cast check, and gradients --------------------------------------------
+
+E5M2, E5M2FNUZ = (np.dtype(ml_dtypes.float8_e5m2), np.dtype(ml_dtypes.float8_e5m2fnuz))
+
+
+def _cast_einsum(dtype):
+    def einsum(eqn, a, b):
+        q = lambda x: jnp.clip(x, -57344, 57344).astype(dtype).astype(x.dtype)  # noqa: E731
+        return jnp.einsum(eqn, q(a), q(b))
+
+    return einsum
+
+
+def _cast_ragged(dtype):
+    def ragged_dot(a, b, sizes):
+        q = lambda x: jnp.clip(x, -57344, 57344).astype(dtype).astype(x.dtype)  # noqa: E731
+        return jax.lax.ragged_dot(q(a), q(b), sizes)
+
+    return ragged_dot
+
+
+@pytest.mark.parametrize(("flavour", "sibling"), [(E5M2, E5M2FNUZ), (E5M2FNUZ, E5M2)], ids=["e5m2", "e5m2fnuz"])
+def test_fresh_cast_exact_should_pass_on_the_e5m2_flavour_and_fail_on_its_sibling(flavour, sibling):
+    lhs, rhs = checks.probe_operands(0, (8, 32), (32, 16), cast_dtype=flavour, contract=((1,), (0,)))
+    checks.assert_fresh_cast_exact(_cast_einsum(flavour), "tm,mh->th", lhs, rhs, cast_dtype=flavour)
+    with pytest.raises(AssertionError, match=rf"{sibling.name}-cast reference bitwise \(wrong fp8 flavour\)"):
+        checks.assert_fresh_cast_exact(_cast_einsum(sibling), "tm,mh->th", lhs, rhs, cast_dtype=flavour)
+    lhs, rhs = checks.probe_operands(1, (24, 32), (4, 32, 8), cast_dtype=flavour, contract=((1,), (1,)))
+    sizes = np.array([10, 6, 8, 0], np.int32)
+    checks.assert_fresh_ragged_cast_exact(_cast_ragged(flavour), lhs, rhs, sizes, cast_dtype=flavour)
+    with pytest.raises(AssertionError, match=rf"ragged_dot differs .*{sibling.name}-cast reference bitwise"):
+        checks.assert_fresh_ragged_cast_exact(_cast_ragged(sibling), lhs, rhs, sizes, cast_dtype=flavour)
+
+
+def test_fresh_cast_exact_refuses_the_plain_probes_for_e5m2_and_probe_operands_asks_for_contract():
+    lhs, rhs = checks.probe_operands(0, (8, 32), (32, 16))
+    with pytest.raises(ValueError, match=r"float8_e5m2 and float8_e5m2fnuz references are bitwise equal.*contract="):
+        checks.assert_fresh_cast_exact(_cast_einsum(E5M2), "tm,mh->th", lhs, rhs, cast_dtype=E5M2)
+    with pytest.raises(ValueError, match=r"probe_operands: cast_dtype float8_e5m2 .* give contract=, one tuple of "
+                       r"contraction axes per shape \(2\), got None"):
+        checks.probe_operands(0, (8, 32), (32, 16), cast_dtype=E5M2)
+
+
+class _GradsInFnuz(qcheck.Recipe):
+    """Declares e5m2 gradients and quantizes them in e5m2fnuz."""
+
+    def site_module(self, name):
+        return FormatSite(lhs="e5m2", rhs="e5m2", grad="e5m2fnuz")
+
+
+def test_an_e5m2_gradient_recipe_should_pass_backward(monkeypatch):
+    recipe = qcheck.Recipe("probe_grad_e5m2", lhs="e5m2", rhs="e5m2", grad="e5m2")
+    monkeypatch.setitem(_registry._REGISTRY, recipe.name, recipe)
+    invariants.check_backward(cases.Case(recipe.name, VARIANTS[0]))
+
+
+def test_an_e5m2_gradient_recipe_quantizing_g_in_e5m2fnuz_should_fail_backward_naming_the_sibling(monkeypatch):
+    recipe = _GradsInFnuz("probe_grad_fnuz", lhs="e5m2", rhs="e5m2", grad="e5m2")
+    monkeypatch.setitem(_registry._REGISTRY, recipe.name, recipe)
+    with pytest.raises(AssertionError, match=r"site 'wi_0': assert_site_backward_exact: site 'wi_0' dgrad \(g in "
+                       r"e5m2 along axes \(2, 3\)\): differs .*; it equals the gradient with g in e5m2fnuz instead "
+                       r"of e5m2 bitwise"):
+        invariants.check_backward(cases.Case(recipe.name, VARIANTS[0]))
