@@ -93,8 +93,8 @@ _NEIGHBOURS = {
 #: subnormal: in [2^-15, 2^-14) e5m2fnuz is normal (1.25 * 2^-15 and 1.75 * 2^-15 are its own values) and
 #: e5m2 keeps one bit (2^-15, 1.5 * 2^-15), so about half the values there round apart. Those are normal
 #: float32 values, which XLA's CPU backend does not flush (it flushes float32 subnormals only), and XLA
-#: casts them to e5m2's subnormals exactly, as ml_dtypes does. (e4m3fn and e4m3fnuz part on the probes'
-#: own values above 240, e4m3fnuz's maximum.)
+#: casts them to e5m2's subnormals exactly, as ml_dtypes does (measured on jax 0.10.2 and 0.12).
+#: e4m3fn and e4m3fnuz need no such binade: they part on the probes' own values above 240, e4m3fnuz's maximum.
 PARTING_BINADES = {"e5m2": (-15, -14), "e5m2fnuz": (-15, -14)}
 # The share of an operand's contraction fibres (at least one) the parting values fill: a whole fibre,
 # so that its products are small too and the rounding of the sum keeps the flavours apart.
@@ -281,7 +281,7 @@ def _check(check: str, site: str, mm: _Matmul, lhs, rhs, got, lhs_fmt: str, rhs_
     for desc, bug in bugs:
         if _equal(bug, want):
             raise ValueError(f"{prefix}: for these operands the reference equals {desc} bitwise, so that bug "
-                             "would pass; use probe_site_operands (given the formats)")
+                             "would pass; use probe_site_operands (with lhs_format= and rhs_format=)")
         known[desc] = bug
     if integer and _equal(got, want):
         return

@@ -309,11 +309,13 @@ def probe_operands(
     Magnitudes are log-uniform over [2^-4, 2^10] with random signs: most values
     are not representable in any fp8 flavour (so quantization shows), some lie
     above every e4m3 maximum (so a missing clip, or e4m3fnuz's 240 for
-    e4m3fn's 448, shows), and none is subnormal in any fp8 flavour. e5m2 and
+    e4m3fn's 448, shows), and none is subnormal in any fp8 flavour (so the
+    reference never leans on how a backend casts to fp8 subnormals). e5m2 and
     e5m2fnuz round alike on all of them: for ``cast_dtype`` float8_e5m2 or
     float8_e5m2fnuz give ``contract``, each operand's contraction axes, and a
     quarter of each operand's contraction fibres come from [2^-15, 2^-14)
-    instead, where e5m2 is subnormal and e5m2fnuz is not, and the two round apart.
+    instead, where e5m2 is subnormal and e5m2fnuz is not, and the two round
+    apart (XLA's CPU backend casts those exactly, as ml_dtypes does).
     """
     rng = np.random.default_rng(seed)
     out = []

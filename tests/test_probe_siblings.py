@@ -6,7 +6,11 @@ e5m2fnuz round alike, so the check refused its own operands. The probes now
 fill some contraction fibres of an e5m2-class operand from the binade where the
 two part (qcheck._site_exact.PARTING_BINADES). The property below holds that for
 every format qcheck knows and every sibling the check must rule out, with
-references computed here from the numpy referees and a plain JAX matmul.
+references computed here from the numpy referees and a plain JAX matmul; the
+suite's ``exact`` then passes such a recipe and fails one that computes in the
+sibling, naming it. The same holds for the public fp8 cast check
+(``checks.probe_operands(cast_dtype=, contract=)``) and for declared e5m2
+gradients (``backward``).
 """
 
 import functools
@@ -111,6 +115,17 @@ def test_parting_fills_whole_contraction_fibres_from_the_binade_and_leaves_other
     assert np.array_equal(small, np.broadcast_to(np.expand_dims(fibres, axes.lhs), small.shape))
     assert 0 < fibres.mean() < 0.5
     assert np.array_equal(lhs[~small], plain[0][~small])
+
+
+@pytest.mark.parametrize("fmt", sorted(PARTING_BINADES))
+def test_xla_casts_the_parting_binade_as_the_referee_does(fmt):
+    """The premise of the binade: XLA (here, the CPU backend) casts to e5m2's subnormals exactly, not flushed."""
+    lo, hi = PARTING_BINADES[fmt]
+    x = (np.exp2(np.linspace(lo, hi, 257)[:-1]) * np.resize([1.0, -1.0], 256)).astype(np.float32)
+    got = np.asarray(jax.jit(lambda a: formats.qdq(a, fmt))(x))
+    assert np.array_equal(_bits(got), _bits(referees.reference_qdq(x, fmt, ftz=FTZ)))
+    other = _NEIGHBOURS[fmt][0]
+    assert np.mean(referees.reference_qdq(x, fmt) != referees.reference_qdq(x, other)) > 0.4
 
 
 def test_probe_site_operands_names_an_unknown_format():
