@@ -22,6 +22,7 @@ __all__ = [
     "MatmulRecord",
     "Recipe",
     "Unsupported",
+    "assert_fp8_state_matches",
     "assert_quantized",
     "build_decoder",
     "build_moe",
@@ -31,6 +32,7 @@ __all__ = [
     "coverage",
     "format_coverage",
     "formats",
+    "fp8_state",
     "get_recipe",
     "native",
     "recipe_names",
@@ -63,11 +65,14 @@ _WHERE = {
     "LayerFigures": "qcheck._layer_check",
     "check_layer": "qcheck._layer_check",
     "copy_params_into": "qcheck._layer_check",
+    "assert_fp8_state_matches": "qcheck._fp8_state",
+    "fp8_state": "qcheck._fp8_state",
 }
 
 if TYPE_CHECKING:
     from qcheck import checks, formats, native, referees
     from qcheck._layer_check import LayerFigures, check_layer, copy_params_into
+    from qcheck._fp8_state import assert_fp8_state_matches, fp8_state
     from qcheck._coverage import MatmulRecord, assert_quantized, coverage, format_coverage, skip_functions
     from qcheck.bridge import QuantSite
     from qcheck.models import build_decoder

@@ -18,8 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import linen as nn
+from flax import nnx
 from flax.linen import fp8_ops
 from flax.training import train_state
+
+from qcheck.bridge import Fp8Meta
 
 OWG = fp8_ops.OVERWRITE_WITH_GRADIENT
 BATCH, FEATURES, HIDDEN, OUT = 8, 16, 32, 8
@@ -160,3 +163,44 @@ def weight_decayed(fp8_too: bool):
 def warm(state: train_state.TrainState, seed: int = 1) -> train_state.TrainState:
     """One whole-batch step on another batch, so histories hold an entry and the next step's scales move."""
     return whole_batch(state, batch(seed))
+
+
+# -- the same model in NNX (Flax's Linen fp8 ops behind nnx.bridge.ToNNX), stepped in place ---------------------
+
+
+def nnx_model(seed: int = 0) -> nnx.Module:
+    model = nnx.bridge.ToNNX(Mlp(), rngs=nnx.Rngs(seed))
+    _lazy_init(model, batch(seed)[0])
+    return model
+
+
+@nnx.jit  # eagerly, Linen's init is some hundred small programs
+def _lazy_init(model, x):
+    nnx.bridge.lazy_init(model, x)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _nnx_grads(graphdef, params, fp8, rest, x, y, total):
+    def loss(params, fp8):
+        return jnp.sum(jnp.square(nnx.merge(graphdef, params, fp8, rest, copy=True)(x) - y)) / total
+
+    return jax.grad(loss, argnums=(0, 1))(params, fp8)
+
+
+@jax.jit
+def _sgd(params, grads):
+    return jax.tree.map(lambda p, d: p - LR * d, params, grads)
+
+
+def nnx_accumulated(merge: str):
+    """Microbatched SGD on an NNX model, updated in place; the fp8 state merged by ``MERGE[merge]``."""
+
+    def step(model, batch):
+        x, y = batch
+        graphdef, params, fp8, rest = nnx.split(model, nnx.Param, Fp8Meta, ...)
+        parts = [_nnx_grads(graphdef, params, fp8, rest, xm, ym, len(x))
+                 for xm, ym in zip(np.split(x, MICROBATCHES), np.split(y, MICROBATCHES))]
+        g = functools.reduce(_add, [p for p, _ in parts])
+        nnx.update(model, _sgd(params, g), MERGE[merge]([f for _, f in parts]))
+
+    return step
