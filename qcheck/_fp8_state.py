@@ -271,7 +271,8 @@ def assert_fp8_state_matches(
     for key in sorted(before):
         a, b = a_state[key], b_state[key]
         if a.shape != b.shape or a.dtype != b.dtype:
-            rows.append((key, np.nan, np.nan, f"step_a gives {a.dtype}{list(a.shape)}, step_b {b.dtype}{list(b.shape)}"))
+            rows.append((key, np.nan, np.nan,
+                         f"step_a gives {a.dtype}{list(a.shape)}, step_b {b.dtype}{list(b.shape)}"))
             continue
         close = _close(a, b, rtol)
         if close.all():

@@ -64,6 +64,7 @@ def batch(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return x, rng.standard_normal((BATCH, OUT)).astype(np.float32)
 
 
+@functools.cache  # one init program per model; states are immutable, so sharing one is safe
 def new_state(model: nn.Module, seed: int = 0) -> train_state.TrainState:
     x, _ = batch(seed)
     variables = jax.jit(model.init)(jax.random.key(seed), x)  # eagerly, init is some hundred small programs

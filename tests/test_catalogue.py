@@ -272,6 +272,7 @@ def test_state_catches_a_layer_that_lost_its_fp8_state():
 # -- the training loop's fp8 state (a user's own loops on Flax's fp8 ops, tests/fp8_loops.py) -----------
 
 
+@functools.cache  # one warmed-up state for the five: states are immutable
 def _loop_state():
     from tests import fp8_loops
 
@@ -291,9 +292,9 @@ def test_fp8_state_catches_a_loop_summing_fp8_state_across_microbatches():
 
 def test_fp8_state_catches_a_loop_keeping_the_last_microbatchs_amax_only():
     loops, state, batch = _loop_state()
-    with pytest.raises(AssertionError, match=r"(?s)4 of 12 fp8 leaves differ .*\n  " + _LEAF + r"input_amax_history\[0\]: "
-                       r"step_a [\d.]+, step_b [\d.]+, ratio 0\.\d+: smaller than step_a's: part of the batch not "
-                       r"recorded \(the last microbatch only\?\)"):
+    with pytest.raises(AssertionError, match=r"(?s)4 of 12 fp8 leaves differ .*\n  " + _LEAF + (
+            r"input_amax_history\[0\]: step_a [\d.]+, step_b [\d.]+, ratio 0\.\d+: smaller than step_a's: part of "
+            r"the batch not recorded \(the last microbatch only\?\)")):
         qcheck.assert_fp8_state_matches(loops.whole_batch, loops.accumulated("last"), state, batch)
 
 
@@ -309,8 +310,8 @@ def test_fp8_state_catches_a_loop_clipping_fp8_state_with_the_gradients():
 def test_fp8_state_catches_a_loop_weight_decaying_fp8_state():
     loops, state, batch = _loop_state()
     qcheck.assert_fp8_state_matches(loops.whole_batch, loops.weight_decayed(fp8_too=False), state, batch)
-    with pytest.raises(AssertionError, match=r"(?s)likely cause: every differing leaf is step_a's plus 0\.01 x its value "
-                       r"before the step: weight decay applied to the fp8 state.*\n  " + _LEAF + r"input_scale: "):
+    with pytest.raises(AssertionError, match=r"(?s)likely cause: every differing leaf is step_a's plus 0\.01 x its "
+                       r"value before the step: weight decay applied to the fp8 state.*\n  " + _LEAF + "input_scale: "):
         qcheck.assert_fp8_state_matches(loops.whole_batch, loops.weight_decayed(fp8_too=True), state, batch)
 
 
@@ -325,9 +326,9 @@ def test_fp8_state_catches_a_flax_fp8_op_reused_on_two_inputs():
         return loops.whole_batch(state.replace(apply_fn=twice), batch, max_grad=max_grad)
 
     qcheck.assert_fp8_state_matches(loops.whole_batch, functools.partial(reused, max_grad=True), once, batch)
-    with pytest.raises(AssertionError, match=r"(?s)6 of 6 fp8 leaves differ.*\n  params/_overwrite_with_gradient/Dense_0/"
-                       r"Fp8DirectDotGeneralOp_0/input_amax_history\[0\]: step_a [\d.]+, step_b [\d.]+, ratio 1\.\d+: "
-                       r"larger than step_a's: more than the max of what the site saw"):
+    with pytest.raises(AssertionError, match=r"(?s)6 of 6 fp8 leaves differ.*\n  " + _LEAF.replace(r"\d", "0") + (
+            r"input_amax_history\[0\]: step_a [\d.]+, step_b [\d.]+, ratio 1\.\d+: larger than step_a's: more than "
+            r"the max of what the site saw")):
         qcheck.assert_fp8_state_matches(loops.whole_batch, reused, once, batch)
 
 
@@ -768,7 +769,8 @@ CATALOGUE = [
      "`assert_fp8_state_matches` (batch == microbatches)",
      test_fp8_state_catches_a_loop_keeping_the_last_microbatchs_amax_only),
     ("`optax.clip_by_global_norm` over the fp8 state with the gradients (MaxText PR #672)",
-     "`assert_fp8_state_matches` (clipped == unclipped)", test_fp8_state_catches_a_loop_clipping_fp8_state_with_the_gradients),
+     "`assert_fp8_state_matches` (clipped == unclipped)",
+     test_fp8_state_catches_a_loop_clipping_fp8_state_with_the_gradients),
     ("weight decay added to the fp8 state's next values", "`assert_fp8_state_matches` (decayed == not)",
      test_fp8_state_catches_a_loop_weight_decaying_fp8_state),
     ("one Flax fp8 op reused on two inputs (weight tying): autodiff sums its amax and scales",

@@ -90,7 +90,8 @@ def test_fp8_state_matches_should_fail_on_a_history_rolled_once_per_microbatch()
         return state
 
     with pytest.raises(AssertionError, match=r"Dense_0/Fp8DirectDotGeneralOp_0/input_amax_history\[0\]: "
-                       r"step_a [\d.]+, step_b [\d.]+, ratio [\d.]+: step_a rolled it 1 time\(s\), step_b 2: history rolled 2 times in one step"):
+                       r"step_a [\d.]+, step_b [\d.]+, ratio [\d.]+: step_a rolled it 1 time\(s\), step_b 2: "
+                       r"history rolled 2 times in one step"):
         qcheck.assert_fp8_state_matches(loops.whole_batch, sequential, mlp_state(), loops.batch())
 
 
