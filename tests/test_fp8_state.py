@@ -63,6 +63,13 @@ def test_fp8_state_finds_qcheck_recipes_state_in_a_layer_and_its_step():
     assert sorted(after) == sorted(found) and after["sites/wo/input_amax_history"][0] > 0
 
 
+def test_fp8_state_reads_state_kept_in_flax_fp32_max_grad_as_float32():
+    kept = jax.jit(lambda: {OWG: {"input_scale": jax.lax.convert_element_type(jnp.ones(1), fp8_ops.fp32_max_grad)}})()
+    assert str(kept[OWG]["input_scale"].dtype) == "fp8_meta32"
+    found = qcheck.fp8_state(kept)
+    assert found[f"{OWG}/input_scale"].dtype == np.float32 and found[f"{OWG}/input_scale"][0] == 1.0
+
+
 def test_fp8_state_without_any_is_an_error_naming_what_was_searched():
     int8 = cases.layer(cases.Case("int8", cases.Variant("mixtral", "dense", False)))
     with pytest.raises(ValueError, match=r"^fp8_state: found no fp8 scaling state in an NNX module \(MoE\); "
