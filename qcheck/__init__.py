@@ -23,6 +23,7 @@ __all__ = [
     "Recipe",
     "Skip",
     "Unsupported",
+    "assert_fp8_state_matches",
     "assert_quantized",
     "build_decoder",
     "build_moe",
@@ -32,6 +33,7 @@ __all__ = [
     "coverage",
     "format_coverage",
     "formats",
+    "fp8_state",
     "get_recipe",
     "native",
     "recipe_names",
@@ -73,6 +75,8 @@ _WHERE = {
     "LayerFigures": "qcheck._layer_check",
     "check_layer": "qcheck._layer_check",
     "copy_params_into": "qcheck._layer_check",
+    "assert_fp8_state_matches": "qcheck._fp8_state",
+    "fp8_state": "qcheck._fp8_state",
 }
 
 if TYPE_CHECKING:
@@ -80,6 +84,7 @@ if TYPE_CHECKING:
     from qcheck._layer_check import LayerFigures, check_layer, copy_params_into
     from qcheck._coverage import (MatmulRecord, Skip, assert_quantized, coverage, format_coverage, skip_at,
                                   skip_functions, skip_modules, skip_where, warmed_up)
+    from qcheck._fp8_state import assert_fp8_state_matches, fp8_state
     from qcheck.bridge import QuantSite
     from qcheck.models import build_decoder
     from qcheck.moe import MODELS, PATHS, MoE, MoEConfig, build_moe

@@ -23,6 +23,7 @@ from jax.typing import ArrayLike
 __all__ = [
     "assert_amax_histories_follow_operands",
     "assert_fp8_dtypes_native",
+    "assert_fp8_state_matches",
     "assert_format_matches_referee",
     "assert_fresh_cast_exact",
     "assert_fresh_ragged_cast_exact",
@@ -37,6 +38,7 @@ __all__ = [
     "cast_reference",
     "coverage",
     "entry_params",
+    "fp8_state",
     "lowered_entry_params",
     "probe_operands",
     "rel_norm",
@@ -421,3 +423,4 @@ from qcheck._backward import assert_site_backward_exact, assert_site_ragged_back
 from qcheck._fp8_amax import assert_amax_histories_follow_operands  # noqa: E402
 from qcheck._ragged_groups import assert_ragged_groups_independent  # noqa: E402
 from qcheck._fp8_native import assert_fp8_dtypes_native, assert_recipe_fp8_native  # noqa: E402
+from qcheck._fp8_state import assert_fp8_state_matches, fp8_state  # noqa: E402
