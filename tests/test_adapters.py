@@ -122,8 +122,9 @@ def test_ragged_dot_from_einsum_gradients_sum_in_another_order_than_lax_ragged_d
     """Why the backward invariant leaves the Flax recipes' sparse path out (Recipe.backward_paths).
 
     Unquantized, the emulation's forward equals jax.lax.ragged_dot bitwise but its
-    input gradient does not (summation order, jax 0.10.2 and 0.12.0.1 on CPU).
-    When it does, the Flax recipes can drop their backward_paths override.
+    gradients do not (summation order, jax 0.10.2 and 0.12.0.1 on CPU): the input
+    gradient on some CPUs, the weight gradient on others, which kernel XLA picks.
+    When both agree, the Flax recipes can drop their backward_paths override.
     """
     lhs, rhs = checks.probe_operands(0, (64, 32), (4, 32, 16))
     gs = jnp.asarray([20, 30, 14, 0], jnp.int32)
@@ -134,7 +135,7 @@ def test_ragged_dot_from_einsum_gradients_sum_in_another_order_than_lax_ragged_d
 
     want = vjp(jax.lax.ragged_dot)
     got = vjp(functools.partial(ragged_dot_from_einsum, jnp.einsum))
-    assert np.asarray(got[0]).tobytes() != np.asarray(want[0]).tobytes()
+    assert any(np.asarray(a).tobytes() != np.asarray(b).tobytes() for a, b in zip(got, want))
     # Rounding only: float32 sums of the same products in another order.
     assert all(checks.rel_norm(np.asarray(a), np.asarray(b)) < 1e-6 for a, b in zip(got, want))
 
@@ -161,8 +162,9 @@ def test_backward_invariant_applies_on_the_declared_paths(recipe, paths):
 def test_flax_sparse_backward_misses_the_exact_reference_by_rounding():
     from qcheck.suite import invariants
 
-    with pytest.raises(AssertionError, match=r"site 'wi_0' dgrad \(g in float8_e5m2\): differs from the reference "
-                                             r".*it matches none of the known bugs"):
+    # dgrad or wgrad, as the CPU's kernels order the sums (test_ragged_dot_from_einsum_gradients_sum_...)
+    with pytest.raises(AssertionError, match=r"site 'wi_0' [dw]grad \(g in float8_e5m2\): differs from the "
+                                             r"reference .*it matches none of the known bugs"):
         invariants.assert_sites_backward_exact(_layer("flax_fp8", "sparse"), _recipe("flax_fp8"), "flax_fp8-sparse")
 
 
