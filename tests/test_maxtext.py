@@ -1,0 +1,178 @@
+"""MaxText 0.2.5's real ``RoutedMoE`` as a pinned client of qcheck (tests/maxtext_cells.py builds the cells).
+
+Runs in MaxText's own environment (.ci/maxtext.sh, ``tox -e maxtext``, the
+MaxText stage of .ci/run); skipped where MaxText is not installed. For every
+MaxText quantization (int8, fp8, nanoo_fp8) on both paths, ``coverage`` with
+error figures runs; ``check_layer`` passes on the dense path and fails on the
+sparse one (megablox off), naming MaxText's ``jax.lax.ragged_dot`` line: a known
+defect of maxtext 0.2.5 (docs/libraries.md), asserted with the version checked,
+so a new MaxText makes these tests say "recheck" rather than pass or fail silently.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import inspect
+import os
+
+import numpy as np
+import pytest
+
+import qcheck
+from tests import maxtext_cells
+
+pytestmark = [
+    # aqtp 0.9.0 passes arrays to jnp.promote_types (docs/libraries.md), and MaxText's int8 router calls AQT
+    # eagerly while it builds (GateLogit.__init__ traces itself on dummy inputs).
+    pytest.mark.filterwarnings("ignore:Implicit conversion of an array to a dtype:DeprecationWarning"),
+    # MaxText's sparse path sows intermediates outside nnx.capture(), which flax 0.12.12 deprecates.
+    pytest.mark.filterwarnings("ignore:Using 'Module.sow\\(\\)' outside of 'nnx.capture\\(\\)':DeprecationWarning"),
+    # flax's fp8 ops warn that they set the precision themselves (nanoo_fp8's einsums, every call).
+    pytest.mark.filterwarnings("ignore:The function dot_general_with_precision:UserWarning"),
+]
+
+#: MaxText's combine (``jnp.einsum`` of the expert outputs and the routing
+#: weights, in ``jax.named_scope("weight_sum")`` on both paths) is meant to stay
+#: in full precision; its router is quantized like the experts.
+COMBINE = qcheck.skip_modules("weight_sum") if hasattr(qcheck, "skip_modules") else None
+PATHS = {"dense": False, "sparse": True}
+CELLS = [(q, p) for q in maxtext_cells.QUANTIZATIONS for p in PATHS]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _maxtext():
+    if importlib.util.find_spec("maxtext") is not None:
+        missing = [v for v in maxtext_cells.ENVIRONMENT if not os.environ.get(v)]
+        assert not missing, (f"maxtext is installed but {', '.join(missing)} unset: run these tests through "
+                             f".ci/maxtext.sh run PYTHON pytest ... (it sets them)")
+    pytest.importorskip("maxtext", reason="MaxText is not installed (its tests run in .ci/maxtext.sh's environment)")
+
+
+@pytest.fixture(scope="module")
+def cells():
+    """Each cell built once: MaxText builds a block in seconds, and no check changes it."""
+    built = {}
+
+    def get(quantization: str, path: str):
+        if (quantization, path) not in built:
+            built[quantization, path] = maxtext_cells.cell(quantization, PATHS[path])
+        return built[quantization, path]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def x():
+    return maxtext_cells.inputs()
+
+
+def _params(module) -> dict[str, np.ndarray]:
+    from flax import nnx
+
+    return {"/".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(module, nnx.Param))}
+
+
+def _pinned() -> None:
+    installed = importlib.metadata.version("maxtext")
+    if installed != maxtext_cells.MAXTEXT_VERSION:
+        pytest.fail(f"maxtext {installed} is installed; this known defect was checked on maxtext "
+                    f"{maxtext_cells.MAXTEXT_VERSION}: recheck it on {installed}, then update this test and the "
+                    f"MaxText row of docs/libraries.md")
+
+
+def _ragged_dot_line() -> str:
+    """``file:line`` of the ``jax.lax.ragged_dot`` call in MaxText's ``jax_ragged_dot_gmm``, read from the source."""
+    from maxtext.layers import moe
+
+    lines, start = inspect.getsourcelines(moe.RoutedMoE.sparse_matmul)
+    (offset,) = [i for i, line in enumerate(lines) if "= jax.lax.ragged_dot(" in line]
+    return f"maxtext/layers/moe.py:{start + offset}"
+
+
+def _location(record) -> str:
+    return record.location.replace(os.sep, "/")
+
+
+# -- the cells ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("quantization, path", CELLS)
+def test_cell_twin_holds_the_layers_weights(cells, quantization, path):
+    layer, twin = cells(quantization, path)
+    mine, theirs = _params(layer), _params(twin)
+    assert sorted(mine) == sorted(theirs) == ["gate/kernel", "wi_0", "wi_1", "wo"]
+    assert all(np.array_equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_cell_with_another_seed_differs_so_the_weights_are_copied():
+    # Should-fail of the one above: MaxText's quantizers draw from the block's Rngs first.
+    layer = maxtext_cells.build("fp8", False)
+    twin = maxtext_cells.build("", False)
+    assert not all(np.array_equal(a, b) for a, b in zip(_params(layer).values(), _params(twin).values()))
+
+
+# -- coverage -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("quantization, path", CELLS)
+def test_coverage_with_errors_runs_on_every_cell(cells, x, quantization, path):
+    layer, _ = cells(quantization, path)
+    records = qcheck.coverage(layer, x, errors=True)
+    # Router, three expert matmuls, combine: once each (int8's AQT einsums, made on the first call, too).
+    assert len(records) == 5, qcheck.format_coverage(records)
+    full = [r for r in records if not r.quantized]
+    if path == "dense":
+        assert [_location(r) for r in full] == [_location(records[-1])], qcheck.format_coverage(records)
+    else:
+        ragged = [r for r in full if r.primitive.startswith("ragged_dot")]
+        assert len(ragged) == 3 and all(_location(r).endswith(_ragged_dot_line()) for r in ragged), (
+            qcheck.format_coverage(records))
+
+
+# -- check_layer ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("quantization", maxtext_cells.QUANTIZATIONS)
+def test_check_layer_passes_maxtext_dense_path(cells, x, quantization):
+    layer, twin = cells(quantization, "dense")
+    before = _params(layer), _params(twin)
+    figures = qcheck.check_layer(layer, twin, x, output=0, skip=COMBINE)
+    assert 0 < figures.rel_norm <= 0.22
+    after = _params(layer), _params(twin)
+    assert all(np.array_equal(a[k], b[k]) for a, b in zip(before, after) for k in a), "check_layer changed a module"
+
+
+@pytest.mark.parametrize("quantization", maxtext_cells.QUANTIZATIONS)
+def test_check_layer_names_maxtext_unquantized_combine_without_a_skip(cells, x, quantization):
+    # Should-fail of the dense pass: the combine is what the skip spares.
+    layer, twin = cells(quantization, "dense")
+    with pytest.raises(AssertionError, match=r"moe\.py:\d+") as failure:
+        qcheck.check_layer(layer, twin, x, output=0)
+    assert "weight_sum" in str(failure.value) or "RoutedMoE.dense_matmul" in str(failure.value)
+
+
+@pytest.mark.parametrize("quantization", maxtext_cells.QUANTIZATIONS)
+def test_maxtext_sparse_path_runs_expert_matmuls_through_plain_ragged_dot(cells, x, quantization):
+    """maxtext 0.2.5, ``sparse_matmul=True, megablox=False``: the three expert matmuls run in full precision.
+
+    ``RoutedMoE.sparse_matmul.<locals>.jax_ragged_dot_gmm`` calls
+    ``jax.lax.ragged_dot`` on the float32 activations and kernels, which the
+    quantizer never sees (it handles only an AQT ``QTensor`` kernel), for int8,
+    fp8 and nanoo_fp8 alike; only the router is quantized, so the output still
+    tracks the twin and only coverage sees it.
+    """
+    _pinned()
+    layer, twin = cells(quantization, "sparse")
+    with pytest.raises(AssertionError) as failure:
+        qcheck.check_layer(layer, twin, x, output=0, skip=COMBINE)
+    message = str(failure.value).replace(os.sep, "/")
+    assert message.startswith("check_layer: ") and "ragged_dot" in message
+    assert message.count(_ragged_dot_line()) == 3, message
+
+
+@pytest.mark.parametrize("quantization", maxtext_cells.QUANTIZATIONS)
+def test_check_layer_control_fails_a_skip_hiding_maxtext_dense_experts_in_the_twin(cells, x, quantization):
+    # skip_at the function that runs the twin's expert einsums and its combine: in the layer the experts run
+    # inside the quantizer, called from elsewhere, so the rule spares 1 matmul there and 4 in the twin.
+    layer, twin = cells(quantization, "dense")
+    with pytest.raises(AssertionError, match="twin") as failure:
+        qcheck.check_layer(layer, twin, x, output=0, skip=qcheck.skip_at("moe.py", "RoutedMoE.dense_matmul"))
+    assert "skip" in str(failure.value)
