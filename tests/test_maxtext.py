@@ -34,10 +34,10 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:The function dot_general_with_precision:UserWarning"),
 ]
 
-#: MaxText's combine (``jnp.einsum`` of the expert outputs and the routing
-#: weights, in ``jax.named_scope("weight_sum")`` on both paths) is meant to stay
-#: in full precision; its router is quantized like the experts.
-COMBINE = qcheck.skip_modules("weight_sum") if hasattr(qcheck, "skip_modules") else None
+#: The named scope of MaxText's combine (``jnp.einsum`` of the expert outputs and
+#: the routing weights, on both paths), meant to stay in full precision; its
+#: router is quantized like the experts.
+COMBINE_SCOPE = "weight_sum"
 PATHS = {"dense": False, "sparse": True}
 CELLS = [(q, p) for q in maxtext_cells.QUANTIZATIONS for p in PATHS]
 
@@ -72,7 +72,8 @@ def x():
 def _params(module) -> dict[str, np.ndarray]:
     from flax import nnx
 
-    return {"/".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(module, nnx.Param))}
+    flat = nnx.to_flat_state(nnx.state(module, nnx.Param))
+    return {"/".join(map(str, k)): np.asarray(v.get_value()) for k, v in flat}
 
 
 def _pinned() -> None:
@@ -136,7 +137,7 @@ def test_coverage_with_errors_runs_on_every_cell(cells, x, quantization, path):
 def test_check_layer_passes_maxtext_dense_path(cells, x, quantization):
     layer, twin = cells(quantization, "dense")
     before = _params(layer), _params(twin)
-    figures = qcheck.check_layer(layer, twin, x, output=0, skip=COMBINE)
+    figures = qcheck.check_layer(layer, twin, x, output=0, skip=qcheck.skip_modules(COMBINE_SCOPE))
     assert 0 < figures.rel_norm <= 0.22
     after = _params(layer), _params(twin)
     assert all(np.array_equal(a[k], b[k]) for a, b in zip(before, after) for k in a), "check_layer changed a module"
@@ -148,7 +149,7 @@ def test_check_layer_names_maxtext_unquantized_combine_without_a_skip(cells, x, 
     layer, twin = cells(quantization, "dense")
     with pytest.raises(AssertionError, match=r"moe\.py:\d+") as failure:
         qcheck.check_layer(layer, twin, x, output=0)
-    assert "weight_sum" in str(failure.value) or "RoutedMoE.dense_matmul" in str(failure.value)
+    assert COMBINE_SCOPE in str(failure.value) or "RoutedMoE.dense_matmul" in str(failure.value)
 
 
 @pytest.mark.parametrize("quantization", maxtext_cells.QUANTIZATIONS)
@@ -164,7 +165,7 @@ def test_maxtext_sparse_path_runs_expert_matmuls_through_plain_ragged_dot(cells,
     _pinned()
     layer, twin = cells(quantization, "sparse")
     with pytest.raises(AssertionError) as failure:
-        qcheck.check_layer(layer, twin, x, output=0, skip=COMBINE)
+        qcheck.check_layer(layer, twin, x, output=0, skip=qcheck.skip_modules(COMBINE_SCOPE))
     message = str(failure.value).replace(os.sep, "/")
     assert message.startswith("check_layer: ") and "ragged_dot" in message
     assert message.count(_ragged_dot_line()) == 3, message
@@ -194,7 +195,8 @@ def test_guide_environment_is_what_ci_builds():
     shell = _guide_blocks()["environment"]
     (pattern,) = re.findall(r"grep -Ev '([^']+)'", shell)
     assert re.findall(r"grep -Ev '([^']+)'", SCRIPT) == [pattern]
-    assert f"maxtext=={maxtext_cells.MAXTEXT_VERSION}" in shell and f'MAXTEXT_VERSION={maxtext_cells.MAXTEXT_VERSION}' in SCRIPT
+    assert f"maxtext=={maxtext_cells.MAXTEXT_VERSION}" in shell
+    assert f"MAXTEXT_VERSION={maxtext_cells.MAXTEXT_VERSION}" in SCRIPT
     (exported,) = re.findall(r"^export (.*)$", shell, re.M)
     assert [v.split("=")[0] for v in exported.split()] == list(maxtext_cells.ENVIRONMENT)
     assert all(f"{v}=" in SCRIPT for v in maxtext_cells.ENVIRONMENT)
