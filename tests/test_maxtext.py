@@ -107,7 +107,7 @@ def test_cell_twin_holds_the_layers_weights(cells, quantization, path):
     assert all(np.array_equal(mine[k], theirs[k]) for k in mine)
 
 
-def test_cell_with_another_seed_differs_so_the_weights_are_copied():
+def test_cell_same_seed_gives_the_twin_other_weights_so_they_are_copied():
     # Should-fail of the one above: MaxText's quantizers draw from the block's Rngs first.
     layer = maxtext_cells.build("fp8", False)
     twin = maxtext_cells.build("", False)
