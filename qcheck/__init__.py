@@ -21,7 +21,9 @@ __all__ = [
     "QuantSite",
     "MatmulRecord",
     "Recipe",
+    "Skip",
     "Unsupported",
+    "assert_fp8_state_matches",
     "assert_quantized",
     "build_decoder",
     "build_moe",
@@ -31,12 +33,17 @@ __all__ = [
     "coverage",
     "format_coverage",
     "formats",
+    "fp8_state",
     "get_recipe",
     "native",
     "recipe_names",
     "referees",
     "register_recipe",
+    "skip_at",
     "skip_functions",
+    "skip_modules",
+    "skip_where",
+    "warmed_up",
 ]
 
 _WHERE = {
@@ -60,15 +67,24 @@ _WHERE = {
     "coverage": "qcheck._coverage",
     "format_coverage": "qcheck._coverage",
     "skip_functions": "qcheck._coverage",
+    "skip_modules": "qcheck._coverage",
+    "skip_at": "qcheck._coverage",
+    "skip_where": "qcheck._coverage",
+    "Skip": "qcheck._coverage",
+    "warmed_up": "qcheck._coverage",
     "LayerFigures": "qcheck._layer_check",
     "check_layer": "qcheck._layer_check",
     "copy_params_into": "qcheck._layer_check",
+    "assert_fp8_state_matches": "qcheck._fp8_state",
+    "fp8_state": "qcheck._fp8_state",
 }
 
 if TYPE_CHECKING:
     from qcheck import checks, formats, native, referees
     from qcheck._layer_check import LayerFigures, check_layer, copy_params_into
-    from qcheck._coverage import MatmulRecord, assert_quantized, coverage, format_coverage, skip_functions
+    from qcheck._coverage import (MatmulRecord, Skip, assert_quantized, coverage, format_coverage, skip_at,
+                                  skip_functions, skip_modules, skip_where, warmed_up)
+    from qcheck._fp8_state import assert_fp8_state_matches, fp8_state
     from qcheck.bridge import QuantSite
     from qcheck.models import build_decoder
     from qcheck.moe import MODELS, PATHS, MoE, MoEConfig, build_moe

@@ -59,7 +59,8 @@ __all__ = [
 GRAD_OPERANDS = ("quantized", "original")
 # The gradient flavour that goes with each forward e4m3 flavour: same family.
 _E5M2_OF = {"e4m3fn": "e5m2", "e4m3fnuz": "e5m2fnuz"}
-_SIBLING = {"e5m2": "e5m2fnuz", "e5m2fnuz": "e5m2"}
+# Each fp8 flavour's sibling, the one a wrong-flavour bug casts to instead.
+_SIBLING = {"e4m3fn": "e4m3fnuz", "e4m3fnuz": "e4m3fn", "e5m2": "e5m2fnuz", "e5m2fnuz": "e5m2"}
 # Formats whose quantization depends on the axes (per-slice or per-block scales);
 # the fp8 and current-scaling formats scale the whole tensor alike along any axis.
 _AXIS_FORMATS = frozenset({"int8", "nvfp4", "mxfp8"})
@@ -276,6 +277,8 @@ def _expectations(
                 g, fmt, own, _uniforms(unsalted_key, g.shape, own))
         if lhs_fmt != fmt:
             neighbours[f"g in {lhs_fmt} (the operands' format)"] = _qdq(g, lhs_fmt, own)
+        if fmt in _SIBLING:  # probe_grad reaches below 2^-14, where even e5m2 and e5m2fnuz part
+            neighbours[f"g in {_SIBLING[fmt]} instead of {fmt}"] = _qdq(g, _SIBLING[fmt], own)
         out.append(_Expectation(f"g in {fmt} along axes {own}{rounding}", _qdq(g, fmt, own, u), neighbours))
     return out[0], out[1]
 

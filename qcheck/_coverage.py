@@ -28,6 +28,13 @@ through value-preserving ops only:
 
 Where several quantized values meet (``codes * scale`` when the scale was cast
 too), the first operand's quantization is reported.
+
+Every higher-order primitive a program JAX runs may hold is walked: calls
+(jit/pjit, closed_call, remat/checkpoint, custom_jvp/custom_vjp,
+custom_partitioning), ``shard_map`` (its body per shard), ``scan``/``while``/
+``cond``, and any other primitive carrying a jaxpr. Opaque kernels (a
+``pallas_call``, an FFI or custom call) are reported as one record each, a
+region that may multiply, with the quantization of its first two operands.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 import sysconfig
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -48,11 +56,16 @@ __all__ = [
     "MATMUL_PRIMITIVES",
     "VALUE_PRESERVING",
     "MatmulRecord",
+    "MACHINERY",
     "OperandQuant",
+    "Skip",
     "assert_quantized",
     "coverage",
     "format_coverage",
+    "skip_at",
     "skip_functions",
+    "skip_modules",
+    "skip_where",
 ]
 
 #: Primitives that multiply matrices, as named in jax 0.10.2 (and 0.12):
@@ -67,6 +80,10 @@ MATMUL_PRIMITIVES: frozenset[str] = frozenset(
 _ERROR_PRIMITIVES = frozenset({"dot_general", "ragged_dot", "ragged_dot_general"})
 
 _ROUNDING = frozenset({"round", "floor", "ceil"})
+
+#: Kernels whose bodies are not JAX ops the walk can follow: each is one record.
+_OPAQUE = frozenset({"pallas_call", "ffi_call", "custom_call", "tpu_custom_call", "mosaic_gpu_call",
+                     "triton_kernel_call"})
 
 #: The value-preserving ops: primitive -> (rule, data operands, why the grid survives).
 #: Rules: "first": the output is quantized when the (first) data operand is;
@@ -98,7 +115,7 @@ VALUE_PRESERVING: dict[str, tuple[str, tuple[int, ...] | slice, str]] = {
 _CALLS = {
     "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
     "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
-    "remat2": "jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr",
+    "remat2": "jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr", "custom_partitioning": "call",
 }
 
 
@@ -133,20 +150,29 @@ _FULL = OperandQuant("full")
 class MatmulRecord:
     """One matrix multiplication of a traced function.
 
-    ``location`` is ``path/to/file.py:LINE``, the innermost frame outside JAX,
-    Flax, the standard library and qcheck's machinery (this module, the checks,
-    and the quantization plumbing ``qcheck/recipes/``, ``bridge.py``,
-    ``_plain_site.py``, ``formats.py``), so a quantized site's matmul is reported where the layer
-    calls the site; ``function`` is that frame's qualified name. ``error`` is
-    ``||out - ref|| / ||ref||`` against the same product of the operands before
-    quantization; None when not computed: full-precision operands, scaled
-    matmuls, matmuls inside scan/while/cond bodies (their bodies are walked
-    for quantization only), operands narrow from the start (no earlier value),
-    or ``errors=False``. ``backward``: the matmul belongs to the backward pass
-    (it depends on the output gradient; only with ``coverage(..., backward=True)``).
+    ``location`` is ``path/to/file.py:LINE``, the innermost frame outside the
+    quantization machinery (:data:`MACHINERY`: JAX, Flax, AQT, qwix, the
+    standard library and qcheck's own plumbing, plus any packages passed as
+    ``machinery=``), so a quantized matmul is reported at the line of the
+    user's code that called the quantizer; ``function`` is that frame's
+    qualified name. ``stack``: every frame outside the machinery, innermost
+    first, as ``(location, function)``. ``scope``: the module path and
+    ``jax.named_scope`` names the matmul was traced under, ``/``-separated
+    (``"moe/gate"``; an NNX module's submodules by attribute path).
+
+    ``error`` is ``||out - ref|| / ||ref||`` against the same product of the
+    operands before quantization; None when not computed, and ``no_error``
+    then says why (full-precision operands, a scaled matmul, a body walked for
+    quantization only, operands narrow from the start, ``errors=False``).
+    ``backward``: the matmul belongs to the backward pass (it depends on the
+    output gradient; only with ``coverage(..., backward=True)``).
     ``lhs_casts``/``rhs_casts``: every narrow type the operand's quantized chain
     was cast to (or arrived in), its scales' included (NVFP4's e4m3fn block
     scales beside its emulated e2m1 codes), where ``lhs``/``rhs`` report one.
+    ``opaque``: a kernel the walk cannot look into (``pallas_call``, a custom
+    call), reported as one record with its first two operands. ``skipped_by``:
+    the skip rule that spared this full-precision matmul in
+    :func:`assert_quantized`, else None.
     """
 
     primitive: str
@@ -162,49 +188,189 @@ class MatmulRecord:
     backward: bool = False
     lhs_casts: frozenset[str] = frozenset()
     rhs_casts: frozenset[str] = frozenset()
+    scope: str = ""
+    stack: tuple[tuple[str, str], ...] = ()
+    opaque: bool = False
+    no_error: str | None = None
+    skipped_by: str | None = None
 
     @property
     def quantized(self) -> bool:
         """Both operands reach the matmul quantized."""
         return self.lhs.quantized and self.rhs.quantized
 
+    def describe(self) -> str:
+        """One line: primitive, location, function, scope and both operands."""
+        scope = f" in {self.scope}" if self.scope else ""
+        return (f"{self.primitive} at {self.location} ({self.function}){scope}: lhs {self.lhs_shape} "
+                f"{self.lhs_dtype} [{self.lhs}], rhs {self.rhs_shape} {self.rhs_dtype} [{self.rhs}]")
 
-def skip_functions(*names: str) -> Callable[[MatmulRecord], bool]:
-    """A ``skip`` predicate for :func:`assert_quantized`: matmuls whose ``function`` is one of ``names``.
 
-    For matmuls meant to stay in full precision, e.g. qcheck's router:
-    ``skip_functions("MoE.route")``. Names are qualified (``Class.method``).
+# -- skip rules -------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Skip:
+    """A rule sparing matmuls meant to stay in full precision, for :func:`assert_quantized` and ``check_layer``.
+
+    ``name`` is how failures and the report name the rule; ``matches(record)``
+    selects records. A rule spares a record it matches whose operands are not
+    both quantized. Build one with :func:`skip_modules`, :func:`skip_functions`,
+    :func:`skip_at` or :func:`skip_where`.
     """
+
+    name: str
+    matches: Callable[[MatmulRecord], bool]
+
+    def __call__(self, record: MatmulRecord) -> bool:
+        return bool(self.matches(record))
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _names(what: str, names: tuple[Any, ...], noun: str = "names") -> tuple[str, ...]:
     if not names or not all(isinstance(n, str) and n for n in names):
-        raise ValueError(f"skip_functions needs one or more function names, got {names!r}")
-    wanted = frozenset(names)
-    return lambda record: record.function in wanted
+        raise ValueError(f"{what} needs one or more {noun}, got {names!r}")
+    return names
+
+
+def skip_functions(*names: str) -> Skip:
+    """Spare matmuls called from a function named in ``names`` anywhere on the user's stack.
+
+    Names are qualified (``Class.method``, ``f.<locals>.g``); every frame of the
+    record's ``stack`` counts, not only the innermost, so
+    ``skip_functions("GateLogit.__call__")`` spares the router's matmul however
+    deep in the layer's own helpers it happens.
+    """
+    wanted = frozenset(_names("skip_functions", names, "function names"))
+    return Skip(f"skip_functions({', '.join(map(repr, names))})",
+                lambda r: r.function in wanted or any(fn in wanted for _, fn in r.stack))
+
+
+def _components(path: str) -> tuple[str, ...]:
+    return tuple(c for c in path.split("/") if c)
+
+
+def skip_modules(*paths: str) -> Skip:
+    """Spare matmuls traced under a module path or ``jax.named_scope`` name in ``paths``.
+
+    A path is ``/``-separated (``"gate"``, ``"moe/gate"``) and matches a
+    contiguous run of the record's ``scope``: an NNX submodule by its attribute
+    path, or a named scope the code opens around the matmul. Edits that move
+    lines do not move a module path.
+    """
+    wanted = [_components(p) for p in _names("skip_modules", paths, "module paths or scope names")]
+
+    def matches(record: MatmulRecord) -> bool:
+        scope = _components(record.scope)
+        return any(scope[i:i + len(w)] == w for w in wanted for i in range(len(scope) - len(w) + 1))
+
+    return Skip(f"skip_modules({', '.join(map(repr, paths))})", matches)
+
+
+def skip_at(file: str, function: str | None = None) -> Skip:
+    """Spare matmuls called from ``file`` (a path suffix, ``"maxtext/layers/moe.py"``), in ``function`` if given.
+
+    Any frame of the record's ``stack`` counts; no line number, so the rule
+    survives edits that move code within the function.
+    """
+    (file,) = _names("skip_at", (file,), "file paths (a non-empty file)")
+    if function is not None:
+        _names("skip_at", (function,), "function names (function must be a non-empty name or None)")
+    parts = _components(file.replace(os.sep, "/"))
+
+    def matches(record: MatmulRecord) -> bool:
+        for location, fn in record.stack or ((record.location, record.function),):
+            path = _components(location.rsplit(":", 1)[0].replace(os.sep, "/"))
+            if path[-len(parts):] == parts and (function is None or fn == function):
+                return True
+        return False
+
+    return Skip(f"skip_at({file!r}" + (f", {function!r})" if function else ")"), matches)
+
+
+def skip_where(predicate: Callable[[MatmulRecord], bool], description: str) -> Skip:
+    """Spare matmuls for which ``predicate(record)`` holds, named ``description`` in reports.
+
+    For matmuls known by their shapes or types, e.g. the router's:
+    ``skip_where(lambda r: r.rhs_shape[-1] == num_experts, "the matmul producing expert logits")``.
+    """
+    if not callable(predicate):
+        raise ValueError(f"skip_where: predicate must be a callable (record) -> bool, got {type(predicate).__name__}")
+    (description,) = _names("skip_where", (description,), "descriptions (a non-empty description)")
+    return Skip(f"skip_where({description!r})", predicate)
+
+
+SkipArg = Skip | Callable[[MatmulRecord], bool] | Sequence[Skip | Callable[[MatmulRecord], bool]] | None
+
+
+def as_skips(skip: SkipArg, who: str) -> tuple[Skip, ...]:
+    """``skip`` as rules: one rule, a plain predicate (named by its function), or a sequence of them."""
+    if skip is None:
+        return ()
+    items = list(skip) if isinstance(skip, (list, tuple)) else [skip]
+    rules = []
+    for item in items:
+        if isinstance(item, Skip):
+            rules.append(item)
+        elif callable(item) and not isinstance(item, (str, bytes)):
+            rules.append(Skip(getattr(item, "__qualname__", None) or repr(item), item))
+        else:
+            raise TypeError(f"{who}: skip must be a callable (record) -> bool, a qcheck skip rule or a list of them, "
+                            f"got {type(item).__name__}")
+    return tuple(rules)
 
 
 # -- source locations ---------------------------------------------------------
 
-def _package_dir(module: Any) -> str:
-    return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+#: Packages and modules whose frames are quantization machinery, never a user's
+#: call site: a record's location is the innermost frame outside them (and
+#: outside the standard library and qcheck's plumbing). JAX, Flax (its fp8 ops
+#: and its Linen/NNX bridge), AQT and qwix, and MaxText's own copies of that
+#: plumbing (its ``ToNNX`` bridge and its quantization wrappers), so a MaxText
+#: matmul points at the MaxText layer line that asked for it. Pass more as
+#: ``machinery=`` to :func:`coverage` and the checks built on it (a team's
+#: own quantization library, say). A dotted module counts once its package is
+#: imported (looking it up never imports it).
+MACHINERY: tuple[str, ...] = ("jax", "jaxlib", "flax", "aqt", "qwix", "maxtext.layers.nnx_wrappers",
+                              "maxtext.layers.quantizations")
 
 
-@functools.cache
-def _machinery_prefixes() -> tuple[str, ...]:
-    import flax
-    import jaxlib
+def _prefix_of(package: str) -> str | None:
+    """The directory (or file) of a package or module; None when it is not installed or not yet imported."""
+    import importlib.util
 
+    if os.sep in package or package.endswith(".py"):
+        return os.path.abspath(package) + ("" if package.endswith(".py") or os.path.isfile(package) else os.sep)
+    parent = package.rpartition(".")[0]
+    if parent and parent not in sys.modules:
+        return None  # finding a submodule would import its package
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    if spec.submodule_search_locations:
+        return os.path.abspath(list(spec.submodule_search_locations)[0]) + os.sep
+    return os.path.abspath(spec.origin) if spec.origin else None
+
+
+def _machinery_prefixes(extra: tuple[str, ...] = ()) -> tuple[str, ...]:
     here = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    packages = [p for p in (_prefix_of(name) for name in (*MACHINERY, *extra)) if p]
     return (
-        _package_dir(jax), _package_dir(jaxlib), _package_dir(flax),
+        *packages,
         os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep,
         os.path.abspath(__file__), here + "checks.py", here + "recipes" + os.sep,
-        here + "bridge.py", here + "_plain_site.py", here + "formats.py",
+        here + "bridge.py", here + "_plain_site.py", here + "formats.py", here + "_layer_check.py",
     )
 
 
-@functools.cache
-def _is_machinery(filename: str) -> bool:
+@functools.lru_cache(maxsize=65536)
+def _is_machinery(filename: str, prefixes: tuple[str, ...]) -> bool:
     path = os.path.abspath(filename)
-    return path.startswith(_machinery_prefixes()) or filename.startswith("<")
+    return path.startswith(prefixes) or filename.startswith("<")
 
 
 def _display(filename: str) -> str:
@@ -213,14 +379,78 @@ def _display(filename: str) -> str:
     return path if rel.startswith("..") else rel
 
 
-def _user_location(eqn: jcore.JaxprEqn) -> tuple[str, str] | None:
+def _user_frames(eqn: jcore.JaxprEqn, prefixes: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
     tb = eqn.source_info.traceback
     if tb is None:
-        return None
-    for code, lasti in zip(*tb.raw_frames()):
-        if not _is_machinery(code.co_filename):
-            return f"{_display(code.co_filename)}:{tb.code_addr2line(code, lasti)}", code.co_qualname
-    return None
+        return ()
+    return tuple((f"{_display(code.co_filename)}:{tb.code_addr2line(code, lasti)}", code.co_qualname)
+                 for code, lasti in zip(*tb.raw_frames()) if not _is_machinery(code.co_filename, prefixes))
+
+
+def _scope_names(eqn: jcore.JaxprEqn) -> tuple[str, ...]:
+    """The named scopes of an eqn's name stack (relative to its jaxpr), without transformations (jvp, transpose)."""
+    stack = getattr(eqn.source_info.name_stack, "stack", ())
+    return tuple(s.name for s in stack if type(s).__name__ == "Scope" and getattr(s, "name", None))
+
+
+# -- NNX module paths as named scopes ---------------------------------------------
+
+class _ModuleScopes:
+    """While tracing an NNX module, open a ``jax.named_scope`` named by each submodule's path as its methods run.
+
+    A profile hook sees each Python call; a method of a module class in the
+    graph whose ``self`` is one of the graph's modules opens the scope of that
+    module's path (relative to the module whose method is running), and closes
+    it when the method returns. Tracing only: nothing of JAX is patched.
+    """
+
+    def __init__(self, module: Any):
+        from flax import nnx
+
+        self.paths: dict[int, tuple[str, ...]] = {}
+        self.codes: set[Any] = set()
+        base = set(nnx.Module.__mro__)  # the module machinery itself: getattr, setattr, graph methods
+        for path, node in nnx.iter_graph(module):
+            if isinstance(node, nnx.Module) and id(node) not in self.paths:
+                self.paths[id(node)] = tuple(str(k) for k in path)
+                for cls in type(node).__mro__:
+                    if cls in base:
+                        continue
+                    for value in vars(cls).values():
+                        fn = getattr(value, "__func__", value)
+                        if hasattr(fn, "__code__"):
+                            self.codes.add(fn.__code__)
+        self.active: list[tuple[Any, tuple[str, ...], Any]] = []
+        self.previous: Any = None
+
+    def hook(self, frame: Any, event: str, arg: Any) -> None:
+        if self.previous is not None:
+            self.previous(frame, event, arg)
+        if event == "call" and frame.f_code in self.codes:
+            path = self.paths.get(id(frame.f_locals.get("self")))
+            top = self.active[-1][1] if self.active else ()
+            if path is not None and path != top:
+                rel = path[len(top):] if path[:len(top)] == top else path
+                scope = jax.named_scope("/".join(rel)) if rel else None
+                if scope is not None:
+                    scope.__enter__()
+                self.active.append((frame, path, scope))
+        elif event == "return" and self.active and self.active[-1][0] is frame:
+            _, _, scope = self.active.pop()
+            if scope is not None:
+                scope.__exit__(None, None, None)
+
+    def __enter__(self) -> _ModuleScopes:
+        self.previous = sys.getprofile()
+        sys.setprofile(self.hook)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        sys.setprofile(self.previous)
+        while self.active:
+            _, _, scope = self.active.pop()
+            if scope is not None:
+                scope.__exit__(None, None, None)
 
 
 # -- the walk -------------------------------------------------------------------
@@ -279,10 +509,34 @@ def _scan_operands(params: dict, ins: list) -> tuple[list, list, list]:
     return consts, carry, xs
 
 
+@dataclasses.dataclass(frozen=True)
+class _Where:
+    """Where the walk is: the user's frames, the named scopes, and why values are unavailable (if they are)."""
+
+    stack: tuple[tuple[str, str], ...] = ()
+    scope: tuple[str, ...] = ()
+    no_values: str | None = None
+
+
+def _eval_eqn(eqn: jcore.JaxprEqn, vals: list[Any]) -> list[Any]:
+    """Evaluate one eqn on values, as ``jax.core.eval_jaxpr`` binds it (higher-order primitives included)."""
+    invars, seen = [], set()
+    for v in eqn.invars:
+        if not isinstance(v, jcore.Literal) and v not in seen:
+            seen.add(v)
+            invars.append(v)
+    env = {v: x for v, x in zip(eqn.invars, vals) if not isinstance(v, jcore.Literal)}
+    debug = jcore.DebugInfo("qcheck.coverage", eqn.primitive.name, tuple(f"in{i}" for i in range(len(invars))),
+                            tuple(f"out{i}" for i in range(len(eqn.outvars))))
+    jaxpr = jcore.Jaxpr([], invars, eqn.outvars, [eqn], eqn.effects, debug)
+    return list(jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, []))(*[env[v] for v in invars]))
+
+
 class _Walker:
-    def __init__(self):
+    def __init__(self, machinery: tuple[str, ...] = ()):
         self.records: list[MatmulRecord] = []
         self.errors: list[tuple[int, Any]] = []  # (record index, traced error)
+        self.machinery = _machinery_prefixes(machinery)
 
     def read(self, env: dict, v: Any) -> _Val:
         if isinstance(v, jcore.Literal):
@@ -292,7 +546,7 @@ class _Walker:
         return env[v]
 
     def run(self, jaxpr: jcore.Jaxpr, consts: Sequence[Any], ins: list[_Val],
-            outer: tuple[str, str], *, values: bool) -> list[_Val]:
+            outer: _Where, *, values: bool) -> list[_Val]:
         env: dict = {}
         for var, c in zip(jaxpr.constvars, consts):
             env[var] = _input_val(var.aval, c if values else None)
@@ -300,30 +554,54 @@ class _Walker:
             env[var] = val
         for eqn in jaxpr.eqns:
             ins_e = [self.read(env, v) for v in eqn.invars]
-            where = _user_location(eqn) or outer
+            # An inner jaxpr's name stack is relative to the eqn that holds it; its traceback is whole.
+            frames = _user_frames(eqn, self.machinery)
+            # A custom_vjp's body may be traced apart from its caller: its frames then lack the caller's.
+            if not frames or (outer.stack and outer.stack[-1] not in frames):
+                frames = frames + outer.stack
+            where = _Where(frames, outer.scope + _scope_names(eqn), outer.no_values)
             outs = self.eqn(eqn, ins_e, where, values=values)
             for var, val in zip(eqn.outvars, outs):
                 env[var] = val
         return [self.read(env, v) for v in jaxpr.outvars]
 
-    def eqn(self, eqn: jcore.JaxprEqn, ins: list[_Val], where: tuple[str, str], *, values: bool) -> list[_Val]:
+    def eqn(self, eqn: jcore.JaxprEqn, ins: list[_Val], where: _Where, *, values: bool) -> list[_Val]:
         name = eqn.primitive.name
         if name in _CALLS and _CALLS[name] in eqn.params:
             inner = eqn.params[_CALLS[name]]
             jaxpr, consts = (inner.jaxpr, inner.consts) if isinstance(inner, jcore.ClosedJaxpr) else (inner, ())
-            return self.run(jaxpr, consts, ins, where, values=values)
+            if len(jaxpr.invars) == len(ins) and len(jaxpr.outvars) == len(eqn.outvars):
+                return self.run(jaxpr, consts, ins, where, values=values)
         if name in ("scan", "while", "cond"):
-            return self.control(eqn, ins, where, values=values)
+            return self.control(eqn, ins, dataclasses.replace(
+                where, no_values=where.no_values or f"inside {name}: its body is walked for quantization only"),
+                values=values)
         actual = None
+        subs = list(jcore.jaxprs_in_params(eqn.params))
         if values:
-            actual = eqn.primitive.bind(*[v.actual for v in ins], **eqn.params)
-            actual = list(actual) if eqn.primitive.multiple_results else [actual]
+            if subs or name in _OPAQUE:
+                actual = _eval_eqn(eqn, [v.actual for v in ins])
+            else:
+                actual = eqn.primitive.bind(*[v.actual for v in ins], **eqn.params)
+                actual = list(actual) if eqn.primitive.multiple_results else [actual]
         if name in MATMUL_PRIMITIVES:
             self.matmul(eqn, ins, where, actual[0] if values else None)
-        elif any(jcore.jaxprs_in_params(eqn.params)):
-            # Unknown higher-order primitive: its matmuls are still reported.
-            for sub in jcore.jaxprs_in_params(eqn.params):
-                self.run(sub, [None] * len(sub.constvars), self.align(ins, sub.invars), where, values=False)
+        elif name in _OPAQUE:
+            self.matmul(eqn, ins, where, None, opaque=True)
+        elif subs:
+            # shard_map's body (per shard) and any other higher-order primitive: walked for quantization
+            # only; where a body maps the eqn's operands to its results, their quantization carries over.
+            inner = dataclasses.replace(
+                where, no_values=where.no_values or f"inside {name}: its body is walked for quantization only")
+            mapped = None
+            for sub in subs:
+                outs = self.run(sub, [None] * len(sub.constvars), self.align(ins, sub.invars), inner, values=False)
+                if len(sub.invars) == len(ins) and len(outs) == len(eqn.outvars):
+                    mapped = outs
+            if mapped is not None:
+                grad = any(v.grad for v in ins)
+                return [_Val(o.quant, False, False, actual[i] if values else None, actual[i] if values else None,
+                             grad=grad, casts=o.casts) for i, o in enumerate(mapped)]
         quant = self.propagate(eqn, ins)
         const = all(v.const for v in ins)
         grad = any(v.grad for v in ins)
@@ -417,37 +695,60 @@ class _Walker:
                     for i, x in enumerate(vals)]
         return eqn.primitive.bind(*vals, **eqn.params)
 
-    def matmul(self, eqn: jcore.JaxprEqn, ins: list[_Val], where: tuple[str, str], out: Any) -> None:
-        lhs, rhs = ins[0], ins[1]
+    def matmul(self, eqn: jcore.JaxprEqn, ins: list[_Val], where: _Where, out: Any, *,
+               opaque: bool = False) -> None:
+        arrays = [(v, var) for v, var in zip(ins, eqn.invars) if hasattr(var.aval, "shape")]
+        (lhs, lhs_var), (rhs, rhs_var) = (arrays + [(_Val(), None)] * 2)[:2]
+
+        def shape(var: Any) -> tuple[int, ...]:
+            return tuple(var.aval.shape) if var is not None else ()
+
+        def dtype(var: Any) -> str:
+            return str(np.dtype(var.aval.dtype)) if var is not None and hasattr(var.aval, "dtype") else "-"
+
+        reason = None
+        if not (lhs.quant and rhs.quant):
+            reason = "full-precision operands"
+        elif opaque:
+            reason = f"an opaque kernel ({eqn.primitive.name}): its body is not walked"
+        elif eqn.primitive.name not in _ERROR_PRIMITIVES:
+            reason = "a scaled matmul: codes and scales enter separately"
+        elif out is None:
+            reason = where.no_values or "not computed (errors=False)"
+        elif lhs.shadow is lhs.actual and rhs.shadow is rhs.actual:
+            reason = "operands narrow from the start: no value before quantization"
+        location, function = where.stack[0] if where.stack else ("<unknown>", "<unknown>")
         self.records.append(MatmulRecord(
             primitive=eqn.primitive.name,
-            location=where[0],
-            function=where[1],
-            lhs_shape=tuple(eqn.invars[0].aval.shape),
-            rhs_shape=tuple(eqn.invars[1].aval.shape),
-            lhs_dtype=str(np.dtype(eqn.invars[0].aval.dtype)),
-            rhs_dtype=str(np.dtype(eqn.invars[1].aval.dtype)),
+            location=location,
+            function=function,
+            lhs_shape=shape(lhs_var),
+            rhs_shape=shape(rhs_var),
+            lhs_dtype=dtype(lhs_var),
+            rhs_dtype=dtype(rhs_var),
             lhs=lhs.quant or _FULL,
             rhs=rhs.quant or _FULL,
             backward=any(v.grad for v in ins),
             lhs_casts=lhs.casts,
             rhs_casts=rhs.casts,
+            scope="/".join(where.scope),
+            stack=where.stack,
+            opaque=opaque,
+            no_error=reason,
         ))
-        if out is None or eqn.primitive.name not in _ERROR_PRIMITIVES:
+        if reason is not None:
             return
-        if lhs.shadow is lhs.actual and rhs.shadow is rhs.actual:
-            return  # nothing quantized here, or narrow inputs with no earlier value to compare with
         a, b = lhs.shadow, rhs.shadow
-        dtype = _widest([a.dtype, b.dtype, np.dtype(np.float32)])
+        dtype_ = _widest([a.dtype, b.dtype, np.dtype(np.float32)])
         params = dict(eqn.params)
         if params.get("preferred_element_type") is not None:
-            params["preferred_element_type"] = dtype
-        ref = eqn.primitive.bind(a.astype(dtype), b.astype(dtype), *[v.actual for v in ins[2:]], **params)
+            params["preferred_element_type"] = dtype_
+        ref = eqn.primitive.bind(a.astype(dtype_), b.astype(dtype_), *[v.actual for v in ins[2:]], **params)
         ref = ref.astype(jnp.float32)
         err = jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref)
         self.errors.append((len(self.records) - 1, err))
 
-    def control(self, eqn: jcore.JaxprEqn, ins: list[_Val], where: tuple[str, str], *, values: bool) -> list[_Val]:
+    def control(self, eqn: jcore.JaxprEqn, ins: list[_Val], where: _Where, *, values: bool) -> list[_Val]:
         """scan / while / cond: the bodies are walked for quantization only (no values, so no errors)."""
         name, p = eqn.primitive.name, eqn.params
         if name == "cond":
@@ -480,9 +781,7 @@ class _Walker:
             quants = carry_q + [o.quant for o in outs[n_carry:]]
             if name == "while":
                 quants = carry_q
-        actual = None
-        if values:
-            actual = eqn.primitive.bind(*[v.actual for v in ins], **p)
+        actual = _eval_eqn(eqn, [v.actual for v in ins]) if values else None
         grad = any(v.grad for v in ins)
         return [_Val(q, False, False, None if actual is None else actual[i], None if actual is None else actual[i],
                      grad=grad) for i, q in enumerate(quants)]
@@ -505,15 +804,59 @@ def _state_bits(module: Any) -> list[np.ndarray]:
     return [bits(x) for x in jax.tree.leaves(nnx.state(module))]
 
 
+def _graph_paths(module: Any) -> frozenset[tuple[Any, ...]]:
+    from flax import nnx
+
+    return frozenset(path for path, _ in nnx.iter_graph(module))
+
+
+def warmed_up(module: Any, *args: Any, **kwargs: Any) -> Any:
+    """``module`` itself, or a copy after one call when calling it creates submodules or variables (lazy modules).
+
+    MaxText creates its AQT einsums on a module's first call; traced as they
+    are, such modules show the initializing call's matmuls and miss the state
+    the next calls use. The warm-up call runs on a copy (one compiled program,
+    plain ``jax.jit``), so ``module`` is left as it was.
+    """
+    from flax import nnx
+
+    graphdef, state = nnx.split(module)
+    before = _graph_paths(module)
+    grown: list[Any] = []
+
+    def call(state, args, kwargs):
+        m = nnx.merge(graphdef, state)
+        m(*args, **kwargs)
+        if _graph_paths(m) != before:
+            grown.append(True)
+        new_graphdef, new_state = nnx.split(m)
+        grown.append(new_graphdef)
+        return new_state
+
+    jax.eval_shape(call, state, args, kwargs)  # tracing only: is the module lazy?
+    if grown[0] is not True:
+        return module
+    new_graphdef = grown[-1]
+    # Traced once more: the values the creating call gives the new variables (their initializers, its RNG draws).
+    new_state = jax.jit(lambda state, args, kwargs: call(state, args, kwargs))(state, args, kwargs)
+    return nnx.merge(new_graphdef, new_state)
+
+
 def _pure(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Callable[..., Any], tuple, Any]:
-    """A pure function of pytrees and its inputs; an NNX module's state (RNG streams included) is an input."""
+    """A pure function of pytrees and its inputs; an NNX module's state (RNG streams included) is an input.
+
+    An NNX module is traced as it will run (:func:`warmed_up`), each submodule's
+    matmuls under the named scope of its path.
+    """
     from flax import nnx
 
     if isinstance(fn, nnx.Module):
-        graphdef, state = nnx.split(fn)
+        graphdef, state = nnx.split(warmed_up(fn, *args, **kwargs))
 
         def call(state, args, kwargs):
-            return nnx.merge(graphdef, state)(*args, **kwargs)
+            module = nnx.merge(graphdef, state)
+            with _ModuleScopes(module):
+                return module(*args, **kwargs)
 
         return call, (state, args, kwargs), fn
     if not callable(fn):
@@ -550,7 +893,7 @@ def _with_backward(pure: Callable[..., Any], inputs: tuple) -> tuple[Callable[..
 
 
 def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward: bool = False,
-             **kwargs: Any) -> list[MatmulRecord]:
+             machinery: Sequence[str] = (), **kwargs: Any) -> list[MatmulRecord]:
     """One :class:`MatmulRecord` per matrix multiplication ``fn(*args, **kwargs)`` performs, in program order.
 
     ``fn`` is a function of arrays (pytrees) or an ``flax.nnx.Module``, which is
@@ -565,7 +908,15 @@ def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward:
     input, an NNX module's state included, of its inexact outputs), still
     tracing only; the matmuls of the backward pass come after the forward
     pass's, with ``backward=True``. Not with ``errors``.
+
+    ``machinery``: packages (names or paths) whose frames are quantization
+    machinery besides :data:`MACHINERY`, so records point at their callers.
+    A module whose first call creates submodules is traced after a warm-up
+    call on a copy (:func:`warmed_up`).
     """
+    if isinstance(machinery, str) or not all(isinstance(m, str) and m for m in machinery):
+        raise ValueError(f"coverage: machinery must be a sequence of package names or paths, got {machinery!r}")
+    machinery = tuple(machinery)
     if backward and errors:
         raise ValueError("coverage: errors=True needs values, which the backward trace does not compute; "
                          "pass errors=False with backward=True")
@@ -581,16 +932,16 @@ def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward:
             a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes() for a, b in zip(before, after)
         ):
             raise RuntimeError("coverage: tracing changed the module's state; it must not mutate its inputs")
-    outer = ("<unknown>", "<unknown>")
+    outer = _Where(no_values=None if errors else "not computed (errors=False)")
     ins = [_input_val(v.aval) for v in closed.jaxpr.invars]
     if seed_at is not None:
         ins[seed_at].grad = True
     if not errors:
-        walker = _Walker()
+        walker = _Walker(machinery)
         walker.run(closed.jaxpr, closed.consts, ins, outer, values=False)
         return walker.records
 
-    walker = _Walker()
+    walker = _Walker(machinery)
 
     def evaluate(flat):
         vals = [dataclasses.replace(v, actual=x, shadow=x) for v, x in zip(ins, flat)]
@@ -604,47 +955,112 @@ def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward:
     return records
 
 
-def format_coverage(records: Sequence[MatmulRecord]) -> str:
-    """A table of the records, one line per matmul (with a ``pass`` column when any is from a backward pass)."""
-    header = ("primitive", "location", "function", "lhs", "rhs", "quantized", "error")
+def format_coverage(records: Sequence[MatmulRecord], *, stack: bool = False) -> str:
+    """A table of the records, one line per matmul.
+
+    Columns: primitive, location, function, the scope (module path and named
+    scopes) when any record has one, both operands, quantized (``skipped``
+    where a skip rule spared a full-precision matmul, ``opaque`` for a kernel
+    the walk cannot enter), the error figure, and a ``pass`` column when any
+    record is from a backward pass. ``stack``: under each row, the user's
+    frames of its call, innermost first.
+    """
+    with_scope = any(r.scope for r in records)
+    header = ("primitive", "location", "function", *(("scope",) if with_scope else ()), "lhs", "rhs", "quantized",
+              "error")
+
+    def state(r: MatmulRecord) -> str:
+        if r.quantized:
+            return "yes (opaque)" if r.opaque else "yes"
+        if r.skipped_by:
+            return f"skipped: {r.skipped_by}"
+        return "NO (opaque)" if r.opaque else "NO"
+
     rows = [header] + [
-        (r.primitive, r.location, r.function,
+        (r.primitive, r.location, r.function, *((r.scope or "-",) if with_scope else ()),
          f"{r.lhs_shape} {r.lhs_dtype} {r.lhs}", f"{r.rhs_shape} {r.rhs_dtype} {r.rhs}",
-         "yes" if r.quantized else "NO", "-" if r.error is None else f"{r.error:.4g}")
+         state(r), "-" if r.error is None else f"{r.error:.4g}")
         for r in records
     ]
     if any(r.backward for r in records):
         rows = [rows[0] + ("pass",)] + [
             row + ("backward" if r.backward else "forward",) for row, r in zip(rows[1:], records)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+    lines = ["  ".join(c.ljust(w) for c, w in zip(rows[0], widths)).rstrip()]
+    for row, r in zip(rows[1:], records):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        if stack:
+            lines += [f"    from {loc} ({fn})" for loc, fn in r.stack]
+    return "\n".join(lines)
+
+
+def _unquantized_line(r: MatmulRecord) -> str:
+    which = " and ".join(side for side, q in (("lhs", r.lhs), ("rhs", r.rhs)) if not q.quantized)
+    scope = f", in {r.scope}" if r.scope else ""
+    kind = " (an opaque kernel: its operands)" if r.opaque else ""
+    return (f"  {r.primitive} at {r.location} ({r.function}): lhs {r.lhs_shape} {r.lhs_dtype} [{r.lhs}], "
+            f"rhs {r.rhs_shape} {r.rhs_dtype} [{r.rhs}]: {which} unquantized{kind}{scope}")
+
+
+def _spared(rule: Skip, records: Sequence[MatmulRecord]) -> list[int]:
+    return [i for i, r in enumerate(records) if not r.quantized and rule(r)]
 
 
 def assert_quantized(
     fn: Callable[..., Any],
     *args: Any,
-    skip: Callable[[MatmulRecord], bool] | None = None,
+    skip: SkipArg = None,
+    control: Callable[..., Any] | None = None,
+    machinery: Sequence[str] = (),
     **kwargs: Any,
 ) -> list[MatmulRecord]:
     """Assert every matmul of ``fn(*args, **kwargs)`` multiplies quantized operands; return the records.
 
-    ``skip(record) -> bool`` selects matmuls meant to stay in full precision
-    (a router: :func:`skip_functions`). Fails listing each offending matmul with
-    its primitive, location, shapes and the operand that arrives unquantized.
+    ``skip`` spares matmuls meant to stay in full precision: one rule
+    (:func:`skip_modules`, :func:`skip_functions`, :func:`skip_at`,
+    :func:`skip_where`, or a plain predicate ``(record) -> bool``) or a list of
+    them. Each rule must spare at least one matmul (a stale rule fails, named),
+    and each spared record names its rule (``skipped_by``).
+
+    ``control``: the unquantized twin, called on the same arguments. The same
+    rules applied to it must not spare more matmuls (by position in the
+    program) than they spare in ``fn``: a rule broad enough to spare every
+    einsum of a function (``skip_functions("RoutedMoE.dense_matmul")``) would
+    hide a site that falls back to full precision, and fails, naming the
+    matmuls it hides.
+
+    Fails with one ``AssertionError`` listing each offending matmul with its
+    primitive, location, shapes and the operand that arrives unquantized, and
+    each failed rule.
     """
-    if skip is not None and not callable(skip):
-        raise TypeError(f"assert_quantized: skip must be a callable (record) -> bool, got {type(skip).__name__}")
-    records = coverage(fn, *args, **kwargs)
-    bad = [r for r in records if not r.quantized and not (skip is not None and skip(r))]
+    __tracebackhide__ = True
+    rules = as_skips(skip, "assert_quantized")
+    records = coverage(fn, *args, machinery=machinery, **kwargs)
+    for i, r in enumerate(records):
+        if not r.quantized:
+            rule = next((rule for rule in rules if rule(r)), None)
+            if rule is not None:
+                records[i] = dataclasses.replace(r, skipped_by=rule.name)
+    problems: list[str] = []
+    bad = [r for r in records if not r.quantized and r.skipped_by is None]
     if bad:
-        lines = []
-        for r in bad:
-            which = " and ".join(side for side, q in (("lhs", r.lhs), ("rhs", r.rhs)) if not q.quantized)
-            lines.append(
-                f"  {r.primitive} at {r.location} ({r.function}): lhs {r.lhs_shape} {r.lhs_dtype} [{r.lhs}], "
-                f"rhs {r.rhs_shape} {r.rhs_dtype} [{r.rhs}]: {which} unquantized"
-            )
-        raise AssertionError(
-            f"assert_quantized: {len(bad)} of {len(records)} matmuls reach full precision:\n" + "\n".join(lines)
-        )
+        problems.append(f"{len(bad)} of {len(records)} matmuls reach full precision:\n" +
+                        "\n".join(_unquantized_line(r) for r in bad))
+    for rule in rules:
+        if not _spared(rule, records):
+            matched = sum(1 for r in records if rule(r))
+            problems.append(f"skip rule {rule.name} spares none of the {len(records)} matmuls "
+                            f"({'it matches only quantized ones' if matched else 'it matches none'}): "
+                            f"drop it or fix it")
+    if control is not None:
+        twin = coverage(control, *args, machinery=machinery, **kwargs)
+        for rule in rules:
+            hidden = sorted(set(_spared(rule, twin)) - set(_spared(rule, records)))
+            if hidden:
+                problems.append(
+                    f"skip rule {rule.name} spares {len(hidden)} more matmul(s) in the unquantized control than "
+                    f"in the layer; at their positions a full-precision matmul of the layer would pass unseen:\n" +
+                    "\n".join(f"  #{i}: {twin[i].describe()}" for i in hidden))
+    if problems:
+        raise AssertionError("assert_quantized: " + "\n".join(problems))
     return records

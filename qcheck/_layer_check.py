@@ -2,20 +2,22 @@
 
 :func:`check_layer` runs the checks qcheck's own suite runs on its layers
 (coverage, tracks, gradients, determinism) on a layer it did not build: an NNX
-module or a plain function of ``x``. :func:`copy_params_into` makes the twin
-from the user's own unquantized constructor, so both compute with the same
-weights.
+module as its library builds it (unhashable configs, Linen modules bridged by
+``ToNNX``, state that changes when called, submodules created on the first
+call, tuple outputs), a Linen module with its variables, or a plain function
+of ``x``. :func:`copy_params_into` makes the twin from the user's own
+unquantized constructor, so both compute with the same weights.
 
-Each layer costs one compiled program: the forward output, the gradients and
-the state after the call come out of one ``jax.value_and_grad`` under plain
-``jax.jit``, cached on the module's graph definition (or the function), so a
-second check of a layer of the same structure compiles nothing.
+Each layer costs one compiled program (plain ``jax.jit``): the forward output,
+the gradients and the state after the call come out of one
+``jax.value_and_grad``, cached on the module's graph definition where it
+hashes, so a second check of a layer of the same structure compiles nothing.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import functools
 import types
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
@@ -23,10 +25,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import linen, nnx
 
 from qcheck import checks
-from qcheck._coverage import MatmulRecord, assert_quantized
+from qcheck._coverage import MatmulRecord, SkipArg, as_skips, assert_quantized, warmed_up
 
 __all__ = ["DEFAULT_MAX_GRAD_REL_NORM", "INPUT_GRAD", "LayerFigures", "check_layer", "copy_params_into"]
 
@@ -64,95 +66,192 @@ DEFAULT_MAX_GRAD_REL_NORM = 0.5
 class LayerFigures:
     """What :func:`check_layer` measured on a layer that passed.
 
-    ``rel_norm``: the forward output against the twin's. ``grad_rel_norms``:
-    per parameter path (``"a/b/kernel"``), and :data:`INPUT_GRAD` for ``x``,
-    the gradient's relative norm against the twin's gradient at the same path.
-    ``coverage``: the layer's matmuls, as :func:`qcheck.coverage` reports them.
+    ``rel_norms``: per compared output leaf (``"[0]"``, ``"out"``; ``""`` for a
+    single array), its relative norm against the twin's; ``rel_norm``: the
+    largest. ``grad_rel_norms``: per parameter path (``"a/b/kernel"``), and
+    :data:`INPUT_GRAD` for ``x``, the gradient's relative norm against the
+    twin's gradient at the same path. ``coverage``: the layer's matmuls, as
+    :func:`qcheck.coverage` reports them, each spared one naming its rule.
     """
 
     rel_norm: float
     grad_rel_norms: Mapping[str, float]
     coverage: tuple[MatmulRecord, ...]
+    rel_norms: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def worst_grad(self) -> tuple[str, float]:
         """The gradient furthest from the twin's: ``(path, rel_norm)``."""
         return max(self.grad_rel_norms.items(), key=lambda kv: kv[1])
 
+    @property
+    def spared(self) -> Mapping[str, tuple[MatmulRecord, ...]]:
+        """Per skip rule, the full-precision matmuls it spared."""
+        out: dict[str, list[MatmulRecord]] = {}
+        for r in self.coverage:
+            if r.skipped_by:
+                out.setdefault(r.skipped_by, []).append(r)
+        return types.MappingProxyType({k: tuple(v) for k, v in out.items()})
 
-# -- one program per layer ------------------------------------------------------
+
+# -- a layer in any form, as pure functions ----------------------------------------
 
 def _path(path: tuple[Any, ...]) -> str:
-    return "/".join(str(k) for k in path)
+    parts = []
+    for k in path:
+        k = getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
+        parts.append(str(k))
+    return "/".join(parts)
 
 
-class _NotAnArray(Exception):
+def _leaf_name(path: tuple[Any, ...]) -> str:
+    return jax.tree_util.keystr(path)
+
+
+@dataclasses.dataclass
+class _Form:
+    """A layer as ``apply(params, rest, x) -> (out, rest_after)`` with its parameters and other state."""
+
+    kind: str
+    params: Any
+    rest: Any
+    apply: Callable[[Any, Any, jax.Array], tuple[Any, Any]]
+    key: Any  # what the compiled program is cached on (None: not hashable, no cache)
+    probe: Any  # what coverage traces: an NNX module or a function of x
+
+    def param_leaves(self, tree: Any) -> dict[str, Any]:
+        if self.kind == "nnx":
+            return {_path(p): v[...] for p, v in nnx.to_flat_state(tree)}
+        return {_path(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _hashable(key: Any) -> Any:
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _is_linen_pair(layer: Any) -> bool:
+    return (isinstance(layer, tuple) and len(layer) == 2 and isinstance(layer[0], linen.Module)
+            and isinstance(layer[1], Mapping))
+
+
+def _form(layer: Any, x: jax.Array) -> _Form:
+    if isinstance(layer, nnx.Module):
+        module = warmed_up(layer, x)  # a copy when its first call creates submodules
+        graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+
+        def apply(params, rest, x):
+            m = nnx.merge(graphdef, params, rest, copy=True)
+            out = m(x)
+            _, _, after = nnx.split(m, nnx.Param, ...)
+            return out, after
+
+        return _Form("nnx", params, rest, apply, _hashable(("nnx", graphdef)), module)
+    if _is_linen_pair(layer):
+        module, variables = layer
+        params = variables.get("params", {})
+        rest = {k: v for k, v in variables.items() if k != "params"}
+        mutable = sorted(rest) or False
+
+        def apply(params, rest, x):
+            result = module.apply({"params": params, **rest}, x, mutable=mutable)
+            out, after = result if mutable else (result, {})
+            return out, {**rest, **after}
+
+        return _Form("linen", params, rest, apply, _hashable(("linen", module)),
+                     lambda x: apply(params, rest, x)[0])
+
+    def apply_fn(params, rest, x):
+        return layer(x), rest
+
+    return _Form("function", {}, {}, apply_fn, _hashable(("function", layer)), layer)
+
+
+class _NoOutput(Exception):
     pass
 
 
-def _loss(out: Any) -> jax.Array:
-    if not isinstance(out, jax.Array) or not jnp.issubdtype(out.dtype, jnp.floating):
-        raise _NotAnArray(type(out).__name__ if not isinstance(out, jax.Array) else f"an array of {out.dtype}")
-    # A fixed scalar of the whole output, so every output element sends back a gradient.
-    return jnp.mean(jnp.square(out.astype(jnp.float32)))
+def _select(out: Any, output: Any) -> list[tuple[str, jax.Array]]:
+    """The floating-point leaves of ``out`` that ``output`` selects, by name."""
+    if output is None:
+        picked, prefix = out, ()
+    elif callable(output):
+        picked, prefix = output(out), ()
+    else:
+        try:
+            picked = out[output]
+        except (KeyError, IndexError, TypeError) as e:
+            raise _NoOutput(f"output={output!r} does not index the output ({type(e).__name__}: {e})") from None
+        prefix = (jax.tree_util.SequenceKey(output) if isinstance(output, int) else jax.tree_util.DictKey(output),)
+    leaves = [(_leaf_name(prefix + tuple(p)), v) for p, v in jax.tree_util.tree_flatten_with_path(picked)[0]
+              if hasattr(v, "shape") and hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.floating)]
+    if not leaves:
+        raise _NoOutput(f"output={output!r} selects no floating-point array of the output ({_describe(out)})")
+    return leaves
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _module_step(graphdef: Any, params: nnx.State, rest: nnx.State, x: jax.Array):
-    def loss(params, x):
-        module = nnx.merge(graphdef, params, rest, copy=True)
-        out = module(x)
-        _, _, after = nnx.split(module, nnx.Param, ...)
-        return _loss(out), (out, after)
-
-    (_, (out, after)), (g_params, g_x) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
-    return out, g_params, g_x, after
+def _describe(out: Any) -> str:
+    leaves = jax.tree_util.tree_flatten_with_path(out, is_leaf=lambda v: v is None)[0]
+    shown = [f"{_leaf_name(p) or 'the output'} {'None' if v is None else getattr(v, 'dtype', type(v).__name__)}"
+             f"{list(v.shape) if hasattr(v, 'shape') else ''}" for p, v in leaves[:8]]
+    return ", ".join(shown) or "no leaves"
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _function_step(fn: Callable[[jax.Array], jax.Array], x: jax.Array):
-    (_, out), g_x = jax.value_and_grad(lambda x: (_loss(y := fn(x)), y), has_aux=True)(x)
-    return out, g_x
+def _loss(leaves: list[jax.Array]) -> jax.Array:
+    # A fixed scalar of every compared output, so each element sends back a gradient.
+    return sum(jnp.mean(jnp.square(v.astype(jnp.float32))) for v in leaves)
+
+
+_PROGRAMS: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+
+
+def _program(form: _Form, output: Any) -> Any:
+    def step(params, rest, x):
+        def loss(params, x):
+            out, after = form.apply(params, rest, x)
+            leaves = _select(out, output)
+            return _loss([v for _, v in leaves]), ([v for _, v in leaves], [n for n, _ in leaves], after)
+
+        (_, (leaves, _names, after)), (g_params, g_x) = jax.value_and_grad(
+            loss, argnums=(0, 1), has_aux=True)(params, x)
+        return leaves, g_params, g_x, after
+
+    key = (form.key, _hashable(output)) if form.key is not None and _hashable(output) is not None else None
+    if key is None:
+        return jax.jit(step)
+    if key not in _PROGRAMS:
+        _PROGRAMS[key] = jax.jit(step)
+        while len(_PROGRAMS) > 64:
+            _PROGRAMS.popitem(last=False)
+    return _PROGRAMS[key]
 
 
 @dataclasses.dataclass
 class _Run:
-    out: np.ndarray
+    out: dict[str, np.ndarray]  # output leaf name -> value
     grads: dict[str, np.ndarray]  # parameter path -> gradient; INPUT_GRAD -> the input's
-    again: np.ndarray | None = None  # the output of a second call, from the state the first left
+    params: dict[str, np.ndarray]
+    again: dict[str, np.ndarray] | None = None  # a second call, from the state the first left
 
 
-def _run(what: str, fn: Any, x: jax.Array, *, twice: bool) -> _Run:
+def _run(what: str, form: _Form, x: jax.Array, output: Any, *, twice: bool) -> _Run:
+    names = []
     try:
-        return _run_programs(fn, x, twice=twice)
-    except _NotAnArray as e:
-        raise ValueError(f"check_layer: {what} must return one floating-point array, got {e}") from None
-
-
-def _run_programs(fn: Any, x: jax.Array, *, twice: bool) -> _Run:
-    if isinstance(fn, nnx.Module):
-        graphdef, params, rest = nnx.split(fn, nnx.Param, ...)
-        out, g_params, g_x, after = _module_step(graphdef, params, rest, x)
-        grads = {_path(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(g_params)}
-        again = _module_step(graphdef, params, after, x)[0] if twice else None
-    else:
-        try:
-            hash(fn)
-        except TypeError:  # a static argument must hash: a callable object that does not goes in a wrapper
-            fn = _Hashable(fn)
-        out, g_x = _function_step(fn, x)
-        grads = {}
-        again = _function_step(fn, x)[0] if twice else None
+        out, _ = jax.eval_shape(form.apply, form.params, form.rest, x)
+        names = [n for n, _ in _select(out, output)]
+        program = _program(form, output)
+        leaves, g_params, g_x, after = program(form.params, form.rest, x)
+        again = program(form.params, after, x)[0] if twice else None
+    except _NoOutput as e:
+        raise ValueError(f"check_layer: {what}'s {e}") from None
+    grads = {p: np.asarray(v) for p, v in form.param_leaves(g_params).items()}
     grads[INPUT_GRAD] = np.asarray(g_x)
-    return _Run(np.asarray(out), grads, None if again is None else np.asarray(again))
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Hashable:
-    fn: Callable[[jax.Array], jax.Array]
-
-    def __call__(self, x):
-        return self.fn(x)
+    params = {p: np.asarray(v) for p, v in form.param_leaves(form.params).items()}
+    return _Run(dict(zip(names, map(np.asarray, leaves))), grads, params,
+                None if again is None else dict(zip(names, map(np.asarray, again))))
 
 
 # -- the check -------------------------------------------------------------------
@@ -168,55 +267,107 @@ def _grad_rel_norm(g: np.ndarray, ref: np.ndarray) -> float:
 
 
 def _check_args(layer: Any, reference: Any, x: Any, max_rel_norm: float, max_grad_rel_norm: float,
-                skip: Any, skip_grads: Any) -> tuple[jax.Array, frozenset[str]]:
+                skip: Any, skip_grads: Any, output: Any) -> tuple[jax.Array, frozenset[str]]:
     for name, fn in (("layer", layer), ("reference", reference)):
-        if not (isinstance(fn, nnx.Module) or callable(fn)):
-            raise ValueError(f"check_layer: {name} must be an flax.nnx.Module or a function of x, "
-                             f"got {type(fn).__name__}")
+        if not (isinstance(fn, nnx.Module) or _is_linen_pair(fn) or (callable(fn) and not isinstance(fn, type))):
+            raise ValueError(f"check_layer: {name} must be an flax.nnx.Module, a (linen.Module, variables) pair "
+                             f"or a function of x, got {type(fn).__name__}")
     if not isinstance(x, (np.ndarray, jax.Array)) or not jnp.issubdtype(x.dtype, jnp.floating):
         what = f"{type(x).__name__} of {x.dtype}" if hasattr(x, "dtype") else type(x).__name__
         raise ValueError(f"check_layer: x must be a floating-point numpy or JAX array, got {what}")
     for name, bound in (("max_rel_norm", max_rel_norm), ("max_grad_rel_norm", max_grad_rel_norm)):
         if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not bound > 0:
             raise ValueError(f"check_layer: {name} must be a positive number, got {bound!r}")
-    if skip is not None and not callable(skip):
-        raise ValueError(f"check_layer: skip must be a callable (record) -> bool, got {type(skip).__name__}")
+    try:
+        as_skips(skip, "check_layer")
+    except TypeError as e:
+        raise ValueError(str(e)) from None
     if isinstance(skip_grads, str) or not all(isinstance(n, str) for n in skip_grads):
         raise ValueError(f"check_layer: skip_grads must be a collection of parameter paths, got {skip_grads!r}")
+    if not (output is None or callable(output) or isinstance(output, (int, str))) or isinstance(output, bool):
+        raise ValueError(f"check_layer: output must be None (every floating-point leaf), an index or key, or a "
+                         f"function of the output, got {type(output).__name__}")
     return jnp.asarray(x), frozenset(skip_grads)
 
 
+def _traceable(what: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``, with a failure of the layer's own code (not of a check) as one line naming the argument."""
+    try:
+        return fn()
+    except (AssertionError, ValueError, _NoOutput):
+        raise
+    except Exception as e:  # noqa: BLE001 - any error of the user's code, reported once, chained
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ValueError(f"check_layer: {what} could not be traced and run on {jax.default_backend()}: "
+                         f"{type(e).__name__}: {first}") from e
+
+
+def _compare_params(run: _Run, ref: _Run, skip_grads: frozenset[str]) -> None:
+    only_layer = sorted(set(run.params) - set(ref.params) - skip_grads)
+    only_ref = sorted(set(ref.params) - set(run.params) - skip_grads)
+    if only_layer or only_ref:
+        parts = ([f"in layer only: {', '.join(only_layer)}"] if only_layer else []) + (
+            [f"in reference only: {', '.join(only_ref)}"] if only_ref else [])
+        raise ValueError(f"check_layer: reference has another structure than layer: parameters {'; '.join(parts)} "
+                         f"(build the twin with the layer's constructor, unquantized, or name them in skip_grads)")
+    for path in sorted(set(run.params) & set(ref.params)):
+        a, b = run.params[path], ref.params[path]
+        if a.shape == b.shape and a.dtype == b.dtype and a.tobytes() != b.tobytes():
+            differ = int(np.count_nonzero(a != b))
+            raise ValueError(f"check_layer: reference's weights differ from layer's: {path} ({a.dtype}{list(a.shape)}) "
+                             f"differs in {differ} of {a.size} values; make the twin with "
+                             f"qcheck.copy_params_into(layer, twin)")
+
+
 def check_layer(
-    layer: nnx.Module | Callable[[jax.Array], jax.Array],
-    reference: nnx.Module | Callable[[jax.Array], jax.Array],
+    layer: Any,
+    reference: Any,
     x: np.ndarray | jax.Array,
     *,
+    output: int | str | Callable[[Any], Any] | None = None,
     max_rel_norm: float = 0.22,
     max_grad_rel_norm: float = DEFAULT_MAX_GRAD_REL_NORM,
-    skip: Callable[[MatmulRecord], bool] | None = None,
+    skip: SkipArg = None,
     skip_grads: Collection[str] = (),
+    machinery: Collection[str] = (),
 ) -> LayerFigures:
     """Check a quantized ``layer`` against its unquantized twin ``reference`` on input ``x``.
 
-    Both are NNX modules or plain functions of ``x``; make a module's twin with
-    :func:`copy_params_into`. Neither is changed (each runs on a copy of its
-    state, as ``nnx.jit`` would). The checks:
+    Each is an NNX module, a ``(linen_module, variables)`` pair, or a plain
+    function of ``x``; make an NNX twin with :func:`copy_params_into`. Neither
+    is changed: each runs on a copy of its state, as ``nnx.jit`` would, and a
+    module whose first call creates submodules (MaxText's lazily built AQT
+    einsums) is checked as it runs after that call, on a copy warmed up by one
+    call (:func:`qcheck.warmed_up`).
+
+    ``output`` selects what is compared: every floating-point leaf of the
+    output pytree by default (each with its own figure), an index or key
+    (``output=0`` for ``(out, aux_loss, bias_updates)``), or a function of
+    the output. The checks:
 
     * coverage: every matmul of ``layer`` multiplies quantized operands
-      (:func:`qcheck.assert_quantized`; ``skip`` spares matmuls meant to stay in
-      full precision, e.g. ``qcheck.skip_functions("MoE.route")``);
-    * tracks: the output is within ``max_rel_norm`` of the twin's and not bitwise
-      equal to it (:func:`qcheck.checks.assert_tracks`);
-    * gradients: one backward pass of ``mean(out ** 2)``; every gradient is
-      finite, and each parameter's gradient (when both are modules: every
-      ``nnx.Param``, by path, but those named in ``skip_grads``) and the input's
-      is within ``max_grad_rel_norm`` of the twin's at the same path;
+      (:func:`qcheck.assert_quantized`); ``skip`` (one rule or a list:
+      :func:`qcheck.skip_modules`, :func:`qcheck.skip_functions`,
+      :func:`qcheck.skip_at`, :func:`qcheck.skip_where`) spares matmuls meant to
+      stay in full precision, each rule must spare one, and, held to the
+      twin as its control, must not spare more of the twin's matmuls than of
+      the layer's (a rule that would hide a fallen-back site fails, naming it);
+      ``machinery``: more packages whose frames are not the user's call site;
+    * tracks: each compared output leaf is within ``max_rel_norm`` of the
+      twin's and not bitwise equal to it (:func:`qcheck.checks.assert_tracks`);
+    * gradients: one backward pass of the sum of ``mean(leaf ** 2)``; every
+      gradient is finite, and each parameter's gradient (``nnx.Param`` leaves
+      by path, a Linen module's ``params`` collection) and the input's is
+      within ``max_grad_rel_norm`` of the twin's at the same path, but those
+      named in ``skip_grads``;
     * determinism: a second call, from the state the first left (RNG counts
-      advanced), gives the same bits.
+      advanced, fp8 statistics as the call left them), gives the same bits.
 
-    Fails with one ``AssertionError`` listing every failed check and its figure;
-    returns the :class:`LayerFigures` when all pass. A layer whose output shape
-    differs from the reference's is a ``ValueError``.
+    Fails with one ``AssertionError`` listing every failed check and its
+    figure; returns the :class:`LayerFigures` when all pass. Usage errors are
+    one ``ValueError`` naming the argument: a twin whose parameters have other
+    paths or other values than the layer's, outputs of another structure, an
+    ``output`` that selects nothing, a layer that cannot be traced.
 
     Why the gradient bound is looser than the forward one: the gradients of a
     quantized layer pass through quantized matmuls twice (forward residuals and
@@ -226,38 +377,44 @@ def check_layer(
     gradient. :data:`DEFAULT_MAX_GRAD_REL_NORM` gives the measurement.
     """
     __tracebackhide__ = True
-    x, skip_grads = _check_args(layer, reference, x, max_rel_norm, max_grad_rel_norm, skip, skip_grads)
-    both_modules = isinstance(layer, nnx.Module) and isinstance(reference, nnx.Module)
-    paths = [INPUT_GRAD]
-    if both_modules:
-        paths += sorted({_path(p) for m in (layer, reference) for p, _ in nnx.to_flat_state(nnx.state(m, nnx.Param))})
-    if unknown := skip_grads - set(paths[1:]):
+    x, skip_grads = _check_args(layer, reference, x, max_rel_norm, max_grad_rel_norm, skip, skip_grads, output)
+    form = _traceable("layer", lambda: _form(layer, x))
+    twin = _traceable("reference", lambda: _form(reference, x))
+    paths = {p for f in (form, twin) for p in f.param_leaves(f.params)}
+    if unknown := skip_grads - paths:
         raise ValueError(f"check_layer: skip_grads names {sorted(unknown)}, which are not parameters; "
-                         f"parameter paths: {', '.join(paths[1:]) or '(none)'}")
+                         f"parameter paths: {', '.join(sorted(paths)) or '(none)'}")
+
+    run = _traceable("layer", lambda: _run("layer", form, x, output, twice=True))
+    ref = _traceable("reference", lambda: _run("reference", twin, x, output, twice=False))
+    _compare_params(run, ref, skip_grads)
+    if list(run.out) != list(ref.out):
+        leaves = [", ".join(k or "the output" for k in r.out) for r in (run, ref)]
+        raise ValueError(f"check_layer: layer output has another structure than reference output: leaves "
+                         f"{leaves[0]} against {leaves[1]} (output= selects what to compare)")
+    for k in run.out:
+        if run.out[k].shape != ref.out[k].shape:
+            raise ValueError(f"check_layer: layer output{f' {k}' if k else ''} has shape {run.out[k].shape} but "
+                             f"reference output{f' {k}' if k else ''} has shape {ref.out[k].shape}")
+
     failures: list[str] = []
     records: list[MatmulRecord] = []
     try:
-        records = assert_quantized(layer, x, skip=skip)
+        records = _traceable("layer", lambda: assert_quantized(form.probe, x, skip=skip, control=twin.probe,
+                                                                machinery=tuple(machinery)))
     except AssertionError as e:
         failures.append(f"coverage: {e}")
 
-    run = _run("layer", layer, x, twice=True)
-    ref = _run("reference", reference, x, twice=False)
-    if run.out.shape != ref.out.shape:
-        raise ValueError(f"check_layer: layer output has shape {run.out.shape} but reference output has shape "
-                         f"{ref.out.shape}")
-    figure = float("nan")
-    try:
-        figure = checks.assert_tracks(run.out, ref.out, max_rel_norm=max_rel_norm)
-    except AssertionError as e:
-        failures.append(f"tracks: {e}")
+    figures: dict[str, float] = {}
+    for name, out in run.out.items():
+        try:
+            figures[name] = checks.assert_tracks(out, ref.out[name], max_rel_norm=max_rel_norm)
+        except AssertionError as e:
+            failures.append(f"tracks{f' {name}' if name else ''}: {e}")
 
     grad_figures: dict[str, float] = {}
-    for path in (p for p in paths if p not in skip_grads):
-        g, r = run.grads.get(path), ref.grads.get(path)
-        if g is None or r is None:
-            failures.append(f"gradients: parameter {path} is in the {'layer' if r is None else 'reference'} only")
-            continue
+    for path in [INPUT_GRAD, *sorted(paths - skip_grads)]:
+        g, r = run.grads[path], ref.grads[path]
         if g.shape != r.shape:
             failures.append(f"gradients: {path} has shape {g.shape} in the layer, {r.shape} in the reference")
             continue
@@ -272,15 +429,18 @@ def check_layer(
             failures.append(f"gradients: {path} ({g.dtype}) has relative norm {f:.4f} against the reference's, "
                             f"above the bound {max_grad_rel_norm}")
 
-    if run.again is not None and run.again.tobytes() != run.out.tobytes():
-        differ = int(np.count_nonzero(run.again != run.out))
-        failures.append(f"determinism: a second call on the same input changed {differ} of {run.out.size} "
-                        f"output values ({run.out.dtype}; worst by "
-                        f"{float(np.max(np.abs(run.again.astype(np.float64) - run.out))):.3g})")
+    for name, out in run.out.items():
+        again = run.again[name]
+        if again.tobytes() != out.tobytes():
+            differ = int(np.count_nonzero(again != out))
+            failures.append(f"determinism: a second call on the same input changed {differ} of {out.size} "
+                            f"output values{f' of {name}' if name else ''} ({out.dtype}; worst by "
+                            f"{float(np.max(np.abs(again.astype(np.float64) - out))):.3g})")
     if failures:
         raise AssertionError(f"check_layer: {len(failures)} check(s) failed:\n" +
                              "\n".join("  " + f.replace("\n", "\n  ") for f in failures))
-    return LayerFigures(figure, types.MappingProxyType(grad_figures), tuple(records))
+    return LayerFigures(max(figures.values()), types.MappingProxyType(grad_figures), tuple(records),
+                        types.MappingProxyType(figures))
 
 
 # -- the twin ---------------------------------------------------------------------

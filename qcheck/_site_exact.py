@@ -55,6 +55,7 @@ from qcheck.recipes._axes import RAGGED_AXES
 __all__ = [
     "EINSUM_LAYOUTS",
     "NVFP4_DECODE_ORDERS",
+    "PARTING_BINADES",
     "SiteCall",
     "assert_layer_sites_exact",
     "assert_site_calls_exact",
@@ -85,6 +86,19 @@ _NEIGHBOURS = {
     "mxfp8": ("e4m3fn",),
     "nvfp4": (),
 }
+#: Where an fp8 flavour parts from its sibling only outside the probes' magnitudes (2^-4..2^10): the binade
+#: [2^lo, 2^hi) that :func:`probe_site_operands` gives some contraction fibres of an operand in that format.
+#: e5m2 and e5m2fnuz share every value from 2^-14 up, their maximum (57344) too, and a saturating cast
+#: never reaches e5m2's inf; a matmul's sum hides that e5m2fnuz has no -0. They part only where e5m2 is
+#: subnormal: in [2^-15, 2^-14) e5m2fnuz is normal (1.25 * 2^-15 and 1.75 * 2^-15 are its own values) and
+#: e5m2 keeps one bit (2^-15, 1.5 * 2^-15), so about half the values there round apart. Those are normal
+#: float32 values, which XLA's CPU backend does not flush (it flushes float32 subnormals only), and XLA
+#: casts them to e5m2's subnormals exactly, as ml_dtypes does (measured on jax 0.10.2 and 0.12).
+#: e4m3fn and e4m3fnuz need no such binade: they part on the probes' own values above 240, e4m3fnuz's maximum.
+PARTING_BINADES = {"e5m2": (-15, -14), "e5m2fnuz": (-15, -14)}
+# The share of an operand's contraction fibres (at least one) the parting values fill: a whole fibre,
+# so that its products are small too and the rounding of the sum keeps the flavours apart.
+_PARTING_SHARE = 0.25
 # Formats whose scales depend on the axes (per slice or per block).
 _AXIS_FORMATS = frozenset({"int8", "int8_aqt", "int8_qwix", "mxfp8", "nvfp4"})
 
@@ -196,6 +210,10 @@ def _neighbours(mm: _Matmul, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt) -> Iterat
             except ValueError:  # the wrong axes cannot hold whole blocks: that bug could not run here
                 continue
             yield f"{side} in {fmt} along the wrong axes {wrong} (contraction: {axes})", with_(q)
+    if lhs_fmt == rhs_fmt:  # the wrong flavour throughout, as a recipe that declares one and runs another has it
+        for other in _NEIGHBOURS[lhs_fmt]:
+            yield (f"both operands in {other} instead of {lhs_fmt}",
+                   mm(_qdq(lhs, other, mm.axes.lhs), _qdq(rhs, other, mm.axes.rhs)))
     # Per-slice formats only: a block format's blocks lie within one group's contraction either way.
     if mm.eqn is None and rhs_fmt in _INTEGER_FORMATS:
         yield _SHARED, mm(q_lhs, _qdq(rhs, rhs_fmt, _SHARED_AXES))
@@ -263,7 +281,7 @@ def _check(check: str, site: str, mm: _Matmul, lhs, rhs, got, lhs_fmt: str, rhs_
     for desc, bug in bugs:
         if _equal(bug, want):
             raise ValueError(f"{prefix}: for these operands the reference equals {desc} bitwise, so that bug "
-                             "would pass; use probe_site_operands")
+                             "would pass; use probe_site_operands (with lhs_format= and rhs_format=)")
         known[desc] = bug
     if integer and _equal(got, want):
         return
@@ -353,30 +371,61 @@ def _check_formats(check: str, *fmts: str, matmul: str = "float") -> None:
 
 
 def probe_site_operands(
-    seed: int, lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...], axes: MatmulAxes, *, nvfp4: bool = False
+    seed: int,
+    lhs_shape: tuple[int, ...],
+    rhs_shape: tuple[int, ...],
+    axes: MatmulAxes,
+    *,
+    nvfp4: bool = False,
+    lhs_format: str | None = None,
+    rhs_format: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Probe operands that make :func:`assert_site_exact` sharp for the matmul with contraction ``axes``.
 
     :func:`qcheck.checks.probe_operands` (log-uniform over 2^-4..2^10), or with
-    ``nvfp4`` :func:`qcheck._backward.probe_nvfp4` along the contraction axes
-    and the wrong axes, whose blocks decode exactly in any order.
+    ``nvfp4`` (or an nvfp4 format) :func:`qcheck._backward.probe_nvfp4` along
+    the contraction axes and the wrong axes, whose blocks decode exactly in any
+    order. An operand whose format (``lhs_format``/``rhs_format``, as the
+    check will be given them) parts from its sibling flavour only at smaller
+    magnitudes (:data:`PARTING_BINADES`: e5m2 and e5m2fnuz) has a quarter of
+    its contraction fibres filled from that binade instead, so the check can
+    tell the two apart; without the formats it gets the plain probes.
     """
+    for fmt in (lhs_format, rhs_format):
+        if fmt is not None and fmt not in _NEIGHBOURS:
+            raise ValueError(f"probe_site_operands: unknown format {fmt!r}; valid formats: {', '.join(_NEIGHBOURS)}")
+    nvfp4 = nvfp4 or "nvfp4" in (lhs_format, rhs_format)
     if not nvfp4:
         from qcheck.checks import probe_operands
 
         lhs, rhs = probe_operands(seed, lhs_shape, rhs_shape)
-        return lhs, rhs
-    from qcheck._backward import probe_nvfp4
+    else:
+        from qcheck._backward import probe_nvfp4
 
-    def probe(s, shape, ax):
-        wrong = _wrong_axes(ax, len(shape))
-        try:
-            referees.reference_quantize(np.zeros(shape, np.float32), "nvfp4", axis=wrong)
-        except ValueError:
-            return probe_nvfp4(s, shape, ax)
-        return probe_nvfp4(s, shape, ax, wrong)
+        def probe(s, shape, ax):
+            wrong = _wrong_axes(ax, len(shape))
+            try:
+                referees.reference_quantize(np.zeros(shape, np.float32), "nvfp4", axis=wrong)
+            except ValueError:
+                return probe_nvfp4(s, shape, ax)
+            return probe_nvfp4(s, shape, ax, wrong)
 
-    return probe(seed, lhs_shape, axes.lhs), probe(seed + 100, rhs_shape, axes.rhs)
+        lhs, rhs = probe(seed, lhs_shape, axes.lhs), probe(seed + 100, rhs_shape, axes.rhs)
+    return (_parting(lhs, axes.lhs, lhs_format, (seed, 0)), _parting(rhs, axes.rhs, rhs_format, (seed, 1)))
+
+
+def _parting(x: np.ndarray, axes: tuple[int, ...], fmt: str | None, seed: tuple[int, int]) -> np.ndarray:
+    """``x`` with some of its contraction fibres drawn log-uniform from ``fmt``'s parting binade, if it has one."""
+    if fmt not in PARTING_BINADES:
+        return x
+    lo, hi = PARTING_BINADES[fmt]
+    rng = np.random.default_rng(seed)  # a stream of its own: the rest of the probe stays what it was
+    axes = tuple(a % x.ndim for a in axes)
+    fibres = tuple(1 if i in axes else n for i, n in enumerate(x.shape))
+    pick = rng.random(fibres) < _PARTING_SHARE
+    pick.flat[0] = True  # at least one
+    small = np.exp2(rng.uniform(lo, hi, size=x.shape)) * rng.choice(np.array([-1.0, 1.0]), size=x.shape)
+    return np.where(pick, small, x).astype(x.dtype)
 
 
 # -- through the layer -------------------------------------------------------------------

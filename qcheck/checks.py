@@ -23,6 +23,7 @@ from jax.typing import ArrayLike
 __all__ = [
     "assert_amax_histories_follow_operands",
     "assert_fp8_dtypes_native",
+    "assert_fp8_state_matches",
     "assert_format_matches_referee",
     "assert_fresh_cast_exact",
     "assert_fresh_ragged_cast_exact",
@@ -37,6 +38,7 @@ __all__ = [
     "cast_reference",
     "coverage",
     "entry_params",
+    "fp8_state",
     "lowered_entry_params",
     "probe_operands",
     "rel_norm",
@@ -215,7 +217,8 @@ def _assert_cast_exact(
     if _bitwise_equal(expected, sibling):
         raise ValueError(
             f"{check}: for these operands the {dt.name} and {_SIBLING[dt.name]} references are "
-            "bitwise equal, so a wrong fp8 flavour would pass; see probe_operands"
+            "bitwise equal, so a wrong fp8 flavour would pass; see probe_operands (with cast_dtype= and "
+            "contract= for e5m2)"
         )
     got = np.asarray(op_under_test(lhs, rhs))
     if _bitwise_equal(got, expected):
@@ -296,14 +299,25 @@ def assert_fresh_ragged_cast_exact(
     )
 
 
-def probe_operands(seed: int, *shapes: tuple[int, ...], dtype: Any = np.float32) -> list[np.ndarray]:
+def probe_operands(
+    seed: int,
+    *shapes: tuple[int, ...],
+    dtype: Any = np.float32,
+    cast_dtype: Any = None,
+    contract: tuple[tuple[int, ...], ...] | None = None,
+) -> list[np.ndarray]:
     """Operands that make the fp8 exact checks sharp.
 
     Magnitudes are log-uniform over [2^-4, 2^10] with random signs: most values
     are not representable in any fp8 flavour (so quantization shows), some lie
-    above every e4m3 maximum (so a missing clip shows), and none is subnormal in
-    any fp8 flavour (XLA on CPU may flush those, which would make a bitwise
-    reference depend on the backend).
+    above every e4m3 maximum (so a missing clip, or e4m3fnuz's 240 for
+    e4m3fn's 448, shows), and none is subnormal in any fp8 flavour (so the
+    reference never leans on how a backend casts to fp8 subnormals). e5m2 and
+    e5m2fnuz round alike on all of them: for ``cast_dtype`` float8_e5m2 or
+    float8_e5m2fnuz give ``contract``, each operand's contraction axes, and a
+    quarter of each operand's contraction fibres come from [2^-15, 2^-14)
+    instead, where e5m2 is subnormal and e5m2fnuz is not, and the two round
+    apart (XLA's CPU backend casts those exactly, as ml_dtypes does).
     """
     rng = np.random.default_rng(seed)
     out = []
@@ -311,7 +325,19 @@ def probe_operands(seed: int, *shapes: tuple[int, ...], dtype: Any = np.float32)
         mag = np.exp2(rng.uniform(-4.0, 10.0, size=shape))
         sign = rng.choice(np.array([-1.0, 1.0]), size=shape)
         out.append((mag * sign).astype(dtype))
-    return out
+    if cast_dtype is None:
+        return out
+    from qcheck._site_exact import PARTING_BINADES, _parting
+
+    fmt = _fp8_dtype(cast_dtype).name.removeprefix("float8_")
+    if fmt not in PARTING_BINADES:
+        return out
+    if contract is None or len(contract) != len(shapes):
+        raise ValueError(
+            f"probe_operands: cast_dtype float8_{fmt} parts from its sibling only in whole contraction fibres "
+            f"below 2^-14, so give contract=, one tuple of contraction axes per shape ({len(shapes)}), "
+            f"got {contract!r}")
+    return [_parting(x, axes, fmt, (seed, i)) for i, (x, axes) in enumerate(zip(out, contract))]
 
 
 _HLO_PARAM = re.compile(r"=\s*([a-z][a-z0-9]*)\[[^\]]*\](?:\{[^}]*\})?\s+parameter\(\d+\)")
@@ -397,3 +423,4 @@ from qcheck._backward import assert_site_backward_exact, assert_site_ragged_back
 from qcheck._fp8_amax import assert_amax_histories_follow_operands  # noqa: E402
 from qcheck._ragged_groups import assert_ragged_groups_independent  # noqa: E402
 from qcheck._fp8_native import assert_fp8_dtypes_native, assert_recipe_fp8_native  # noqa: E402
+from qcheck._fp8_state import assert_fp8_state_matches, fp8_state  # noqa: E402
