@@ -181,3 +181,53 @@ def test_check_layer_control_fails_a_skip_hiding_maxtext_dense_experts_in_the_tw
         qcheck.check_layer(layer, twin, x, output=0, skip=rule)
     hidden = str(failure.value).split("would pass unseen:", 1)[1]
     assert [scope for scope in ("wi_0/", "wi_1/", "wo/") if f" in {scope}" in hidden] == ["wi_0/", "wi_1/", "wo/"]
+
+
+# -- docs/checking-your-layer.md ----------------------------------------------------------------
+
+GUIDE = (Path(__file__).parent.parent / "docs" / "checking-your-layer.md").read_text()
+SCRIPT = (Path(__file__).parent.parent / ".ci" / "maxtext.sh").read_text()
+
+
+def _guide_blocks() -> dict[str, str]:
+    return dict(re.findall(r"<!-- maxtext: (\w+) -->\n```\w+\n(.*?)```", GUIDE, re.S))
+
+
+def test_guide_environment_is_what_ci_builds():
+    shell = _guide_blocks()["environment"]
+    (pattern,) = re.findall(r"grep -Ev '([^']+)'", shell)
+    assert re.findall(r"grep -Ev '([^']+)'", SCRIPT) == [pattern]
+    assert f"maxtext=={maxtext_cells.MAXTEXT_VERSION}" in shell
+    assert f"MAXTEXT_VERSION={maxtext_cells.MAXTEXT_VERSION}" in SCRIPT
+    (exported,) = re.findall(r"^export (.*)$", shell, re.M)
+    assert [v.split("=")[0] for v in exported.split()] == list(maxtext_cells.ENVIRONMENT)
+    assert all(f"{v}=" in SCRIPT for v in maxtext_cells.ENVIRONMENT)
+
+
+def test_guide_runs_on_maxtext_routed_moe(capsys):
+    blocks = _guide_blocks()
+    assert list(blocks) == ["environment", "build", "coverage", "check", "sparse"]
+    namespace = {"__name__": "checking_your_layer"}
+
+    def run(label: str) -> str:
+        exec(compile(blocks[label], f"docs/checking-your-layer.md[{label}]", "exec"), namespace)
+        return capsys.readouterr().out.replace(os.sep, "/")
+
+    run("build")
+    assert _params(namespace["layer"]).keys() == _params(namespace["twin"]).keys()
+    assert all(np.array_equal(a, b) for a, b in zip(_params(namespace["layer"]).values(),
+                                                     _params(namespace["twin"]).values()))
+    shown = run("coverage")
+    assert len(namespace["records"]) == 5 and [r.quantized for r in namespace["records"]] == [True] * 4 + [False]
+    # Each located in MaxText, never inside AQT or Flax's fp8 ops.
+    assert all("maxtext/layers/" in _location(r) for r in namespace["records"]), shown
+    assert re.fullmatch(r"forward 0\.\d{3}, worst gradient .+\n", run("check"))
+    # The figures the prose quotes are the ones the block prints.
+    ((forward, param, grad),) = re.findall(
+        r"fp8 prints `forward (0\.\d+), worst gradient \('([\w/]+)', (0\.\d+)\)`", GUIDE)
+    figures = namespace["figures"]
+    assert (f"{figures.rel_norm:.3f}", figures.worst_grad[0], f"{figures.worst_grad[1]:.3f}") == (forward, param, grad)
+    failure = run("sparse")
+    assert failure.count(_ragged_dot_line()) == 3, failure
+    # The line the prose names is the line MaxText's source has.
+    assert f"(moe.py:{_ragged_dot_line().rsplit(':', 1)[1]})" in GUIDE
