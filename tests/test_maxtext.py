@@ -183,6 +183,26 @@ def test_check_layer_control_fails_a_skip_hiding_maxtext_dense_experts_in_the_tw
     assert [scope for scope in ("wi_0/", "wi_1/", "wo/") if f" in {scope}" in hidden] == ["wi_0/", "wi_1/", "wo/"]
 
 
+
+#: The guide's skip table, row by row, on fp8: (path, the rules, what check_layer's failure then says).
+GUIDE_SKIPS = [
+    # The sparse combine by file and function: only the three ragged_dots are left.
+    ("sparse", lambda: qcheck.skip_at("moe.py", "RoutedMoE.unpermute"), r"^check_layer: 1 check\(s\) failed:\n"
+     r"  coverage: assert_quantized: 3 of 5 matmuls reach full precision:\n(    ragged_dot_general at .*\n?){3}$"),
+    # MaxText quantizes its router: a rule for it matches only quantized matmuls of the layer, and is refused.
+    ("dense", lambda: [qcheck.skip_modules(COMBINE_SCOPE), qcheck.skip_modules("gate")],
+     r"skip_modules\('gate'\) spares none of the 5 matmuls"),
+]
+
+
+@pytest.mark.parametrize("path, rules, says", GUIDE_SKIPS, ids=["unpermute", "gate"])
+def test_guide_skip_rules_spare_what_it_says(cells, x, path, rules, says):
+    layer, twin = cells("fp8", path)
+    with pytest.raises(AssertionError) as failure:
+        qcheck.check_layer(layer, twin, x, output=0, skip=rules())
+    assert re.search(says, str(failure.value)), str(failure.value)
+
+
 # -- docs/checking-your-layer.md ----------------------------------------------------------------
 
 GUIDE = (Path(__file__).parent.parent / "docs" / "checking-your-layer.md").read_text()
