@@ -423,30 +423,62 @@ class _ModuleScopes:
         self.active: list[tuple[Any, tuple[str, ...], Any]] = []
         self.previous: Any = None
 
+    def enter(self, frame: Any) -> None:
+        path = self.paths.get(id(frame.f_locals.get("self")))
+        top = self.active[-1][1] if self.active else ()
+        if path is not None and path != top:
+            rel = path[len(top):] if path[:len(top)] == top else path
+            scope = jax.named_scope("/".join(rel)) if rel else None
+            if scope is not None:
+                scope.__enter__()
+            self.active.append((frame, path, scope))
+
+    def leave(self, frame: Any) -> None:
+        # Frames an exception unwound (no return event) close with the first caller that returns.
+        for i in range(len(self.active) - 1, -1, -1):
+            if self.active[i][0] is frame:
+                while len(self.active) > i:
+                    _, _, scope = self.active.pop()
+                    if scope is not None:
+                        scope.__exit__(None, None, None)
+                return
+
     def hook(self, frame: Any, event: str, arg: Any) -> None:
         if self.previous is not None:
             self.previous(frame, event, arg)
         if event == "call" and frame.f_code in self.codes:
-            path = self.paths.get(id(frame.f_locals.get("self")))
-            top = self.active[-1][1] if self.active else ()
-            if path is not None and path != top:
-                rel = path[len(top):] if path[:len(top)] == top else path
-                scope = jax.named_scope("/".join(rel)) if rel else None
-                if scope is not None:
-                    scope.__enter__()
-                self.active.append((frame, path, scope))
-        elif event == "return" and self.active and self.active[-1][0] is frame:
-            _, _, scope = self.active.pop()
-            if scope is not None:
-                scope.__exit__(None, None, None)
+            self.enter(frame)
+        elif event == "return" and frame.f_code in self.codes:
+            self.leave(frame)
 
     def __enter__(self) -> _ModuleScopes:
+        monitoring = getattr(sys, "monitoring", None)
+        self.tool = None
+        if monitoring is not None:  # Python 3.12+: events for the modules' own code objects only, nearly free
+            self.tool = next((t for t in range(6) if monitoring.get_tool(t) is None), None)
+        if self.tool is not None:
+            events = monitoring.events
+            monitoring.use_tool_id(self.tool, "qcheck.coverage")
+            monitoring.register_callback(self.tool, events.PY_START, lambda code, offset: self.enter(sys._getframe(1)))
+            monitoring.register_callback(self.tool, events.PY_RETURN,
+                                         lambda code, offset, value: self.leave(sys._getframe(1)))
+            for code in self.codes:
+                monitoring.set_local_events(self.tool, code, events.PY_START | events.PY_RETURN)
+            return self
         self.previous = sys.getprofile()
         sys.setprofile(self.hook)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        sys.setprofile(self.previous)
+        if self.tool is not None:
+            monitoring = sys.monitoring
+            for code in self.codes:
+                monitoring.set_local_events(self.tool, code, 0)
+            monitoring.register_callback(self.tool, monitoring.events.PY_START, None)
+            monitoring.register_callback(self.tool, monitoring.events.PY_RETURN, None)
+            monitoring.free_tool_id(self.tool)
+        else:
+            sys.setprofile(self.previous)
         while self.active:
             _, _, scope = self.active.pop()
             if scope is not None:

@@ -272,6 +272,11 @@ def test_check_layer_should_fail_on_a_parameter_the_twin_lacks():
                                                                        r"gate/kernel, wi_0, wi_1, wo"),
     (lambda: check_layer(_fp8_matmul, _matmul, X[0], skip_grads="wo"), r"check_layer: skip_grads must be a "
                                                                          r"collection of parameter paths"),
+    (lambda: check_layer(lambda x: x @ jnp.ones((3, 3)), _matmul, X[0]), r"^check_layer: layer could not be traced "
+                                                                          r"and run on cpu: TypeError: dot_general "
+                                                                          r"requires contracting dimensions"),
+    (lambda: check_layer(_fp8_matmul, _matmul, X[0], output=1.5), r"check_layer: output must be None"),
+    (lambda: check_layer(_fp8_matmul, _matmul, X[0], skip="gate"), r"check_layer: skip must be a callable"),
 ])
 def test_check_layer_bad_input_names_the_argument(call, error):
     with pytest.raises(ValueError, match=error):
