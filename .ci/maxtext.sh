@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# MaxText 0.2.5 as a pinned client of qcheck, in its own environment (MaxText wants
+# Python 3.12 and a stack of its own; it must not touch the suite's environments).
+#
+#   .ci/maxtext.sh env VENV          create VENV from nothing, or bring it up to date (idempotent)
+#   .ci/maxtext.sh deps PYTHON       MaxText's CPU requirements into the environment of PYTHON
+#                                    (maxtext must be installed there already; tox uses this)
+#   .ci/maxtext.sh run PYTHON CMD..  CMD with PYTHON's bin first on PATH and the variables MaxText needs on CPU
+#
+# MaxText's wheel declares no dependencies: it ships its requirement lists inside
+# itself, and the decoupled one (no Google Cloud clients) is what runs on CPU, less
+# the CUDA/NVIDIA wheels, which need a GPU driver and only add gigabytes here.
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+MAXTEXT_VERSION=0.2.5
+PYTHON312=${PYTHON312:-python3.12}
+
+site_packages() { "$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+
+deps() {
+  local py=$1 req filtered
+  req=$(site_packages "$py")/dependencies/requirements/generated_requirements/decoupled-requirements.txt
+  [ -f "$req" ] || { echo ".ci/maxtext.sh: $req missing: is maxtext==$MAXTEXT_VERSION installed for $py?" >&2; exit 1; }
+  filtered=$(mktemp)
+  grep -Ev '^(cuda-|nvidia-|pynvml|apache-tvm-ffi)' "$req" > "$filtered"
+  "$py" -m pip install -q -r "$filtered"
+  rm -f "$filtered"
+}
+
+env_() {
+  local venv=$1 stamp
+  stamp="$venv/.qcheck-maxtext-$MAXTEXT_VERSION"
+  if [ ! -x "$venv/bin/python" ]; then
+    # A pyenv shim named python3.12 may exist without that version selected: try it, then pyenv's 3.12.
+    if "$PYTHON312" -c '' 2> /dev/null; then "$PYTHON312" -m venv "$venv"
+    else PYENV_VERSION=${PYENV_312:-3.12.1} pyenv exec python -m venv "$venv"; fi
+  fi
+  if [ ! -f "$stamp" ]; then  # the 2 GB of requirements once; qcheck itself every time (editable, cheap)
+    "$venv/bin/python" -m pip install -q "maxtext==$MAXTEXT_VERSION"
+    deps "$venv/bin/python"
+    touch "$stamp"
+  fi
+  "$venv/bin/python" -m pip install -q -e "$repo[test,aqt]"
+}
+
+run() {
+  local py=$1; shift
+  PATH="$(dirname "$py"):$PATH" JAX_PLATFORMS=cpu DECOUPLE_GCLOUD=TRUE \
+    MAXTEXT_ASSETS_ROOT="$(site_packages "$py")/maxtext/assets" "$@"
+}
+
+case "${1:-}" in
+  env) env_ "$2" ;;
+  deps) deps "$2" ;;
+  run) run "${@:2}" ;;
+  *) echo "usage: .ci/maxtext.sh env VENV | deps PYTHON | run PYTHON CMD..." >&2; exit 2 ;;
+esac

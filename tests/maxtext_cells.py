@@ -1,0 +1,86 @@
+"""MaxText 0.2.5's real ``RoutedMoE``, tiny (Mixtral-like) and on one CPU device.
+
+The cells tests/test_maxtext.py and docs/checking-your-layer.md check: every
+MaxText quantization recipe qcheck covers (``QUANTIZATIONS``), on the dense
+and the sparse path (``sparse_matmul`` False/True, megablox off, so the sparse
+path is MaxText's own ``jax.lax.ragged_dot``), each with its unquantized twin
+(``quantization=""``) holding the layer's weights (:func:`cell`).
+
+Needs MaxText's environment (.ci/maxtext.sh): ``JAX_PLATFORMS=cpu``,
+``DECOUPLE_GCLOUD=TRUE`` and ``MAXTEXT_ASSETS_ROOT`` set before maxtext is imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from maxtext.layers import moe
+
+#: The MaxText version these cells and their known defects were checked on.
+MAXTEXT_VERSION = "0.2.5"
+#: MaxText's ``quantization`` values qcheck checks; "" is the unquantized twin.
+QUANTIZATIONS = ("int8", "fp8", "nanoo_fp8")
+EMB, MLP, EXPERTS, TOP_K = 32, 64, 4, 2
+#: (batch, sequence, emb): 16 tokens, 32 routed rows.
+X_SHAPE = (2, 8, EMB)
+#: What .ci/maxtext.sh sets before MaxText is imported: the wheel otherwise looks
+#: for its assets in a source tree and for Google Cloud clients it does not ship.
+ENVIRONMENT = ("JAX_PLATFORMS", "DECOUPLE_GCLOUD", "MAXTEXT_ASSETS_ROOT")
+
+
+@functools.cache
+def config(quantization: str = "", sparse_matmul: bool = False):
+    """MaxText's config for a tiny Mixtral-like MoE (float32 throughout, dropless, megablox off)."""
+    import maxtext
+    from maxtext.configs import pyconfig
+
+    base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
+    return pyconfig.initialize(
+        [None, base], run_name="qcheck", enable_checkpointing=False,
+        base_emb_dim=EMB, base_mlp_dim=MLP, base_moe_mlp_dim=MLP, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+        sparse_matmul=sparse_matmul, megablox=False, capacity_factor=-1.0,
+        quantization=quantization, dtype="float32", weight_dtype="float32",
+        # One device: AQT's range finding unsharded. MaxText's default (-1) takes jax.local_device_count(),
+        # eight in qcheck's test processes, and AQT's int8 backward then asserts 8 divides a contraction of 2.
+        quantization_local_shard_count=1,
+    )
+
+
+def build(quantization: str = "", sparse_matmul: bool = False, seed: int = 0) -> moe.RoutedMoE:
+    """``RoutedMoE`` as MaxText's Mixtral decoder layer builds it (models/mixtral.py)."""
+    import jax
+    from flax import nnx
+    from maxtext.layers import initializers, moe, quantizations
+
+    cfg = config(quantization, sparse_matmul)
+    # One device, every MaxText mesh axis of size 1: the block as on one accelerator (qcheck's test
+    # processes have eight host devices, which MaxText's own mesh would shard the tiny batch over).
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape([1] * len(cfg.mesh_axes)), cfg.mesh_axes)
+    return moe.RoutedMoE(
+        config=cfg, num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok, mesh=mesh,
+        kernel_init=initializers.nd_dense_init(1.0, "fan_in", "truncated_normal"), kernel_axes=("embed", None),
+        intermediate_dim=cfg.moe_mlp_dim, dtype=cfg.dtype, weight_dtype=cfg.weight_dtype,
+        quant=quantizations.configure_quantization(cfg), rngs=nnx.Rngs(seed),
+    )
+
+
+def cell(quantization: str, sparse_matmul: bool) -> tuple[moe.RoutedMoE, moe.RoutedMoE]:
+    """(layer, twin): the quantized block and the unquantized one, with the layer's weights.
+
+    The same seed is not enough: MaxText's quantizers draw from the block's
+    ``nnx.Rngs`` before the router and experts do, so the twin's weights would
+    differ; ``copy_params_into`` copies the layer's ``nnx.Param`` leaves over.
+    """
+    import qcheck
+
+    layer = build(quantization, sparse_matmul)
+    return layer, qcheck.copy_params_into(layer, build("", sparse_matmul))
+
+
+def inputs(seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=X_SHAPE).astype(np.float32)

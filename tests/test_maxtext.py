@@ -1,0 +1,253 @@
+"""MaxText 0.2.5's real ``RoutedMoE`` as a pinned client of qcheck (tests/maxtext_cells.py builds the cells).
+
+Runs in MaxText's own environment (.ci/maxtext.sh, ``tox -e maxtext``, the
+MaxText stage of .ci/run); skipped where MaxText is not installed. For every
+MaxText quantization (int8, fp8, nanoo_fp8) on both paths, ``coverage`` with
+error figures runs; ``check_layer`` passes on the dense path and fails on the
+sparse one (megablox off), naming MaxText's ``jax.lax.ragged_dot`` line: a known
+defect of maxtext 0.2.5 (docs/libraries.md), asserted with the version checked,
+so a new MaxText makes these tests say "recheck" rather than pass or fail silently.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import inspect
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import qcheck
+from tests import maxtext_cells
+
+pytestmark = [
+    # aqtp 0.9.0 passes arrays to jnp.promote_types (docs/libraries.md), and MaxText's int8 router calls AQT
+    # eagerly while it builds (GateLogit.__init__ traces itself on dummy inputs).
+    pytest.mark.filterwarnings("ignore:Implicit conversion of an array to a dtype:DeprecationWarning"),
+    # MaxText's sparse path sows intermediates outside nnx.capture(), which flax 0.12.12 deprecates.
+    pytest.mark.filterwarnings("ignore:Using 'Module.sow\\(\\)' outside of 'nnx.capture\\(\\)':DeprecationWarning"),
+    # flax's fp8 ops warn that they set the precision themselves (nanoo_fp8's einsums, every call).
+    pytest.mark.filterwarnings("ignore:The function dot_general_with_precision:UserWarning"),
+]
+
+#: The named scope of MaxText's combine (``jnp.einsum`` of the expert outputs and
+#: the routing weights, on both paths), meant to stay in full precision; its
+#: router is quantized like the experts.
+COMBINE_SCOPE = "weight_sum"
+PATHS = {"dense": False, "sparse": True}
+CELLS = [(q, p) for q in maxtext_cells.QUANTIZATIONS for p in PATHS]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _maxtext():
+    if importlib.util.find_spec("maxtext") is not None:
+        missing = [v for v in maxtext_cells.ENVIRONMENT if not os.environ.get(v)]
+        assert not missing, (f"maxtext is installed but {', '.join(missing)} unset: run these tests through "
+                             f".ci/maxtext.sh run PYTHON pytest ... (it sets them)")
+    pytest.importorskip("maxtext", reason="MaxText is not installed (its tests run in .ci/maxtext.sh's environment)")
+
+
+@pytest.fixture(scope="module")
+def cells():
+    """Each cell built once: MaxText builds a block in seconds, and no check changes it."""
+    built = {}
+
+    def get(quantization: str, path: str):
+        if (quantization, path) not in built:
+            built[quantization, path] = maxtext_cells.cell(quantization, PATHS[path])
+        return built[quantization, path]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def x():
+    return maxtext_cells.inputs()
+
+
+def _params(module) -> dict[str, np.ndarray]:
+    from flax import nnx
+
+    flat = nnx.to_flat_state(nnx.state(module, nnx.Param))
+    return {"/".join(map(str, k)): np.asarray(v.get_value()) for k, v in flat}
+
+
+def _pinned() -> None:
+    installed = importlib.metadata.version("maxtext")
+    if installed != maxtext_cells.MAXTEXT_VERSION:
+        pytest.fail(f"maxtext {installed} is installed; this known defect was checked on maxtext "
+                    f"{maxtext_cells.MAXTEXT_VERSION}: recheck it on {installed}, then update this test and the "
+                    f"MaxText row of docs/libraries.md")
+
+
+def _ragged_dot_line() -> str:
+    """``file:line`` of the ``jax.lax.ragged_dot`` call in MaxText's ``jax_ragged_dot_gmm``, read from the source."""
+    from maxtext.layers import moe
+
+    lines, start = inspect.getsourcelines(moe.RoutedMoE.sparse_matmul)
+    (offset,) = [i for i, line in enumerate(lines) if "= jax.lax.ragged_dot(" in line]
+    return f"maxtext/layers/moe.py:{start + offset}"
+
+
+def _location(record) -> str:
+    return record.location.replace(os.sep, "/")
+
+
+# -- the cells ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("quantization, path", CELLS)
+def test_cell_twin_holds_the_layers_weights(cells, quantization, path):
+    layer, twin = cells(quantization, path)
+    mine, theirs = _params(layer), _params(twin)
+    assert sorted(mine) == sorted(theirs) == ["gate/kernel", "wi_0", "wi_1", "wo"]
+    assert all(np.array_equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_cell_same_seed_gives_the_twin_other_weights_so_they_are_copied():
+    # Should-fail of the one above: MaxText's quantizers draw from the block's Rngs first.
+    layer = maxtext_cells.build("fp8", False)
+    twin = maxtext_cells.build("", False)
+    assert not all(np.array_equal(a, b) for a, b in zip(_params(layer).values(), _params(twin).values()))
+
+
+# -- coverage -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("quantization, path", CELLS)
+def test_coverage_with_errors_runs_on_every_cell(cells, x, quantization, path):
+    layer, _ = cells(quantization, path)
+    records = qcheck.coverage(layer, x, errors=True)
+    # Router, three expert matmuls, combine: once each (int8's AQT einsums, made on the first call, too).
+    assert len(records) == 5, qcheck.format_coverage(records)
+    full = [r for r in records if not r.quantized]
+    if path == "dense":
+        assert [_location(r) for r in full] == [_location(records[-1])], qcheck.format_coverage(records)
+    else:
+        ragged = [r for r in full if r.primitive.startswith("ragged_dot")]
+        assert len(ragged) == 3 and all(_location(r).endswith(_ragged_dot_line()) for r in ragged), (
+            qcheck.format_coverage(records))
+
+
+# -- check_layer ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("quantization", maxtext_cells.QUANTIZATIONS)
+def test_check_layer_passes_maxtext_dense_path(cells, x, quantization):
+    layer, twin = cells(quantization, "dense")
+    before = _params(layer), _params(twin)
+    figures = qcheck.check_layer(layer, twin, x, output=0, skip=qcheck.skip_modules(COMBINE_SCOPE))
+    assert 0 < figures.rel_norm <= 0.22
+    after = _params(layer), _params(twin)
+    assert all(np.array_equal(a[k], b[k]) for a, b in zip(before, after) for k in a), "check_layer changed a module"
+
+
+@pytest.mark.parametrize("quantization", maxtext_cells.QUANTIZATIONS)
+def test_check_layer_names_maxtext_unquantized_combine_without_a_skip(cells, x, quantization):
+    # Should-fail of the dense pass: the combine is what the skip spares.
+    layer, twin = cells(quantization, "dense")
+    with pytest.raises(AssertionError, match=r"moe\.py:\d+") as failure:
+        qcheck.check_layer(layer, twin, x, output=0)
+    assert COMBINE_SCOPE in str(failure.value) or "RoutedMoE.dense_matmul" in str(failure.value)
+
+
+@pytest.mark.parametrize("quantization", maxtext_cells.QUANTIZATIONS)
+def test_maxtext_sparse_path_runs_expert_matmuls_through_plain_ragged_dot(cells, x, quantization):
+    """maxtext 0.2.5, ``sparse_matmul=True, megablox=False``: the three expert matmuls run in full precision.
+
+    ``RoutedMoE.sparse_matmul.<locals>.jax_ragged_dot_gmm`` calls
+    ``jax.lax.ragged_dot`` on the float32 activations and kernels, which the
+    quantizer never sees (it handles only an AQT ``QTensor`` kernel), for int8,
+    fp8 and nanoo_fp8 alike; only the router is quantized, so the output still
+    tracks the twin and only coverage sees it.
+    """
+    _pinned()
+    layer, twin = cells(quantization, "sparse")
+    with pytest.raises(AssertionError) as failure:
+        qcheck.check_layer(layer, twin, x, output=0, skip=qcheck.skip_modules(COMBINE_SCOPE))
+    message = str(failure.value).replace(os.sep, "/")
+    assert message.startswith("check_layer: ") and "ragged_dot" in message
+    assert message.count(_ragged_dot_line()) == 3, message
+
+
+@pytest.mark.parametrize("quantization", maxtext_cells.QUANTIZATIONS)
+def test_check_layer_control_fails_a_skip_hiding_maxtext_dense_experts_in_the_twin(cells, x, quantization):
+    # skip_at the function that runs the twin's expert einsums and its combine: in the layer the experts run
+    # inside the quantizer, called from elsewhere, so the rule spares 1 matmul there and 4 in the twin.
+    layer, twin = cells(quantization, "dense")
+    rule = qcheck.skip_at("moe.py", "RoutedMoE.dense_matmul")
+    with pytest.raises(AssertionError, match=r"spares 3 more matmul\(s\) in the unquantized control") as failure:
+        qcheck.check_layer(layer, twin, x, output=0, skip=rule)
+    hidden = str(failure.value).split("would pass unseen:", 1)[1]
+    assert [scope for scope in ("wi_0/", "wi_1/", "wo/") if f" in {scope}" in hidden] == ["wi_0/", "wi_1/", "wo/"]
+
+
+
+#: The guide's skip table, row by row, on fp8: (path, the rules, what check_layer's failure then says).
+GUIDE_SKIPS = [
+    # The sparse combine by file and function: only the three ragged_dots are left.
+    ("sparse", lambda: qcheck.skip_at("moe.py", "RoutedMoE.unpermute"), r"^check_layer: 1 check\(s\) failed:\n"
+     r"  coverage: assert_quantized: 3 of 5 matmuls reach full precision:\n(    ragged_dot_general at .*\n?){3}$"),
+    # MaxText quantizes its router: a rule for it matches only quantized matmuls of the layer, and is refused.
+    ("dense", lambda: [qcheck.skip_modules(COMBINE_SCOPE), qcheck.skip_modules("gate")],
+     r"skip_modules\('gate'\) spares none of the 5 matmuls"),
+]
+
+
+@pytest.mark.parametrize("path, rules, says", GUIDE_SKIPS, ids=["unpermute", "gate"])
+def test_guide_skip_rules_spare_what_it_says(cells, x, path, rules, says):
+    layer, twin = cells("fp8", path)
+    with pytest.raises(AssertionError) as failure:
+        qcheck.check_layer(layer, twin, x, output=0, skip=rules())
+    assert re.search(says, str(failure.value)), str(failure.value)
+
+
+# -- docs/checking-your-layer.md ----------------------------------------------------------------
+
+GUIDE = (Path(__file__).parent.parent / "docs" / "checking-your-layer.md").read_text()
+SCRIPT = (Path(__file__).parent.parent / ".ci" / "maxtext.sh").read_text()
+
+
+def _guide_blocks() -> dict[str, str]:
+    return dict(re.findall(r"<!-- maxtext: (\w+) -->\n```\w+\n(.*?)```", GUIDE, re.S))
+
+
+def test_guide_environment_is_what_ci_builds():
+    shell = _guide_blocks()["environment"]
+    (pattern,) = re.findall(r"grep -Ev '([^']+)'", shell)
+    assert re.findall(r"grep -Ev '([^']+)'", SCRIPT) == [pattern]
+    assert f"maxtext=={maxtext_cells.MAXTEXT_VERSION}" in shell
+    assert f"MAXTEXT_VERSION={maxtext_cells.MAXTEXT_VERSION}" in SCRIPT
+    (exported,) = re.findall(r"^export (.*)$", shell, re.M)
+    assert [v.split("=")[0] for v in exported.split()] == list(maxtext_cells.ENVIRONMENT)
+    assert all(f"{v}=" in SCRIPT for v in maxtext_cells.ENVIRONMENT)
+
+
+def test_guide_runs_on_maxtext_routed_moe(capsys):
+    blocks = _guide_blocks()
+    assert list(blocks) == ["environment", "build", "coverage", "check", "sparse"]
+    namespace = {"__name__": "checking_your_layer"}
+
+    def run(label: str) -> str:
+        exec(compile(blocks[label], f"docs/checking-your-layer.md[{label}]", "exec"), namespace)
+        return capsys.readouterr().out.replace(os.sep, "/")
+
+    run("build")
+    assert _params(namespace["layer"]).keys() == _params(namespace["twin"]).keys()
+    assert all(np.array_equal(a, b) for a, b in zip(_params(namespace["layer"]).values(),
+                                                     _params(namespace["twin"]).values()))
+    shown = run("coverage")
+    assert len(namespace["records"]) == 5 and [r.quantized for r in namespace["records"]] == [True] * 4 + [False]
+    # Each located in MaxText, never inside AQT or Flax's fp8 ops.
+    assert all("maxtext/layers/" in _location(r) for r in namespace["records"]), shown
+    assert re.fullmatch(r"forward 0\.\d{3}, worst gradient .+\n", run("check"))
+    # The figures the prose quotes are the ones the block prints.
+    ((forward, param, grad),) = re.findall(
+        r"fp8 prints `forward (0\.\d+), worst gradient \('([\w/]+)', (0\.\d+)\)`", GUIDE)
+    figures = namespace["figures"]
+    assert (f"{figures.rel_norm:.3f}", figures.worst_grad[0], f"{figures.worst_grad[1]:.3f}") == (forward, param, grad)
+    failure = run("sparse")
+    assert failure.count(_ragged_dot_line()) == 3, failure
+    # The line the prose names is the line MaxText's source has.
+    assert f"(moe.py:{_ragged_dot_line().rsplit(':', 1)[1]})" in GUIDE
