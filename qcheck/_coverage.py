@@ -67,6 +67,7 @@ MATMUL_PRIMITIVES: frozenset[str] = frozenset(
 _ERROR_PRIMITIVES = frozenset({"dot_general", "ragged_dot", "ragged_dot_general"})
 
 _ROUNDING = frozenset({"round", "floor", "ceil"})
+_BLOCK_SCALED = frozenset({"scaled_matmul_wrapper", "scaled_matmul", "scaled_dot"})
 
 #: The value-preserving ops: primitive -> (rule, data operands, why the grid survives).
 #: Rules: "first": the output is quantized when the (first) data operand is;
@@ -162,11 +163,31 @@ class MatmulRecord:
     backward: bool = False
     lhs_casts: frozenset[str] = frozenset()
     rhs_casts: frozenset[str] = frozenset()
+    #: A block-scaled matmul's (``jax.nn.scaled_matmul``, ``lax.scaled_dot``) block format per operand,
+    #: from its codes and scales: e.g. "mxfp8 (float8_e4m3fn, float8_e8m0fnu scales per 32)"; None otherwise.
+    lhs_block: str | None = None
+    rhs_block: str | None = None
 
     @property
     def quantized(self) -> bool:
         """Both operands reach the matmul quantized."""
         return self.lhs.quantized and self.rhs.quantized
+
+
+#: Block formats by (codes, scales, block size), as OCP MX and NVIDIA name them.
+_BLOCK_FORMAT_NAMES = {
+    ("float8_e4m3fn", "float8_e8m0fnu", 32): "mxfp8", ("float8_e5m2", "float8_e8m0fnu", 32): "mxfp8",
+    ("float4_e2m1fn", "float8_e8m0fnu", 32): "mxfp4", ("float4_e2m1fn", "float8_e4m3fn", 16): "nvfp4",
+}
+
+
+def _block_format(codes: Any, scales: Any, primitive: str) -> str:
+    c, sc = str(np.dtype(codes.dtype)), str(np.dtype(scales.dtype))
+    # scaled_matmul's operands are (batch, rows, K) with scales (batch, rows, K / block).
+    block = codes.shape[-1] // scales.shape[-1] if primitive != "scaled_dot" and scales.shape[-1] else None
+    name = _BLOCK_FORMAT_NAMES.get((c, sc, block))
+    per = f" per {block}" if block else ""
+    return f"{name + ' ' if name else ''}({c}, {sc} scales{per})"
 
 
 def skip_functions(*names: str) -> Callable[[MatmulRecord], bool]:
@@ -419,6 +440,12 @@ class _Walker:
 
     def matmul(self, eqn: jcore.JaxprEqn, ins: list[_Val], where: tuple[str, str], out: Any) -> None:
         lhs, rhs = ins[0], ins[1]
+        scales, blocks = (frozenset(), frozenset()), (None, None)
+        if eqn.primitive.name in _BLOCK_SCALED and len(eqn.invars) >= 4:
+            # Codes and their scales are separate operands: the scales' type is part of the operand's format.
+            sv = eqn.invars[2:4]
+            scales = tuple(v.casts | {str(np.dtype(x.aval.dtype))} for v, x in zip(ins[2:4], sv))
+            blocks = tuple(_block_format(c.aval, x.aval, eqn.primitive.name) for c, x in zip(eqn.invars[:2], sv))
         self.records.append(MatmulRecord(
             primitive=eqn.primitive.name,
             location=where[0],
@@ -430,8 +457,10 @@ class _Walker:
             lhs=lhs.quant or _FULL,
             rhs=rhs.quant or _FULL,
             backward=any(v.grad for v in ins),
-            lhs_casts=lhs.casts,
-            rhs_casts=rhs.casts,
+            lhs_casts=lhs.casts | scales[0],
+            rhs_casts=rhs.casts | scales[1],
+            lhs_block=blocks[0],
+            rhs_block=blocks[1],
         ))
         if out is None or eqn.primitive.name not in _ERROR_PRIMITIVES:
             return
@@ -609,7 +638,8 @@ def format_coverage(records: Sequence[MatmulRecord]) -> str:
     header = ("primitive", "location", "function", "lhs", "rhs", "quantized", "error")
     rows = [header] + [
         (r.primitive, r.location, r.function,
-         f"{r.lhs_shape} {r.lhs_dtype} {r.lhs}", f"{r.rhs_shape} {r.rhs_dtype} {r.rhs}",
+         f"{r.lhs_shape} {r.lhs_dtype} {r.lhs}" + (f" {r.lhs_block}" if r.lhs_block else ""),
+         f"{r.rhs_shape} {r.rhs_dtype} {r.rhs}" + (f" {r.rhs_block}" if r.rhs_block else ""),
          "yes" if r.quantized else "NO", "-" if r.error is None else f"{r.error:.4g}")
         for r in records
     ]

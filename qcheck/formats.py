@@ -392,12 +392,13 @@ NVFP4_RANGE = E2M1_MAX * E4M3_MAX  # 2688
 
 
 def jax_nvfp4_global_scale(x: ArrayLike) -> Array:
-    """The power of two at or above ``max|x| / 2688`` (1 for an all-zero ``x``), as float32 of shape (1,).
+    """The power of two at or above ``max|x| / 2688`` (1 for an all-zero ``x``), a float32 scalar.
 
     JAX leaves the NVFP4 global scale to the caller (``get_scaled_dot_general_config("nvfp4",
     global_scale)``, default 1); NVIDIA's is ``amax / (6 · 448)``. Rounded up to a power of two, dividing
     by it is exact and JAX's rescaling of the product by both operands' global scales is exact too, so
-    the product equals the einsum of the dequantized operands bit for bit. Exact, without a division:
+    the product equals the einsum of the dequantized operands bit for bit. A scalar, not JAX's default
+    shape (1,), which ``jax_numpy_rank_promotion="raise"`` refuses to broadcast against the operand. Exact, without a division:
     with amax = m · 2^e (m in [0.5, 1)) and 2688 = 0.65625 · 2^12, the scale is 2^(e - 12) when
     m <= 0.65625, else 2^(e - 11).
     """
@@ -405,8 +406,7 @@ def jax_nvfp4_global_scale(x: ArrayLike) -> Array:
     amax = jnp.max(jnp.abs(x))
     m, e = jnp.frexp(amax)
     k = jnp.clip(jnp.where(m <= 0.65625, e - 12, e - 11), E8M0_MIN_EXP + 1, E8M0_MAX_EXP)
-    g = jnp.where(amax >= np.finfo(np.float32).tiny, _pow2(k), jnp.float32(1.0))
-    return g.reshape(1)
+    return jnp.where(amax >= np.finfo(np.float32).tiny, _pow2(k), jnp.float32(1.0))
 
 
 def _e8m0_round_up_bits(s: Array) -> Array:
@@ -438,7 +438,7 @@ def _nvfp4_jax_quantize(x: Array, axes: tuple[int, ...]) -> _Codes:
     # JAX's nvfp4 with qcheck's power-of-two global scale g: x / g, block scale amax_b / 6 (XLA: times
     # float32(1 / 6)) clipped to [0, 448] and cast to e4m3fn, codes (x / g) / block clipped to ±6 and cast
     # to e2m1. One level below the global scale, where qcheck's nvfp4 divides s_enc / s_block first.
-    g = jax_nvfp4_global_scale(x)[0]
+    g = jax_nvfp4_global_scale(x)
     blocks, restore = _to_blocks(x.astype(jnp.float32) / g, axes, NVFP4_BLOCK, "nvfp4_jax")
     amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
     s_block = jnp.clip(amax * jnp.float32(1 / E2M1_MAX), 0, E4M3_MAX).astype(jnp.float8_e4m3fn)

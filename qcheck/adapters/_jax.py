@@ -82,8 +82,8 @@ def scaled_dot_general(configs: list, lhs: jax.Array, rhs: jax.Array, dimension_
 
 
 @functools.cache
-def scaled_dot_general_runs(backend: str | None = None) -> bool:
-    """Whether ``jax.nn.scaled_dot_general`` lowers on ``backend`` (default: JAX's default backend).
+def scaled_dot_general_runs() -> bool:
+    """Whether ``jax.nn.scaled_dot_general`` lowers on JAX's default backend.
 
     Lowering only, on abstract operands: nothing is compiled or run.
     """
@@ -92,7 +92,7 @@ def scaled_dot_general_runs(backend: str | None = None) -> bool:
     spec = jax.ShapeDtypeStruct((1, 1, 32), jnp.float32)
     dims = (((2,), (2,)), ((0,), (0,)))
     configs = [jax.nn.get_scaled_dot_general_config("mxfp8")] * 3
-    fn = jax.jit(functools.partial(scaled_dot_general, configs, dimension_numbers=dims), backend=backend)
+    fn = jax.jit(functools.partial(scaled_dot_general, configs, dimension_numbers=dims))
     try:
         fn.lower(spec, spec)
     except NotImplementedError:  # jax 0.10.2 on CPU: no lowering rule for 'scaled_matmul'
