@@ -360,7 +360,10 @@ def reference_dequantize(
     elif fmt in ("mxfp8", "mxfp8_jax"):
         b = _Blocks(c.shape, axes, _MX_BLOCK, fmt)
         exp = scales["block"].view(np.uint8).astype(np.int32) + _E8M0_MIN
-        out = b.join(np.ldexp(b.split(c), exp[..., None]))  # [def] x = code · 2^e, exact
+        # [def] x = code · 2^e, exact; mxfp8_jax's rounded-up scale lets a block of values within a code's
+        # rounding of float32's max come back inf (256 · 2^120 = 2^128), as JAX's dequantize gives too.
+        with np.errstate(over="ignore"):
+            out = b.join(np.ldexp(b.split(c), exp[..., None]))
     elif fmt == "nvfp4_jax":
         b = _Blocks(c.shape, axes, _NVFP4_BLOCK, fmt)
         # [def: JAX] code · block scale, then (exact: a power of two) the global scale.

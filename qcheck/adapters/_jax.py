@@ -152,11 +152,14 @@ class JaxScaledDotRecipe(Recipe):
     ``exact`` holds every site bit for bit to the referee of that rule.
     """
 
-    #: No exact gradient reference (the ``backward`` invariant; ``grads`` still runs): JAX's mxfp8 vjp
+    #: No exact gradient reference (the ``backward`` invariant; ``grads`` still runs). mxfp8's vjp
     #: quantizes the output gradient and re-quantizes the *original* other operand along the gradient
-    #: matmul's contraction, which no qcheck referee's gradient models (``grad_operands`` is "quantized"
-    #: or "original", never "re-quantized"); nvfp4's is the full-precision matmul of the original operands,
-    #: but summed over JAX's (batch, rows, contraction) reshape, not as the einsum's own vjp sums.
+    #: matmul's contraction, which no qcheck referee's gradient models (``grad_operands`` is "quantized" or
+    #: "original", never "re-quantized"). nvfp4's is the full-precision matmul of g and the original
+    #: operands (``grad_operands="original"``), bitwise the referee's on Mixtral's dense layer (jax
+    #: 0.12.0.1), but summed by ``jnp.matmul`` over JAX's (batch, rows, contraction) reshape: on the
+    #: dropping layer's dispatch (g contracts two axes) and through the sparse path's einsum, in another
+    #: order than the referee's einsum vjp (1 ulp at 101 of 2048 dispatch DGRAD elements).
     backward_paths: tuple[str, ...] = ()
 
     def __init__(self, name: str, mode: str, *, max_rel_norm: float | None = None,
