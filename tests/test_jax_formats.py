@@ -144,3 +144,15 @@ def test_jax_default_nvfp4_config_breaks_strict_rank_promotion():
                                              r"\(1, 4, 1, 16\) \(1,\).*jax_numpy_rank_promotion='raise'"):
             jax.eval_shape(lambda a: jax.nn.scaled_dot_general(a, a, dims, configs=default), a)
         jax.eval_shape(lambda a: jax.nn.scaled_dot_general(a, a, dims, configs=scalar), a)
+
+
+def test_bad_recipe_arguments_say_which_and_what_is_valid():
+    from qcheck.adapters import JaxScaledDotRecipe
+    from qcheck.adapters._jax import einsum_dimension_numbers
+
+    with pytest.raises(ValueError, match=r"mode must be one of mxfp8, nvfp4, got 'mxfp4'"):
+        JaxScaledDotRecipe("mine", "mxfp4")
+    with pytest.raises(ValueError, match=r"einsum 'ab,bc->c': index 'a' is summed within one operand"):
+        einsum_dimension_numbers("ab,bc->c")
+    assert einsum_dimension_numbers("BSM,EMH->BSEH") == ((((2,), (1,)), ((), ()))), (0, 1, 2, 3))
+    assert einsum_dimension_numbers("EBCM,BSEC->BSM") == ((((0, 2), (2, 3)), ((1,), (0,))), (0, 2, 1))
