@@ -154,5 +154,5 @@ def test_bad_recipe_arguments_say_which_and_what_is_valid():
         JaxScaledDotRecipe("mine", "mxfp4")
     with pytest.raises(ValueError, match=r"einsum 'ab,bc->c': index 'a' is summed within one operand"):
         einsum_dimension_numbers("ab,bc->c")
-    assert einsum_dimension_numbers("BSM,EMH->BSEH") == ((((2,), (1,)), ((), ()))), (0, 1, 2, 3))
+    assert einsum_dimension_numbers("BSM,EMH->BSEH") == ((((2,), (1,)), ((), ())), (0, 1, 2, 3))
     assert einsum_dimension_numbers("EBCM,BSEC->BSM") == ((((0, 2), (2, 3)), ((1,), (0,))), (0, 2, 1))
