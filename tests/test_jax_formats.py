@@ -156,3 +156,12 @@ def test_bad_recipe_arguments_say_which_and_what_is_valid():
         einsum_dimension_numbers("ab,bc->c")
     assert einsum_dimension_numbers("BSM,EMH->BSEH") == ((((2,), (1,)), ((), ())), (0, 1, 2, 3))
     assert einsum_dimension_numbers("EBCM,BSEC->BSM") == ((((0, 2), (2, 3)), ((1,), (0,))), (0, 2, 1))
+
+
+@pytest.mark.skipif(RUNS, reason="the recipes are registered here")
+def test_unknown_jax_recipe_says_why_it_is_not_offered():
+    from qcheck import get_recipe
+
+    with pytest.raises(ValueError, match=r"unknown recipe 'jax_nvfp4' \(offered only where "
+                                         r"jax.nn.scaled_dot_general lowers .*jax 0.10.2\); registered recipes: "):
+        get_recipe("jax_nvfp4")
