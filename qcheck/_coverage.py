@@ -80,6 +80,7 @@ MATMUL_PRIMITIVES: frozenset[str] = frozenset(
 _ERROR_PRIMITIVES = frozenset({"dot_general", "ragged_dot", "ragged_dot_general"})
 
 _ROUNDING = frozenset({"round", "floor", "ceil"})
+_BLOCK_SCALED = frozenset({"scaled_matmul_wrapper", "scaled_matmul", "scaled_dot"})
 
 #: Kernels whose bodies are not JAX ops the walk can follow: each is one record.
 _OPAQUE = frozenset({"pallas_call", "ffi_call", "custom_call", "tpu_custom_call", "mosaic_gpu_call",
@@ -193,6 +194,10 @@ class MatmulRecord:
     opaque: bool = False
     no_error: str | None = None
     skipped_by: str | None = None
+    #: A block-scaled matmul's (``jax.nn.scaled_matmul``, ``lax.scaled_dot``) block format per operand,
+    #: from its codes and scales: e.g. "mxfp8 (float8_e4m3fn, float8_e8m0fnu scales per 32)"; None otherwise.
+    lhs_block: str | None = None
+    rhs_block: str | None = None
 
     @property
     def quantized(self) -> bool:
@@ -204,6 +209,22 @@ class MatmulRecord:
         scope = f" in {self.scope}" if self.scope else ""
         return (f"{self.primitive} at {self.location} ({self.function}){scope}: lhs {self.lhs_shape} "
                 f"{self.lhs_dtype} [{self.lhs}], rhs {self.rhs_shape} {self.rhs_dtype} [{self.rhs}]")
+
+#: Block formats by (codes, scales, block size), as OCP MX and NVIDIA name them.
+_BLOCK_FORMAT_NAMES = {
+    ("float8_e4m3fn", "float8_e8m0fnu", 32): "mxfp8", ("float8_e5m2", "float8_e8m0fnu", 32): "mxfp8",
+    ("float4_e2m1fn", "float8_e8m0fnu", 32): "mxfp4", ("float4_e2m1fn", "float8_e4m3fn", 16): "nvfp4",
+}
+
+
+def _block_format(codes: Any, scales: Any, primitive: str) -> str:
+    c, sc = str(np.dtype(codes.dtype)), str(np.dtype(scales.dtype))
+    # scaled_matmul's operands are (batch, rows, K) with scales (batch, rows, K / block).
+    block = codes.shape[-1] // scales.shape[-1] if primitive != "scaled_dot" and scales.shape[-1] else None
+    name = _BLOCK_FORMAT_NAMES.get((c, sc, block))
+    per = f" per {block}" if block else ""
+    return f"{name + ' ' if name else ''}({c}, {sc} scales{per})"
+
 
 
 # -- skip rules -------------------------------------------------------------------
@@ -750,6 +771,12 @@ class _Walker:
         elif lhs.shadow is lhs.actual and rhs.shadow is rhs.actual:
             reason = "operands narrow from the start: no value before quantization"
         location, function = where.stack[0] if where.stack else ("<unknown>", "<unknown>")
+        scales, blocks = (frozenset(), frozenset()), (None, None)
+        if eqn.primitive.name in _BLOCK_SCALED and len(eqn.invars) >= 4:
+            # Codes and their scales are separate operands: the scales' type is part of the operand's format.
+            sv = eqn.invars[2:4]
+            scales = tuple(v.casts | {str(np.dtype(x.aval.dtype))} for v, x in zip(ins[2:4], sv))
+            blocks = tuple(_block_format(c.aval, x.aval, eqn.primitive.name) for c, x in zip(eqn.invars[:2], sv))
         self.records.append(MatmulRecord(
             primitive=eqn.primitive.name,
             location=location,
@@ -761,8 +788,10 @@ class _Walker:
             lhs=lhs.quant or _FULL,
             rhs=rhs.quant or _FULL,
             backward=any(v.grad for v in ins),
-            lhs_casts=lhs.casts,
-            rhs_casts=rhs.casts,
+            lhs_casts=lhs.casts | scales[0],
+            rhs_casts=rhs.casts | scales[1],
+            lhs_block=blocks[0],
+            rhs_block=blocks[1],
             scope="/".join(where.scope),
             stack=where.stack,
             opaque=opaque,
@@ -1010,7 +1039,8 @@ def format_coverage(records: Sequence[MatmulRecord], *, stack: bool = False) -> 
 
     rows = [header] + [
         (r.primitive, r.location, r.function, *((r.scope or "-",) if with_scope else ()),
-         f"{r.lhs_shape} {r.lhs_dtype} {r.lhs}", f"{r.rhs_shape} {r.rhs_dtype} {r.rhs}",
+         f"{r.lhs_shape} {r.lhs_dtype} {r.lhs}" + (f" {r.lhs_block}" if r.lhs_block else ""),
+         f"{r.rhs_shape} {r.rhs_dtype} {r.rhs}" + (f" {r.rhs_block}" if r.rhs_block else ""),
          state(r), "-" if r.error is None else f"{r.error:.4g}")
         for r in records
     ]

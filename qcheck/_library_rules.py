@@ -15,6 +15,11 @@ its float32 reciprocal, eager and jitted, and under jit x / scale too
 holds these functions bitwise to qwix itself, both ways, so a diagnosis made
 with one is the library's, not a guess.
 
+JAX before commit e1f12ba4 ("Correctly apply global scale in nvfp4
+quantization", July 2025; jax 0.6.2): ``scaled_dot_general``'s nvfp4 divided
+the block scales by the global scale but not the data, so codes came out the
+global scale times too small, nearly all 0 (100 % on jax 0.6.2, CPU).
+
 They are not qcheck formats (no JAX implementation, no recipe declares them):
 they only name a failure of ``exact`` that equals one of them.
 """
@@ -28,7 +33,7 @@ import numpy as np
 
 from qcheck.referees import _Blocks, _flush
 
-__all__ = ["LIBRARY_RULES", "QWIX_MIN_SCALE", "qwix_cast", "qwix_divide", "quantize_qwix_mxfp8", "quantize_qwix_nvfp4",
+__all__ = ["LIBRARY_RULES", "quantize_jax_nvfp4_e1f12ba4", "QWIX_MIN_SCALE", "qwix_cast", "qwix_divide", "quantize_qwix_mxfp8", "quantize_qwix_nvfp4",
            "qwix_scale"]
 
 _F32 = np.float32
@@ -78,6 +83,31 @@ def quantize_qwix_nvfp4(x: np.ndarray, axes: tuple[int, ...], xla_reciprocal: bo
     return b.join(qwix_cast(qwix_divide(blocks, scale, xla_reciprocal), _E2M1)), scale[..., 0]
 
 
+def quantize_jax_nvfp4_e1f12ba4(x: np.ndarray, axes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.float32]:
+    """JAX's nvfp4 before e1f12ba4 with qcheck's global scale g: ``(e2m1 codes, block scales, g)``.
+
+    Block scales amax_b / 6 / g (the global scale applied to them), codes x / block: the data was never
+    divided by g. Decoded as JAX did: codes · block · g.
+    """
+    from qcheck.referees import _jax_global_scale
+
+    g = _jax_global_scale(x)
+    b = _Blocks(x.shape, axes, 16, "nvfp4_jax")
+    blocks = b.split(np.asarray(x, _F32))
+    s = np.max(np.abs(blocks), axis=-1, keepdims=True) * (_F32(1) / _F32(6)) / g
+    scale = np.clip(s, 0, 448).astype(_E4M3).astype(_F32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        v = np.clip(blocks / scale, -6, 6)
+    v = np.where(np.isnan(v), _F32(-0.0), v)
+    return b.join(v.astype(_E2M1)), scale[..., 0], g
+
+
+def _jax_e1f12ba4(x: np.ndarray, axes: tuple[int, ...], ftz: bool) -> np.ndarray:
+    codes, scale, g = quantize_jax_nvfp4_e1f12ba4(x, axes)
+    b = _Blocks(x.shape, axes, 16, "")
+    return b.join(_flush(b.split(codes.astype(_F32)) * scale[..., None] * g, ftz).astype(_F32))
+
+
 def _dequantized(rule: Callable, block: int) -> Callable[[np.ndarray, tuple[int, ...], bool], np.ndarray]:
     def qdq(x: np.ndarray, axes: tuple[int, ...], ftz: bool) -> np.ndarray:
         # A jitted site (what exact checks) divides by the scale as XLA does under jit.
@@ -95,4 +125,6 @@ LIBRARY_RULES: dict[str, tuple[tuple[str, Callable[[np.ndarray, tuple[int, ...],
                _dequantized(quantize_qwix_mxfp8, 32)),),
     "nvfp4": (("qwix's one-level nvfp4 (e4m3fn block scales of amax / 6, no per-tensor scale)",
                _dequantized(quantize_qwix_nvfp4, 16)),),
+    "nvfp4_jax": (("JAX's nvfp4 before e1f12ba4 (the global scale divides the block scales but not the data, "
+                   "so its e2m1 codes are mostly zero)", _jax_e1f12ba4),),
 }

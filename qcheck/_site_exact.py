@@ -31,7 +31,9 @@ programs of the same quantized values, so no quantization bug hides in them:
 - :data:`EINSUM_LAYOUTS`: a block format's qdq moves the contraction axes last
   and back, and XLA may keep that layout for the dot, which then sums in
   another order (mxfp8 and nvfp4 ``wo`` on the dropping path); the reference
-  also runs the einsum on operands laid out contraction-last.
+  also runs the einsum on operands laid out contraction-last, and as one
+  batched dot over the flattened contraction (``jax.nn.scaled_dot_general``'s
+  layout: jax_mxfp8's ``combine``, which contracts two axes, sums in that order).
 """
 
 from __future__ import annotations
@@ -69,8 +71,9 @@ __all__ = [
 
 #: NVFP4 decode orders the reference accepts: qcheck's documented one, and XLA's rewrite of it.
 NVFP4_DECODE_ORDERS = ("1 / (s_enc / s_block)", "s_block / s_enc")
-#: Operand layouts the einsum reference runs in: as given, and contraction axes last (as a block qdq leaves them).
-EINSUM_LAYOUTS = ("as given", "contraction last")
+#: Operand layouts the einsum reference runs in: as given, contraction axes last (as a block qdq leaves
+#: them), and (batch, rows, flattened contraction) as one batched dot (as jax.nn.scaled_dot_general runs it).
+EINSUM_LAYOUTS = ("as given", "contraction last", "flattened")
 
 # The format a wrong-variant bug would use instead, by format.
 _NEIGHBOURS = {
@@ -85,6 +88,9 @@ _NEIGHBOURS = {
     "e5m2_current": ("e5m2", "e4m3fn_current"),
     "mxfp8": ("e4m3fn",),
     "nvfp4": (),
+    # JAX's rules: the OCP / NVIDIA format they differ from is the bug a wrong rule would be.
+    "mxfp8_jax": ("mxfp8", "e4m3fn"),
+    "nvfp4_jax": ("nvfp4",),
 }
 #: Where an fp8 flavour parts from its sibling only outside the probes' magnitudes (2^-4..2^10): the binade
 #: [2^lo, 2^hi) that :func:`probe_site_operands` gives some contraction fibres of an operand in that format.
@@ -100,7 +106,7 @@ PARTING_BINADES = {"e5m2": (-15, -14), "e5m2fnuz": (-15, -14)}
 # so that its products are small too and the rounding of the sum keeps the flavours apart.
 _PARTING_SHARE = 0.25
 # Formats whose scales depend on the axes (per slice or per block).
-_AXIS_FORMATS = frozenset({"int8", "int8_aqt", "int8_qwix", "mxfp8", "nvfp4"})
+_AXIS_FORMATS = frozenset({"int8", "int8_aqt", "int8_qwix", "mxfp8", "nvfp4", "mxfp8_jax", "nvfp4_jax"})
 
 
 def operand_formats(recipe: Recipe | str) -> tuple[str, str]:
@@ -143,6 +149,30 @@ def _einsum(eqn: str, a, b):
     return jnp.einsum(eqn, a, b)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _flattened(eqn: str, a, b):
+    # The einsum as JAX's scaled_dot_general runs it: each operand to (batch, rows, contraction), the
+    # contraction axes flattened in axis order, one batched dot, then the output's own layout.
+    ins, out = eqn.replace(" ", "").split("->")
+    sa, sb = ins.split(",")
+    batch = [i for i in sa if i in sb and i in out]
+    contract_a = [i for i in sa if i in sb and i not in out]
+    contract_b = [i for i in sb if i in sa and i not in out]
+    free_a, free_b = [i for i in sa if i not in sb], [i for i in sb if i not in sa]
+    size = dict(zip(sa, a.shape)) | dict(zip(sb, b.shape))
+
+    def to3(x, sub, free, contract):
+        perm = [sub.index(i) for i in batch + free + contract]
+        shape = [int(np.prod([size[i] for i in g])) for g in (batch, free, contract)]
+        return jnp.reshape(jnp.transpose(x, perm), shape)
+
+    y = jax.lax.dot_general(to3(a, sa, free_a, contract_a), to3(b, sb, free_b, contract_b),
+                            (((2,), (2,)), ((0,), (0,))))
+    produced = batch + free_a + free_b
+    y = jnp.reshape(y, [size[i] for i in produced])
+    return jnp.transpose(y, [produced.index(i) for i in out])
+
+
 @jax.jit
 def _ragged(a, b, group_sizes):
     return jax.lax.ragged_dot(a, b, group_sizes)
@@ -165,6 +195,8 @@ class _Matmul:
             return np.asarray(_ragged(jax.device_put(a), jax.device_put(b), jax.device_put(self.group_sizes)))
         if layout == EINSUM_LAYOUTS[0]:
             return np.asarray(_einsum(self.eqn, jax.device_put(a), jax.device_put(b)))
+        if layout == EINSUM_LAYOUTS[2]:
+            return np.asarray(_flattened(self.eqn, jax.device_put(a), jax.device_put(b)))
         (sa, a), (sb, b) = (self._last(s, x, ax) for s, x, ax in
                             ((self.subs[0], a, self.axes.lhs), (self.subs[1], b, self.axes.rhs)))
         return np.asarray(_einsum(f"{sa},{sb}->{self.out}", jax.device_put(a), jax.device_put(b)))
@@ -379,6 +411,7 @@ def probe_site_operands(
     nvfp4: bool = False,
     lhs_format: str | None = None,
     rhs_format: str | None = None,
+    spread: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Probe operands that make :func:`assert_site_exact` sharp for the matmul with contraction ``axes``.
 
@@ -390,6 +423,10 @@ def probe_site_operands(
     magnitudes (:data:`PARTING_BINADES`: e5m2 and e5m2fnuz) has a quarter of
     its contraction fibres filled from that binade instead, so the check can
     tell the two apart; without the formats it gets the plain probes.
+    ``spread`` scales the log-uniform probes by 2^r, r an integer in [-6, 6]
+    drawn per index of every axis, so block amaxes differ along any axes (a
+    power-of-two scale rounded up, as ``mxfp8_jax``'s, otherwise comes out the
+    same for every block of values that all reach about 2^10).
     """
     for fmt in (lhs_format, rhs_format):
         if fmt is not None and fmt not in _NEIGHBOURS:
@@ -399,6 +436,10 @@ def probe_site_operands(
         from qcheck.checks import probe_operands
 
         lhs, rhs = probe_operands(seed, lhs_shape, rhs_shape)
+        if spread:
+            rng = np.random.default_rng(seed + 1000)
+            lhs, rhs = (x * np.exp2(sum(rng.integers(-6, 7, n).reshape([-1 if d == a else 1 for d in range(x.ndim)])
+                                        for a, n in enumerate(x.shape))).astype(np.float32) for x in (lhs, rhs))
     else:
         from qcheck._backward import probe_nvfp4
 

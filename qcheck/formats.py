@@ -8,7 +8,8 @@ overflow into NaN). ``e4m3fn_current`` and ``e5m2_current`` scale the whole
 tensor by its own amax (TransformerEngine's Float8CurrentScaling); ``nvfp4`` and
 ``mxfp8`` are block formats. ``int8`` is symmetric absmax/127 (AQT with
 ``preserve_max_val=True``); ``int8_aqt`` and ``int8_qwix`` are the int8 that
-AQT's and qwix's defaults compute, absmax/127.5. :func:`quantize` returns the element codes and the
+AQT's and qwix's defaults compute, absmax/127.5; ``mxfp8_jax`` and ``nvfp4_jax`` are the block formats
+``jax.nn.scaled_dot_general`` computes (see :mod:`qcheck.adapters`). :func:`quantize` returns the element codes and the
 scales in their storage types, :func:`dequantize` maps them back, and
 :func:`qdq` is the one after the other.
 """
@@ -31,6 +32,7 @@ __all__ = [
     "CURRENT_MAX_SCALE",
     "E2M1_GRID",
     "FP8_DTYPES",
+    "jax_nvfp4_global_scale",
     "block_size",
     "MX_BLOCK",
     "NVFP4_BLOCK",
@@ -101,7 +103,7 @@ _CURRENT_FORMATS: dict[str, np.dtype] = {
 #: reaches the format's largest value; it is still quantized, not flushed.
 CURRENT_MAX_SCALE = 2.0**126
 
-_BLOCK_FORMATS = {"nvfp4": NVFP4_BLOCK, "mxfp8": MX_BLOCK}
+_BLOCK_FORMATS = {"nvfp4": NVFP4_BLOCK, "mxfp8": MX_BLOCK, "nvfp4_jax": NVFP4_BLOCK, "mxfp8_jax": MX_BLOCK}
 
 
 def format_names() -> tuple[str, ...]:
@@ -110,7 +112,7 @@ def format_names() -> tuple[str, ...]:
 
 
 def block_size(fmt: str) -> int | None:
-    """Elements per scale block along the quantized axes (``nvfp4``: 16, ``mxfp8``: 32); None for other formats."""
+    """Elements per scale block along the quantized axes (``nvfp4*``: 16, ``mxfp8*``: 32); None for other formats."""
     _check_format(fmt)
     return _BLOCK_FORMATS.get(fmt)
 
@@ -209,7 +211,10 @@ class Quantized:
     - ``nvfp4``: ``"block"``, float8_e4m3fn ``[..., n_blocks]``, and
       ``"tensor"``, a float32 scalar, the encode scale 6 · 448 / amax:
       x ≈ codes · block / tensor. A flushed block has block scale 0.
-    - ``mxfp8``: ``"block"``, float8_e8m0fnu ``[..., n_blocks]``: x ≈ codes · block.
+    - ``mxfp8``, ``mxfp8_jax``: ``"block"``, float8_e8m0fnu ``[..., n_blocks]``: x ≈ codes · block.
+    - ``nvfp4_jax``: ``"block"``, float8_e4m3fn ``[..., n_blocks]``, and
+      ``"tensor"``, the float32 global scale (a power of two, the decode
+      scale): x ≈ codes · block · tensor.
 
     ``axis`` is the normalized contraction axes; ``dtype`` is ``x``'s dtype,
     which :func:`dequantize` returns. A pytree, so it crosses ``jax.jit``.
@@ -379,6 +384,86 @@ def _mxfp8_dequantize(q: Quantized) -> Array:
     return restore(blocks * _pow2(half) * _pow2(exp - half)).astype(q.dtype)
 
 
+# -- JAX's block formats (jax.nn.scaled_dot_general, jax/_src/cudnn/scaled_matmul_stablehlo.py `quantize`,
+# the same rule in jax 0.10.2 and 0.12.0.1 for float32 operands) -------------------------------------------
+
+#: NVFP4's two-level range: e2m1's max times e4m3's max.
+NVFP4_RANGE = E2M1_MAX * E4M3_MAX  # 2688
+
+
+def jax_nvfp4_global_scale(x: ArrayLike) -> Array:
+    """The power of two at or above ``max|x| / 2688`` (1 for an all-zero ``x``), a float32 scalar.
+
+    JAX leaves the NVFP4 global scale to the caller (``get_scaled_dot_general_config("nvfp4",
+    global_scale)``, default 1); NVIDIA's is ``amax / (6 · 448)``. Rounded up to a power of two, dividing
+    by it is exact and JAX's rescaling of the product by both operands' global scales is exact too, so
+    the product equals the einsum of the dequantized operands bit for bit. A scalar, not JAX's default
+    shape (1,), which ``jax_numpy_rank_promotion="raise"`` refuses to broadcast against the operand. Exact, without a division:
+    with amax = m · 2^e (m in [0.5, 1)) and 2688 = 0.65625 · 2^12, the scale is 2^(e - 12) when
+    m <= 0.65625, else 2^(e - 11).
+    """
+    x = jnp.asarray(x, jnp.float32)
+    amax = jnp.max(jnp.abs(x))
+    m, e = jnp.frexp(amax)
+    k = jnp.clip(jnp.where(m <= 0.65625, e - 12, e - 11), E8M0_MIN_EXP + 1, E8M0_MAX_EXP)
+    return jnp.where(amax >= np.finfo(np.float32).tiny, _pow2(k), jnp.float32(1.0))
+
+
+def _e8m0_round_up_bits(s: Array) -> Array:
+    # JAX's cast_to_e8m0_with_rounding_up, op for op: the float32 exponent, plus one when any mantissa bit
+    # is set, except in the top binade (exponent 254) and for subnormals of at most half the smallest normal.
+    bits = jax.lax.bitcast_convert_type(s.astype(jnp.float32), jnp.uint32)
+    exp, mant = bits >> 23, bits & 0x7FFFFF
+    up = (mant > 0) & (exp != 0xFE) & ~((exp == 0) & (mant <= 0x400000))
+    return jnp.where(up, exp + 1, exp).astype(jnp.uint8)
+
+
+def _e8m0_decode(bits: Array) -> Array:
+    # JAX's e8m0_to_dtype: the bits as a float32 exponent; bits 0 (2^-127) as the float32 value 2^-127.
+    v = jax.lax.bitcast_convert_type(bits.astype(jnp.uint32) << 23, jnp.float32)
+    return jnp.where(v == 0, jnp.float32(2.0**-127), v)
+
+
+def _mxfp8_jax_quantize(x: Array, axes: tuple[int, ...]) -> _Codes:
+    # JAX's mxfp8: scale amax / 448 (XLA: times float32(1 / 448)) rounded UP to a power of two, where
+    # OCP MX v1.0 takes 2^(floor(log2 amax) - 8); codes x / scale clipped to ±448 and cast to e4m3fn.
+    blocks, restore = _to_blocks(x.astype(jnp.float32), axes, MX_BLOCK, "mxfp8_jax")
+    amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+    bits = _e8m0_round_up_bits(amax * jnp.float32(1 / E4M3_MAX))
+    codes = saturating_cast(blocks / _e8m0_decode(bits), _FP8_FORMATS["e4m3fn"])
+    return restore(codes), {"block": jax.lax.bitcast_convert_type(bits, jnp.float8_e8m0fnu)[..., 0]}
+
+
+def _nvfp4_jax_quantize(x: Array, axes: tuple[int, ...]) -> _Codes:
+    # JAX's nvfp4 with qcheck's power-of-two global scale g: x / g, block scale amax_b / 6 (XLA: times
+    # float32(1 / 6)) clipped to [0, 448] and cast to e4m3fn, codes (x / g) / block clipped to ±6 and cast
+    # to e2m1. One level below the global scale, where qcheck's nvfp4 divides s_enc / s_block first.
+    g = jax_nvfp4_global_scale(x)
+    blocks, restore = _to_blocks(x.astype(jnp.float32) / g, axes, NVFP4_BLOCK, "nvfp4_jax")
+    amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+    s_block = jnp.clip(amax * jnp.float32(1 / E2M1_MAX), 0, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    v = jnp.clip(blocks / s_block.astype(jnp.float32), -E2M1_MAX, E2M1_MAX)
+    # A block whose scale rounds to 0 divides by 0: ±6, and 0 / 0 (NaN), which XLA's e2m1 cast makes -0.
+    v = jnp.where(jnp.isnan(v), jnp.float32(-0.0), v)
+    return restore(round_e2m1(v)), {"block": s_block[..., 0], "tensor": g}
+
+
+def _mxfp8_jax_dequantize(q: Quantized) -> Array:
+    # JAX's CPU lowering (jax 0.12): codes and scales to float32, multiplied per block.
+    blocks, restore = _to_blocks(q.codes.astype(jnp.float32), q.axis, MX_BLOCK, "mxfp8_jax")
+    bits = jax.lax.bitcast_convert_type(q.scales["block"], jnp.uint8)[..., None]
+    exp = bits.astype(jnp.int32) + E8M0_MIN_EXP
+    half = exp // 2  # 2^-127 is subnormal: applied in two normal halves (see _mxfp8_dequantize)
+    return restore(blocks * _pow2(half) * _pow2(exp - half)).astype(q.dtype)
+
+
+def _nvfp4_jax_dequantize(q: Quantized) -> Array:
+    # codes times the e4m3 block scale, then the (power-of-two: exact) global scale.
+    blocks, restore = _to_blocks(q.codes.astype(jnp.float32), q.axis, NVFP4_BLOCK, "nvfp4_jax")
+    out = blocks * q.scales["block"].astype(jnp.float32)[..., None] * q.scales["tensor"]
+    return restore(out).astype(q.dtype)
+
+
 def quantize(
     x: ArrayLike,
     fmt: str,
@@ -398,10 +483,14 @@ def quantize(
     ``axis`` does not change them. ``nvfp4`` (blocks of 16) and ``mxfp8`` (blocks
     of 32) flatten ``axis`` into blocks, a ValueError if that is not a whole
     number of blocks. ``nvfp4`` rounds to nearest even, or stochastically when
-    ``rng`` (a PRNG key) is given; no other format takes ``rng``.
+    ``rng`` (a PRNG key) is given; no other format takes ``rng``. ``mxfp8_jax``
+    and ``nvfp4_jax`` are JAX's ``scaled_dot_general`` rule: the mxfp8 block
+    scale rounded up to 2^ceil(log2(amax / 448)); nvfp4 divided by a
+    power-of-two global scale (:func:`jax_nvfp4_global_scale`), then e4m3fn
+    block scales amax / 6 and codes x / block.
     """
     q = _quantize(x, fmt, axis, rng)
-    if fmt == "nvfp4":
+    if fmt in ("nvfp4", "nvfp4_jax"):
         q = dataclasses.replace(q, codes=q.codes.astype(jnp.float4_e2m1fn))
     return q
 
@@ -424,6 +513,10 @@ def _quantize(x: ArrayLike, fmt: str, axis: int | tuple[int, ...], rng: Array | 
         codes, scales = _nvfp4_quantize(x, axes, rng)
     elif fmt == "mxfp8":
         codes, scales = _mxfp8_quantize(x, axes)
+    elif fmt == "mxfp8_jax":
+        codes, scales = _mxfp8_jax_quantize(x, axes)
+    elif fmt == "nvfp4_jax":
+        codes, scales = _nvfp4_jax_quantize(x, axes)
     elif fmt in _CURRENT_FORMATS:
         codes, scales = _current_quantize(x, _CURRENT_FORMATS[fmt])
     else:
@@ -437,6 +530,8 @@ _DEQUANTIZE: dict[str, Callable[[Quantized], Array]] = {
     **{name: _current_dequantize for name in _CURRENT_FORMATS},
     "nvfp4": _nvfp4_dequantize,
     "mxfp8": _mxfp8_dequantize,
+    "mxfp8_jax": _mxfp8_jax_dequantize,
+    "nvfp4_jax": _nvfp4_jax_dequantize,
     **{name: _int8_dequantize for name in _INT8_LIBRARY_FORMATS},
 }
 

@@ -42,7 +42,7 @@ _FP8 = {
 _CURRENT = {"e4m3fn_current": _FP8["e4m3fn"], "e5m2_current": _FP8["e5m2"]}
 _E2M1 = np.dtype(ml_dtypes.float4_e2m1fn)
 _E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
-_NAMES = ("int8", *_FP8, *_CURRENT, "nvfp4", "mxfp8", "int8_aqt", "int8_qwix")
+_NAMES = ("int8", *_FP8, *_CURRENT, "nvfp4", "mxfp8", "nvfp4_jax", "mxfp8_jax", "int8_aqt", "int8_qwix")
 
 _INT8_BOUND = 127  # [def] symmetric int8: codes in [-127, 127], -128 unused
 # [def] AQT v2 IntSymmetric(8 bits, preserve_zero, not preserve_max_val) and qwix's
@@ -222,6 +222,57 @@ def _nvfp4(x: np.ndarray, axes: tuple[int, ...], uniforms: np.ndarray | None, ft
     return b.join(q).astype(_E2M1), scales
 
 
+# JAX's block formats: jax.nn.scaled_dot_general's `quantize` (jax/_src/cudnn/scaled_matmul_stablehlo.py,
+# the same for float32 in jax 0.10.2 and 0.12.0.1), as XLA computes it.
+
+
+def _e8m0_round_up(s: np.ndarray) -> np.ndarray:
+    # [def: JAX cast_to_e8m0_with_rounding_up] the float32 exponent field, plus one when a mantissa bit is
+    # set, except in the top binade (254) and for subnormals of at most half the smallest normal.
+    bits = np.asarray(s, _F32).view(np.uint32)
+    exp, mant = bits >> np.uint32(23), bits & np.uint32(0x7FFFFF)
+    up = (mant > 0) & (exp != 0xFE) & ~((exp == 0) & (mant <= 0x400000))
+    return np.where(up, exp + 1, exp).astype(np.uint8)
+
+
+def _mxfp8_jax(x: np.ndarray, axes: tuple[int, ...], ftz: bool):
+    b = _Blocks(x.shape, axes, _MX_BLOCK, "mxfp8_jax")
+    blocks = b.split(x)
+    amax = np.max(np.abs(blocks), axis=-1, keepdims=True)
+    # [XLA] amax / 448 as amax times float32(1 / 448), the constant division's rewrite.
+    bits = _e8m0_round_up(_flush(amax * (_F32(1) / _E4M3_MAX), ftz))
+    # [def: JAX e8m0_to_dtype] 2^(bits - 127); bits 0 read as 2^-127. ldexp by it is exact.
+    codes = _saturate(_flush(np.ldexp(blocks, -(bits.astype(np.int32) - 127)).astype(_F32), ftz), _FP8["e4m3fn"])
+    return b.join(codes), {"block": bits[..., 0].view(_E8M0)}
+
+
+def _jax_global_scale(x: np.ndarray) -> np.float32:
+    # [qcheck] formats.jax_nvfp4_global_scale: the smallest power of two g with g · 2688 >= amax
+    # (6 · 448 = 2688: NVIDIA's amax / 2688 rounded up), 1 for a zero tensor.
+    amax = _F32(np.max(np.abs(x)))
+    if not amax >= np.finfo(_F32).tiny:
+        return _F32(1)
+    k = int(math.ceil(math.log2(float(amax) / 2688.0)))  # float64: 2688 · 2^k is exact there
+    k += 2688.0 * 2.0**k < float(amax)  # log2 rounded either way: the definition decides
+    k -= 2688.0 * 2.0**(k - 1) >= float(amax)
+    return _F32(2.0 ** max(min(k, 127), -126))
+
+
+def _nvfp4_jax(x: np.ndarray, axes: tuple[int, ...], ftz: bool):
+    g = _jax_global_scale(x)
+    b = _Blocks(x.shape, axes, _NVFP4_BLOCK, "nvfp4_jax")
+    blocks = b.split(_flush((x / g).astype(_F32), ftz))  # [def] a power of two: exact
+    amax = np.max(np.abs(blocks), axis=-1, keepdims=True)
+    # [XLA] amax / 6 as amax times float32(1 / 6); [def: JAX] clipped to [0, 448], cast to e4m3fn.
+    s_block = np.clip(_flush(amax * (_F32(1) / _E2M1_MAX), ftz), 0, _E4M3_MAX).astype(_FP8["e4m3fn"])
+    sb = s_block.astype(_F32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        v = np.clip(_flush((blocks / sb).astype(_F32), ftz), -_E2M1_MAX, _E2M1_MAX)  # [def: JAX] x / block
+    v = np.where(np.isnan(v), _F32(-0.0), v)  # [XLA] 0 / 0 in a zero-scale block casts to e2m1 -0
+    codes = v.astype(_E2M1)  # [def] round to nearest, ties to even
+    return b.join(codes), {"block": s_block[..., 0], "tensor": np.asarray(g, _F32)}
+
+
 def _stochastic_e2m1(v: np.ndarray, u: np.ndarray) -> np.ndarray:
     # [def] unbiased stochastic rounding: between the grid neighbours lo <= |v| <= hi, take
     # hi when u < (|v| - lo) / (hi - lo), u uniform in [0, 1); the sign is v's.
@@ -282,6 +333,10 @@ def reference_quantize(
         return _current(x, _CURRENT[fmt], ftz)
     if fmt == "mxfp8":
         return _mxfp8(x, axes, ftz)
+    if fmt == "mxfp8_jax":
+        return _mxfp8_jax(x, axes, ftz)
+    if fmt == "nvfp4_jax":
+        return _nvfp4_jax(x, axes, ftz)
     return _nvfp4(x, axes, None if uniforms is None else np.asarray(uniforms, _F32), ftz)
 
 
@@ -302,10 +357,17 @@ def reference_dequantize(
         out = c
     elif fmt in _CURRENT:
         out = c * (_F32(1) / scales["tensor"])  # [def] decode scale 1 / scale
-    elif fmt == "mxfp8":
-        b = _Blocks(c.shape, axes, _MX_BLOCK, "mxfp8")
+    elif fmt in ("mxfp8", "mxfp8_jax"):
+        b = _Blocks(c.shape, axes, _MX_BLOCK, fmt)
         exp = scales["block"].view(np.uint8).astype(np.int32) + _E8M0_MIN
-        out = b.join(np.ldexp(b.split(c), exp[..., None]))  # [def] x = code · 2^e, exact
+        # [def] x = code · 2^e, exact; mxfp8_jax's rounded-up scale lets a block of values within a code's
+        # rounding of float32's max come back inf (256 · 2^120 = 2^128), as JAX's dequantize gives too.
+        with np.errstate(over="ignore"):
+            out = b.join(np.ldexp(b.split(c), exp[..., None]))
+    elif fmt == "nvfp4_jax":
+        b = _Blocks(c.shape, axes, _NVFP4_BLOCK, fmt)
+        # [def: JAX] code · block scale, then (exact: a power of two) the global scale.
+        out = b.join(b.split(c) * scales["block"].astype(_F32)[..., None] * scales["tensor"])
     else:
         b = _Blocks(c.shape, axes, _NVFP4_BLOCK, "nvfp4")
         sb = scales["block"].astype(_F32)[..., None]

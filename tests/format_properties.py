@@ -53,6 +53,18 @@ def mx_spec_scales(x: np.ndarray, fmt: Format) -> np.ndarray:
     return np.ldexp(np.ones(amax.shape, np.float32), exp.astype(np.int32))
 
 
+def mx_jax_spec_scales(x: np.ndarray, fmt: Format) -> np.ndarray:
+    """JAX's MXFP8 (jax.nn.scaled_dot_general): amax / 448 rounded up to a power of two (float64 here).
+
+    A zero block takes 2^-127, as JAX's e8m0 bits 0 read.
+    """
+    amax = np.max(np.abs(_blocks(x, fmt)), axis=-1, keepdims=True).astype(np.float64)
+    s = amax * float(np.float32(1) / np.float32(448))  # XLA's float32 reciprocal of 448, as JAX computes
+    with np.errstate(divide="ignore"):
+        exp = np.where(s > 0, np.ceil(np.log2(np.where(s > 0, s, 1.0))), -127)
+    return np.ldexp(np.ones(amax.shape, np.float32), np.clip(exp, -127, 127).astype(np.int32))
+
+
 def current_spec_scales(x: np.ndarray, fmt: Format) -> np.ndarray:
     """TransformerEngine's current scaling: decode scale 1 / (fmax / amax) over the whole tensor.
 
@@ -84,6 +96,9 @@ FORMATS = (
     Format("e4m3fn_current", block=32, idempotent_ulps=4, dtype=E4M3FN, spec_scales=current_spec_scales),
     Format("e5m2_current", block=32, idempotent_ulps=4, dtype=E5M2, spec_scales=current_spec_scales),
     Format("mxfp8", block=formats.MX_BLOCK, idempotent_ulps=0, dtype=E4M3FN, spec_scales=mx_spec_scales),
+    # JAX's rules (jax.nn.scaled_dot_general): NVFP4 under a power-of-two global scale, MXFP8 rounded up.
+    Format("nvfp4_jax", block=formats.NVFP4_BLOCK, idempotent_ulps=8),
+    Format("mxfp8_jax", block=formats.MX_BLOCK, idempotent_ulps=0, dtype=E4M3FN, spec_scales=mx_jax_spec_scales),
 )
 BY_NAME = {f.name: f for f in FORMATS}
 
@@ -111,10 +126,11 @@ def with_normal_block_scales(x: np.ndarray, fmt: Format) -> np.ndarray:
         low = np.max(np.abs(blocks), axis=-1) < fmt.min_amax
         blocks[..., 0] = np.where(low, np.float32(fmt.min_amax), blocks[..., 0])
         return blocks.reshape(x.shape)
-    if fmt.name != "nvfp4" or not np.any(x):
+    if fmt.name not in ("nvfp4", "nvfp4_jax") or not np.any(x):
         return x
     blocks = _blocks(x, fmt).copy()
-    floor = np.float32(np.max(np.abs(x)) * NVFP4_NORMAL_RANGE)
+    # nvfp4_jax's power-of-two global scale is up to twice NVIDIA's: its block scales up to a binade lower.
+    floor = np.float32(np.max(np.abs(x)) * NVFP4_NORMAL_RANGE * (2 if fmt.name == "nvfp4_jax" else 1))
     low = np.max(np.abs(blocks), axis=-1) < floor
     blocks[..., 0] = np.where(low, floor, blocks[..., 0])
     return blocks.reshape(x.shape)

@@ -556,7 +556,8 @@ def test_installed_recipes_include_aqt_when_aqtp_is_installed():
     _aqt()
     from qcheck.adapters import installed_recipes
 
-    assert [r.name for r in installed_recipes()][:4] == ["flax_fp8", "flax_nanoo_fp8", "aqt_int8", "aqt_int8_ragged"]
+    want = ["flax_fp8", "flax_nanoo_fp8", *_JAX_RECIPES(), "aqt_int8", "aqt_int8_ragged"]
+    assert [r.name for r in installed_recipes()][:len(want)] == want
 
 
 def test_installed_recipes_include_qwix_int8_when_qwix_is_installed():
@@ -570,7 +571,23 @@ def test_installed_recipes_leave_out_a_missing_library(monkeypatch):
     import qcheck.adapters as adapters
 
     monkeypatch.setattr(adapters, "_has", lambda module: False)
-    assert [r.name for r in adapters.installed_recipes()] == ["flax_fp8", "flax_nanoo_fp8"]
+    assert [r.name for r in adapters.installed_recipes()] == ["flax_fp8", "flax_nanoo_fp8", *_JAX_RECIPES()]
+
+
+def _JAX_RECIPES() -> list[str]:
+    from qcheck.adapters import scaled_dot_general_runs
+
+    return ["jax_mxfp8", "jax_nvfp4"] if scaled_dot_general_runs() else []
+
+
+def test_installed_recipes_offer_jax_scaled_dot_only_where_it_lowers(monkeypatch):
+    # jax 0.10.2 has no CPU lowering for scaled_matmul: there the recipes would fail every cell.
+    import qcheck.adapters as adapters
+
+    names = [r.name for r in adapters.installed_recipes()]
+    assert ("jax_mxfp8" in names and "jax_nvfp4" in names) == adapters.scaled_dot_general_runs()
+    monkeypatch.setattr(adapters, "scaled_dot_general_runs", lambda: False)
+    assert not {"jax_mxfp8", "jax_nvfp4"} & {r.name for r in adapters.installed_recipes()}
 
 
 # -- qwix ------------------------------------------------------------------------

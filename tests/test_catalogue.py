@@ -211,6 +211,91 @@ def test_exact_catches_a_layer_calling_wi_0_where_wi_1_belongs():
         assert_layer_sites_exact(broken, X, "int8", label="bug")
 
 
+from qcheck.adapters import JaxScaledDotRecipe, scaled_dot_general_runs  # noqa: E402
+from qcheck.adapters._jax import JaxScaledDotSite, einsum_dimension_numbers  # noqa: E402
+
+needs_scaled_matmul = pytest.mark.skipif(
+    not scaled_dot_general_runs(), reason=f"jax {jax.__version__} has no {jax.default_backend()} lowering for "
+                                          "jax.nn.scaled_matmul (jax 0.10.2 on CPU)")
+
+
+def _to_3d(x, sub: str, first: str, keep: str, contract: str):
+    """``x`` as (batch, rows, contraction), each group of indices flattened in ``sub``'s order."""
+    groups = [[i for i in sub if i in g] for g in (first, keep, contract)]
+    size = dict(zip(sub, x.shape))
+    t = jnp.transpose(x, [sub.index(i) for g in groups for i in g])
+    return t.reshape([int(np.prod([size[i] for i in g])) for g in groups])
+
+
+class JaxNvfp4BeforeE1f12ba4(JaxScaledDotSite):
+    """jax.nn.scaled_dot_general's nvfp4 as it was before jax commit e1f12ba4, on jax.nn.scaled_matmul."""
+
+    def _einsum(self, eqn, lhs, rhs):
+        from qcheck.formats import jax_nvfp4_global_scale
+
+        (sa, sb), out = eqn.split("->")[0].split(","), eqn.split("->")[1]
+        batch = "".join(i for i in sa if i in sb and i in out)
+        contract = "".join(i for i in sa if i in sb and i not in out)
+        free_a, free_b = "".join(i for i in sa if i not in sb), "".join(i for i in sb if i not in sa)
+
+        def quantize(x, sub, free):
+            g = jax_nvfp4_global_scale(x)
+            x3 = _to_3d(x, sub, batch, free, contract)
+            blocks = x3.reshape(*x3.shape[:2], -1, 16)
+            # The bug: the global scale divides the block scales, but the data is never divided by it.
+            s = jnp.clip(jnp.max(jnp.abs(blocks), axis=-1, keepdims=True) / 6.0 / g, 0, 448).astype(E4M3FN)
+            codes = jnp.clip(blocks / s.astype(jnp.float32), -6, 6).astype(jnp.float4_e2m1fn)
+            return codes.reshape(x3.shape), s[..., 0], g
+
+        (ca, sa_, ga), (cb, sb_, gb) = quantize(lhs, sa, free_a), quantize(rhs, sb, free_b)
+        y = jax.nn.scaled_matmul(ca, cb, sa_, sb_, preferred_element_type=jnp.float32) * (ga * gb)
+        size = dict(zip(sa, lhs.shape)) | dict(zip(sb, rhs.shape))
+        produced = batch + free_a + free_b
+        return jnp.transpose(y.reshape([size[i] for i in produced]), [produced.index(i) for i in out])
+
+
+class JaxNoConfigs(JaxScaledDotSite):
+    """jax.nn.scaled_dot_general called without configs: lax.dot_general in full precision."""
+
+    def _einsum(self, eqn, lhs, rhs):
+        dims, perm = einsum_dimension_numbers(eqn)
+        return jnp.transpose(jax.nn.scaled_dot_general(lhs, rhs, dims, configs=None), perm)
+
+
+class _PlantedJax(JaxScaledDotRecipe):
+    def __init__(self, name, site_cls):
+        super().__init__(name, "nvfp4")
+        self.site_cls = site_cls
+
+    def site_module(self, name):
+        return self.site_cls(mode="nvfp4")
+
+
+@needs_scaled_matmul
+def test_exact_catches_jax_nvfp4_global_scale_applied_to_block_scales_not_data():
+    # jax commit e1f12ba4 (July 2025) fixed it; JAX's own tests missed it, their reference being a matmul
+    # of the same dequantized tensors. Here the referee quantizes independently.
+    from qcheck._library_rules import quantize_jax_nvfp4_e1f12ba4
+
+    planted = _PlantedJax("jax_nvfp4_e1f12ba4", JaxNvfp4BeforeE1f12ba4)
+    with pytest.raises(AssertionError, match=r"bug: assert_site_exact: site 'wi_0' einsum 'BSM,EMH->BSEH' "
+                       r"\(nvfp4_jax x nvfp4_jax\): differs .*it equals both operands in JAX's nvfp4 before "
+                       r"e1f12ba4 \(the global scale divides the block scales but not the data, so its e2m1 codes "
+                       r"are mostly zero\) bitwise"):
+        invariants.assert_sites_exact(layer(planted), planted, "bug")
+    codes, _, _ = quantize_jax_nvfp4_e1f12ba4(np.asarray(X), (2,))  # the claim, on the layer's own input
+    assert np.mean(codes.astype(np.float32) == 0) > 0.99
+
+
+def test_coverage_catches_scaled_dot_general_called_without_configs():
+    # configs=None falls back to lax.dot_general (since jax ae29f63e; before, it quantized to MXFP8
+    # silently): every expert matmul in full precision, while the recipe declares nvfp4_jax.
+    planted = _PlantedJax("jax_no_configs", JaxNoConfigs)
+    with pytest.raises(AssertionError, match=r"3 of 5 matmuls reach full precision:\n  dot_general at .*"
+                       r"lhs \(\d+, \d+, \d+\) float32 \[full precision\].*lhs and rhs unquantized"):
+        invariants.assert_layer_quantized(layer(planted), X, "bug")
+
+
 # -- the backward pass: each site's gradients, bitwise --------------------------------
 
 
@@ -735,6 +820,10 @@ CATALOGUE = [
      test_exact_catches_mxfp8_weights_blocked_along_the_wrong_axes),
     ("a layer calling site 'wi_0' where 'wi_1' belongs (each site alone exact)", "`exact` (through the layer)",
      test_exact_catches_a_layer_calling_wi_0_where_wi_1_belongs),
+    ("JAX's nvfp4 before e1f12ba4: the global scale applied to the block scales, not the data (codes mostly 0)",
+     "`exact` (names the rule)", test_exact_catches_jax_nvfp4_global_scale_applied_to_block_scales_not_data),
+    ("`jax.nn.scaled_dot_general` called with `configs=None` (full-precision `dot_general`)", "`coverage`",
+     test_coverage_catches_scaled_dot_general_called_without_configs),
     ("a forward pass that writes fp8 state", "`state`",
      test_state_catches_a_forward_pass_that_writes_amax_history),
     ("an fp8 layer that lost its scales and histories", "`state`",

@@ -230,6 +230,8 @@ LAYOUT = {
     "e5m2_current": (E5M2, {"tensor": (F32, ())}),
     "nvfp4": (np.dtype(ml_dtypes.float4_e2m1fn), {"block": (E4M3FN, (4, 4)), "tensor": (F32, ())}),
     "mxfp8": (E4M3FN, {"block": (np.dtype(ml_dtypes.float8_e8m0fnu), (4, 2))}),
+    "nvfp4_jax": (np.dtype(ml_dtypes.float4_e2m1fn), {"block": (E4M3FN, (4, 4)), "tensor": (F32, ())}),
+    "mxfp8_jax": (E4M3FN, {"block": (np.dtype(ml_dtypes.float8_e8m0fnu), (4, 2))}),
 }
 
 

@@ -1,6 +1,9 @@
 """The quantization libraries people ship, run through qcheck as recipes.
 
-Flax's fp8 modules are always available (qcheck depends on Flax). AQT v2
+Flax's fp8 modules are always available (qcheck depends on Flax), and so are
+JAX's own ``jax.nn.scaled_dot_general`` recipes (``jax_mxfp8``, ``jax_nvfp4``),
+offered by :func:`installed_recipes` only where the backend lowers it (not CPU
+on jax 0.10.2). AQT v2
 (``pip install 'qcheck[aqt]'``) and qwix (``qcheck[qwix]``, an interception
 recipe: qwix applied to the ``none`` layer's call sites) load on first use
 of their names, so importing this package needs neither; without them those
@@ -26,6 +29,7 @@ from qcheck.adapters._flax import (
     flax_fp8_recipe,
     flax_nanoo_fp8,
 )
+from qcheck.adapters._jax import JaxScaledDotRecipe, jax_mxfp8, jax_nvfp4, scaled_dot_general_runs
 from qcheck.adapters._ragged import ragged_dot_from_einsum
 
 __all__ = [
@@ -35,6 +39,7 @@ __all__ = [
     "FLAX_FP8_MODULES",
     "AqtRecipe",
     "FlaxFp8Recipe",
+    "JaxScaledDotRecipe",
     "QwixRecipe",
     "aqt_int8",
     "aqt_int8_ragged",
@@ -43,9 +48,12 @@ __all__ = [
     "flax_fp8_recipe",
     "flax_nanoo_fp8",
     "installed_recipes",
+    "jax_mxfp8",
+    "jax_nvfp4",
     "qwix_int8",
     "qwix_quantize_model",
     "ragged_dot_from_einsum",
+    "scaled_dot_general_runs",
 ]
 
 _LAZY = {name: "qcheck.adapters._aqt" for name in ("AQT_RAGGED", "AQT_RAGGED_NO_GRADIENT", "AQT_RAGGED_SHARED_SCALE",
@@ -82,6 +90,8 @@ def installed_recipes() -> tuple[Recipe, ...]:
     import raises.
     """
     recipes: list[Recipe] = [flax_fp8(), flax_nanoo_fp8()]
+    if scaled_dot_general_runs():  # jax 0.10.2 has no CPU lowering for it
+        recipes += [jax_mxfp8(), jax_nvfp4()]
     if _has("aqt"):
         aqt = importlib.import_module("qcheck.adapters._aqt")
         recipes += [aqt.aqt_int8(), aqt.aqt_int8_ragged()]

@@ -67,9 +67,16 @@ def get_recipe(name: str | Recipe) -> Recipe:
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
+        why = _NOT_OFFERED.get(name, "") if isinstance(name, str) else ""
         raise ValueError(
-            f"unknown recipe {name!r}; registered recipes: {', '.join(_REGISTRY)}"
+            f"unknown recipe {name!r}{why}; registered recipes: {', '.join(_REGISTRY)}"
         ) from None
+
+
+# Adapter recipes qcheck.adapters.installed_recipes leaves out where they cannot run: why, for the message.
+_NOT_OFFERED = dict.fromkeys(
+    ("jax_mxfp8", "jax_nvfp4"),
+    " (offered only where jax.nn.scaled_dot_general lowers on the default backend: not on CPU with jax 0.10.2)")
 
 
 def recipe_source(name: str) -> str | None:

@@ -32,7 +32,10 @@ except ImportError:  # pragma: no cover
 __all__ = ["MATMUL_PRIMITIVES", "site_operands"]
 
 #: The primitives whose operands count as "what the site fed its matmul".
-MATMUL_PRIMITIVES = frozenset({"dot_general", "ragged_dot_general", "ragged_dot"})
+MATMUL_PRIMITIVES = frozenset({"dot_general", "ragged_dot_general", "ragged_dot", *(
+    _SCALED := frozenset({"scaled_matmul_wrapper", "scaled_matmul"}))})
+# jax.nn.scaled_dot_general's matmul takes (lhs codes, rhs codes, lhs scales, rhs scales): each side's
+# scales are recorded among the narrow values it was computed from.
 # Calls whose inner jaxpr takes the call's operands one for one: followed, so a
 # value computed inside a custom_vjp's forward is seen. Anything else (loops,
 # conds) is evaluated as a whole.
@@ -81,6 +84,8 @@ def _run(jaxpr: Jaxpr, consts, args, origins):
         ins = [read(v) for v in eqn.invars]
         vals = [x for x, _ in ins]
         came_from = tuple(o for _, os in ins for o in os)
+        if eqn.primitive.name in _SCALED:
+            raise _Found([(x, o + os + (sc,)) for (x, o), (sc, os) in zip(ins[:2], ins[2:4])])
         if eqn.primitive.name in MATMUL_PRIMITIVES:
             raise _Found(ins[:2])
         inner = _inner(eqn)

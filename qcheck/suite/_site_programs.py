@@ -78,7 +78,8 @@ def exact_probes(layer: MoE, recipe: Recipe) -> list[Probe]:
     out = []
     for i, (name, spec) in enumerate(layer.site_specs(BATCH, SEQ).items()):
         lhs, rhs = _site_exact.probe_site_operands(i, spec.lhs_shape, spec.rhs_shape, _axes(spec),
-                                                   lhs_format=lhs_fmt, rhs_format=rhs_fmt)
+                                                   lhs_format=lhs_fmt, rhs_format=rhs_fmt,
+                                                   spread="mxfp8_jax" in (lhs_fmt, rhs_fmt))
         sizes = None if spec.eqn is not None else probe_group_sizes(lhs.shape[0], rhs.shape[0], i)
         out.append(Probe(name, spec.eqn, lhs, rhs, sizes))
     return out

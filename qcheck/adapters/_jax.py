@@ -1,0 +1,193 @@
+"""JAX's own block-scaled dot (``jax.nn.scaled_dot_general``) as qcheck recipes: ``jax_mxfp8`` and ``jax_nvfp4``.
+
+Each call site runs ``jnp.einsum`` with ``jax.nn.scaled_dot_general`` as its
+dot_general, configured by ``jax.nn.get_scaled_dot_general_config("mxfp8" |
+"nvfp4")``. What JAX computes (read from jax/_src/cudnn/scaled_matmul_stablehlo.py,
+the same rule for float32 in jax 0.10.2 and 0.12.0.1; held bitwise to qcheck's
+referees by tests/test_jax_formats.py):
+
+- operands reshaped to (batch, rows, contraction) and quantized in blocks along
+  the flattened contraction axes, taken in axis order;
+- mxfp8: block scale amax / 448 rounded *up* to a power of two (OCP MX v1.0
+  takes 2^(floor(log2 amax) - 8), which saturates a block whose amax significand
+  exceeds 1.75), e4m3fn codes clipped to ±448: qcheck's ``mxfp8_jax``;
+- nvfp4: the operand divided by its global scale, e4m3fn block scales amax / 6
+  clipped to 448, e2m1 codes x / scale clipped to ±6; the product is multiplied
+  by both global scales. JAX takes the global scale from the caller (default 1,
+  one level); these recipes pass the power of two at or above NVIDIA's amax /
+  2688 (:func:`qcheck.formats.jax_nvfp4_global_scale`), so that rescaling is
+  exact: qcheck's ``nvfp4_jax``;
+- backward (its ``custom_vjp``): mxfp8 quantizes the output gradient and the
+  *original* other operand again in MXFP8 along the gradient matmul's
+  contraction; nvfp4 multiplies the full-precision output gradient by the
+  original operands, zeroing gradients where |x| > global · 6 · 448 (never, with
+  these global scales).
+
+jax 0.10.2 has no CPU lowering for the ``scaled_matmul`` primitive
+("MLIR translation rule for primitive 'scaled_matmul' not found for platform
+cpu"); jax 0.12 lowers it on CPU to a dequantize and a float32 dot.
+:func:`scaled_dot_general_runs` says whether this backend runs it, and
+:func:`qcheck.adapters.installed_recipes` offers the recipes only where it does.
+
+The sparse path has no scaled ragged_dot in JAX: each grouped matmul runs
+every row against every group through the same einsum
+(:func:`qcheck.adapters.ragged_dot_from_einsum`), so the whole weight is
+quantized as on the dense path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+from qcheck import formats
+from qcheck.adapters._ragged import ragged_dot_from_einsum
+from qcheck.recipes import Recipe
+from qcheck.recipes._nvfp4 import NVFP4_MAX_GRAD_REL_NORM, NVFP4_MAX_REL_NORM
+
+__all__ = ["JAX_MODES", "JaxScaledDotRecipe", "jax_mxfp8", "jax_nvfp4", "scaled_dot_general_runs"]
+
+#: The ``get_scaled_dot_general_config`` modes these recipes run, and the qcheck format each computes.
+JAX_MODES = {"mxfp8": "mxfp8_jax", "nvfp4": "nvfp4_jax"}
+
+# The built-in recipes' bounds (qcheck.recipes): measured against `none` over the case table (seed 0, jax
+# 0.12.0.1), jax_mxfp8 reaches 0.077 (outputs) and 0.093 (gradients), jax_nvfp4 0.30 and 0.36 (Mixtral
+# with dropping; its gradients are full precision, but taken through NVFP4 activations).
+_MAX_REL_NORM = {"mxfp8": 0.22, "nvfp4": NVFP4_MAX_REL_NORM}
+_MAX_GRAD_REL_NORM = {"mxfp8": None, "nvfp4": NVFP4_MAX_GRAD_REL_NORM}
+
+
+def scaled_dot_configs(mode: str, lhs: jax.Array, rhs: jax.Array) -> list:
+    """The ``configs`` of ``jax.nn.scaled_dot_general`` for ``lhs``, ``rhs`` and the output gradient.
+
+    nvfp4's global scales come from the operands as the site receives them:
+    the whole tensor's amax, whatever einsum transposes.
+    """
+    get = jax.nn.get_scaled_dot_general_config
+    if mode == "mxfp8":
+        return [get("mxfp8")] * 3
+    # The output gradient's config never quantizes in nvfp4's backward (full precision there).
+    return [get("nvfp4", formats.jax_nvfp4_global_scale(lhs)), get("nvfp4", formats.jax_nvfp4_global_scale(rhs)),
+            get("nvfp4")]
+
+
+def scaled_dot_general(configs: list, lhs: jax.Array, rhs: jax.Array, dimension_numbers, *_, **__) -> jax.Array:
+    """``jax.nn.scaled_dot_general`` with ``configs``, float32 out, with a ``lax.dot_general`` signature for einsum."""
+    return jax.nn.scaled_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=np.dtype(np.float32),
+                                     configs=configs)
+
+
+@functools.cache
+def scaled_dot_general_runs() -> bool:
+    """Whether ``jax.nn.scaled_dot_general`` lowers on JAX's default backend.
+
+    Lowering only, on abstract operands: nothing is compiled or run.
+    """
+    if not hasattr(jax.nn, "scaled_dot_general"):
+        return False
+    spec = jax.ShapeDtypeStruct((1, 1, 32), jnp.float32)
+    dims = (((2,), (2,)), ((0,), (0,)))
+    configs = [jax.nn.get_scaled_dot_general_config("mxfp8")] * 3
+    fn = jax.jit(functools.partial(scaled_dot_general, configs, dimension_numbers=dims))
+    try:
+        fn.lower(spec, spec)
+    except NotImplementedError:  # jax 0.10.2 on CPU: no lowering rule for 'scaled_matmul'
+        return False
+    return True
+
+
+def einsum_dimension_numbers(eqn: str) -> tuple[tuple, tuple[int, ...]]:
+    """``(dimension_numbers, out_perm)`` of a two-operand einsum as one dot_general, then a transpose.
+
+    Every index must appear in the output or in both operands (no index summed
+    within one operand), as in every matmul of a qcheck layer.
+    """
+    ins, out = eqn.replace(" ", "").split("->")
+    a, b = ins.split(",")
+    if bad := [i for i in a + b if i not in out and not (i in a and i in b)]:
+        raise ValueError(f"einsum {eqn!r}: index {bad[0]!r} is summed within one operand; not one dot_general")
+    contract = [i for i in a if i in b and i not in out]
+    batch = [i for i in a if i in b and i in out]
+    dims = ((tuple(a.index(i) for i in contract), tuple(b.index(i) for i in contract)),
+            (tuple(a.index(i) for i in batch), tuple(b.index(i) for i in batch)))
+    produced = batch + [i for i in a if i not in b] + [i for i in b if i not in a]
+    return dims, tuple(produced.index(i) for i in out)
+
+
+class JaxScaledDotSite(nn.Module):
+    """One call site: the einsum as one ``jax.nn.scaled_dot_general`` in ``mode``, then a transpose.
+
+    Not ``jnp.einsum(..., _dot_general=...)``: einsum traces its dot_general
+    under a jit of its own, and nvfp4's global scales (arrays inside
+    ``configs``, which JAX's custom_vjp keeps as a non-differentiable
+    argument its backward pass closes over) would leak from that trace when
+    the layer is differentiated under jit.
+    """
+
+    mode: str
+
+    def _einsum(self, eqn: str, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+        dtype = jnp.result_type(lhs, rhs)
+        lhs, rhs = jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype)
+        dims, perm = einsum_dimension_numbers(eqn)
+        out = scaled_dot_general(scaled_dot_configs(self.mode, lhs, rhs), lhs, rhs, dims)
+        return jnp.transpose(out, perm)
+
+    def __call__(self, eqn: str, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+        return self._einsum(eqn, lhs, rhs)
+
+    def ragged_dot(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        return ragged_dot_from_einsum(self._einsum, lhs, rhs, group_sizes)
+
+
+class JaxScaledDotRecipe(Recipe):
+    """A recipe whose every call site runs ``jax.nn.scaled_dot_general`` in ``mode`` ("mxfp8" or "nvfp4").
+
+    Its declared formats (``lhs``/``rhs``) are JAX's rule as qcheck names it
+    (``mxfp8_jax``, ``nvfp4_jax``), along each matmul's contraction axes, so
+    ``exact`` holds every site bit for bit to the referee of that rule.
+    """
+
+    #: No exact gradient reference (the ``backward`` invariant; ``grads`` still runs). mxfp8's vjp
+    #: quantizes the output gradient and re-quantizes the *original* other operand along the gradient
+    #: matmul's contraction, which no qcheck referee's gradient models (``grad_operands`` is "quantized" or
+    #: "original", never "re-quantized"). nvfp4's is the full-precision matmul of g and the original
+    #: operands (``grad_operands="original"``), bitwise the referee's on Mixtral's dense layer (jax
+    #: 0.12.0.1), but summed by ``jnp.matmul`` over JAX's (batch, rows, contraction) reshape: on the
+    #: dropping layer's dispatch (g contracts two axes) and through the sparse path's einsum, in another
+    #: order than the referee's einsum vjp (1 ulp at 101 of 2048 dispatch DGRAD elements).
+    backward_paths: tuple[str, ...] = ()
+
+    def __init__(self, name: str, mode: str, *, max_rel_norm: float | None = None,
+                 max_grad_rel_norm: float | None = None):
+        if mode not in JAX_MODES:
+            raise ValueError(f"mode must be one of {', '.join(JAX_MODES)}, got {mode!r}")
+        fmt = JAX_MODES[mode]
+        # mxfp8's vjp quantizes the output gradient in MXFP8 (so gradients never equal the twin's, and a
+        # gradient matmul over fewer than 32 tokens cannot run); nvfp4's multiplies it in full precision.
+        super().__init__(
+            name, lhs=fmt, rhs=fmt, grad=fmt if mode == "mxfp8" else None,
+            max_rel_norm=_MAX_REL_NORM[mode] if max_rel_norm is None else max_rel_norm,
+            max_grad_rel_norm=_MAX_GRAD_REL_NORM[mode] if max_grad_rel_norm is None else max_grad_rel_norm,
+            fp8_target="nvidia")
+        self.mode = mode
+
+    def site_module(self, name: str) -> nn.Module:
+        return JaxScaledDotSite(mode=self.mode)
+
+    def __repr__(self) -> str:
+        return f"JaxScaledDotRecipe({self.name!r}, {self.mode!r})"
+
+
+def jax_mxfp8(name: str = "jax_mxfp8") -> JaxScaledDotRecipe:
+    """``jax.nn.scaled_dot_general`` with ``get_scaled_dot_general_config("mxfp8")`` for lhs, rhs and gradients."""
+    return JaxScaledDotRecipe(name, "mxfp8")
+
+
+def jax_nvfp4(name: str = "jax_nvfp4") -> JaxScaledDotRecipe:
+    """``jax.nn.scaled_dot_general`` with ``get_scaled_dot_general_config("nvfp4", global_scale)`` per operand."""
+    return JaxScaledDotRecipe(name, "nvfp4")
