@@ -290,11 +290,21 @@ def _check_args(layer: Any, reference: Any, x: Any, max_rel_norm: float, max_gra
     return jnp.asarray(x), frozenset(skip_grads)
 
 
-def _traceable(what: str, fn: Callable[[], Any]) -> Any:
-    """``fn()``, with a failure of the layer's own code (not of a check) as one line naming the argument."""
+def _traceable(what: str, fn: Callable[[], Any], check: str | None = None) -> Any:
+    """``fn()``, with a failure of the layer's own code (not of a check) as one line naming the argument.
+
+    ``check``: the prefix of the assertion ``fn`` makes; any other ``AssertionError``
+    is the library's own (AQT asserts its shapes), not a failed check.
+    """
     try:
         return fn()
-    except (AssertionError, ValueError, _NoOutput):
+    except AssertionError as e:
+        if check is not None and str(e).startswith(check):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else "(no message)"
+        raise ValueError(f"check_layer: {what} could not be traced and run on {jax.default_backend()}: "
+                         f"AssertionError: {first}") from e
+    except (ValueError, _NoOutput):
         raise
     except Exception as e:  # noqa: BLE001 - any error of the user's code, reported once, chained
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -401,7 +411,7 @@ def check_layer(
     records: list[MatmulRecord] = []
     try:
         records = _traceable("layer", lambda: assert_quantized(form.probe, x, skip=skip, control=twin.probe,
-                                                                machinery=tuple(machinery)))
+                                                                machinery=tuple(machinery)), "assert_quantized")
     except AssertionError as e:
         failures.append(f"coverage: {e}")
 

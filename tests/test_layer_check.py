@@ -245,6 +245,11 @@ def test_check_layer_should_fail_on_a_parameter_the_twin_lacks():
         check_layer(layer, _maxtext_pair()[1], X, skip=_COMBINE)
 
 
+def _asserts(x):
+    assert x.shape[0] % 8 == 3  # a library's own shape assertion (AQT's), not a failed check
+    return x
+
+
 @pytest.mark.parametrize("call, error", [
     (lambda: check_layer(_fp8_matmul, _matmul, X[0].tolist()), r"check_layer: x must be a floating-point numpy "
                                                                 r"or JAX array, got list"),
@@ -276,6 +281,8 @@ def test_check_layer_should_fail_on_a_parameter_the_twin_lacks():
                                                                           r"and run on cpu: TypeError: dot_general "
                                                                           r"requires contracting dimensions"),
     (lambda: check_layer(_fp8_matmul, _matmul, X[0], output=1.5), r"check_layer: output must be None"),
+    (lambda: check_layer(_asserts, _matmul, X[0]), r"^check_layer: layer could not be traced and run on cpu: "
+                                                   r"AssertionError: assert \(32 % 8\) == 3$"),
     (lambda: check_layer(_fp8_matmul, _matmul, X[0], skip="gate"), r"check_layer: skip must be a callable"),
 ])
 def test_check_layer_bad_input_names_the_argument(call, error):
