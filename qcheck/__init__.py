@@ -39,6 +39,7 @@ __all__ = [
     "referees",
     "register_recipe",
     "skip_functions",
+    "train",
 ]
 
 _WHERE = {
@@ -67,12 +68,14 @@ _WHERE = {
     "copy_params_into": "qcheck._layer_check",
     "assert_fp8_state_matches": "qcheck._fp8_state",
     "fp8_state": "qcheck._fp8_state",
+    "train": "qcheck._train",
 }
 
 if TYPE_CHECKING:
     from qcheck import checks, formats, native, referees
     from qcheck._layer_check import LayerFigures, check_layer, copy_params_into
     from qcheck._fp8_state import assert_fp8_state_matches, fp8_state
+    from qcheck._train import train
     from qcheck._coverage import MatmulRecord, assert_quantized, coverage, format_coverage, skip_functions
     from qcheck.bridge import QuantSite
     from qcheck.models import build_decoder
