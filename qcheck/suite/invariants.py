@@ -436,7 +436,7 @@ def assert_fp8_state_moves_only_in_backward(
         raise AssertionError(f"{label}: two backward passes left scales unchanged at {still}")
 
 
-#: The ``train`` invariant's microbatches, and a clip threshold every case's gradient norm is far above.
+#: The ``train`` invariant's microbatches, and a clip threshold far below the cases' gradient norms (about 0.25).
 TRAIN_MICROBATCHES, TRAIN_MAX_NORM = 2, 1e-3
 
 
@@ -462,8 +462,8 @@ def assert_layer_trains(layer: MoE, x, label: str, *, calls=None) -> int:
     recorded by :func:`qcheck._site_exact.record_site_calls`; skipped without),
     bitwise, as a pair (Flax's ``Fp8Einsum`` records the weight as its "input"
     where ``jnp.einsum`` swaps the operands), and every amax history rolls
-    exactly once per step (over two steps). The output
-    gradient's amax has no cheap referee: the microbatch relation holds it.
+    exactly once per step (over two steps). The output gradient's amax has no
+    cheap referee: the microbatch relation holds it.
     Returns how many fp8 leaves were held.
     """
     __tracebackhide__ = True
@@ -485,8 +485,7 @@ def assert_layer_trains(layer: MoE, x, label: str, *, calls=None) -> int:
         for ins, ker in zip(_site_leaves(first, call.site, "input_amax_history"),
                             _site_leaves(first, call.site, "kernel_amax_history")):
             got = sorted((first[ins][0], first[ker][0]))
-            if np.array(got, np.float32).view(np.uint32).tolist() != np.array(want, np.float32).view(
-                    np.uint32).tolist():
+            if np.array(got, np.float32).view(np.uint32).tolist() != np.array(want).view(np.uint32).tolist():
                 raise AssertionError(
                     f"{label}: {ins}[0], {ker}[0] after one step are {first[ins][0]:.9g}, {first[ker][0]:.9g}; "
                     f"the referee's amaxes of the operands site {call.site!r} received are "
