@@ -52,3 +52,20 @@ def test_train_bad_input_is_one_line_naming_the_argument(kwargs, message):
 def test_train_takes_an_nnx_module():
     with pytest.raises(TypeError, match=r"^train: module must be an nnx\.Module, got dict$"):
         qcheck.train({}, np.zeros((2, 3), np.float32))
+
+
+@pytest.mark.parametrize("eqn, lhs_shape, swapped", [("BSM,EMH->BSEH", (2, 4, 8), False),
+                                                    ("BSEH,EHM->BSEM", (2, 4, 3, 8), True)])
+def test_flax_fp8einsum_records_the_weight_as_input_where_jnp_einsum_swaps_the_operands(eqn, lhs_shape, swapped):
+    # Why `train` holds a site's two histories to its operands' amaxes as a pair (flax 0.12.8, 0.12.12): the
+    # dense path's wo equation reaches Fp8Einsum's dot_general with the weight first. Numerics are unaffected
+    # (both operands e4m3, each with its own delayed scale); the names are not what they say.
+    import jax
+    import jax.numpy as jnp
+    from flax.linen import fp8_ops
+
+    op, lhs, rhs = fp8_ops.Fp8Einsum(), jnp.full(lhs_shape, 5.0), jnp.full((3, 8, 6), 0.5)
+    variables = op.init(jax.random.key(0), eqn, lhs, rhs)
+    new = jax.grad(lambda v: op.apply(v, eqn, lhs, rhs).sum())(variables)[fp8_ops.OVERWRITE_WITH_GRADIENT]
+    recorded = (float(new["input_amax_history"][0]), float(new["kernel_amax_history"][0]))
+    assert recorded == ((0.5, 5.0) if swapped else (5.0, 0.5))
