@@ -44,6 +44,7 @@ __all__ = [
     "skip_modules",
     "skip_where",
     "warmed_up",
+    "train",
 ]
 
 _WHERE = {
@@ -77,6 +78,7 @@ _WHERE = {
     "copy_params_into": "qcheck._layer_check",
     "assert_fp8_state_matches": "qcheck._fp8_state",
     "fp8_state": "qcheck._fp8_state",
+    "train": "qcheck._train",
 }
 
 if TYPE_CHECKING:
@@ -85,6 +87,7 @@ if TYPE_CHECKING:
     from qcheck._coverage import (MatmulRecord, Skip, assert_quantized, coverage, format_coverage, skip_at,
                                   skip_functions, skip_modules, skip_where, warmed_up)
     from qcheck._fp8_state import assert_fp8_state_matches, fp8_state
+    from qcheck._train import train
     from qcheck.bridge import QuantSite
     from qcheck.models import build_decoder
     from qcheck.moe import MODELS, PATHS, MoE, MoEConfig, build_moe

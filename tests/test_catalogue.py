@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 from flax import nnx
+from flax.linen import fp8_ops
 
 import qcheck
 from qcheck import check_layer, checks, get_recipe, step
@@ -26,7 +27,8 @@ from qcheck.suite import cases, golden, invariants
 from qcheck.bridge import QuantSite
 from qcheck.moe import MODELS, MoE
 from qcheck._site_exact import assert_layer_sites_exact
-from qcheck.recipes import ApplyRngs, Recipe
+from qcheck.recipes import ApplyRngs, DelayedScalingFp8, Recipe
+from qcheck.recipes._fp8 import DelayedScalingFp8Site
 from qcheck.recipes._sites import FormatSite, SiteOps
 from tests.test_layer_check import INPUT_GRAD, MIXTRAL, _moe, _moe_full_precision, _NaNBackwardMoE
 from tests.test_layer_check import X as LX
@@ -413,6 +415,108 @@ def test_fp8_state_catches_a_flax_fp8_op_reused_on_two_inputs():
             r"input_amax_history\[0\]: step_a [\d.]+, step_b [\d.]+, ratio 1\.\d+: larger than step_a's: more than "
             r"the max of what the site saw")):
         qcheck.assert_fp8_state_matches(loops.whole_batch, reused, once, batch)
+
+
+class _ReusedFp8Site(DelayedScalingFp8Site):
+    """One fp8 op applied twice to the input (``halves``: once to each half, a chunked einsum; else twice to
+    all of it, summing two quantizations): autodiff sums what the two uses record."""
+
+    halves: bool = True
+
+    def quantize_operands(self, lhs, rhs, axes):
+        def q(x, scale, history):
+            return fp8_ops.in_qdq(x.dtype, self.e4m3_dtype, x, scale.value, history.value)
+
+        if lhs.size < 2:  # the 1-element call that materializes the state
+            return super().quantize_operands(lhs, rhs, axes)
+        if self.halves:
+            flat, half = lhs.reshape(-1), lhs.size // 2
+            parts = [q(part, self.input_scale, self.input_amax_history) for part in (flat[:half], flat[half:])]
+            q_lhs = jnp.concatenate(parts).reshape(lhs.shape)
+        else:
+            q_lhs = (q(lhs, self.input_scale, self.input_amax_history)
+                     + q(lhs, self.input_scale, self.input_amax_history)) / 2
+        return q_lhs, q(rhs, self.kernel_scale, self.kernel_amax_history)
+
+
+class _ReusedFp8(DelayedScalingFp8):
+    def __init__(self, halves: bool):
+        super().__init__("fp8_halves" if halves else "fp8_twice", e4m3_dtype=E4M3FN, e5m2_dtype=jnp.float8_e5m2)
+        self.halves = halves
+
+    def site_module(self, name):
+        return _ReusedFp8Site(amax_history_length=self.amax_history_length, e4m3_dtype=self.e4m3_dtype,
+                              e5m2_dtype=self.e5m2_dtype, halves=self.halves)
+
+
+def _reused_case(monkeypatch, halves: bool) -> cases.Case:
+    planted = _ReusedFp8(halves)
+    monkeypatch.setitem(qcheck.recipes._registry._REGISTRY, planted.name, planted)
+    case = cases.Case(planted.name, cases.Variant("mixtral", "dense", False))
+    assert "train" in [i.name for i in invariants.INVARIANTS if i.applies(planted, case.variant)]
+    return case
+
+
+def test_train_catches_a_site_reused_on_two_halves_summing_its_amax(monkeypatch):
+    case = _reused_case(monkeypatch, halves=True)
+    with pytest.raises(AssertionError, match=rf"(?s)^{case.id} \(one batch vs 2 microbatches\): "
+                       r"assert_fp8_state_matches: 3 of 18 fp8 leaves differ.*\n  sites/wi_0/input_amax_history\[0\]: "
+                       r"step_a [\d.]+, step_b [\d.]+, ratio 1\.\d+: larger than step_a's: more than the max of "
+                       r"what the site saw"):
+        invariants.check_train(case)
+
+
+def test_train_catches_a_site_quantizing_its_input_twice_recording_twice_its_amax(monkeypatch):
+    # Twice the amax in one batch and in each microbatch alike: the relations hold, the referee's amax does not.
+    case = _reused_case(monkeypatch, halves=False)
+    with pytest.raises(AssertionError, match=rf"^{case.id}: sites/wi_0/input_amax_history\[0\], "
+                       r"sites/wi_0/kernel_amax_history\[0\] after one step are ([\d.]+), [\d.]+; the referee's "
+                       r"amaxes of the operands site 'wi_0' received are ([\d.]+) \(lhs\), [\d.]+ \(rhs\): the site "
+                       r"records other amaxes than its operands'") as info:
+        invariants.check_train(case)
+    recorded, referee = map(float, re.search(r"are ([\d.]+),.* are ([\d.]+) \(lhs", str(info.value)).groups())
+    assert recorded == pytest.approx(2 * referee, rel=1e-8)  # figures printed to 9 digits
+
+
+@jax.custom_vjp
+def _qdq_unrolled(x, scale, history):
+    return fp8_ops.in_qdq(x.dtype, E4M3FN, x, scale, history)
+
+
+def _qdq_unrolled_fwd(x, scale, history):
+    y, vjp = jax.vjp(_qdq_unrolled.__wrapped__, x, scale, history)
+    return y, (vjp, history)
+
+
+def _qdq_unrolled_bwd(res, g):
+    vjp, history = res
+    dx, dscale, new_history = vjp(g)
+    return dx, dscale, history.at[0].set(new_history[0])  # the bug: the newest amax written over, no roll
+
+
+_qdq_unrolled.defvjp(_qdq_unrolled_fwd, _qdq_unrolled_bwd)
+
+
+class _UnrolledFp8Site(DelayedScalingFp8Site):
+    def quantize_operands(self, lhs, rhs, axes):
+        _, q_rhs = super().quantize_operands(lhs, rhs, axes)
+        return _qdq_unrolled(lhs, self.input_scale.value, self.input_amax_history.value), q_rhs
+
+
+class _UnrolledFp8(DelayedScalingFp8):
+    def site_module(self, name):
+        return _UnrolledFp8Site(amax_history_length=self.amax_history_length, e4m3_dtype=self.e4m3_dtype,
+                                e5m2_dtype=self.e5m2_dtype)
+
+
+def test_train_catches_an_amax_history_written_over_at_0_not_rolled(monkeypatch):
+    # One step from a fresh history of zeros cannot tell; the second step's history can.
+    planted = _UnrolledFp8("fp8_unrolled", e4m3_dtype=E4M3FN, e5m2_dtype=jnp.float8_e5m2)
+    monkeypatch.setitem(qcheck.recipes._registry._REGISTRY, planted.name, planted)
+    case = cases.Case(planted.name, cases.Variant("mixtral", "dense", False))
+    with pytest.raises(AssertionError, match=rf"^{case.id}: sites/wi_0/input_amax_history at step 2 was not "
+                       r"rolled \(each history rolls once per step, newest amax at 0\)"):
+        invariants.check_train(case)
 
 
 # -- tracking the unquantized twin ----------------------------------------------
@@ -862,6 +966,13 @@ CATALOGUE = [
      test_fp8_state_catches_a_loop_weight_decaying_fp8_state),
     ("one Flax fp8 op reused on two inputs (weight tying): autodiff sums its amax and scales",
      "`assert_fp8_state_matches` (reused == applied once)", test_fp8_state_catches_a_flax_fp8_op_reused_on_two_inputs),
+    ("an fp8 site applying one op to each half of its input: autodiff sums the amax", "`train` (batch == microbatches)",
+     test_train_catches_a_site_reused_on_two_halves_summing_its_amax),
+    ("an fp8 site quantizing its input twice: twice the amax in a batch and in its microbatches alike",
+     "`train` (the referee's amax of what the site saw)",
+     test_train_catches_a_site_quantizing_its_input_twice_recording_twice_its_amax),
+    ("an amax history written over at 0 instead of rolled (one step cannot tell)", "`train` (rolls once per step)",
+     test_train_catches_an_amax_history_written_over_at_0_not_rolled),
     ("a layer whose quantization fell away everywhere", "`tracks`",
      test_tracks_catches_a_layer_whose_quantization_silently_fell_away),
     ("NANOO fp8 declared and built with e4m3fn alike (`exact`, `backward`, `tracks` follow the declaration)",

@@ -69,7 +69,7 @@ SPARSE = Case("aqt_int8_ragged", Variant("mixtral", "sparse", False))
 
 @pytest.mark.parametrize(
     "invariant, declared",
-    [("backward", AQT_RAGGED_NO_GRADIENT), ("grads", AQT_RAGGED_NO_GRADIENT), ("state", None),
+    [("backward", AQT_RAGGED_NO_GRADIENT), ("grads", AQT_RAGGED_NO_GRADIENT), ("state", None), ("train", None),
      ("exact", AQT_RAGGED_SHARED_SCALE), ("tracks", None), ("golden", None)],
 )
 def test_aqt_int8_ragged_declares_its_sparse_cells(invariant, declared):
@@ -100,7 +100,7 @@ def test_matrix_names_the_refusal_and_the_defect_in_notes():
     (row,) = matrix.run_matrix(("aqt_int8_ragged",), models=("mixtral",), paths=("sparse",))
     cells = {n: c.status for n, c in row.cells.items()}
     assert cells == {"sites": "pass", "coverage": "pass", "exact": "known", "backward": "unsupported",
-                     "tracks": "pass", "grads": "unsupported", "state": "n/a", "rng": "n/a",
+                     "tracks": "pass", "grads": "unsupported", "state": "n/a", "train": "n/a", "rng": "n/a",
                      "sharded": "pass", "golden": "pass"}, cells
     assert row.ok
     table = matrix.format_table([row])

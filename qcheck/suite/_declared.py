@@ -17,7 +17,7 @@ from qcheck.suite.cases import Case, Variant
 __all__ = ["KIND_INVARIANTS", "check_declared", "declared"]
 
 #: The invariants each kind of refusal covers: "gradient", every check that differentiates the layer.
-KIND_INVARIANTS = {"gradient": frozenset({"backward", "grads", "state", "rng"})}
+KIND_INVARIANTS = {"gradient": frozenset({"backward", "grads", "state", "train", "rng"})}
 #: Of those, the ones that say "not supported" for any recipe; the others (fp8 state, RNG plumbing) only
 #: where they would run for the recipe at all, else they stay "-".
 _ALWAYS = frozenset({"backward", "grads"})

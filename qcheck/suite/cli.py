@@ -32,6 +32,11 @@ Columns:
            the recipe's gradient bound of the twin's (not equal to it where
            the recipe quantizes gradients); the figure is the worst norm
   state    fp8 scales and amax histories move only in the backward pass
+  train    qcheck.train, the reference trainer, leaves the same fp8 state after
+           a step on the batch as after one over 2 microbatches, and clipped
+           and weight-decayed as not; each amax history rolls once per step
+           and holds the referee's amax of what its site received (recipes
+           with fp8 state, without token dropping)
   rng      the train step's u32 entry parameters stay flat at 1, 2 and 8 layers
            (recipes that share a stream); the figure is that count
   sharded  the layer on a 2 x 4 mesh of host devices computes the single-device

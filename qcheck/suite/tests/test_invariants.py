@@ -35,6 +35,11 @@ def test_fp8_state_moves_only_in_backward(qcheck_case):
     invariants.check_state(qcheck_case)
 
 
+@pytest.mark.qcheck_invariant("train")
+def test_reference_trainer_keeps_fp8_state_through_microbatches_and_the_optimizer(qcheck_case):
+    invariants.check_train(qcheck_case)
+
+
 def test_dense_and_sparse_compute_the_same_function(qcheck_paths):
     model, dropping = qcheck_paths
     assert invariants.check_paths_agree(model, dropping) <= invariants.PATHS_ATOL * 10
