@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from qcheck import formats
+from tests.helpers import import_extra
 
 F32 = np.float32
 _rng = np.random.default_rng(11)
@@ -37,21 +38,21 @@ RUNS = {"eager": lambda f: f, "jit": jax.jit}
 
 
 def _aqt_default(x, axes, run):
-    aqt_quantizer = pytest.importorskip("aqt.jax.v2.aqt_quantizer")
+    aqt_quantizer = import_extra("aqt", "aqt.jax.v2.aqt_quantizer")
     quantizer = aqt_quantizer.quantizer_make(8)
     qt = RUNS[run](lambda v: quantizer.quant(v, calibration_axes=list(axes))[0])(x)
     return qt.qvalue, qt.scale[0], qt.dequant()
 
 
 def _aqt_preserve_max_val(x, axes, run):
-    aqt_quantizer = pytest.importorskip("aqt.jax.v2.aqt_quantizer")
+    aqt_quantizer = import_extra("aqt", "aqt.jax.v2.aqt_quantizer")
     quantizer = aqt_quantizer.quantizer_make(8, preserve_max_val=True)
     qt = RUNS[run](lambda v: quantizer.quant(v, calibration_axes=list(axes))[0])(x)
     return qt.qvalue, qt.scale[0], qt.dequant()
 
 
 def _qwix(x, axes, run):
-    qwix = pytest.importorskip("qwix")
+    qwix = import_extra("qwix")
     keep = tuple(a for a in range(x.ndim) if a not in axes)
     qa = RUNS[run](lambda v: qwix.quantize(v, jnp.int8, channelwise_axes=keep))(x)
     return qa.qvalue, qa.scale, qwix.dequantize(qa)
