@@ -12,12 +12,13 @@ _process.configure()  # before anything starts a JAX backend (the xdist workers 
 
 pytest_plugins = ("pytester",)  # the plugin's own tests run pytest inside pytest
 
-# The xdist workers of one run share a compilation cache that lives only as long
-# as the run, so a program two workers need (an unquantized twin, an eager op) is
-# compiled once: 144 s -> 110 s of CPU on 2 cores. Runs stay cold: the controller
-# makes a new directory per run, the workers inherit its path, and it is removed
-# at the end. QCHECK_XLA_CACHE=DIR opts into a cache that persists across runs
-# instead (docs/performance.md says what it buys).
+# Local runs keep JAX's compilation cache across runs in a per-user directory
+# (qcheck._process.persistent_cache_dir; docs/performance.md says what it buys).
+# Where it is off (QCHECK_XLA_CACHE=0, or CI=true) runs stay cold, but the xdist
+# workers of one run still share a cache that lives only as long as the run, so
+# a program two workers need (an unquantized twin, an eager op) is compiled
+# once: 144 s -> 110 s of CPU on 2 cores. The controller makes a new directory
+# per run, the workers inherit its path, and it is removed at the end.
 _CACHE_ENV = "QCHECK_RUN_XLA_CACHE"
 
 
@@ -49,10 +50,10 @@ def _configure_test_process() -> None:
     # Implicit rank promotion hides shape bugs in einsum-heavy code.
     jax.config.update("jax_numpy_rank_promotion", "raise")
     # On a GPU node only the hardware-marked tests run there, on arrays they put there.
-    # QCHECK_XLA_CACHE, where set, wins over the run's own cache.
+    # The persistent cache, where on, wins over the run's own cache.
     worker = bool(os.environ.get("PYTEST_XDIST_WORKER"))
     run_cache = os.environ.get(_CACHE_ENV) if worker else None
-    _process.setup(worker=worker, cache_dir=os.environ.get(_process.PERSISTENT_CACHE_ENV) or run_cache)
+    _process.setup(worker=worker, cache_dir=_process.persistent_cache_dir() or run_cache, own=True)
 
     # Derandomized for CI (same examples every run, whatever the worker); no deadline
     # since the first example of a test pays for JIT compilation.
@@ -67,7 +68,7 @@ def _configure_test_process() -> None:
 def pytest_configure(config):
     if _runs_tests(config):
         _configure_test_process()
-    else:
+    elif _process.persistent_cache_dir() is None:
         os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="qcheck-xla-")
 
 

@@ -12,7 +12,8 @@ interpreter, ``pip install -e '.[test]'``), then runs every workload
 ref, new, ref, new, ... and judges the change by the per-round ratios.
 
 Workloads, each run cold in its own tree with its own venv (QCHECK_XLA_CACHE
-unset, everything else the same for both sides):
+unset and CI=true, which turns off the per-user compilation cache qcheck's own
+processes otherwise keep; everything else the same for both sides):
   suite   pytest -n auto -p no:cacheprovider -q [--pytest-args]
   matrix  python -m qcheck
 
@@ -231,6 +232,9 @@ def run_env(venv: Path, site_dir: Path, count_dir: Path) -> dict[str, str]:
     env["PYTHONPATH"] = str(site_dir)  # the compile counter only; nothing of either tree
     env[COMPILE_DIR_ENV] = str(count_dir)
     env["VIRTUAL_ENV"] = str(venv)
+    # Cold: a tree with the per-user compilation cache turns it off under CI (QCHECK_XLA_CACHE=0 would too, but
+    # an older tree would take "0" for a directory and keep a warm cache in it).
+    env["CI"] = "true"
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     return env
 

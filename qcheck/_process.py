@@ -15,8 +15,13 @@ before JAX starts a backend.
 - on a host whose default backend is an accelerator, uncommitted computations
   stay on the CPU: the invariants and golden cases are CPU numerics, and the
   hardware-marked tests put their arrays on the accelerator themselves.
-- an optional compilation cache (``$QCHECK_XLA_CACHE``, or one per run that
-  worker processes share): see docs/performance.md for what it buys.
+- JAX's persistent compilation cache: in qcheck's own processes (the ``qcheck``
+  command and its workers, qcheck's own test suite) by default in a per-user
+  directory, so a second local run compiles little; ``QCHECK_XLA_CACHE=0``
+  turns it off, ``QCHECK_XLA_CACHE=DIR`` moves it, and it is off where
+  ``CI=true`` (cold, as a clean clone runs). The pytest plugin in a user's
+  run uses one only where ``QCHECK_XLA_CACHE=DIR`` asks for it. See
+  docs/performance.md for what it buys.
 
 All of these are public XLA flags and JAX options. Outputs are deterministic
 under a fixed setting; a flag the user already set in ``XLA_FLAGS`` wins.
@@ -27,8 +32,9 @@ from __future__ import annotations
 import os
 from importlib import metadata
 
-#: Opt-in persistent compilation cache shared by every qcheck process and run.
+#: The persistent compilation cache: a directory, or one of CACHE_OFF to turn it off.
 PERSISTENT_CACHE_ENV = "QCHECK_XLA_CACHE"
+CACHE_OFF = ("0", "off", "false", "no")
 
 _ALWAYS = {
     "--xla_backend_optimization_level": "0",
@@ -73,6 +79,32 @@ def configure(environ=os.environ, *, one_thread: bool | None = None) -> None:
         environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
 
 
+def user_cache_dir(environ=os.environ) -> str:
+    """The per-user compilation cache: ``$XDG_CACHE_HOME/qcheck/xla/jaxlib-<version>`` (default ``~/.cache``).
+
+    JAX keys each entry on the program, jaxlib, the backend and the XLA flags,
+    so a stale entry is never used; the version in the path only lets an old
+    JAX's entries be removed with their directory.
+    """
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "qcheck", "xla", f"jaxlib-{_jaxlib_version() or 'unknown'}")
+
+
+def persistent_cache_dir(environ=os.environ, *, default: bool = True) -> str | None:
+    """The compilation cache a qcheck process uses, or ``None`` for none.
+
+    ``$QCHECK_XLA_CACHE``: a directory, or ``0``/``off`` for none. Unset: the
+    per-user directory where ``default`` (qcheck's own processes), except where
+    ``CI`` is true, whose runs stay cold; no cache where not ``default``.
+    """
+    value = environ.get(PERSISTENT_CACHE_ENV, "").strip()
+    if value:
+        return None if value.lower() in CACHE_OFF else value
+    if not default or environ.get("CI", "").strip().lower() in ("1", "true", "yes"):
+        return None
+    return user_cache_dir(environ)
+
+
 def use_compilation_cache(path: str) -> None:
     """Cache every compiled program under ``path`` (JAX's persistent cache), however small or fast.
 
@@ -100,15 +132,22 @@ def default_to_cpu() -> None:
         jax.config.update("jax_default_device", jax.devices("cpu")[0])
 
 
-def setup(*, worker: bool | None = None, cache_dir: str | None = None, environ=os.environ) -> None:
+def setup(*, worker: bool | None = None, cache_dir: str | None = None, own: bool = False,
+          environ=os.environ) -> None:
     """Set up a qcheck process: XLA flags before JAX starts, then the CPU default and the compilation cache.
 
     ``worker``: one of several worker processes (one intra-op thread; default:
     under pytest-xdist). ``cache_dir``: a compilation cache to use; without it,
-    ``$QCHECK_XLA_CACHE`` if set.
+    :func:`persistent_cache_dir`'s. ``own``: a process of qcheck's own (the
+    ``qcheck`` command, qcheck's test suite), which keeps the per-user cache
+    by default; its choice goes into ``$QCHECK_XLA_CACHE`` for the processes
+    it starts (``0`` where it keeps none).
     """
     configure(environ, one_thread=worker)
-    if cache := cache_dir or environ.get(PERSISTENT_CACHE_ENV):
+    persistent = persistent_cache_dir(environ, default=own)
+    if own:  # the processes this one starts (the matrix's workers, a test's `qcheck`) make the same choice
+        environ[PERSISTENT_CACHE_ENV] = persistent or CACHE_OFF[0]
+    if cache := cache_dir or persistent:
         use_compilation_cache(cache)
     default_to_cpu()
 

@@ -1,17 +1,59 @@
 """Helpers shared by several test modules."""
 
 import functools
+import importlib.util
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import pytest
 from flax import nnx
 
 import qcheck
 from qcheck.bridge import QuantSite
 
 EQN = "bd,de->be"
+
+#: The optional extras qcheck's tests use: extra -> (the module a test imports, how to install it).
+#: A test needing one skips, naming it, where it is missing: `pip install -e '.[test]'` alone passes.
+EXTRAS = {
+    "aqt": ("aqt.jax.v2", "pip install 'qcheck[aqt]'"),
+    "qwix": ("qwix", "pip install 'qcheck[qwix]'"),
+    # MaxText is no extra of qcheck's: it lives in its own environment (tox, a stage of .ci/run).
+    "maxtext": ("maxtext", "its own environment: .ci/maxtext.sh env VENV (docs/checking-your-layer.md)"),
+}
+
+
+def _extra(extra: str) -> tuple[str, str]:
+    if extra not in EXTRAS:
+        raise ValueError(f"extra: unknown extra {extra!r}; known: {', '.join(sorted(EXTRAS))}")
+    return EXTRAS[extra]
+
+
+def extra_skip_reason(extra: str) -> str:
+    """Why a test needing ``extra`` skips: the extra's name and how to install it."""
+    return f"needs the {extra} extra: {_extra(extra)[1]}"
+
+
+def extra_missing(extra: str) -> bool:
+    """Whether ``extra``'s module cannot be found (its parent packages are imported to look)."""
+    module = _extra(extra)[0]
+    try:
+        return importlib.util.find_spec(module) is None
+    except ModuleNotFoundError:  # a parent package of a dotted name is missing
+        return True
+
+
+def requires_extra(*extras: str) -> pytest.MarkDecorator:
+    """A skip mark for a test, class or module (``pytestmark``) that needs every one of ``extras``."""
+    missing = [e for e in extras if extra_missing(e)]
+    return pytest.mark.skipif(bool(missing), reason="; ".join(map(extra_skip_reason, missing)) or "")
+
+
+def import_extra(extra: str, module: str | None = None):
+    """Import ``module`` (default: the extra's own) inside a test, or skip it naming ``extra``."""
+    return pytest.importorskip(module or _extra(extra)[0], reason=extra_skip_reason(extra))
 
 
 def conversion_probes(dtype) -> np.ndarray:

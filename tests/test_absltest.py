@@ -6,10 +6,10 @@ Flax's and MaxText's suites run. The plain functions at the end check those
 two ways of running from the pytest suite.
 """
 
-if __name__ == "__main__":  # qcheck's own process: XLA flags (8 host devices) before JAX starts
+if __name__ == "__main__":  # qcheck's own process: XLA flags (8 host devices) and its compilation cache
     from qcheck import _process
 
-    _process.configure()
+    _process.setup(own=True)
 
 import os
 import re
@@ -266,8 +266,11 @@ class InvariantTestCaseTest(absltest.TestCase):
 
 
 def _env() -> dict[str, str]:
-    # A fresh run, not a worker of this one.
-    return {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "QCHECK_RUN_"))}
+    # A fresh run, not a worker of this one. The fresh interpreter is the point, not compiling afresh what this
+    # run compiled already: it shares this process's compilation cache where there is one (the run's, under CI).
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "QCHECK_RUN_"))}
+    env["QCHECK_XLA_CACHE"] = jax.config.jax_compilation_cache_dir or "0"
+    return env
 
 
 def test_pytest_collects_the_absltest_classes_with_readable_names():

@@ -24,6 +24,7 @@ from qcheck.adapters import flax_fp8, flax_fp8_recipe, flax_nanoo_fp8, ragged_do
 from qcheck.checks import assert_amax_histories_follow_operands, assert_ragged_groups_independent
 from qcheck.bridge import QuantSite
 from qcheck.suite import cases, invariants
+from tests.helpers import import_extra, requires_extra
 
 BATCH, SEQ = 2, 8
 
@@ -187,8 +188,8 @@ def test_aqt_backward_has_no_reference():
 def test_grads_invariant_trains_library_recipes_wherever_their_library_has_gradients(recipe, paths):
     """Without an exact reference for a library's gradients, `grads` still holds them to the none twin's;
     only AQT's ragged_dot, which has no backward pass (a declared cell), does not train."""
-    pytest.importorskip({"aqt_int8": "aqt.jax.v2", "aqt_int8_ragged": "aqt.jax.v2",
-                         "qwix_int8": "qwix"}.get(recipe, "flax"))
+    if extra := {"aqt_int8": "aqt", "aqt_int8_ragged": "aqt", "qwix_int8": "qwix"}.get(recipe):
+        import_extra(extra)
     from qcheck.suite.cases import VARIANTS
 
     (grads,) = (inv for inv in invariants.INVARIANTS if inv.name == "grads")
@@ -407,7 +408,7 @@ aqt_warns = pytest.mark.filterwarnings(
 
 
 def _aqt():
-    pytest.importorskip("aqt.jax.v2")
+    import_extra("aqt")
     from qcheck.adapters import _aqt
 
     return _aqt
@@ -561,7 +562,7 @@ def test_installed_recipes_include_aqt_when_aqtp_is_installed():
 
 
 def test_installed_recipes_include_qwix_int8_when_qwix_is_installed():
-    pytest.importorskip("qwix")
+    import_extra("qwix")
     from qcheck.adapters import installed_recipes
 
     assert [r.name for r in installed_recipes()][-1] == "qwix_int8"
@@ -599,7 +600,7 @@ qwix_warns = [
 
 
 def _qwix():
-    return pytest.importorskip("qwix")
+    return import_extra("qwix")
 
 
 def _qwix_rule(**qtypes):
@@ -637,7 +638,8 @@ def _qwix_dense_ragged_dot(a, b, gs):
 
 
 def _qwix_test(fn):
-    for mark in qwix_warns:
+    """A test of qwix itself or of qcheck's qwix adapters: skipped, naming the extra, without qwix."""
+    for mark in (requires_extra("qwix"), *qwix_warns):
         fn = mark(fn)
     return fn
 

@@ -185,3 +185,36 @@ def test_a_kept_env_is_reused_without_running_pip(tmp_path):
     (venv / "bin" / "python").touch()
     (venv / ".bench-ready").write_text("{}")
     assert compare.ensure_env(venv, tmp_path, "/nonexistent/python") is True
+
+
+# -- bench/tally.py: the per-file tally ---------------------------------------------------------
+
+
+def _load_tally():
+    spec = importlib.util.spec_from_file_location("bench_tally", _BENCH / "tally.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tally_lists_every_test_file_of_the_suite():
+    tally = _load_tally()
+    files = tally.suite_files()
+    assert "tests/test_bench_compare.py" in files and "qcheck/suite/tests/test_golden_cases.py" in files
+    assert all(Path(f).name.startswith("test_") for f in files)
+
+
+def test_tally_table_takes_medians_and_flags_a_failed_file():
+    tally = _load_tally()
+    run = dict(compile_s=1.0, cpu_s=2.0, wall_s=3.0, processes_with_jax=1, summary="3 passed in 1s")
+    records = [dict(run, file="a", exit=0, compiles=10), dict(run, file="a", exit=0, compiles=30),
+               dict(run, file="a", exit=0, compiles=14), dict(run, file="b", exit=1, compiles=5, summary="1 failed")]
+    lines = tally.table(records).splitlines()
+    assert lines[1].split()[:2] == ["a", "14"] and lines[1].endswith("3 passed in 1s")  # most programs first
+    assert lines[2].split()[:2] == ["b", "5"] and "EXIT 1: 1 failed" in lines[2]
+    assert lines[3].split()[:2] == ["total", "19"]
+
+
+def test_tally_names_a_missing_file():
+    with pytest.raises(SystemExit, match=r"\[tally\] files: not found under .*: tests/test_nothing\.py"):
+        _load_tally().main(["tests/test_nothing.py"])

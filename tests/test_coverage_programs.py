@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import qcheck
 from qcheck import assert_quantized, coverage, format_coverage
+from tests.helpers import import_extra
 
 try:
     from jax import shard_map
@@ -315,7 +316,7 @@ def test_a_package_named_as_machinery_moves_the_location_to_its_caller():
 
 
 def test_an_aqt_int8_matmul_is_located_at_the_callers_line():
-    pytest.importorskip("aqt", reason="needs the [aqt] extra (aqtp)")
+    import_extra("aqt")
     from aqt.jax.v2 import config
     from aqt.jax.v2.flax import aqt_flax
 

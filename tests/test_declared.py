@@ -12,9 +12,9 @@ import pytest
 from qcheck.recipes import KnownDefect, Unsupported, assert_still_unsupported
 from qcheck.suite import _declared, invariants, matrix
 from qcheck.suite.cases import Case, Variant
-from tests.helpers import INNER
+from tests.helpers import INNER, import_extra
 
-pytest.importorskip("aqt.jax.v2")
+import_extra("aqt")
 from qcheck.adapters import AQT_RAGGED_NO_GRADIENT, AQT_RAGGED_SHARED_SCALE  # noqa: E402
 
 

@@ -8,6 +8,7 @@ eager and jitted, as callers run it; codes, scales and the dequantized values
 are compared.
 """
 
+import functools
 import math
 
 import jax
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 from qcheck import formats
+from tests.helpers import import_extra
 
 F32 = np.float32
 _rng = np.random.default_rng(11)
@@ -36,25 +38,40 @@ OPERANDS = {
 RUNS = {"eager": lambda f: f, "jit": jax.jit}
 
 
-def _aqt_default(x, axes, run):
-    aqt_quantizer = pytest.importorskip("aqt.jax.v2.aqt_quantizer")
-    quantizer = aqt_quantizer.quantizer_make(8)
-    qt = RUNS[run](lambda v: quantizer.quant(v, calibration_axes=list(axes))[0])(x)
-    return qt.qvalue, qt.scale[0], qt.dequant()
+# One jitted (or eager) callable per library, format, axes and run, shared by every test that makes the same
+# call: a fresh lambda under jax.jit is a fresh program, compiled again for the same computation.
+def _aqt_default(axes, ndim):
+    quantizer = import_extra("aqt", "aqt.jax.v2.aqt_quantizer").quantizer_make(8)
+    return lambda v: quantizer.quant(v, calibration_axes=list(axes))[0]
 
 
-def _aqt_preserve_max_val(x, axes, run):
-    aqt_quantizer = pytest.importorskip("aqt.jax.v2.aqt_quantizer")
-    quantizer = aqt_quantizer.quantizer_make(8, preserve_max_val=True)
-    qt = RUNS[run](lambda v: quantizer.quant(v, calibration_axes=list(axes))[0])(x)
-    return qt.qvalue, qt.scale[0], qt.dequant()
+def _aqt_preserve_max_val(axes, ndim):
+    quantizer = import_extra("aqt", "aqt.jax.v2.aqt_quantizer").quantizer_make(8, preserve_max_val=True)
+    return lambda v: quantizer.quant(v, calibration_axes=list(axes))[0]
 
 
-def _qwix(x, axes, run):
-    qwix = pytest.importorskip("qwix")
-    keep = tuple(a for a in range(x.ndim) if a not in axes)
-    qa = RUNS[run](lambda v: qwix.quantize(v, jnp.int8, channelwise_axes=keep))(x)
-    return qa.qvalue, qa.scale, qwix.dequantize(qa)
+def _qwix(axes, ndim):
+    qwix = import_extra("qwix")
+    keep = tuple(a for a in range(ndim) if a not in axes)
+    return lambda v: qwix.quantize(v, jnp.int8, channelwise_axes=keep)
+
+
+@functools.cache
+def _library_call(library: str, axes: tuple[int, ...], ndim: int, run: str):
+    return RUNS[run](LIBRARIES[library](axes, ndim))
+
+
+@functools.cache
+def _qcheck_call(fmt: str, axes: tuple[int, ...], run: str):
+    return RUNS[run](lambda v: formats.quantize(v, fmt, axis=axes))
+
+
+def _library_quantize(library: str, x, axes, run):
+    """(codes, scale, dequantized values) of ``library``'s int8 quantization of ``x``."""
+    out = _library_call(library, axes, x.ndim, run)(x)
+    if library == "qwix":
+        return out.qvalue, out.scale, import_extra("qwix").dequantize(out)
+    return out.qvalue, out.scale[0], out.dequant()
 
 
 LIBRARIES = {"AQT default": _aqt_default, "AQT preserve_max_val": _aqt_preserve_max_val, "qwix": _qwix}
@@ -81,8 +98,8 @@ def _assert_same(what: str, got, want, skip: np.ndarray | None = None) -> None:
 def assert_format_matches_library(fmt: str, library: str, x: np.ndarray, axes: tuple[int, ...], run: str,
                                   scale_skip: np.ndarray | None = None) -> None:
     """``formats.quantize(x, fmt)``'s codes, scales and dequantized values equal ``library``'s, bitwise."""
-    q = RUNS[run](lambda v: formats.quantize(v, fmt, axis=axes))(x)
-    codes, scale, dequantized = LIBRARIES[library](x, axes, run)
+    q = _qcheck_call(fmt, axes, run)(x)
+    codes, scale, dequantized = _library_quantize(library, x, axes, run)
     prefix = f"{fmt} vs {library} ({run})"
     _assert_same(f"{prefix}: codes", q.codes, codes)
     _assert_same(f"{prefix}: scales", q.scales["slice"], scale, scale_skip)

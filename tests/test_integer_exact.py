@@ -23,8 +23,9 @@ from qcheck.bridge import QuantSite
 from qcheck.recipes import einsum_axes
 from qcheck.recipes._axes import RAGGED_AXES
 from qcheck.suite.invariants import probe_group_sizes
+from tests.helpers import import_extra
 
-pytest.importorskip("aqt.jax.v2")
+import_extra("aqt")
 from qcheck.adapters import aqt_int8, aqt_int8_ragged  # noqa: E402
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

@@ -13,6 +13,7 @@ from qcheck.models import build_decoder
 from qcheck.moe import MODELS, MoE
 from qcheck.recipes import InterceptRecipe
 from qcheck.suite import cases
+from tests.helpers import import_extra, requires_extra
 from tests.test_adapters import qwix_warns
 
 X = cases.layer_input("mixtral")
@@ -98,7 +99,7 @@ def test_scanned_decoder_refuses_an_intercept_recipe():
 
 
 def _qwix():
-    return pytest.importorskip("qwix")
+    return import_extra("qwix")
 
 
 def _int8_rule(**kw):
@@ -106,7 +107,8 @@ def _int8_rule(**kw):
 
 
 def qwix_test(fn):
-    for mark in qwix_warns:
+    """A test of qwix_int8 or QwixRecipe: skipped, naming the extra, without qwix; qwix's deprecations allowed."""
+    for mark in (requires_extra("qwix"), *qwix_warns):
         fn = mark(fn)
     return fn
 
@@ -153,6 +155,7 @@ def test_qwix_sees_a_qcheck_sites_weight_as_an_activation():
         checks.assert_tracks(np.asarray(step.apply(layer, X)[0]), _none_output())
 
 
+@qwix_test
 @pytest.mark.parametrize("rule, match", [
     (dict(weight_qtype=jnp.int8), r"weight_qtype=.*act_qtype=None: qwix's QT provider skips"),
     (dict(weight_qtype=jnp.int8, act_qtype=jnp.float8_e4m3fn), r"weight_qtype int8 differs from act_qtype "
@@ -168,6 +171,7 @@ def test_qwix_recipe_refuses_rules_that_tell_weights_from_activations(rule, matc
         QwixRecipe("q", [_int8_rule(**rule)])
 
 
+@qwix_test
 def test_qwix_recipe_bad_rules_are_named():
     from qcheck.adapters import QwixRecipe
 

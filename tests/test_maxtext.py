@@ -23,6 +23,7 @@ import pytest
 
 import qcheck
 from tests import maxtext_cells
+from tests.helpers import import_extra
 
 pytestmark = [
     # aqtp 0.9.0 passes arrays to jnp.promote_types (docs/libraries.md), and MaxText's int8 router calls AQT
@@ -48,7 +49,7 @@ def _maxtext():
         missing = [v for v in maxtext_cells.ENVIRONMENT if not os.environ.get(v)]
         assert not missing, (f"maxtext is installed but {', '.join(missing)} unset: run these tests through "
                              f".ci/maxtext.sh run PYTHON pytest ... (it sets them)")
-    pytest.importorskip("maxtext", reason="MaxText is not installed (its tests run in .ci/maxtext.sh's environment)")
+    import_extra("maxtext")
 
 
 @pytest.fixture(scope="module")

@@ -63,3 +63,75 @@ def test_an_accelerator_host_keeps_qcheck_on_the_cpu(monkeypatch):
         assert jax.jit(lambda x: x + 1)(1.0).devices() == {jax.devices("cpu")[0]}
     finally:
         jax.config.update("jax_default_device", None)
+
+
+# -- the persistent compilation cache: on in qcheck's own processes, off where asked or under CI ---------------
+
+
+@pytest.mark.parametrize("env, own, want", [
+    ({}, True, "USER"),                                   # qcheck's own process, locally: the per-user cache
+    ({}, False, None),                                    # the plugin in a user's run: none unless asked
+    ({"CI": "true"}, True, None),                         # CI stays cold
+    ({"CI": "1"}, True, None),
+    ({"CI": "false"}, True, "USER"),
+    ({"QCHECK_XLA_CACHE": "0"}, True, None),              # the one variable that turns it off
+    ({"QCHECK_XLA_CACHE": "off"}, True, None),
+    ({"QCHECK_XLA_CACHE": "/d"}, True, "/d"),             # ... or moves it, under CI too and for the plugin
+    ({"QCHECK_XLA_CACHE": "/d", "CI": "true"}, True, "/d"),
+    ({"QCHECK_XLA_CACHE": "/d"}, False, "/d"),
+    ({"QCHECK_XLA_CACHE": "0"}, False, None),
+])
+def test_persistent_cache_dir(env, own, want, tmp_path):
+    env = {"XDG_CACHE_HOME": str(tmp_path), **env}
+    got = _process.persistent_cache_dir(env, default=own)
+    assert got == (_process.user_cache_dir(env) if want == "USER" else want)
+
+
+def test_the_user_cache_is_per_user_and_per_jaxlib(tmp_path):
+    path = _process.user_cache_dir({"XDG_CACHE_HOME": str(tmp_path)})
+    assert path == str(tmp_path / "qcheck" / "xla" / f"jaxlib-{_process._jaxlib_version()}")
+
+
+@pytest.fixture
+def cache_calls(monkeypatch):
+    calls = []
+    monkeypatch.setattr(_process, "use_compilation_cache", calls.append)
+    monkeypatch.setattr(_process, "default_to_cpu", lambda: None)
+    return calls
+
+
+def test_setup_of_an_own_process_keeps_the_user_cache_and_passes_it_on(cache_calls, tmp_path):
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    _process.setup(own=True, worker=False, environ=env)
+    assert cache_calls == [_process.user_cache_dir(env)]
+    assert env["QCHECK_XLA_CACHE"] == _process.user_cache_dir(env)
+
+
+def test_setup_under_ci_keeps_no_cache_and_tells_its_children_should_fail(cache_calls, tmp_path):
+    env = {"XDG_CACHE_HOME": str(tmp_path), "CI": "true"}
+    _process.setup(own=True, worker=False, environ=env)
+    assert cache_calls == [] and env["QCHECK_XLA_CACHE"] == "0"
+    _process.setup(own=True, worker=False, cache_dir="/run-cache", environ=env)  # a run's own cache still serves
+    assert cache_calls == ["/run-cache"]
+
+
+def test_setup_outside_qcheck_s_own_processes_leaves_the_cache_and_the_environment_alone(cache_calls, tmp_path):
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    _process.setup(worker=False, environ=env)
+    assert cache_calls == [] and "QCHECK_XLA_CACHE" not in env
+
+
+def test_the_default_cache_fills_in_a_fresh_qcheck_process(tmp_path):
+    """End to end, as the `qcheck` command sets itself up: a compiled program lands in the per-user directory."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("QCHECK_XLA_CACHE", "CI", "XLA_FLAGS")}
+    env["XDG_CACHE_HOME"] = str(tmp_path)
+    probe = ("from qcheck import _process; _process.setup(own=True)\n"
+             "import jax; jax.jit(lambda x: x * 3 + 1)(2.0).block_until_ready()\n"
+             "print(_process.user_cache_dir())")
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    cache = done.stdout.strip()
+    assert cache.startswith(str(tmp_path)) and os.listdir(cache), done.stderr

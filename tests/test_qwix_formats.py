@@ -29,11 +29,13 @@ from qcheck._library_rules import (QWIX_MIN_SCALE, quantize_qwix_mxfp8, quantize
                                     qwix_scale)
 from qcheck._site_exact import assert_site_exact
 
-try:
-    import qwix
-except ImportError:  # pragma: no cover - depends on the environment; the module stays importable for its names
+from tests.helpers import extra_missing, requires_extra
+
+if extra_missing("qwix"):  # pragma: no cover - depends on the environment; the module stays importable for its names
     qwix = None
-pytestmark = pytest.mark.skipif(qwix is None, reason="needs qwix: pip install 'qcheck[qwix]'")
+else:
+    import qwix
+pytestmark = requires_extra("qwix")
 
 F32 = np.float32
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)

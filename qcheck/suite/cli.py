@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     from qcheck import _process
 
     args = _parser().parse_args(argv)
-    _process.setup()  # before the recipe modules or anything else starts JAX
+    _process.setup(own=True)  # before the recipe modules or anything else starts JAX
     commands = {"rng": _rng, "golden": _golden, "coverage": _coverage}
     try:
         module_recipes = _import_modules(args.recipe_modules or [])

@@ -170,14 +170,14 @@ def worker_pool(jobs: int, recipe_modules: tuple[str, ...] = ()) -> Iterator[Exe
     """``jobs`` worker processes for :func:`run_matrix` (``None`` for one: run in this process).
 
     Each worker imports ``recipe_modules``, runs one intra-op thread, and shares
-    a compilation cache with the others (``$QCHECK_XLA_CACHE`` if set, else one
+    a compilation cache with the others (``$QCHECK_XLA_CACHE``'s if any, else one
     made for the pool and removed after it), so a program two workers need is
     compiled once. Workers are spawned, not forked: JAX does not survive a fork.
     """
     if jobs <= 1:
         yield None
         return
-    cache = os.environ.get(_process.PERSISTENT_CACHE_ENV)
+    cache = _process.persistent_cache_dir(default=False)  # the command's choice, or the user's
     made = None if cache else tempfile.mkdtemp(prefix="qcheck-xla-")
     try:
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
