@@ -21,7 +21,7 @@ EXTRAS = {
     "aqt": ("aqt.jax.v2", "pip install 'qcheck[aqt]'"),
     "qwix": ("qwix", "pip install 'qcheck[qwix]'"),
     # MaxText is no extra of qcheck's: it lives in its own environment (tox, a stage of .ci/run).
-    "maxtext": ("maxtext", "its own environment: .ci/maxtext.sh env VENV (docs/checking-your-layer.md)"),
+    "maxtext": ("maxtext", "pip install maxtext==0.2.5 in its own environment: .ci/maxtext.sh env VENV (docs/checking-your-layer.md)"),
 }
 
 
