@@ -366,8 +366,10 @@ def reference_dequantize(
             out = b.join(np.ldexp(b.split(c), exp[..., None]))
     elif fmt == "nvfp4_jax":
         b = _Blocks(c.shape, axes, _NVFP4_BLOCK, fmt)
-        # [def: JAX] code · block scale, then (exact: a power of two) the global scale.
-        out = b.join(b.split(c) * scales["block"].astype(_F32)[..., None] * scales["tensor"])
+        # [def: JAX] code · block scale, then (exact: a power of two) the global scale; a block within a code's
+        # rounding of float32's max comes back inf, as JAX's dequantize gives too.
+        with np.errstate(over="ignore"):
+            out = b.join(b.split(c) * scales["block"].astype(_F32)[..., None] * scales["tensor"])
     else:
         b = _Blocks(c.shape, axes, _NVFP4_BLOCK, "nvfp4")
         sb = scales["block"].astype(_F32)[..., None]
