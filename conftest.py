@@ -6,14 +6,14 @@ import tempfile
 
 import pytest
 
-from qcheck import _process
+from qcheck.suite import _process
 
 _process.configure()  # before anything starts a JAX backend (the xdist workers inherit it)
 
 pytest_plugins = ("pytester",)  # the plugin's own tests run pytest inside pytest
 
 # Local runs keep JAX's compilation cache across runs in a per-user directory
-# (qcheck._process.persistent_cache_dir; docs/performance.md says what it buys).
+# (qcheck.suite._process.persistent_cache_dir; docs/performance.md says what it buys).
 # Where it is off (QCHECK_XLA_CACHE=0, or CI=true) runs stay cold, but the xdist
 # workers of one run still share a cache that lives only as long as the run, so
 # a program two workers need (an unquantized twin, an eager op) is compiled

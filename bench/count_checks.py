@@ -26,7 +26,7 @@ def _module(*names: str):
 def main() -> None:
     cases = _module("qcheck.suite.cases", "qcheck.cases")
     invariants = _module("qcheck.suite.invariants", "qcheck.invariants")
-    from qcheck.moe import MODELS
+    from qcheck.layers.moe import MODELS
     from qcheck.recipes import get_recipe
 
     table = cases.cases()

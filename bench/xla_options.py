@@ -2,7 +2,7 @@
 
     XLA_FLAGS="--xla_cpu_use_fusion_emitters=false" python bench/xla_options.py --xla_cpu_use_fusion_emitters=false
 
-qcheck's own flags (qcheck._process) are added to XLA_FLAGS first, as in
+qcheck's own flags (qcheck.suite._process) are added to XLA_FLAGS first, as in
 qcheck's processes. Compiles every format's qdq on a 64 x 64 operand and the
 fp8, int8 and nvfp4 Mixtral layers on both paths (34 programs), then prints
 one JSON line: the arguments (a label), programs compiled, backend compile
@@ -16,7 +16,7 @@ import json
 import sys
 import time
 
-from qcheck import _process
+from qcheck.suite import _process
 
 _process.configure()
 

@@ -48,13 +48,13 @@ __all__ = [
 ]
 
 _WHERE = {
-    "MODELS": "qcheck.moe",
-    "PATHS": "qcheck.moe",
-    "MoE": "qcheck.moe",
-    "MoEConfig": "qcheck.moe",
-    "build_moe": "qcheck.moe",
-    "build_decoder": "qcheck.models",
-    "QuantSite": "qcheck.bridge",
+    "MODELS": "qcheck.layers.moe",
+    "PATHS": "qcheck.layers.moe",
+    "MoE": "qcheck.layers.moe",
+    "MoEConfig": "qcheck.layers.moe",
+    "build_moe": "qcheck.layers.moe",
+    "build_decoder": "qcheck.layers.decoder",
+    "QuantSite": "qcheck.layers.bridge",
     "ApplyRngs": "qcheck.recipes",
     "Recipe": "qcheck.recipes",
     "InterceptRecipe": "qcheck.recipes",
@@ -73,24 +73,24 @@ _WHERE = {
     "skip_where": "qcheck._coverage",
     "Skip": "qcheck._coverage",
     "warmed_up": "qcheck._coverage",
-    "LayerFigures": "qcheck._layer_check",
-    "check_layer": "qcheck._layer_check",
-    "copy_params_into": "qcheck._layer_check",
-    "assert_fp8_state_matches": "qcheck._fp8_state",
-    "fp8_state": "qcheck._fp8_state",
-    "train": "qcheck._train",
+    "LayerFigures": "qcheck.checks._layer",
+    "check_layer": "qcheck.checks._layer",
+    "copy_params_into": "qcheck.checks._layer",
+    "assert_fp8_state_matches": "qcheck.checks._fp8_state",
+    "fp8_state": "qcheck.checks._fp8_state",
+    "train": "qcheck.layers._train",
 }
 
 if TYPE_CHECKING:
     from qcheck import checks, formats, native, referees
-    from qcheck._layer_check import LayerFigures, check_layer, copy_params_into
+    from qcheck.checks._layer import LayerFigures, check_layer, copy_params_into
     from qcheck._coverage import (MatmulRecord, Skip, assert_quantized, coverage, format_coverage, skip_at,
                                   skip_functions, skip_modules, skip_where, warmed_up)
-    from qcheck._fp8_state import assert_fp8_state_matches, fp8_state
-    from qcheck._train import train
-    from qcheck.bridge import QuantSite
-    from qcheck.models import build_decoder
-    from qcheck.moe import MODELS, PATHS, MoE, MoEConfig, build_moe
+    from qcheck.checks._fp8_state import assert_fp8_state_matches, fp8_state
+    from qcheck.layers._train import train
+    from qcheck.layers.bridge import QuantSite
+    from qcheck.layers.decoder import build_decoder
+    from qcheck.layers.moe import MODELS, PATHS, MoE, MoEConfig, build_moe
     from qcheck.recipes import (ApplyRngs, InterceptRecipe, KnownDefect, Recipe, Unsupported, get_recipe,
                                 recipe_names, register_recipe)
 

@@ -24,7 +24,7 @@ from jax import Array
 from jax.typing import ArrayLike
 
 from qcheck import formats
-from qcheck.checks import cast_reference
+from qcheck.checks._fresh import cast_reference
 
 __all__ = [
     "BLOCK_SCALED_FORMATS",

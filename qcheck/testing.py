@@ -244,7 +244,7 @@ class InvariantTestCase(QuantizationAssertions, parameterized.TestCase):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        from qcheck.moe import MODELS
+        from qcheck.layers.moe import MODELS
         from qcheck.suite.invariants import INVARIANTS
 
         names = [inv.name for inv in INVARIANTS]

@@ -22,7 +22,7 @@ from flax import nnx
 from flax.linen import fp8_ops
 from flax.training import train_state
 
-from qcheck.bridge import Fp8Meta
+from qcheck.layers.bridge import Fp8Meta
 
 OWG = fp8_ops.OVERWRITE_WITH_GRADIENT
 BATCH, FEATURES, HIDDEN, OUT = 8, 16, 32, 8

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import qcheck
-from qcheck.bridge import QuantSite
+from qcheck.layers.bridge import QuantSite
 
 EQN = "bd,de->be"
 

@@ -7,7 +7,7 @@ two ways of running from the pytest suite.
 """
 
 if __name__ == "__main__":  # qcheck's own process: XLA flags (8 host devices) and its compilation cache
-    from qcheck import _process
+    from qcheck.suite import _process
 
     _process.setup(own=True)
 

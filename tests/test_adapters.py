@@ -19,10 +19,11 @@ from flax import linen as nn
 from flax import nnx
 
 import qcheck
-from qcheck import checks, step
+from qcheck import checks
+from qcheck.layers import step
 from qcheck.adapters import flax_fp8, flax_fp8_recipe, flax_nanoo_fp8, ragged_dot_from_einsum
 from qcheck.checks import assert_amax_histories_follow_operands, assert_ragged_groups_independent
-from qcheck.bridge import QuantSite
+from qcheck.layers.bridge import QuantSite
 from qcheck.suite import cases, invariants
 from tests.helpers import import_extra, requires_extra
 

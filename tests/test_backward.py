@@ -10,15 +10,15 @@ from flax import nnx
 
 import qcheck
 from qcheck import checks, formats, get_recipe
-from qcheck._backward import (
+from qcheck.checks._backward import (
     _uniforms,
     assert_site_backward_exact,
     assert_site_ragged_backward_exact,
     probe_grad,
     probe_nvfp4,
 )
-from qcheck._referee_checks import nvfp4_uniforms
-from qcheck.bridge import QuantSite
+from qcheck.checks._referee import nvfp4_uniforms
+from qcheck.layers.bridge import QuantSite
 from qcheck.recipes import NVFP4, DelayedScalingFp8, Recipe
 from qcheck.recipes._fp8 import DelayedScalingFp8Site
 from qcheck.recipes._nvfp4 import NVFP4Site, quantizer_key
@@ -145,7 +145,7 @@ def test_site_backward_exact_original_operands_should_pass(kind):
 
 
 def test_layer_backward_names_quantized_operands_where_the_original_ones_are_declared():
-    from qcheck._layer_backward import assert_layer_sites_backward_exact
+    from qcheck.checks._layer_backward import assert_layer_sites_backward_exact
     from qcheck.suite import cases
 
     layer = qcheck.build_moe("mixtral", Recipe("int8_ste", lhs="int8", rhs="int8"), path="dense", seed=cases.SEED)

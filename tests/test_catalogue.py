@@ -22,11 +22,12 @@ from flax import nnx
 from flax.linen import fp8_ops
 
 import qcheck
-from qcheck import check_layer, checks, get_recipe, step
+from qcheck import check_layer, checks, get_recipe
+from qcheck.layers import step
 from qcheck.suite import cases, golden, invariants
-from qcheck.bridge import QuantSite
-from qcheck.moe import MODELS, MoE
-from qcheck._site_exact import assert_layer_sites_exact
+from qcheck.layers.bridge import QuantSite
+from qcheck.layers.moe import MODELS, MoE
+from qcheck.checks._site import assert_layer_sites_exact
 from qcheck.recipes import ApplyRngs, DelayedScalingFp8, Recipe
 from qcheck.recipes._fp8 import DelayedScalingFp8Site
 from qcheck.recipes._sites import FormatSite, SiteOps
@@ -277,7 +278,7 @@ class _PlantedJax(JaxScaledDotRecipe):
 def test_exact_catches_jax_nvfp4_global_scale_applied_to_block_scales_not_data():
     # jax commit e1f12ba4 (July 2025) fixed it; JAX's own tests missed it, their reference being a matmul
     # of the same dequantized tensors. Here the referee quantizes independently.
-    from qcheck._library_rules import quantize_jax_nvfp4_e1f12ba4
+    from qcheck.referees._libraries import quantize_jax_nvfp4_e1f12ba4
 
     planted = _PlantedJax("jax_nvfp4_e1f12ba4", JaxNvfp4BeforeE1f12ba4)
     with pytest.raises(AssertionError, match=r"bug: assert_site_exact: site 'wi_0' einsum 'BSM,EMH->BSEH' "
@@ -614,7 +615,7 @@ def test_coverage_catches_one_call_site_unquantized_on_the_sparse_path():
     sparse_none = cases.layer_output(cases.Case("none", cases.Variant("mixtral", "sparse", False)))
     assert checks.assert_tracks(out, sparse_none, max_rel_norm=0.22) < 0.22
     with pytest.raises(AssertionError, match=r"1 of 5 matmuls reach full precision:\n  ragged_dot_general at "
-                       r"qcheck/moe.py:\d+ \(MoE._sparse\).*lhs and rhs unquantized") as info:
+                       r"qcheck/layers/moe.py:\d+ \(MoE._sparse\).*lhs and rhs unquantized") as info:
         invariants.assert_layer_quantized(broken, X, "bug")
     location = str(info.value).split(" at ", 1)[1].split(" ", 1)[0]
     assert 's["wo"].ragged_dot(h, wo, sizes)' in _line(location)  # that call, on that line
@@ -644,7 +645,7 @@ def test_coverage_catches_nanoo_declared_and_built_in_e4m3fn(monkeypatch):
         invariants.check_coverage(case)
     # The program alone, declaration aside: the site, the type, the pass, the target.
     with pytest.raises(AssertionError, match=r"not native to target 'mi300' \(native fp8: float8_e4m3fnuz, "
-                       r"float8_e5m2fnuz\):\n  forward: dot_general at qcheck/moe.py:\d+ \(MoE._dense\): "
+                       r"float8_e5m2fnuz\):\n  forward: dot_general at qcheck/layers/moe.py:\d+ \(MoE._dense\): "
                        r"lhs cast to float8_e4m3fn"):
         checks.assert_fp8_dtypes_native(cases.layer(case), X, target="mi300")
 
@@ -721,7 +722,7 @@ def test_backward_catches_a_layer_taking_a_weights_gradient_around_its_site():
     broken = layer("fp8", path="sparse", cls=StraightThroughWo)
     invariants.assert_sites_backward_exact(broken, get_recipe("fp8"), "probes")  # each site alone is fine
     assert_layer_sites_exact(broken, X, "fp8", label="forward")  # and so is the forward
-    from qcheck._layer_backward import assert_layer_sites_backward_exact
+    from qcheck.checks._layer_backward import assert_layer_sites_backward_exact
 
     assert_layer_sites_backward_exact(layer("fp8", path="sparse"), X, "fp8", label="healthy")
     with pytest.raises(AssertionError, match=r"bug: assert_layer_sites_backward_exact: the layer's gradient of its "

@@ -9,7 +9,7 @@ from flax import linen as nn
 from flax import nnx
 
 from qcheck import checks, get_recipe
-from qcheck.bridge import QuantSite
+from qcheck.layers.bridge import QuantSite
 
 E4M3FN, E4M3FNUZ = jnp.float8_e4m3fn, jnp.float8_e4m3fnuz
 EQN = "bd,de->be"

@@ -11,10 +11,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from qcheck import _site_exact, checks, step
+from qcheck import checks
+from qcheck.checks import _site as _site_exact
+from qcheck.layers import step
 from qcheck.suite import cases, golden, invariants
 from qcheck.suite.cases import SEED, Case, Variant, layer_input
-from qcheck.moe import build_moe
+from qcheck.layers.moe import build_moe
 from qcheck.recipes import get_recipe
 
 #: Every kind of program the suite compiles: fp8 state with dropping (train

@@ -323,7 +323,7 @@ def _layer(recipe: str, path: str, model: str = "mixtral") -> qcheck.MoE:
 
 
 def _sites(records: list[MatmulRecord]) -> list[str | None]:
-    """The call site each record's line of qcheck/moe.py calls; wi_0 and wi_1 share a line, in that order."""
+    """The call site each record's line of qcheck/layers/moe.py calls; wi_0 and wi_1 share a line, in that order."""
     seen: dict[str, int] = {}
     names = []
     for r in records:
@@ -345,7 +345,7 @@ def _not_a_site(record: MatmulRecord) -> bool:
 ])
 def test_every_call_site_of_a_layer_is_quantized_and_the_router_is_not(recipe, model, path):
     records = coverage(_layer(recipe, path, model), X)
-    assert all(r.location.startswith("qcheck/moe.py:") for r in records), format_coverage(records)
+    assert all(r.location.startswith("qcheck/layers/moe.py:") for r in records), format_coverage(records)
     sites = _sites(records)
     assert [s for s in sites if s] == list(SITES[path]), format_coverage(records)
     for r, site in zip(records, sites):
@@ -362,7 +362,7 @@ def test_assert_quantized_on_a_layer_should_pass(recipe):
 
 def test_assert_quantized_on_a_layer_should_fail_for_none():
     with pytest.raises(AssertionError, match=r"assert_quantized: 3 of 5 matmuls reach full precision:\n"
-                                             r"  ragged_dot_general at qcheck/moe.py:\d+ \(MoE._sparse\)"):
+                                             r"  ragged_dot_general at qcheck/layers/moe.py:\d+ \(MoE._sparse\)"):
         assert_quantized(_layer("none", "sparse"), X, skip=_not_a_site)
     # The router alone is spared by name; the combine einsum then fails too.
     with pytest.raises(AssertionError, match=r"assert_quantized: 4 of 5 matmuls"):
@@ -382,7 +382,7 @@ def test_a_silently_unquantized_sparse_site_passes_assert_tracks_but_fails_asser
     with pytest.raises(AssertionError) as info:
         assert_quantized(layer, X, skip=_not_a_site)
     message = str(info.value)
-    (line,) = re.findall(r"ragged_dot_general at (qcheck/moe.py:\d+) \(MoE._sparse\)", message)
+    (line,) = re.findall(r"ragged_dot_general at (qcheck/layers/moe.py:\d+) \(MoE._sparse\)", message)
     path, number = line.rsplit(":", 1)
     assert 's["wo"].ragged_dot(' in linecache.getline(path, int(number))
     assert message.startswith("assert_quantized: 1 of 5 matmuls reach full precision:")

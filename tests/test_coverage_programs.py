@@ -365,9 +365,9 @@ def test_check_layer_and_coverage_run_on_qcheck_layers_inside_each_higher_order_
     # a cond reports both branches' matmuls
     assert sum(r.quantized for r in records) == 3 * (2 if kind == "cond" else 1), format_coverage(records)
     figures = qcheck.check_layer(_layer_under(kind, layer), _layer_under(kind, twin), LX,
-                                 skip=qcheck.skip_functions(*qcheck.moe.UNQUANTIZED_BY_DESIGN))
+                                 skip=qcheck.skip_functions(*qcheck.layers.moe.UNQUANTIZED_BY_DESIGN))
     assert 0 < figures.rel_norm <= 0.22
     with pytest.raises(AssertionError, match=r"coverage: assert_quantized: (3 of 5|6 of 10) matmuls reach full "
                                              r"precision"):
         qcheck.check_layer(_layer_under(kind, twin), _layer_under(kind, twin), LX,
-                           skip=qcheck.skip_functions(*qcheck.moe.UNQUANTIZED_BY_DESIGN))
+                           skip=qcheck.skip_functions(*qcheck.layers.moe.UNQUANTIZED_BY_DESIGN))

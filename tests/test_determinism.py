@@ -4,7 +4,8 @@ import hashlib
 
 import numpy as np
 
-from qcheck import get_recipe, step
+from qcheck import get_recipe
+from qcheck.layers import step
 from qcheck.suite import cases, invariants, matrix
 from qcheck.recipes import recipe_names
 

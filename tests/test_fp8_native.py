@@ -10,8 +10,8 @@ from flax import nnx
 
 import qcheck
 from qcheck import checks, get_recipe, hardware
-from qcheck._fp8_native import declared_fp8_dtypes, declared_operand_fp8_dtypes
-from qcheck.moe import MODELS, MoE
+from qcheck.checks._fp8_native import declared_fp8_dtypes, declared_operand_fp8_dtypes
+from qcheck.layers.moe import MODELS, MoE
 from qcheck.recipes import DelayedScalingFp8, Recipe, _registry
 from qcheck.suite import cases, invariants
 
@@ -124,7 +124,7 @@ def test_fp8_dtypes_native_reads_both_flavours_of_a_healthy_nanoo_layer():
 
 def test_fp8_dtypes_native_fails_on_the_healthy_layer_against_the_other_target():
     with pytest.raises(AssertionError, match=r"not native to target 'nvidia' .*\n  forward: dot_general at "
-                       r"qcheck/moe.py:\d+ \(MoE._dense\): lhs cast to float8_e4m3fnuz(.|\n)*backward: .*"
+                       r"qcheck/layers/moe.py:\d+ \(MoE._dense\): lhs cast to float8_e4m3fnuz(.|\n)*backward: .*"
                        r"float8_e5m2fnuz"):
         checks.assert_fp8_dtypes_native(_layer(get_recipe("nanoo_fp8")), X, target="nvidia")
 
@@ -149,7 +149,7 @@ def test_coverage_invariant_catches_nanoo_declared_and_built_in_e4m3fn(monkeypat
     # The declaration aside, the program alone fails too, naming the site, the type and the pass.
     layer = cases.layer(case)
     with pytest.raises(AssertionError, match=r"not native to target 'mi300' \(native fp8: float8_e4m3fnuz, "
-                       r"float8_e5m2fnuz\):\n  forward: ragged_dot_general at qcheck/moe.py:\d+ \(MoE._sparse\): "
+                       r"float8_e5m2fnuz\):\n  forward: ragged_dot_general at qcheck/layers/moe.py:\d+ \(MoE._sparse\): "
                        r"lhs cast to float8_e4m3fn"):
         checks.assert_fp8_dtypes_native(layer, X, target="mi300")
 

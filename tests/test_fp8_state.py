@@ -17,7 +17,8 @@ from flax import linen as nn
 from flax.linen import fp8_ops
 
 import qcheck
-from qcheck import checks, step
+from qcheck import checks
+from qcheck.layers import step
 from qcheck.suite import cases
 from tests import fp8_loops as loops
 

@@ -203,7 +203,7 @@ def test_a_case_of_a_recipe_this_run_did_not_load_is_reported_not_checked(root):
 def test_qcheck_recipes_cases_ship_in_the_package_and_user_recipes_use_the_users_directory(tmp_path):
     assert golden.root_for("fp8", tmp_path) == golden.builtin_root()
     assert golden.root_for("int8", tmp_path) == golden.builtin_root()
-    assert golden.builtin_root().parent.name == "suite"
+    assert golden.builtin_root().name in ("golden", "_golden")  # the repository's, or the wheel's copy
     assert {c.id for c, r in golden.collect(tmp_path).cases if r == golden.builtin_root()} >= {
         "none-mixtral-dense", "fp8-gemma-sparse", "mxfp8-mixtral-sparse"}
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from qcheck import build_moe, checks, formats, get_recipe, hardware, native, recipe_names, step
+from qcheck import build_moe, checks, formats, get_recipe, hardware, native, recipe_names
+from qcheck.layers import step
 from qcheck.suite import cases
 from tests.helpers import NATIVE_EQN, documented_scaled_matmul, native_operands, unquantized_product
 

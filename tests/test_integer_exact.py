@@ -17,9 +17,10 @@ import pytest
 from flax import nnx
 
 import qcheck
-from qcheck import _integer_matmul, referees
-from qcheck._site_exact import assert_site_exact, assert_site_ragged_exact, probe_site_operands
-from qcheck.bridge import QuantSite
+from qcheck import referees
+from qcheck.referees import _integer as _integer_matmul
+from qcheck.checks._site import assert_site_exact, assert_site_ragged_exact, probe_site_operands
+from qcheck.layers.bridge import QuantSite
 from qcheck.recipes import einsum_axes
 from qcheck.recipes._axes import RAGGED_AXES
 from qcheck.suite.invariants import probe_group_sizes

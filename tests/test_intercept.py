@@ -7,10 +7,11 @@ import pytest
 from flax import nnx
 
 import qcheck
-from qcheck import checks, step
-from qcheck._plain_site import UnquantizedSite
-from qcheck.models import build_decoder
-from qcheck.moe import MODELS, MoE
+from qcheck import checks
+from qcheck.layers import step
+from qcheck.recipes._plain import UnquantizedSite
+from qcheck.layers.decoder import build_decoder
+from qcheck.layers.moe import MODELS, MoE
 from qcheck.recipes import InterceptRecipe
 from qcheck.suite import cases
 from tests.helpers import import_extra, requires_extra

@@ -83,7 +83,7 @@ def test_jax_nvfp4_global_scale_is_the_power_of_two_at_or_above_amax_over_2688()
     for amax in (F32(2688), F32(2688.001), F32(1.0), F32(3e-30), F32(6e35)):
         x = np.array([amax, -amax / 3], F32)
         g = float(formats.jax_nvfp4_global_scale(x))
-        assert g == float(referees._jax_global_scale(x)), amax
+        assert g == float(referees.jax_global_scale(x)), amax
         assert np.log2(g).is_integer() and g * 2688 >= amax > g * 1344, (amax, g)
     assert float(formats.jax_nvfp4_global_scale(np.zeros(4, F32))) == 1.0
 
@@ -119,7 +119,7 @@ def test_coverage_names_scaled_dot_general_without_configs_full_precision_should
 @pytest.mark.parametrize("recipe", [jax_mxfp8, jax_nvfp4])
 def test_site_runs_scaled_dot_general_bitwise_to_the_referee(recipe):
     # One site, probes as the suite makes them: exact holds it to the referee (the suite covers the layer).
-    from qcheck._site_exact import assert_site_exact, probe_site_operands
+    from qcheck.checks._site import assert_site_exact, probe_site_operands
     from qcheck.adapters._jax import JaxScaledDotSite
     from qcheck.recipes import einsum_axes
 

@@ -15,12 +15,12 @@ import pytest
 from flax import linen, nnx
 
 import qcheck
-from qcheck.moe import UNQUANTIZED_BY_DESIGN
+from qcheck.layers.moe import UNQUANTIZED_BY_DESIGN
 from qcheck import checks, formats
-from qcheck._compiles import counting_compilations
-from qcheck._layer_check import INPUT_GRAD, LayerFigures, check_layer, copy_params_into
-from qcheck.bridge import Fp8Meta
-from qcheck.step import apply
+from qcheck.checks._compiles import counting_compilations
+from qcheck.checks._layer import INPUT_GRAD, LayerFigures, check_layer, copy_params_into
+from qcheck.layers.bridge import Fp8Meta
+from qcheck.layers.step import apply
 from tests import maxtext_like
 
 X = np.random.default_rng(0).normal(size=(2, 32, 32)).astype(np.float32)
@@ -107,7 +107,7 @@ def test_check_layer_should_fail_on_the_silent_fallback_naming_each_call_and_its
     message = str(info.value)
     assert message.startswith("check_layer: 1 check(s) failed:\n"
                               "  coverage: assert_quantized: 3 of 5 matmuls reach full precision:")
-    lines = re.findall(r"ragged_dot_general at (qcheck/moe.py:\d+) \(MoE._sparse\): .*: lhs and rhs unquantized",
+    lines = re.findall(r"ragged_dot_general at (qcheck/layers/moe.py:\d+) \(MoE._sparse\): .*: lhs and rhs unquantized",
                        message)
     assert len(lines) == 3
     for where in lines:

@@ -7,9 +7,9 @@ import pytest
 from flax import nnx
 
 import qcheck
-from qcheck import step
+from qcheck.layers import step
 from qcheck.suite import cases
-from qcheck.bridge import Fp8Meta
+from qcheck.layers.bridge import Fp8Meta
 from qcheck.suite.cases import Case, Variant
 
 

@@ -7,7 +7,7 @@ import pytest
 from flax import linen as nn
 
 from qcheck import referees
-from qcheck.bridge import QuantSite
+from qcheck.layers.bridge import QuantSite
 from qcheck.recipes import Recipe
 from qcheck.recipes._sites import SiteOps
 from qcheck.suite import cases

@@ -2,7 +2,7 @@
 
 import pytest
 
-from qcheck import _process
+from qcheck.suite import _process
 
 SPLIT = "--xla_cpu_parallel_codegen_split_count"
 

@@ -6,7 +6,7 @@ numerics.py (``get_symmetric_bound``, ``convert_to``): scale = absmax / bound
 (bound: the element type's max, 448 for e4m3fn and mxfp8, 6 for nvfp4); a scale
 below sqrt(float32 tiny) = 2^-63 becomes 1; mxfp8 rounds the scale up to
 2^ceil(log2 scale), nvfp4 casts it to e4m3fn; codes = x / scale, clipped to the
-element type's range and cast. qcheck._library_rules writes that rule in
+element type's range and cast. qcheck.referees._libraries writes that rule in
 numpy, and the exact check names a site that equals it; the models below are
 those functions on qwix's own layouts, each pinned bitwise against qwix, so a
 diagnosis made with one is the library's, not a guess. XLA rewrites a division by a constant (absmax / bound)
@@ -25,9 +25,9 @@ import pytest
 from flax import nnx
 
 from qcheck import checks, referees
-from qcheck._library_rules import (QWIX_MIN_SCALE, quantize_qwix_mxfp8, quantize_qwix_nvfp4, qwix_cast, qwix_divide,
+from qcheck.referees._libraries import (QWIX_MIN_SCALE, quantize_qwix_mxfp8, quantize_qwix_nvfp4, qwix_cast, qwix_divide,
                                     qwix_scale)
-from qcheck._site_exact import assert_site_exact
+from qcheck.checks._site import assert_site_exact
 
 from tests.helpers import extra_missing, requires_extra
 
@@ -288,7 +288,7 @@ _SITE_OPERANDS = tuple(np.random.default_rng(3).standard_normal(s).astype(F32) f
 def test_qwix_site_fails_exact_against_qcheck_format_and_equals_qwix_rule(qtype, block, model, named):
     """qwix 0.1.8: a dense einsum under an mxfp8 / nvfp4 rule, through qcheck's exact site check with that format,
     fails it (qcheck's referees are OCP MX v1.0's floor rule and two-level NVFP4), and the check names qwix's rule
-    (qcheck._library_rules); the same site is, bitwise, the float64-summed matmul of operands quantized by qwix's
+    (qcheck.referees._libraries); the same site is, bitwise, the float64-summed matmul of operands quantized by qwix's
     rule (ceil scale / one level), so that rule and nothing else is the difference."""
     lhs, rhs = _SITE_OPERANDS
     site = _qwix_site(qtype, block)

@@ -10,10 +10,11 @@ import pytest
 from flax import nnx
 
 import qcheck
-from qcheck import checks, formats, step
+from qcheck import checks, formats
+from qcheck.layers import step
 from qcheck.suite import cases, invariants
 from qcheck.suite.cli import main
-from qcheck.bridge import QuantSite
+from qcheck.layers.bridge import QuantSite
 from qcheck.recipes import ApplyRngs
 from qcheck.recipes._nvfp4 import quantizer_key
 from tests.helpers import EQN, nvfp4_dgrad as _dgrad

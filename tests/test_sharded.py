@@ -7,7 +7,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qcheck
-from qcheck.moe import MESH_AXES
+from qcheck.layers.moe import MESH_AXES
 from qcheck.suite import cases, invariants
 
 MIXTRAL = cases.Case("none", cases.Variant("mixtral", "dense", False))

@@ -1,4 +1,4 @@
-"""qcheck._site_exact: each forward exactness check passing on a healthy site and failing on its bug."""
+"""qcheck.checks._site: each forward exactness check passing on a healthy site and failing on its bug."""
 
 import functools
 
@@ -9,15 +9,15 @@ import pytest
 from flax import nnx
 
 from qcheck import formats, get_recipe, referees
-from qcheck._library_rules import LIBRARY_RULES
-from qcheck._site_exact import (
+from qcheck.referees._libraries import LIBRARY_RULES
+from qcheck.checks._site import (
     assert_layer_sites_exact,
     assert_site_exact,
     assert_site_ragged_exact,
     operand_formats,
     probe_site_operands,
 )
-from qcheck.moe import MODELS, MoE
+from qcheck.layers.moe import MODELS, MoE
 from qcheck.recipes import einsum_axes
 from qcheck.recipes._axes import RAGGED_AXES
 from qcheck.suite import cases
@@ -70,7 +70,7 @@ def test_assert_site_exact_should_fail(fmt, bug, why):
 
 
 def test_library_rules_name_a_failure_but_never_refuse_operands():
-    """qwix's MXFP8 (ceil block scale, qcheck._library_rules) equals OCP's on blocks whose amax significand is at
+    """qwix's MXFP8 (ceil block scale, qcheck.referees._libraries) equals OCP's on blocks whose amax significand is at
     most 1.75: on such operands the reference cannot tell the two apart, yet a correct site still passes (the
     library rules only name failures), and a failing site is still named by the bug it does have."""
     axes = einsum_axes(EQN, 3, 3)
@@ -128,7 +128,7 @@ def test_assert_layer_sites_exact_should_pass_on_every_case_of_a_recipe():
 
 def test_assert_layer_sites_exact_should_fail_on_a_site_swapped_for_an_unquantized_one():
     broken = MoE(MODELS["mixtral"], get_recipe("int8"), path="sparse", rngs=nnx.Rngs(cases.SEED))
-    from qcheck.bridge import QuantSite
+    from qcheck.layers.bridge import QuantSite
 
     broken.sites["wo"] = QuantSite(get_recipe("none"), "wo", rngs=nnx.Rngs(7))
     with pytest.raises(AssertionError, match=r"^bug: assert_layer_sites_exact: site 'wo' ragged_dot \(int8 x int8\)"

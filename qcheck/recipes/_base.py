@@ -155,7 +155,7 @@ class Recipe:
     #: How a site multiplies its quantized operands, which the ``exact``
     #: reference follows: "float" (the float32 matmul of dequantized operands)
     #: or "integer" (int8 codes in integer arithmetic, scales applied after, as
-    #: AQT does: :mod:`qcheck._integer_matmul`).
+    #: AQT does: :mod:`qcheck.referees._integer`).
     matmul: str = "float"
 
     #: What the recipe's library refuses by design (:class:`qcheck.recipes.Unsupported`):

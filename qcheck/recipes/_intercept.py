@@ -3,7 +3,7 @@
 Libraries such as qwix quantize a model by intercepting ``jnp.einsum`` /
 ``jax.lax.ragged_dot`` while it runs rather than by supplying a module per call
 site. An :class:`InterceptRecipe` gets qcheck's ``none`` layer (whose call
-sites are plain NNX modules, :class:`qcheck._plain_site.UnquantizedSite`) and
+sites are plain NNX modules, :class:`qcheck.recipes._plain.UnquantizedSite`) and
 returns the quantized layer; ``qcheck.build_moe`` builds it that way, so the
 case table, the sharded twin, the train step and golden cases treat it like
 any other recipe.

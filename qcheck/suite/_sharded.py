@@ -16,8 +16,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from qcheck import step
-from qcheck.moe import MoE
+from qcheck.layers import step
+from qcheck.layers.moe import MoE
 
 __all__ = [
     "EXPERT_WEIGHTS",

@@ -5,9 +5,9 @@ programs: a forward program per site for ``exact``'s probes, a ``jax.vjp``
 program per site for ``backward``'s, and a recorded forward pass of the layer.
 Here one jitted program runs them all for a layer — every site on its forward
 probes, every site's vjp on its backward probes, the layer's forward pass
-with each site's operands recorded (:func:`qcheck._site_exact.record_site_calls`),
+with each site's operands recorded (:func:`qcheck.checks._site.record_site_calls`),
 and one backward pass of the layer with each site's gradients recorded
-(:func:`qcheck._layer_backward.record_site_grads`)
+(:func:`qcheck.checks._layer_backward.record_site_grads`)
 — and the checks read its results. Each site runs exactly as it does alone
 (the same merge of its fresh state, the same call), so the references stay
 what they were: numpy referees and plain JAX matmuls of their quantized
@@ -24,8 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from qcheck import _backward, _layer_backward, _site_exact, checks
-from qcheck.moe import MoE
+from qcheck import checks
+from qcheck.checks import _backward
+from qcheck.checks import _layer_backward
+from qcheck.checks import _site as _site_exact
+from qcheck.layers.moe import MoE
 from qcheck.recipes import Recipe, einsum_axes
 from qcheck.recipes._axes import RAGGED_AXES
 from qcheck.suite.cases import BATCH, SEQ
@@ -131,7 +134,7 @@ def run_sites(layer: MoE, *, forward: list[Probe] = (), backward: list[Probe] = 
 
     Given ``x``: also the layer's forward pass with each site call recorded
     (unless ``capture`` is False), and with ``layer_g`` one backward pass of it
-    with each site's gradients recorded (:func:`qcheck._layer_backward.record_site_grads`).
+    with each site's gradients recorded (:func:`qcheck.checks._layer_backward.record_site_grads`).
     """
     key = jax.random.key(0) if key is None else key
     capture = x is not None if capture is None else capture

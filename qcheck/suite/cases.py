@@ -16,10 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from qcheck import formats, step
+from qcheck import formats
+from qcheck.layers import step
 from qcheck._choices import check_choice
-from qcheck.models import Decoder, build_decoder
-from qcheck.moe import MESH_AXES, MODELS, PATHS, MoE, build_moe, capacity
+from qcheck.layers.decoder import Decoder, build_decoder
+from qcheck.layers.moe import MESH_AXES, MODELS, PATHS, MoE, build_moe, capacity
 from qcheck.recipes import ApplyRngs, Recipe, get_recipe, recipe_names
 
 __all__ = [
@@ -209,7 +210,7 @@ def mesh() -> Mesh:
     devices = jax.devices("cpu")
     if len(devices) < 8:
         raise RuntimeError(
-            f"the sharded cases need 8 CPU devices, found {len(devices)}; qcheck._process.configure() "
+            f"the sharded cases need 8 CPU devices, found {len(devices)}; qcheck.suite._process.configure() "
             "asks the host platform for 8, but only if it runs before JAX starts"
         )
     return Mesh(np.array(devices[:8]).reshape(2, 4), MESH_AXES)

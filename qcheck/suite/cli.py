@@ -228,7 +228,7 @@ def _rng(args: argparse.Namespace, module_recipes: tuple[str, ...]) -> int:
     import json
 
     from qcheck._choices import check_choice
-    from qcheck.moe import MODELS
+    from qcheck.layers.moe import MODELS
     from qcheck.recipes import ApplyRngs, get_recipe
     from qcheck.suite.invariants import rng_entry_params
 
@@ -282,7 +282,7 @@ def _matrix(args: argparse.Namespace, module_recipes: tuple[str, ...]) -> int:
 
 def _paths_agree(models: tuple[str, ...] | None, executor=None) -> list[str]:
     """Print the dense == sparse rows for ``none``; returns the labels that failed."""
-    from qcheck.moe import MODELS
+    from qcheck.layers.moe import MODELS
     from qcheck.suite.matrix import run_paths_agree
 
     print()
@@ -297,7 +297,7 @@ def _paths_agree(models: tuple[str, ...] | None, executor=None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from qcheck import _process
+    from qcheck.suite import _process
 
     args = _parser().parse_args(argv)
     _process.setup(own=True)  # before the recipe modules or anything else starts JAX

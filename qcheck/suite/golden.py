@@ -35,7 +35,9 @@ import ml_dtypes
 import numpy as np
 
 from qcheck.suite import cases as cases_mod
-from qcheck import _process, checks, step
+from qcheck import checks
+from qcheck.suite import _process
+from qcheck.layers import step
 from qcheck.suite._operands import site_operands
 from qcheck.suite.cases import SEED, Case, Variant
 from qcheck.recipes import get_recipe, is_builtin, recipe_names, recipe_source
@@ -154,8 +156,14 @@ def user_root(explicit: str | os.PathLike | None = None, *, default: str | os.Pa
 
 
 def builtin_root() -> Path:
-    """Where the golden cases of the recipes qcheck ships live: inside the installed package."""
-    return Path(__file__).resolve().parent / "golden_data"
+    """Where the golden cases of the recipes qcheck ships live.
+
+    In the repository they are its top-level ``golden/``; the wheel carries that
+    directory as ``qcheck/_golden`` (pyproject.toml's package-dir).
+    """
+    package = Path(__file__).resolve().parents[1]
+    installed = package / "_golden"
+    return installed if installed.is_dir() else package.parent / "golden"
 
 
 def root_for(recipe: str, user: Path) -> Path:

@@ -18,15 +18,16 @@ import numpy as np
 from flax import nnx
 
 from qcheck.suite import cases as cases_mod
-from qcheck import checks, step
-from qcheck.bridge import Fp8Meta
+from qcheck import checks
+from qcheck.layers import step
+from qcheck.layers.bridge import Fp8Meta
 from qcheck.suite.cases import BATCH, SEQ, Case, Variant, train_step_runs
 from qcheck.suite.cases import backward_applies as _backward_applies
 from qcheck.suite import _site_programs
 from qcheck.suite._site_programs import SiteRuns, probe_group_sizes
 from qcheck.suite._sharded import (SHARDED_ATOL, SHARDED_RTOL, assert_layer_sharded,
                                    assert_layer_sharded_matches, assert_sharded_matches)
-from qcheck.moe import MoE
+from qcheck.layers.moe import MoE
 from qcheck.recipes import ApplyRngs, Recipe, get_recipe
 
 __all__ = [
@@ -109,7 +110,7 @@ def assert_sites_cast_exact(layer: MoE, cast_dtype, label: str) -> None:
 def assert_sites_exact(layer: MoE, recipe: Recipe, label: str, runs: SiteRuns | None = None) -> None:
     """Every call site of a fresh ``layer`` equals the matmul of referee-quantized probe operands, bitwise.
 
-    :func:`qcheck._site_exact.assert_site_exact` (its ragged twin on the sparse
+    :func:`qcheck.checks._site.assert_site_exact` (its ragged twin on the sparse
     path) per site, in the recipe's declared formats along each matmul's
     contraction axes, on probes that tell the reference from every neighbouring
     bug (another int8 variant or fp8 flavour, unscaled current scaling, blocks
@@ -117,7 +118,7 @@ def assert_sites_exact(layer: MoE, recipe: Recipe, label: str, runs: SiteRuns | 
     (``runs``: one that also served other checks, :func:`case_site_runs`).
     """
     __tracebackhide__ = True
-    from qcheck import _site_exact
+    from qcheck.checks import _site as _site_exact
 
     lhs_fmt, rhs_fmt = _site_exact.operand_formats(recipe)
     probes = _site_programs.exact_probes(layer, recipe)
@@ -147,7 +148,8 @@ def case_site_runs(case: Case) -> SiteRuns:
 
 def site_runs(layer: MoE, recipe: Recipe, variant: Variant) -> SiteRuns:
     """:func:`case_site_runs` for any layer of ``variant``: the one program, for the checks that apply."""
-    from qcheck import _backward, _layer_backward
+    from qcheck.checks import _backward
+    from qcheck.checks import _layer_backward
 
     exact, backward = _exact_applies(recipe, variant), _backward_applies(recipe, variant)
     through = backward and _layer_backward.through_layer_applies(recipe)
@@ -164,13 +166,13 @@ def check_exact(case: Case) -> None:
     """Every site exact in the recipe's declared formats: on probes, and through one forward pass of the layer.
 
     :func:`assert_sites_exact` on the case's fresh layer, then
-    :func:`qcheck._site_exact.assert_site_calls_exact` on the site calls of
+    :func:`qcheck.checks._site.assert_site_calls_exact` on the site calls of
     its forward pass on the case's input, which sees a layer that skips a
     site, calls another site's wrapper, or skips quantization at one call site
     on one path. Both read :func:`case_site_runs`.
     """
     __tracebackhide__ = True
-    from qcheck import _site_exact
+    from qcheck.checks import _site as _site_exact
 
     layer, recipe = cases_mod.layer(case), get_recipe(case.recipe)
     runs = case_site_runs(case)
@@ -225,12 +227,12 @@ def assert_layer_quantized(layer: MoE, x, label: str):
 
     Tracing only: the coverage map of the layer's forward pass
     (:func:`qcheck.coverage`), with the router, the combine and the dropping
-    masks (``qcheck.moe.UNQUANTIZED_BY_DESIGN``) skipped. It sees a single call
+    masks (``qcheck.layers.moe.UNQUANTIZED_BY_DESIGN``) skipped. It sees a single call
     site that multiplies in full precision on one path, which ``tracks`` cannot.
     """
     __tracebackhide__ = True
     from qcheck._coverage import assert_quantized, skip_functions
-    from qcheck.moe import UNQUANTIZED_BY_DESIGN
+    from qcheck.layers.moe import UNQUANTIZED_BY_DESIGN
 
     return _prefixed(label, lambda: assert_quantized(layer, x, skip=skip_functions(*UNQUANTIZED_BY_DESIGN)))
 
@@ -247,7 +249,7 @@ def assert_layer_fp8_native(layer: MoE, x, recipe: Recipe, label: str, *, backwa
     __tracebackhide__ = True
     if recipe.fp8_target is None:
         return
-    from qcheck._fp8_native import assert_fp8_dtypes_native, assert_recipe_fp8_native, declared_operand_fp8_dtypes
+    from qcheck.checks._fp8_native import assert_fp8_dtypes_native, assert_recipe_fp8_native, declared_operand_fp8_dtypes
 
     _prefixed(label, lambda: assert_recipe_fp8_native(recipe))
     if declared_operand_fp8_dtypes(recipe):  # else no fp8 type reaches an operand's chain (NVFP4)
@@ -279,7 +281,7 @@ def assert_sites_backward_exact(layer: MoE, recipe: Recipe, label: str, runs: Si
     program (``runs``: one that also served other checks, :func:`case_site_runs`).
     """
     __tracebackhide__ = True
-    from qcheck import _backward
+    from qcheck.checks import _backward
 
     probes = _site_programs.backward_probes(layer, recipe)
     runs = runs or _site_programs.run_sites(layer, backward=probes)
@@ -298,13 +300,13 @@ def check_backward(case: Case) -> None:
     """Every site's gradients exact: on probes, and in one backward pass of the layer.
 
     :func:`assert_sites_backward_exact` on the case's fresh layer, then
-    :func:`qcheck._layer_backward.assert_site_grad_calls_exact` on the
+    :func:`qcheck.checks._layer_backward.assert_site_grad_calls_exact` on the
     gradients each site gave in the layer's own backward pass (not for NVFP4's
     stochastic DGRAD), which sees a layer that takes a site's gradient from
     anywhere else. Both read :func:`case_site_runs`.
     """
     __tracebackhide__ = True
-    from qcheck import _layer_backward
+    from qcheck.checks import _layer_backward
 
     recipe, runs = get_recipe(case.recipe), case_site_runs(case)
     assert_sites_backward_exact(cases_mod.layer(case), recipe, case.id, runs)
@@ -459,7 +461,7 @@ def assert_layer_trains(layer: MoE, x, label: str, *, calls=None) -> int:
     step clipped to ``TRAIN_MAX_NORM`` with weight decay. Then each site's
     input and kernel histories hold, after one step, the numpy amaxes of the
     two operands the site received in the layer's forward pass (``calls``,
-    recorded by :func:`qcheck._site_exact.record_site_calls`; skipped without),
+    recorded by :func:`qcheck.checks._site.record_site_calls`; skipped without),
     bitwise, as a pair (Flax's ``Fp8Einsum`` records the weight as its "input"
     where ``jnp.einsum`` swaps the operands), and every amax history rolls
     exactly once per step (over two steps). The output gradient's amax has no
@@ -467,8 +469,8 @@ def assert_layer_trains(layer: MoE, x, label: str, *, calls=None) -> int:
     Returns how many fp8 leaves were held.
     """
     __tracebackhide__ = True
-    from qcheck._fp8_state import _rolls, assert_fp8_state_matches, fp8_state
-    from qcheck._train import train
+    from qcheck.checks._fp8_state import _rolls, assert_fp8_state_matches, fp8_state
+    from qcheck.layers._train import train
 
     fresh = fp8_state(layer)
     unclipped = functools.partial(train, max_norm=None, weight_decay=0.0)

@@ -31,7 +31,7 @@ import tempfile
 from collections.abc import Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor
 
-from qcheck import _process
+from qcheck.suite import _process
 from qcheck.suite import invariants
 from qcheck.suite.cases import Case, cases
 from qcheck.recipes import get_recipe

@@ -94,7 +94,7 @@ def _select(config: pytest.Config) -> tuple[str, ...] | None:
     modules, names = config.getoption("--qcheck-recipes"), config.getoption("--qcheck-recipe")
     if not modules and not names:
         return None
-    from qcheck import _process
+    from qcheck.suite import _process
 
     if _is_xdist_controller(config):
         _process.configure()  # the workers inherit it; no backend needed here
@@ -204,7 +204,7 @@ def _params(config: pytest.Config, fixture: str, function) -> list:
     if fixture == "qcheck_paths":
         if selected is not None and "none" not in selected:
             return []
-        from qcheck.moe import MODELS
+        from qcheck.layers.moe import MODELS
 
         return [pytest.param((m, d), id=f"{m}-{'drop' if d else 'no-drop'}") for m in MODELS for d in (False, True)]
     if fixture == "qcheck_golden":

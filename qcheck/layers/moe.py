@@ -6,7 +6,7 @@ formulations of the same function: ``dense`` (einsums over every expert, with
 optional capacity-based token dropping through dispatch/combine einsums) and
 ``sparse`` (tokens sorted by expert, grouped matmuls via ``jax.lax.ragged_dot``).
 Every matmul that touches expert weights, and dispatch/combine when tokens are
-dropped, goes through a named call site: a :class:`~qcheck.bridge.QuantSite`, or for
+dropped, goes through a named call site: a :class:`~qcheck.layers.bridge.QuantSite`, or for
 the unquantized recipe a plain NNX module that interception libraries can walk.
 """
 
@@ -23,8 +23,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from qcheck._choices import check_choice
-from qcheck._plain_site import UnquantizedSite
-from qcheck.bridge import QuantSite
+from qcheck.recipes._plain import UnquantizedSite
+from qcheck.layers.bridge import QuantSite
 from qcheck.recipes import ApplyRngs, InterceptRecipe, Recipe, get_recipe
 
 __all__ = ["MESH_AXES", "MODELS", "PATHS", "MoE", "MoEConfig", "SiteSpec", "build_moe", "transform_layer"]
@@ -339,7 +339,7 @@ def transform_layer(layer: MoE, recipe: InterceptRecipe) -> MoE:
 
 def _site(recipe: Recipe, name: str, rngs: nnx.Rngs, apply_rngs: ApplyRngs | None, dtype) -> nnx.Module:
     # The unquantized layer's sites are plain NNX modules (not ToNNX), so
-    # interception libraries (qwix) can walk it (qcheck._plain_site).
+    # interception libraries (qwix) can walk it (qcheck.recipes._plain).
     if not recipe.quantized:
         return UnquantizedSite(name, rngs=rngs)
     return QuantSite(recipe, name, rngs=rngs, apply_rngs=apply_rngs, dtype=dtype)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen, nnx
 
-from qcheck import checks
+from qcheck.checks._tracks import assert_tracks, rel_norm
 from qcheck._coverage import MatmulRecord, SkipArg, as_skips, assert_quantized, warmed_up
 
 __all__ = ["DEFAULT_MAX_GRAD_REL_NORM", "INPUT_GRAD", "LayerFigures", "check_layer", "copy_params_into"]
@@ -263,7 +263,7 @@ def _nonfinite(x: np.ndarray) -> int:
 def _grad_rel_norm(g: np.ndarray, ref: np.ndarray) -> float:
     if not np.any(ref):
         return 0.0 if not np.any(g) else float("inf")
-    return checks.rel_norm(g, ref)
+    return rel_norm(g, ref)
 
 
 def _check_args(layer: Any, reference: Any, x: Any, max_rel_norm: float, max_grad_rel_norm: float,
@@ -418,7 +418,7 @@ def check_layer(
     figures: dict[str, float] = {}
     for name, out in run.out.items():
         try:
-            figures[name] = checks.assert_tracks(out, ref.out[name], max_rel_norm=max_rel_norm)
+            figures[name] = assert_tracks(out, ref.out[name], max_rel_norm=max_rel_norm)
         except AssertionError as e:
             failures.append(f"tracks{f' {name}' if name else ''}: {e}")
 
@@ -460,7 +460,7 @@ def copy_params_into(layer: nnx.Module, reference: nnx.Module) -> nnx.Module:
 
     ``reference`` is the unquantized twin the user built with their own
     constructor. Only parameters travel: quantization state (fp8 scales and amax
-    histories, ``qcheck.bridge.Fp8Meta``), RNG streams and any other non-Param
+    histories, ``qcheck.layers.bridge.Fp8Meta``), RNG streams and any other non-Param
     leaf stay as each module has them, and the layer may have such leaves the
     reference lacks. Every Param path of either module must exist in the other
     with the same shape and dtype, else a ``ValueError`` names the first that

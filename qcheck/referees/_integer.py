@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qcheck.referees._formats import flush
+
 __all__ = ["MATMUL_MODES", "SCALE_ORDERS", "dot_general_lhs", "integer_einsum", "integer_ragged_dot"]
 
 #: How a recipe's sites multiply quantized operands: "float" (the float32 matmul
@@ -54,17 +56,11 @@ def dot_general_lhs(eqn: str, lhs_shape: tuple[int, ...], rhs_shape: tuple[int, 
     raise ValueError(f"einsum {eqn!r}: dot_general's first operand is neither einsum operand (a transpose in between)")
 
 
-def _flush(a: np.ndarray, ftz: bool) -> np.ndarray:
-    if not ftz:
-        return a
-    return np.where(np.abs(a) < np.finfo(_F32).tiny, np.copysign(_F32(0), a), a).astype(_F32)
-
-
 def _scaled(acc: np.ndarray, first: np.ndarray, second: np.ndarray, ftz: bool) -> np.ndarray:
     # QTensor.dequant: qvalue.astype(float32), then `ret *= s` per scale, in list order.
-    out = _flush(acc.astype(_F32), ftz)
-    out = _flush((out * first).astype(_F32), ftz)
-    return _flush((out * second).astype(_F32), ftz)
+    out = flush(acc.astype(_F32), ftz)
+    out = flush((out * first).astype(_F32), ftz)
+    return flush((out * second).astype(_F32), ftz)
 
 
 def _to_output(sub: str, scale: np.ndarray, axes: tuple[int, ...], out: str) -> np.ndarray:

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike
 
-from qcheck.bridge import Fp8Meta
+from qcheck.layers.bridge import Fp8Meta
 
 __all__ = ["assert_amax_histories_follow_operands"]
 
@@ -38,7 +38,7 @@ def assert_amax_histories_follow_operands(
 ) -> dict[str, float]:
     """Assert that one backward pass of ``site(eqn, lhs, rhs)`` records max|lhs| and max|rhs| where they belong.
 
-    ``site`` is an NNX module holding fp8 state (:class:`qcheck.bridge.Fp8Meta`
+    ``site`` is an NNX module holding fp8 state (:class:`qcheck.layers.bridge.Fp8Meta`
     variables named ``*input_amax_history`` and ``*kernel_amax_history``, newest
     entry first, as Flax keeps them). Amax is a max of absolute values, so the
     comparison is exact. Operands with equal amax are refused (a swap could not

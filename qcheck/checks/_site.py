@@ -49,8 +49,9 @@ import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike
 
-from qcheck import _integer_matmul, referees
-from qcheck._library_rules import LIBRARY_RULES
+from qcheck import referees
+from qcheck.referees import _integer as _integer_matmul
+from qcheck.referees._libraries import LIBRARY_RULES
 from qcheck.recipes import MatmulAxes, Recipe, einsum_axes, get_recipe
 from qcheck.recipes._axes import RAGGED_AXES
 
@@ -132,12 +133,12 @@ def _qdq(x: np.ndarray, fmt: str, axes: tuple[int, ...], order: str = NVFP4_DECO
     if fmt != "nvfp4" or order == NVFP4_DECODE_ORDERS[0]:
         return referees.reference_qdq(x, fmt, axis=axes, ftz=ftz, xla_reciprocal=True)
     codes, scales = referees.reference_quantize(x, fmt, axis=axes, ftz=ftz)
-    blocks = referees._Blocks(codes.shape, tuple(sorted(a % x.ndim for a in axes)), 16, "nvfp4")
+    blocks = referees.Blocks(codes.shape, tuple(sorted(a % x.ndim for a in axes)), 16, "nvfp4")
     c = blocks.split(codes.astype(np.float32))
     sb = scales["block"].astype(np.float32)[..., None]
     nonzero = sb > 0
     out = np.where(nonzero, c * (np.where(nonzero, sb, np.float32(1)) / scales["tensor"]), np.float32(0))
-    return referees._flush(blocks.join(out.astype(np.float32)), ftz)
+    return referees.flush(blocks.join(out.astype(np.float32)), ftz)
 
 
 def _orders(fmt: str) -> tuple[str, ...]:
@@ -258,7 +259,7 @@ _INTEGER_FORMATS = frozenset({"int8", "int8_aqt", "int8_qwix"})
 
 
 def _library_neighbours(mm: _Matmul, lhs, rhs, lhs_fmt: str, rhs_fmt: str) -> Iterator[tuple[str, np.ndarray]]:
-    """What a library computes under the declared formats' names (qcheck._library_rules), on both operands.
+    """What a library computes under the declared formats' names (qcheck.referees._libraries), on both operands.
 
     Names for a failure only: the reference need not tell them apart on every
     operand (qwix's MXFP8 equals OCP's on blocks whose amax significand is at
@@ -358,7 +359,7 @@ def assert_site_exact(
     from a neighbouring bug are refused with a ValueError (see
     :func:`probe_site_operands`). ``site`` names the call site in messages.
     ``matmul="integer"`` (int8 formats): the reference multiplies the codes
-    exactly and applies the scales after (:mod:`qcheck._integer_matmul`).
+    exactly and applies the scales after (:mod:`qcheck.referees._integer`).
     """
     __tracebackhide__ = True
     check = "assert_site_exact"
@@ -416,7 +417,7 @@ def probe_site_operands(
     """Probe operands that make :func:`assert_site_exact` sharp for the matmul with contraction ``axes``.
 
     :func:`qcheck.checks.probe_operands` (log-uniform over 2^-4..2^10), or with
-    ``nvfp4`` (or an nvfp4 format) :func:`qcheck._backward.probe_nvfp4` along
+    ``nvfp4`` (or an nvfp4 format) :func:`qcheck.checks._backward.probe_nvfp4` along
     the contraction axes and the wrong axes, whose blocks decode exactly in any
     order. An operand whose format (``lhs_format``/``rhs_format``, as the
     check will be given them) parts from its sibling flavour only at smaller
@@ -433,7 +434,7 @@ def probe_site_operands(
             raise ValueError(f"probe_site_operands: unknown format {fmt!r}; valid formats: {', '.join(_NEIGHBOURS)}")
     nvfp4 = nvfp4 or "nvfp4" in (lhs_format, rhs_format)
     if not nvfp4:
-        from qcheck.checks import probe_operands
+        from qcheck.checks._fresh import probe_operands
 
         lhs, rhs = probe_operands(seed, lhs_shape, rhs_shape)
         if spread:
@@ -441,7 +442,7 @@ def probe_site_operands(
             lhs, rhs = (x * np.exp2(sum(rng.integers(-6, 7, n).reshape([-1 if d == a else 1 for d in range(x.ndim)])
                                         for a, n in enumerate(x.shape))).astype(np.float32) for x in (lhs, rhs))
     else:
-        from qcheck._backward import probe_nvfp4
+        from qcheck.checks._backward import probe_nvfp4
 
         def probe(s, shape, ax):
             wrong = _wrong_axes(ax, len(shape))

@@ -1,7 +1,7 @@
 """qcheck's reference trainer: what a correct training loop does with fp8 scaling state.
 
 A few steps of gradient descent on a qcheck layer (or any NNX module whose fp8
-state is :class:`~qcheck.bridge.Fp8Meta`), each step over M microbatches, with
+state is :class:`~qcheck.layers.bridge.Fp8Meta`), each step over M microbatches, with
 an optax chain of global-norm clipping and AdamW's weight decay. The fp8 state
 (amax histories and scales) travels as the "gradient" of its variables, and
 the loop treats it as what it is, not as a gradient:
@@ -31,7 +31,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from qcheck import step
+from qcheck.layers import step
 
 __all__ = ["train"]
 
@@ -98,7 +98,7 @@ def train(
     same batch is used at every step, so a step's amax histories roll once and
     record what the sites saw.
 
-    With one microbatch a step is :func:`qcheck.step.train_step`'s program;
+    With one microbatch a step is :func:`qcheck.layers.step.train_step`'s program;
     with M, one more program runs each microbatch. The optimizer's programs
     depend only on the parameters' shapes. Use it as either step of
     :func:`qcheck.assert_fp8_state_matches` (``functools.partial(train,

@@ -11,11 +11,11 @@ what that call received (``g`` at its output) and gave back (the cotangents of
 its operands: DGRAD and WGRAD), and the layer's gradient of the weight named
 like the site must be that WGRAD, bitwise. Each pair is then held bit for bit to the
 referee's gradient matmuls of the operands the call consumed and the ``g`` it
-received (:mod:`qcheck._backward`'s expectations), never to the site run again.
+received (:mod:`qcheck.checks._backward`'s expectations), never to the site run again.
 
 NVFP4's DGRAD rounds stochastically with bits the layer draws from the site's
 own stream, which this record does not see: recipes with ``grad="nvfp4"``
-are held on probes only (:func:`qcheck._backward.assert_site_backward_exact`).
+are held on probes only (:func:`qcheck.checks._backward.assert_site_backward_exact`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike
 
-from qcheck import _backward
+from qcheck.checks import _backward
 from qcheck.recipes import Recipe, einsum_axes, get_recipe
 from qcheck.recipes._axes import RAGGED_AXES
 
@@ -89,7 +89,7 @@ def record_site_grads(layer: nnx.Module, x: jax.Array, g: jax.Array) -> list[Sit
 
     ``layer`` must be a copy the caller owns (it is changed), holding its call
     sites in ``layer.sites``; every site must be called once (the forward
-    capture, :func:`qcheck._site_exact.assert_site_calls_exact`, says which is not).
+    capture, :func:`qcheck.checks._site.assert_site_calls_exact`, says which is not).
     """
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
     names = tuple(layer.sites.keys())
@@ -114,7 +114,7 @@ def record_site_grads(layer: nnx.Module, x: jax.Array, g: jax.Array) -> list[Sit
 
 
 def _call_shapes(graphdef, state, x, names: Sequence[str]) -> dict[str, tuple]:
-    from qcheck._site_exact import record_site_calls
+    from qcheck.checks._site import record_site_calls
 
     out = jax.eval_shape(lambda s: record_site_calls(nnx.merge(graphdef, s, copy=True), x)[1], state)
     shapes = {}
@@ -138,7 +138,7 @@ def assert_layer_sites_backward_exact(layer: nnx.Module, x: ArrayLike, recipe: R
     """Every site's gradients in one backward pass of a fresh ``layer(x)`` equal the referee's, bitwise.
 
     One jitted program (:func:`record_site_grads`); ``g`` is the layer output's
-    gradient (default :func:`qcheck._backward.probe_grad`, whose small values
+    gradient (default :func:`qcheck.checks._backward.probe_grad`, whose small values
     part the gradient flavours). See :func:`assert_site_grad_calls_exact`.
     """
     __tracebackhide__ = True

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qcheck._choices import check_choice
-from qcheck.moe import MODELS, MoE, MoEConfig, transform_layer
+from qcheck.layers.moe import MODELS, MoE, MoEConfig, transform_layer
 from qcheck.recipes import ApplyRngs, InterceptRecipe, Recipe, get_recipe
 
 __all__ = ["Decoder", "build_decoder"]

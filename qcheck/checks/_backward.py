@@ -39,7 +39,7 @@ from flax import nnx
 from jax.typing import ArrayLike
 
 from qcheck import referees
-from qcheck.bridge import QuantSite
+from qcheck.layers.bridge import QuantSite
 from qcheck.recipes import NVFP4, MatmulAxes, Recipe, einsum_axes
 from qcheck.recipes._axes import RAGGED_AXES
 
@@ -84,7 +84,7 @@ def probe_nvfp4(seed: int, shape: tuple[int, ...], *axis_sets: tuple[int, ...]) 
     """A float32 array whose NVFP4 blocks along each of ``axis_sets`` decode exactly, in any order.
 
     XLA may reorder NVFP4's decode ``code / (s_enc / s_block)`` under jit (up to
-    2 ulps, :data:`qcheck._referee_checks.NVFP4_JIT_DECODE_ULPS`), which no
+    2 ulps, :data:`qcheck.checks._referee.NVFP4_JIT_DECODE_ULPS`), which no
     bitwise reference survives. Here the tensor amax is 6 and every block's amax
     is 6 · 2^-j (j in 0..3) along every axis set given, so each block's encode
     scale is 2^j: every decode order is exact. One element per block (where the
@@ -132,7 +132,7 @@ def site_dgrad_key(key: jax.Array, site_name: str) -> jax.Array:
 
 
 def _uniforms(key: jax.Array, shape: tuple[int, ...], axes: tuple[int, ...]) -> np.ndarray:
-    """:func:`qcheck._referee_checks.nvfp4_uniforms`, drawn flat: one program per size, not per layout.
+    """:func:`qcheck.checks._referee.nvfp4_uniforms`, drawn flat: one program per size, not per layout.
 
     JAX's uniforms depend on the flat index alone (tests/test_backward.py checks the two agree).
     """

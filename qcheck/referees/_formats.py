@@ -72,7 +72,7 @@ def referee_format_names() -> tuple[str, ...]:
     return _NAMES
 
 
-def _flush(a: np.ndarray, ftz: bool) -> np.ndarray:
+def flush(a: np.ndarray, ftz: bool) -> np.ndarray:
     """``a`` with float32 subnormals replaced by zero of the same sign, when ``ftz``."""
     if not ftz:
         return a
@@ -97,7 +97,7 @@ def _axes(axis: int | tuple[int, ...], ndim: int) -> tuple[int, ...]:
     return tuple(sorted({int(a) % ndim for a in raw}))
 
 
-class _Blocks:
+class Blocks:
     """``x`` with ``axes`` moved last (in order) and flattened into ``[..., n_blocks, block]``."""
 
     def __init__(self, shape: tuple[int, ...], axes: tuple[int, ...], block: int, fmt: str):
@@ -120,11 +120,11 @@ def _int8(x: np.ndarray, axes: tuple[int, ...], ftz: bool, xla_reciprocal: bool)
     # [def] symmetric absmax: scale = max|x| over the contraction axes / 127
     # ([XLA] or times the float32 reciprocal of 127, as XLA computes it).
     amax = np.max(np.abs(x), axis=axes, keepdims=True)
-    scale = _flush(amax * (_F32(1) / _F32(_INT8_BOUND)) if xla_reciprocal else amax / _F32(_INT8_BOUND), ftz)
+    scale = flush(amax * (_F32(1) / _F32(_INT8_BOUND)) if xla_reciprocal else amax / _F32(_INT8_BOUND), ftz)
     # [qcheck] a slice whose scale is zero keeps scale 1, so zeros stay zeros.
     scale = np.where(scale > 0, scale, _F32(1)).astype(_F32)
     # [def] round half to even, then clip to ±127.
-    codes = np.clip(np.round(_flush(_divide(x, scale, xla_reciprocal), ftz)), -_INT8_BOUND, _INT8_BOUND)
+    codes = np.clip(np.round(flush(_divide(x, scale, xla_reciprocal), ftz)), -_INT8_BOUND, _INT8_BOUND)
     return codes.astype(np.int8), {"slice": scale}
 
 
@@ -137,7 +137,7 @@ def _divide(x: np.ndarray, scale: np.ndarray, xla_reciprocal: bool) -> np.ndarra
 
 def _edge_scale(amax: np.ndarray, ftz: bool, xla_reciprocal: bool) -> np.ndarray:
     # [def] AQT's default and qwix: scale = absmax / 127.5 ([XLA] or times the float32 reciprocal of 127.5).
-    return _flush(amax * (_F32(1) / _INT8_EDGE) if xla_reciprocal else amax / _INT8_EDGE, ftz).astype(_F32)
+    return flush(amax * (_F32(1) / _INT8_EDGE) if xla_reciprocal else amax / _INT8_EDGE, ftz).astype(_F32)
 
 
 def _int8_aqt(x: np.ndarray, axes: tuple[int, ...], ftz: bool, xla_reciprocal: bool):
@@ -149,7 +149,7 @@ def _int8_aqt(x: np.ndarray, axes: tuple[int, ...], ftz: bool, xla_reciprocal: b
         inv = _F32(1) / scale
     inv = np.where(np.isinf(inv), _F32(1), inv).astype(_F32)
     # [def] AQT IntSymmetric: clip to the last bucket's edge minus 0.5 (127), then round half to even.
-    codes = np.round(np.clip(_flush(x * inv, ftz), -_INT8_BOUND, _INT8_BOUND))
+    codes = np.round(np.clip(flush(x * inv, ftz), -_INT8_BOUND, _INT8_BOUND))
     return codes.astype(np.int8), {"slice": scale}
 
 
@@ -157,7 +157,7 @@ def _int8_qwix(x: np.ndarray, axes: tuple[int, ...], ftz: bool, xla_reciprocal: 
     scale = _edge_scale(np.max(np.abs(x), axis=axes, keepdims=True), ftz, xla_reciprocal)
     scale = np.where(scale < _QWIX_MIN_SCALE, _F32(1), scale).astype(_F32)  # [def] qwix: a scale below 2^-63 is 1
     # [def] qwix: round half to even, then a saturating cast to int8: codes -128..127.
-    codes = np.clip(np.round(_flush(_divide(x, scale, xla_reciprocal), ftz)), -_INT8_BOUND - 1, _INT8_BOUND)
+    codes = np.clip(np.round(flush(_divide(x, scale, xla_reciprocal), ftz)), -_INT8_BOUND - 1, _INT8_BOUND)
     return codes.astype(np.int8), {"slice": scale}
 
 
@@ -171,11 +171,11 @@ def _current(x: np.ndarray, dtype: np.dtype, ftz: bool):
     else:
         scale = _F32(1)  # [qcheck] an all-zero tensor has scale 1
     scale = _F32(scale)
-    return _saturate(_flush(x * scale, ftz), dtype), {"tensor": np.asarray(scale, _F32)}
+    return _saturate(flush(x * scale, ftz), dtype), {"tensor": np.asarray(scale, _F32)}
 
 
 def _mxfp8(x: np.ndarray, axes: tuple[int, ...], ftz: bool):
-    b = _Blocks(x.shape, axes, _MX_BLOCK, "mxfp8")
+    b = Blocks(x.shape, axes, _MX_BLOCK, "mxfp8")
     blocks = b.split(x)
     amax = np.max(np.abs(blocks), axis=-1, keepdims=True)
     _, e = np.frexp(amax)  # amax = m · 2^e, m in [0.5, 1): floor(log2 amax) = e - 1, exactly
@@ -184,13 +184,13 @@ def _mxfp8(x: np.ndarray, axes: tuple[int, ...], ftz: bool):
     exp = np.where(amax >= np.finfo(_F32).tiny, np.clip(e - 1 - _E4M3_EMAX, _E8M0_MIN, _E8M0_MAX), _E8M0_MIN)
     exp = exp.astype(np.int32)
     # [def] elements x / X, saturating to e4m3fn; ldexp by a power of two is exact.
-    codes = _saturate(_flush(np.ldexp(blocks, -exp).astype(_F32), ftz), _FP8["e4m3fn"])
+    codes = _saturate(flush(np.ldexp(blocks, -exp).astype(_F32), ftz), _FP8["e4m3fn"])
     scale = (exp[..., 0] - _E8M0_MIN).astype(np.uint8).view(_E8M0)  # [def] e8m0 bits = exponent + 127
     return b.join(codes), {"block": scale}
 
 
 def _nvfp4(x: np.ndarray, axes: tuple[int, ...], uniforms: np.ndarray | None, ftz: bool):
-    b = _Blocks(x.shape, axes, _NVFP4_BLOCK, "nvfp4")
+    b = Blocks(x.shape, axes, _NVFP4_BLOCK, "nvfp4")
     blocks = b.split(x)
     amax = _F32(np.max(np.abs(blocks)))
     # [qcheck] per-tensor encode scale 6 · 448 / amax (NVIDIA's, as qcheck defines it). A
@@ -203,7 +203,7 @@ def _nvfp4(x: np.ndarray, axes: tuple[int, ...], uniforms: np.ndarray | None, ft
     block_amax = np.max(np.abs(blocks), axis=-1, keepdims=True)
     # [def] block decode scale amax_b / 6 in tensor units, stored e4m3fn (saturating);
     # [qcheck] computed as amax_b · (s_enc / 6), in that order.
-    s_block = _saturate(_flush(block_amax * (s_enc / _E2M1_MAX), ftz), _FP8["e4m3fn"])
+    s_block = _saturate(flush(block_amax * (s_enc / _E2M1_MAX), ftz), _FP8["e4m3fn"])
     if not representable:
         s_block = np.zeros_like(s_block)
     sb = s_block.astype(_F32)
@@ -212,7 +212,7 @@ def _nvfp4(x: np.ndarray, axes: tuple[int, ...], uniforms: np.ndarray | None, ft
     encode = (s_enc / np.where(nonzero, sb, _F32(1))).astype(_F32)
     decode = (_F32(1) / encode).astype(_F32)
     # [def] scaled elements clip to e2m1's ±6, then round to an e2m1 value.
-    v = np.clip(_flush(blocks * encode, ftz), -_E2M1_MAX, _E2M1_MAX)
+    v = np.clip(flush(blocks * encode, ftz), -_E2M1_MAX, _E2M1_MAX)
     if uniforms is None:
         q = v.astype(_E2M1).astype(_F32)  # [def] round to nearest, ties to even
     else:
@@ -236,17 +236,17 @@ def _e8m0_round_up(s: np.ndarray) -> np.ndarray:
 
 
 def _mxfp8_jax(x: np.ndarray, axes: tuple[int, ...], ftz: bool):
-    b = _Blocks(x.shape, axes, _MX_BLOCK, "mxfp8_jax")
+    b = Blocks(x.shape, axes, _MX_BLOCK, "mxfp8_jax")
     blocks = b.split(x)
     amax = np.max(np.abs(blocks), axis=-1, keepdims=True)
     # [XLA] amax / 448 as amax times float32(1 / 448), the constant division's rewrite.
-    bits = _e8m0_round_up(_flush(amax * (_F32(1) / _E4M3_MAX), ftz))
+    bits = _e8m0_round_up(flush(amax * (_F32(1) / _E4M3_MAX), ftz))
     # [def: JAX e8m0_to_dtype] 2^(bits - 127); bits 0 read as 2^-127. ldexp by it is exact.
-    codes = _saturate(_flush(np.ldexp(blocks, -(bits.astype(np.int32) - 127)).astype(_F32), ftz), _FP8["e4m3fn"])
+    codes = _saturate(flush(np.ldexp(blocks, -(bits.astype(np.int32) - 127)).astype(_F32), ftz), _FP8["e4m3fn"])
     return b.join(codes), {"block": bits[..., 0].view(_E8M0)}
 
 
-def _jax_global_scale(x: np.ndarray) -> np.float32:
+def jax_global_scale(x: np.ndarray) -> np.float32:
     # [qcheck] formats.jax_nvfp4_global_scale: the smallest power of two g with g · 2688 >= amax
     # (6 · 448 = 2688: NVIDIA's amax / 2688 rounded up), 1 for a zero tensor.
     amax = _F32(np.max(np.abs(x)))
@@ -259,15 +259,15 @@ def _jax_global_scale(x: np.ndarray) -> np.float32:
 
 
 def _nvfp4_jax(x: np.ndarray, axes: tuple[int, ...], ftz: bool):
-    g = _jax_global_scale(x)
-    b = _Blocks(x.shape, axes, _NVFP4_BLOCK, "nvfp4_jax")
-    blocks = b.split(_flush((x / g).astype(_F32), ftz))  # [def] a power of two: exact
+    g = jax_global_scale(x)
+    b = Blocks(x.shape, axes, _NVFP4_BLOCK, "nvfp4_jax")
+    blocks = b.split(flush((x / g).astype(_F32), ftz))  # [def] a power of two: exact
     amax = np.max(np.abs(blocks), axis=-1, keepdims=True)
     # [XLA] amax / 6 as amax times float32(1 / 6); [def: JAX] clipped to [0, 448], cast to e4m3fn.
-    s_block = np.clip(_flush(amax * (_F32(1) / _E2M1_MAX), ftz), 0, _E4M3_MAX).astype(_FP8["e4m3fn"])
+    s_block = np.clip(flush(amax * (_F32(1) / _E2M1_MAX), ftz), 0, _E4M3_MAX).astype(_FP8["e4m3fn"])
     sb = s_block.astype(_F32)
     with np.errstate(divide="ignore", invalid="ignore"):
-        v = np.clip(_flush((blocks / sb).astype(_F32), ftz), -_E2M1_MAX, _E2M1_MAX)  # [def: JAX] x / block
+        v = np.clip(flush((blocks / sb).astype(_F32), ftz), -_E2M1_MAX, _E2M1_MAX)  # [def: JAX] x / block
     v = np.where(np.isnan(v), _F32(-0.0), v)  # [XLA] 0 / 0 in a zero-scale block casts to e2m1 -0
     codes = v.astype(_E2M1)  # [def] round to nearest, ties to even
     return b.join(codes), {"block": s_block[..., 0], "tensor": np.asarray(g, _F32)}
@@ -320,7 +320,7 @@ def reference_quantize(
     """
     x = _check(x, fmt, uniforms)
     axes = _axes(axis, x.ndim)
-    x = _flush(x, ftz)
+    x = flush(x, ftz)
     if fmt == "int8":
         return _int8(x, axes, ftz, xla_reciprocal)
     if fmt == "int8_aqt":
@@ -358,26 +358,26 @@ def reference_dequantize(
     elif fmt in _CURRENT:
         out = c * (_F32(1) / scales["tensor"])  # [def] decode scale 1 / scale
     elif fmt in ("mxfp8", "mxfp8_jax"):
-        b = _Blocks(c.shape, axes, _MX_BLOCK, fmt)
+        b = Blocks(c.shape, axes, _MX_BLOCK, fmt)
         exp = scales["block"].view(np.uint8).astype(np.int32) + _E8M0_MIN
         # [def] x = code · 2^e, exact; mxfp8_jax's rounded-up scale lets a block of values within a code's
         # rounding of float32's max come back inf (256 · 2^120 = 2^128), as JAX's dequantize gives too.
         with np.errstate(over="ignore"):
             out = b.join(np.ldexp(b.split(c), exp[..., None]))
     elif fmt == "nvfp4_jax":
-        b = _Blocks(c.shape, axes, _NVFP4_BLOCK, fmt)
+        b = Blocks(c.shape, axes, _NVFP4_BLOCK, fmt)
         # [def: JAX] code · block scale, then (exact: a power of two) the global scale; a block within a code's
         # rounding of float32's max comes back inf, as JAX's dequantize gives too.
         with np.errstate(over="ignore"):
             out = b.join(b.split(c) * scales["block"].astype(_F32)[..., None] * scales["tensor"])
     else:
-        b = _Blocks(c.shape, axes, _NVFP4_BLOCK, "nvfp4")
+        b = Blocks(c.shape, axes, _NVFP4_BLOCK, "nvfp4")
         sb = scales["block"].astype(_F32)[..., None]
         nonzero = sb > 0
         # [qcheck] code · (1 / (s_enc / s_block)), the encode scale recomputed as quantize did.
         decode = _F32(1) / (scales["tensor"] / np.where(nonzero, sb, _F32(1)))
         out = b.join(np.where(nonzero, b.split(c) * decode, _F32(0)))
-    return _flush(np.asarray(out, _F32), ftz)
+    return flush(np.asarray(out, _F32), ftz)
 
 
 def reference_qdq(

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qcheck.bridge import Fp8Meta
+from qcheck.layers.bridge import Fp8Meta
 
 __all__ = ["StepOutput", "apply", "lower_train_step", "split_for_step", "train_step", "train_step_fn"]
 

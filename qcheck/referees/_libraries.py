@@ -31,7 +31,7 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 
-from qcheck.referees import _Blocks, _flush
+from qcheck.referees._formats import Blocks, flush
 
 __all__ = ["LIBRARY_RULES", "quantize_jax_nvfp4_e1f12ba4", "QWIX_MIN_SCALE", "qwix_cast", "qwix_divide", "quantize_qwix_mxfp8", "quantize_qwix_nvfp4",
            "qwix_scale"]
@@ -67,7 +67,7 @@ def _ceil_log2(s: np.ndarray) -> np.ndarray:
 
 def quantize_qwix_mxfp8(x: np.ndarray, axes: tuple[int, ...], xla_reciprocal: bool) -> tuple[np.ndarray, np.ndarray]:
     """qwix's mxfp8 along ``axes`` in blocks of 32: ``(e4m3fn codes shaped as x, float32 scales [..., blocks])``."""
-    b = _Blocks(x.shape, axes, 32, "mxfp8")
+    b = Blocks(x.shape, axes, 32, "mxfp8")
     blocks = b.split(np.asarray(x, _F32))
     s = qwix_scale(np.max(np.abs(blocks), axis=-1, keepdims=True), 448.0)
     scale = np.ldexp(_F32(1), _ceil_log2(s)).astype(_F32)  # qwix: 2 ** ceil(log2(scale))
@@ -76,7 +76,7 @@ def quantize_qwix_mxfp8(x: np.ndarray, axes: tuple[int, ...], xla_reciprocal: bo
 
 def quantize_qwix_nvfp4(x: np.ndarray, axes: tuple[int, ...], xla_reciprocal: bool) -> tuple[np.ndarray, np.ndarray]:
     """qwix's nvfp4 along ``axes`` in blocks of 16, one level: ``(e2m1 codes, e4m3fn block scales as float32)``."""
-    b = _Blocks(x.shape, axes, 16, "nvfp4")
+    b = Blocks(x.shape, axes, 16, "nvfp4")
     blocks = b.split(np.asarray(x, _F32))
     s = qwix_scale(np.max(np.abs(blocks), axis=-1, keepdims=True), 6.0)
     scale = qwix_cast(s, _E4M3).astype(_F32)  # qwix: the block scale cast to e4m3fn; no tensor scale
@@ -89,10 +89,10 @@ def quantize_jax_nvfp4_e1f12ba4(x: np.ndarray, axes: tuple[int, ...]) -> tuple[n
     Block scales amax_b / 6 / g (the global scale applied to them), codes x / block: the data was never
     divided by g. Decoded as JAX did: codes · block · g.
     """
-    from qcheck.referees import _jax_global_scale
+    from qcheck.referees._formats import jax_global_scale
 
-    g = _jax_global_scale(x)
-    b = _Blocks(x.shape, axes, 16, "nvfp4_jax")
+    g = jax_global_scale(x)
+    b = Blocks(x.shape, axes, 16, "nvfp4_jax")
     blocks = b.split(np.asarray(x, _F32))
     s = np.max(np.abs(blocks), axis=-1, keepdims=True) * (_F32(1) / _F32(6)) / g
     scale = np.clip(s, 0, 448).astype(_E4M3).astype(_F32)
@@ -104,16 +104,16 @@ def quantize_jax_nvfp4_e1f12ba4(x: np.ndarray, axes: tuple[int, ...]) -> tuple[n
 
 def _jax_e1f12ba4(x: np.ndarray, axes: tuple[int, ...], ftz: bool) -> np.ndarray:
     codes, scale, g = quantize_jax_nvfp4_e1f12ba4(x, axes)
-    b = _Blocks(x.shape, axes, 16, "")
-    return b.join(_flush(b.split(codes.astype(_F32)) * scale[..., None] * g, ftz).astype(_F32))
+    b = Blocks(x.shape, axes, 16, "")
+    return b.join(flush(b.split(codes.astype(_F32)) * scale[..., None] * g, ftz).astype(_F32))
 
 
 def _dequantized(rule: Callable, block: int) -> Callable[[np.ndarray, tuple[int, ...], bool], np.ndarray]:
     def qdq(x: np.ndarray, axes: tuple[int, ...], ftz: bool) -> np.ndarray:
         # A jitted site (what exact checks) divides by the scale as XLA does under jit.
         codes, scale = rule(x, axes, True)
-        b = _Blocks(x.shape, axes, block, "")
-        return b.join(_flush(b.split(codes.astype(_F32)) * scale[..., None], ftz).astype(_F32))
+        b = Blocks(x.shape, axes, block, "")
+        return b.join(flush(b.split(codes.astype(_F32)) * scale[..., None], ftz).astype(_F32))
 
     return qdq
 

@@ -1,6 +1,6 @@
 """The unquantized call site as a plain NNX module: what an interception library can walk.
 
-The ``none`` recipe's sites used to be :class:`~qcheck.bridge.QuantSite`, an
+The ``none`` recipe's sites used to be :class:`~qcheck.layers.bridge.QuantSite`, an
 ``nnx.bridge.ToNNX``; qwix 0.1.8 cannot walk a model holding one (it sets
 attributes on every module, which ToNNX turns into Linen variables: "Cannot
 infer collection name from value"). This site holds no state and computes the

@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 from flax.linen import fp8_ops
 
-from qcheck.bridge import Fp8Meta
+from qcheck.layers.bridge import Fp8Meta
 
 __all__ = ["assert_fp8_state_matches", "fp8_state"]
 

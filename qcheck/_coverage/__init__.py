@@ -1,0 +1,29 @@
+"""Which matmuls of a program are quantized, and how: a walk over its jaxpr, and the rules that spare some.
+
+Its public names are offered as ``qcheck.*`` and ``qcheck.checks.*``.
+"""
+
+from __future__ import annotations
+
+from qcheck._coverage._walk import (MACHINERY, MATMUL_PRIMITIVES, VALUE_PRESERVING, MatmulRecord, OperandQuant, Skip,
+                                    SkipArg, as_skips, assert_quantized, coverage, format_coverage, skip_at,
+                                    skip_functions, skip_modules, skip_where, warmed_up)
+
+__all__ = [
+    "MACHINERY",
+    "MATMUL_PRIMITIVES",
+    "VALUE_PRESERVING",
+    "MatmulRecord",
+    "OperandQuant",
+    "Skip",
+    "SkipArg",
+    "as_skips",
+    "assert_quantized",
+    "coverage",
+    "format_coverage",
+    "skip_at",
+    "skip_functions",
+    "skip_modules",
+    "skip_where",
+    "warmed_up",
+]

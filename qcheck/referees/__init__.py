@@ -1,0 +1,15 @@
+"""Independent references for every number format qcheck checks, in numpy and ml_dtypes only.
+
+The formats' quantizers (:func:`reference_quantize`, :func:`reference_dequantize`,
+:func:`reference_qdq`), the integer matmuls the int8 libraries compute exactly,
+and the rules each library follows under a format's name. Every value is
+computed by numpy and ml_dtypes, never by the code it referees, so a bug cannot
+be copied from one side to the other (the integer matmuls ask JAX, by tracing,
+only which operand ``jnp.einsum`` hands ``dot_general`` first).
+"""
+
+from __future__ import annotations
+
+from qcheck.referees._formats import referee_format_names, reference_dequantize, reference_qdq, reference_quantize
+
+__all__ = ["referee_format_names", "reference_dequantize", "reference_qdq", "reference_quantize"]
