@@ -26,3 +26,8 @@ def test_the_matrix_excerpts_have_the_matrix_columns():
 def test_the_invariants_table_lists_every_invariant():
     rows = re.findall(r"^\| `(\w+)` \|", README, re.M)
     assert rows == [inv.name for inv in invariants.INVARIANTS]
+
+
+def test_the_readme_stays_short():
+    lines = len(README.splitlines())
+    assert lines <= 150, f"README.md has {lines} lines; details belong in docs/"
