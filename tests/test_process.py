@@ -129,7 +129,7 @@ def test_the_default_cache_fills_in_a_fresh_qcheck_process(tmp_path):
 
     env = {k: v for k, v in os.environ.items() if k not in ("QCHECK_XLA_CACHE", "CI", "XLA_FLAGS")}
     env["XDG_CACHE_HOME"] = str(tmp_path)
-    probe = ("from qcheck import _process; _process.setup(own=True)\n"
+    probe = ("from qcheck.suite import _process; _process.setup(own=True)\n"
              "import jax; jax.jit(lambda x: x * 3 + 1)(2.0).block_until_ready()\n"
              "print(_process.user_cache_dir())")
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)

@@ -379,12 +379,14 @@ def _prefix_of(package: str) -> str | None:
 
 def _machinery_prefixes(extra: tuple[str, ...] = ()) -> tuple[str, ...]:
     here = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    qcheck = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    checks = qcheck + "checks" + os.sep
     packages = [p for p in (_prefix_of(name) for name in (*MACHINERY, *extra)) if p]
     return (
         *packages,
         os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep,
-        os.path.abspath(__file__), here + "checks.py", here + "recipes" + os.sep,
-        here + "bridge.py", here + "_plain_site.py", here + "formats.py", here + "_layer_check.py",
+        here, qcheck + "recipes" + os.sep, qcheck + os.path.join("layers", "bridge.py"), qcheck + "formats.py",
+        *(checks + f for f in ("_tracks.py", "_fresh.py", "_native_gemm.py", "_programs.py", "_layer.py")),
     )
 
 
