@@ -301,9 +301,10 @@ def qcheck_layer(qcheck_case):
     return layer(qcheck_case)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def qcheck_env(request: pytest.FixtureRequest):
-    """The :class:`qcheck.suite.invariants.RunEnv` of this run: where its user golden cases live."""
+    """The :class:`qcheck.suite.invariants.RunEnv` of this run, built once: where its user golden cases live, and
+    ``qcheck_env.invariants``, every invariant as this run runs it (``inv.run(case)``)."""
     from qcheck.suite.invariants import RunEnv
 
     return RunEnv(golden_root(request.config))
