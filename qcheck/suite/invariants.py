@@ -38,6 +38,7 @@ __all__ = [
     "assert_paths_agree",
     "assert_rng_state_constant",
     "assert_rng_state_grows",
+    "assert_rng_state_matches_twin",
     "check_rng",
     "rng_entry_params",
     "assert_sites_carry_no_rng_stream",
@@ -569,6 +570,22 @@ def assert_rng_state_grows(u32_by_depth: dict[int, int], label: str) -> None:
             f"{label}: forced PRIVATE, u32 entry parameters should grow with depth but are "
             f"{u32_by_depth}; the measurement is not seeing per-site streams"
         )
+
+
+def assert_rng_state_matches_twin(u32: int, twin_u32: int, label: str) -> int:
+    """A recipe that shares the caller's stream adds no RNG state: the step's u32 entry parameters are the twin's.
+
+    ``twin_u32``: the unquantized stack's at the same depth (its own stream's
+    key and count). Flatness over depth does not see one stream made for the
+    whole stack (a fork of the caller's stream every site shares): flat, but a
+    stream that is not the caller's. Returns ``u32``.
+    """
+    __tracebackhide__ = True
+    if u32 != twin_u32:
+        raise AssertionError(
+            f"{label}: the train step carries {u32} u32 entry parameters, the unquantized stack's {twin_u32}: "
+            "RNG state beyond the caller's stream (a stream of the sites' own, shared across layers?)")
+    return u32
 
 
 def check_rng(case: Case) -> int:
