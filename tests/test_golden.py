@@ -374,3 +374,17 @@ def test_pytest_update_golden_writes_then_the_suite_checks(probe_module, pyteste
     before = path.read_bytes()
     assert pytester.inline_run(*args).ret == 0
     assert path.read_bytes() == before
+
+
+def test_pytest_update_golden_that_writes_nothing_fails(probe_module, pytester, tmp_path, monkeypatch):
+    # The twin of the test above: an update is checked against what it wrote, so one that says "new" and wrote
+    # nothing fails instead of passing because --update-golden was set.
+    root = tmp_path / "golden"
+    root.mkdir()
+    monkeypatch.setattr(golden, "write_case", lambda case, root, *, overwrite: f"{case.file(root)}: new")
+    result = pytester.inline_run("--update-golden", *INNER, f"--qcheck-recipes={probe_module}", f"--golden-dir={root}",
+                                 "-k", "test_golden_case and probe_int8-mixtral-dense")
+    failures = result.getfailures()
+    assert result.ret != 0 and len(failures) == 2  # mixtral-dense and mixtral-dense-drop
+    assert all("has no file" in str(f.longrepr) for f in failures)
+    assert not any(root.iterdir())
