@@ -41,9 +41,14 @@ def _configure_test_process() -> None:
     gc.set_threshold(*gc.get_threshold()[:2], 100)
     from hypothesis import HealthCheck, settings
 
-    # pytester's in-process runs (the plugin's and the guide's tests) unload every
-    # module first imported during them, which would leave a second copy of these
-    # behind for later tests, and monkeypatches on one copy that the other ignores.
+    # A test that uses pytester (the plugin's, the guide's, test_golden's) removes from
+    # sys.modules, when it ends, every module first imported while it ran: pytester
+    # snapshots sys.modules at setup and restores it at teardown (and around each
+    # in-process run). The suite modules the plugin imports lazily would then be
+    # imported afresh by later tests: a second copy with its own caches (its layers
+    # built and compiled again) and its own globals (a monkeypatch on one copy that
+    # the other ignores). Imported here, before any test, they stay one copy. (Not
+    # an import-order fix: golden and invariants do not import each other.)
     import qcheck.suite.golden  # noqa: F401
     import qcheck.suite.invariants  # noqa: F401
 

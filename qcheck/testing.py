@@ -296,4 +296,4 @@ class InvariantTestCase(QuantizationAssertions, parameterized.TestCase):
                 self.skipTest(f"the sharded invariant needs {_MESH_DEVICES} CPU devices, this process has {n}: "
                               f"set XLA_FLAGS=--xla_force_host_platform_device_count={_MESH_DEVICES} before "
                               "JAX starts")
-        return self._qcheck(invariant.run, (case, RunEnv(self.golden_dir())), {}, None)
+        return self._qcheck(RunEnv(self.golden_dir()).bind(invariant).run, (case,), {}, None)

@@ -855,7 +855,7 @@ def test_golden_records_what_a_site_feeds_its_matmul_not_its_declaration(tmp_pat
     fed = golden.site_operands(liar, golden.CANONICAL_EQN, *golden.canonical_operands("mixtral"))
     assert sorted(fed) == ["lhs", "lhs.float8_e4m3fn", "rhs", "rhs.float8_e4m3fn"]  # no int8 anywhere
     golden.write_case(GOLDEN_CASE, tmp_path, overwrite=False)  # the healthy int8 site's codes
-    monkeypatch.setattr(golden, "operand_codes", lambda recipe, model: fed)
+    monkeypatch.setattr(golden.record, "operand_codes", lambda recipe, model: fed)  # where measure reads it
     with pytest.raises(AssertionError, match=r"(?s)int8-mixtral-dense does not match .*codes: got keys \['lhs', "
                        r"'lhs.float8_e4m3fn', 'rhs', 'rhs.float8_e4m3fn'\], golden \['lhs', 'lhs.int8', 'rhs', "
                        r"'rhs.int8'\].*codes\['lhs'\]: \d+ of 128 differ"):

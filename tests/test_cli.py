@@ -56,7 +56,7 @@ LONG_FAILURE = ("int8-gemma-sparse site 'wo': wrong fp8 flavour: the site comput
 def _break_tracks(monkeypatch, text: str) -> None:
     from qcheck.suite import invariants
 
-    def broken(case, env):
+    def broken(case):
         raise AssertionError(text)
 
     patched = tuple(

@@ -88,7 +88,7 @@ def test_known_defect_still_fails_should_pass():
 
 def test_a_known_defect_that_passes_fails_saying_to_drop_it_should_fail(monkeypatch):
     (exact,) = (i for i in invariants.INVARIANTS if i.name == "exact")
-    fixed = invariants.Invariant("exact", exact.applies, lambda case, env: None)  # upstream fixed the scale
+    fixed = invariants.Invariant("exact", exact.applies, lambda case: None)  # upstream fixed the scale
     monkeypatch.setattr(invariants, "INVARIANTS", (fixed,))
     with pytest.raises(AssertionError, match=r"aqt_int8_ragged-mixtral-sparse: exact passes where aqtp 0.9.0 has "
                                              r"the declared defect \(aqt_ragged_dot.ragged_dot shares one weight "

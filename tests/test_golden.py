@@ -4,6 +4,7 @@ The drift and hand-edit twins live in test_catalogue.py with the other bugs.
 """
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -38,7 +39,7 @@ def edit(path: Path, change) -> None:
 
 
 def redigest(record) -> None:
-    record["digest"] = golden._digest(record)
+    record["digest"] = golden.digest(record)
 
 
 # -- the format -------------------------------------------------------------------
@@ -208,10 +209,12 @@ def test_qcheck_recipes_cases_ship_in_the_package_and_user_recipes_use_the_users
         "none-mixtral-dense", "fp8-gemma-sparse", "mxfp8-mixtral-sparse"}
 
 
-def test_a_missing_builtin_case_says_the_install_is_incomplete_not_to_record_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(golden, "builtin_root", lambda: tmp_path)
+def test_a_missing_builtin_case_says_the_install_is_incomplete_not_to_record_it():
+    # A case the package's directory does not hold: int8's sparse layer has no token-dropping variant.
+    absent = golden.GoldenCase("int8", "mixtral", "sparse", dropping=True)
+    assert not absent.file(golden.builtin_root()).exists()
     with pytest.raises(AssertionError, match="ships with qcheck, so this installation is incomplete; reinstall"):
-        golden.check_case(CASE, tmp_path)
+        golden.check_case(absent, golden.builtin_root())
 
 
 def test_builtin_cases_are_written_only_from_qcheck_s_checkout(tmp_path):
@@ -286,27 +289,32 @@ def test_cli_add_writes_every_case_then_refuses_and_check_reports_a_bad_one(prob
 
 
 def fail_the_nth_write(monkeypatch, n: int, error: OSError) -> list:
-    """Golden files written after this fail at the ``n``-th write, as a full disk would; returns the paths tried."""
-    real, calls = golden._atomic_write, []
+    """Golden files written after this fail at the ``n``-th write, as a full disk would; returns the paths tried.
 
-    def write(path, text):
-        calls.append(path)
-        if len(calls) == n:
-            raise error
-        real(path, text)
+    At the rename that puts a written file in place (every golden file is written so, and only golden files end
+    in .json here): os.replace, patched while the test runs.
+    """
+    real, calls = os.replace, []
 
-    monkeypatch.setattr(golden, "_atomic_write", write)
+    def replace(src, dst, *args, **kwargs):
+        if Path(dst).suffix == ".json":
+            calls.append(Path(dst))
+            if len(calls) == n:
+                raise error
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace)
     return calls
 
 
 def test_add_writes_all_of_a_recipes_cases_or_none(probe_module, tmp_path, monkeypatch):
     root = tmp_path / "golden"
-    real = golden._atomic_write
+    real = os.replace
     calls = fail_the_nth_write(monkeypatch, 3, OSError(28, "No space left on device"))
     with pytest.raises(OSError, match="No space left"):
         golden.write_cases(golden.golden_cases(("probe_int8",)), root, overwrite=False)
     assert len(calls) == 3 and list((root / "probe_int8").iterdir()) == []  # the two written are gone again
-    monkeypatch.setattr(golden, "_atomic_write", real)
+    monkeypatch.setattr(os, "replace", real)
     golden.write_cases(golden.golden_cases(("probe_int8",)), root, overwrite=False)  # a rerun is not refused
     assert sorted(p.name for p in (root / "probe_int8").iterdir()) == PROBE_FILES
 
@@ -331,7 +339,7 @@ def test_cli_refuses_a_golden_dir_it_cannot_write_in_one_line(probe_module, tmp_
                  "--golden-dir", str(blocked / "golden")]) == 2
     assert capsys.readouterr().err == f"qcheck: error: golden directory {blocked / 'golden'}: {blocked} is not a directory\n"
     # Read-only: CI runs as root, whom permission bits do not stop, so the access check is what is asked.
-    monkeypatch.setattr(golden.os, "access", lambda path, mode: False)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
     assert main(["golden", "add", "probe_int8", "--recipes", str(probe_module),
                  "--golden-dir", str(tmp_path / "ro")]) == 2
     assert capsys.readouterr().err == (f"qcheck: error: golden directory {tmp_path / 'ro'} is not writable "
@@ -366,3 +374,17 @@ def test_pytest_update_golden_writes_then_the_suite_checks(probe_module, pyteste
     before = path.read_bytes()
     assert pytester.inline_run(*args).ret == 0
     assert path.read_bytes() == before
+
+
+def test_pytest_update_golden_that_writes_nothing_fails(probe_module, pytester, tmp_path, monkeypatch):
+    # The twin of the test above: an update is checked against what it wrote, so one that says "new" and wrote
+    # nothing fails instead of passing because --update-golden was set.
+    root = tmp_path / "golden"
+    root.mkdir()
+    monkeypatch.setattr(golden, "write_case", lambda case, root, *, overwrite: f"{case.file(root)}: new")
+    result = pytester.inline_run("--update-golden", *INNER, f"--qcheck-recipes={probe_module}", f"--golden-dir={root}",
+                                 "-k", "test_golden_case and probe_int8-mixtral-dense")
+    failures = result.getfailures()
+    assert result.ret != 0 and len(failures) == 2  # mixtral-dense and mixtral-dense-drop
+    assert all("has no file" in str(f.longrepr) for f in failures)
+    assert not any(root.iterdir())

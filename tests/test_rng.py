@@ -179,3 +179,34 @@ def test_rng_cli_shows_flat_shared_and_growing_private(capsys):
     assert "RNG mode: private" in lines[0]
     u32 = [int(line.split()[2]) for line in lines[2:]]
     assert u32[0] < u32[1]
+
+
+def _u32_of_unrolled(stack) -> int:
+    graphdef, *state = step.split_for_step(stack)
+    counts = checks.entry_params(step.train_step_fn(graphdef), *state, cases.layer_input("mixtral"), compile=False)
+    return counts.get("u32", 0)
+
+
+def test_rng_state_of_a_shared_recipe_matches_the_unquantized_twin_should_pass():
+    twin = invariants.rng_entry_params("mixtral", "none", depths=(1,))[1]["u32"]
+    shared = invariants.rng_entry_params("mixtral", "nvfp4", depths=(1,))[1]["u32"]
+    assert invariants.assert_rng_state_matches_twin(shared, twin, "nvfp4-mixtral") == twin
+
+
+def test_rng_state_of_one_stream_the_sites_share_across_layers_is_flat_but_not_the_twins_should_fail():
+    # The bug flatness cannot see: every site of every layer draws from one stream made for the stack, not from
+    # the caller's. Fresh stacks (this test rewires them), so the cached ones stay as built.
+    def rewired(layers: int):
+        stack = qcheck.build_decoder("mixtral", "nvfp4", layers=layers, seed=cases.SEED)
+        extra = nnx.Rngs(7)
+        for layer in stack.layers:
+            for site in layer.sites.values():
+                site.share_rngs(extra)
+        return stack
+
+    by_depth = {n: _u32_of_unrolled(rewired(n)) for n in (1, 2)}
+    flat = invariants.assert_rng_state_constant(by_depth, "one stream for the stack")  # flat: passes
+    twin = invariants.rng_entry_params("mixtral", "none", depths=(1,))[1]["u32"]
+    with pytest.raises(AssertionError, match=rf"one stream for the stack: the train step carries {flat} u32 entry "
+                       rf"parameters, the unquantized stack's {twin}: RNG state beyond the caller's stream"):
+        invariants.assert_rng_state_matches_twin(flat, twin, "one stream for the stack")

@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import functools
 import re
+from typing import TYPE_CHECKING
 
+from qcheck._choices import check_choice
 from qcheck.recipes import KnownDefect, Recipe, Unsupported, assert_still_unsupported, get_recipe
 from qcheck.suite.cases import Case, Variant
+
+if TYPE_CHECKING:
+    from qcheck.suite.invariants import Invariant
 
 __all__ = ["KIND_INVARIANTS", "check_declared", "declared"]
 
@@ -44,23 +49,31 @@ def _refusal(declared_: Unsupported) -> str:
     return assert_still_unsupported(declared_, declared_.library)
 
 
-def check_declared(case: Case, invariant: str, env=None) -> str:
-    """The note for a declared cell, after checking the declaration still holds; AssertionError if not."""
+def check_declared(case: Case, invariant: str | Invariant) -> str:
+    """The note for a declared cell, after checking the declaration still holds; AssertionError if not.
+
+    ``invariant``: a name in :data:`~qcheck.suite.invariants.INVARIANTS`, or an
+    invariant as a run bound it (:meth:`~qcheck.suite.invariants.RunEnv.bind`).
+    """
     __tracebackhide__ = True
     from qcheck.suite import invariants
 
-    found = declared(get_recipe(case.recipe), case.variant, invariant)
+    if isinstance(invariant, str):
+        by_name = {i.name: i for i in invariants.INVARIANTS}
+        inv = by_name[check_choice("invariant", invariant, by_name)]
+    else:
+        inv = invariant
+    found = declared(get_recipe(case.recipe), case.variant, inv.name)
     if found is None:
-        raise ValueError(f"{case.id}: no Unsupported or KnownDefect declaration covers invariant {invariant!r}")
+        raise ValueError(f"{case.id}: no Unsupported or KnownDefect declaration covers invariant {inv.name!r}")
     if isinstance(found, Unsupported):
         return _refusal(found)
-    (inv,) = (i for i in invariants.INVARIANTS if i.name == invariant)
     try:
-        inv.run(case, env or invariants.RunEnv())
+        inv.run(case)
     except AssertionError as e:
         if not re.search(found.match, str(e)):
-            raise AssertionError(f"{case.id}: {invariant} fails, but not as the declared {found.library} defect "
+            raise AssertionError(f"{case.id}: {inv.name} fails, but not as the declared {found.library} defect "
                                  f"({found.match!r}): {e}") from None
         return f"{found.text()} ({e})"
-    raise AssertionError(f"{case.id}: {invariant} passes where {found.library} {found.version} has the declared "
+    raise AssertionError(f"{case.id}: {inv.name} passes where {found.library} {found.version} has the declared "
                          f"defect ({found.reason}): fixed upstream? drop the KnownDefect declaration")

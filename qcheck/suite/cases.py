@@ -14,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh
 
 from qcheck import formats
@@ -39,6 +40,7 @@ __all__ = [
     "layer_output",
     "backward_applies",
     "forward_output",
+    "grad_leaves",
     "gradient_tiles",
     "grads_applies",
     "train_step_runs",
@@ -183,6 +185,11 @@ def layer_input(model: str) -> jax.Array:
 def layer_step(case: Case) -> step.StepOutput:
     """One train step of the fresh layer on :func:`layer_input`."""
     return step.train_step(layer(case), layer_input(case.variant.model))
+
+
+def grad_leaves(grads: nnx.State) -> dict[str, np.ndarray]:
+    """Each Param's gradient in a train step's ``grads``, by dotted path."""
+    return {".".join(map(str, path)): np.asarray(v.get_value()) for path, v in nnx.to_flat_state(grads)}
 
 
 @functools.cache

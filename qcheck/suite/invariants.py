@@ -21,9 +21,9 @@ from qcheck.suite import cases as cases_mod
 from qcheck import checks
 from qcheck.layers import step
 from qcheck.layers.bridge import Fp8Meta
-from qcheck.suite.cases import BATCH, SEQ, Case, Variant, train_step_runs
+from qcheck.suite.cases import BATCH, SEQ, Case, Variant, grad_leaves, train_step_runs
 from qcheck.suite.cases import backward_applies as _backward_applies
-from qcheck.suite import _site_programs
+from qcheck.suite import _site_programs, golden
 from qcheck.suite._site_programs import SiteRuns, probe_group_sizes
 from qcheck.suite._sharded import (SHARDED_ATOL, SHARDED_RTOL, assert_layer_sharded,
                                    assert_layer_sharded_matches, assert_sharded_matches)
@@ -38,6 +38,7 @@ __all__ = [
     "assert_paths_agree",
     "assert_rng_state_constant",
     "assert_rng_state_grows",
+    "assert_rng_state_matches_twin",
     "check_rng",
     "rng_entry_params",
     "assert_sites_carry_no_rng_stream",
@@ -330,11 +331,6 @@ def check_tracks(case: Case) -> float:
     ))
 
 
-def grad_leaves(grads: nnx.State) -> dict[str, np.ndarray]:
-    """Each Param's gradient in a train step's ``grads``, by dotted path."""
-    return {".".join(map(str, path)): np.asarray(v.get_value()) for path, v in nnx.to_flat_state(grads)}
-
-
 def assert_grads_track(grads: dict[str, np.ndarray], reference: dict[str, np.ndarray], *,
                        max_grad_rel_norm: float, distinct: bool, label: str) -> float:
     """Every gradient is finite and within ``max_grad_rel_norm`` of the twin's at the same path.
@@ -576,6 +572,22 @@ def assert_rng_state_grows(u32_by_depth: dict[int, int], label: str) -> None:
         )
 
 
+def assert_rng_state_matches_twin(u32: int, twin_u32: int, label: str) -> int:
+    """A recipe that shares the caller's stream adds no RNG state: the step's u32 entry parameters are the twin's.
+
+    ``twin_u32``: the unquantized stack's at the same depth (its own stream's
+    key and count). Flatness over depth does not see one stream made for the
+    whole stack (a fork of the caller's stream every site shares): flat, but a
+    stream that is not the caller's. Returns ``u32``.
+    """
+    __tracebackhide__ = True
+    if u32 != twin_u32:
+        raise AssertionError(
+            f"{label}: the train step carries {u32} u32 entry parameters, the unquantized stack's {twin_u32}: "
+            "RNG state beyond the caller's stream (a stream of the sites' own, shared across layers?)")
+    return u32
+
+
 def check_rng(case: Case) -> int:
     """The recipe's own RNG mode keeps step RNG state flat over 1/2/8 layers; forced PRIVATE grows."""
     __tracebackhide__ = True
@@ -620,21 +632,15 @@ def check_sharded(case: Case) -> float:
         cases_mod.layer_input(case.variant.model), case.id, mesh=cases_mod.mesh())
 
 
-@dataclasses.dataclass(frozen=True)
-class RunEnv:
-    """What a run's invariants need besides the case: where the user's golden cases live."""
+def check_golden(case: Case, golden_root: Path = Path("golden")) -> None:
+    """The case matches its golden file (qcheck's own recipes: the package's; others: ``golden_root``'s).
 
-    golden_root: Path = Path("golden")
-
-
-def check_golden(case: Case, env: RunEnv = RunEnv()) -> None:
-    """The case matches its golden file (qcheck's own recipes: the package's; others: ``env.golden_root``)."""
+    A run binds ``golden_root`` once (:class:`RunEnv`); the other invariants need nothing but the case.
+    """
     __tracebackhide__ = True
-    from qcheck.suite import golden
-
     v = case.variant
     gcase = golden.GoldenCase(case.recipe, v.model, v.path, v.dropping)
-    golden.check_case(gcase, golden.root_for(case.recipe, env.golden_root))
+    golden.check_case(gcase, golden.root_for(case.recipe, golden_root))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -643,25 +649,45 @@ class Invariant:
 
     name: str
     applies: Callable[[Recipe, Variant], bool]
-    run: Callable[[Case, RunEnv], float | None]
-
-
-def _case_only(check: Callable[[Case], float | None]) -> Callable[[Case, RunEnv], float | None]:
-    return lambda case, env: check(case)
+    run: Callable[[Case], float | None]
 
 
 INVARIANTS: tuple[Invariant, ...] = (
-    Invariant("sites", lambda r, v: r.quantized, _case_only(check_sites)),
-    Invariant("coverage", lambda r, v: r.quantized, _case_only(check_coverage)),
-    Invariant("exact", _exact_applies, _case_only(check_exact)),
-    Invariant("backward", _backward_applies, _case_only(check_backward)),
-    Invariant("tracks", lambda r, v: r.quantized, _case_only(check_tracks)),
+    Invariant("sites", lambda r, v: r.quantized, check_sites),
+    Invariant("coverage", lambda r, v: r.quantized, check_coverage),
+    Invariant("exact", _exact_applies, check_exact),
+    Invariant("backward", _backward_applies, check_backward),
+    Invariant("tracks", lambda r, v: r.quantized, check_tracks),
     # Wherever the case trains; `backward` only where an exact reference exists too.
-    Invariant("grads", cases_mod.grads_applies, _case_only(check_grads)),
-    Invariant("state", lambda r, v: r.materialize_at_build, _case_only(check_state)),
-    Invariant("train", _train_applies, _case_only(check_train)),
-    Invariant("rng", _rng_applies, _case_only(check_rng)),
+    Invariant("grads", cases_mod.grads_applies, check_grads),
+    Invariant("state", lambda r, v: r.materialize_at_build, check_state),
+    Invariant("train", _train_applies, check_train),
+    Invariant("rng", _rng_applies, check_rng),
     # Sharded twins exist per model and path, without token dropping; golden cases for every variant.
-    Invariant("sharded", lambda r, v: not v.dropping, _case_only(check_sharded)),
+    Invariant("sharded", lambda r, v: not v.dropping, check_sharded),
+    # Against the package's golden cases and ./golden; a run binds its own directory (RunEnv).
     Invariant("golden", lambda r, v: True, check_golden),
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class RunEnv:
+    """One run of the suite, built once: what its invariants need besides the case.
+
+    That is where the user's golden cases live, and ``golden`` is the one
+    invariant that reads it: :attr:`invariants` is :data:`INVARIANTS` with
+    that directory bound, so every other check keeps taking the case alone.
+    """
+
+    golden_root: Path = Path("golden")
+
+    @property
+    def invariants(self) -> tuple[Invariant, ...]:
+        """:data:`INVARIANTS` (as it stands when asked) as this run runs them."""
+        return tuple(self.bind(inv) for inv in INVARIANTS)
+
+    def bind(self, invariant: Invariant) -> Invariant:
+        """``invariant`` as this run runs it: the golden check against :attr:`golden_root`, others as they are."""
+        if invariant.run is check_golden:
+            return dataclasses.replace(invariant, run=functools.partial(check_golden, golden_root=self.golden_root))
+        return invariant

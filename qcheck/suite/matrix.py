@@ -80,21 +80,22 @@ def _run(check, *args) -> Cell:
     return Cell("pass", figure=figure)
 
 
-def _cell(inv: invariants.Invariant, case: Case, env: invariants.RunEnv) -> Cell:
+def _cell(inv: invariants.Invariant, case: Case) -> Cell:
     from qcheck.suite import _declared
 
     recipe = get_recipe(case.recipe)
     found = _declared.declared(recipe, case.variant, inv.name)
     if found is not None:
-        cell = _run(_declared.check_declared, case, inv.name, env)  # fails once the declaration is stale
+        cell = _run(_declared.check_declared, case, inv)  # fails once the declaration is stale
         if cell.status == "fail":
             return cell
         return Cell("unsupported" if found in recipe.unsupported else "known", cell.figure)
-    return _run(inv.run, case, env) if inv.applies(recipe, case.variant) else Cell("n/a")
+    return _run(inv.run, case) if inv.applies(recipe, case.variant) else Cell("n/a")
 
 
 def _row(case: Case, env: invariants.RunEnv) -> Row:
-    return Row(case, {inv.name: _cell(inv, case, env) for inv in invariants.INVARIANTS})
+    # The run's env travels with each case to the workers (bound invariants hold closures, which do not pickle).
+    return Row(case, {inv.name: _cell(inv, case) for inv in env.invariants})
 
 
 def run_matrix(

@@ -301,9 +301,10 @@ def qcheck_layer(qcheck_case):
     return layer(qcheck_case)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def qcheck_env(request: pytest.FixtureRequest):
-    """The :class:`qcheck.suite.invariants.RunEnv` of this run: where its user golden cases live."""
+    """The :class:`qcheck.suite.invariants.RunEnv` of this run, built once: where its user golden cases live, and
+    ``qcheck_env.invariants``, every invariant as this run runs it (``inv.run(case)``)."""
     from qcheck.suite.invariants import RunEnv
 
     return RunEnv(golden_root(request.config))
@@ -313,9 +314,11 @@ def qcheck_env(request: pytest.FixtureRequest):
 def qcheck_golden(request: pytest.FixtureRequest) -> Callable[[], str]:
     """Run this item's golden case: check it, or with ``--update-golden`` rewrite it.
 
-    Returns ``"match"`` after a passing check, else the one-line summary of what
-    was written (recorded for the end-of-run summary). A file of a recipe this
-    run did not load, or one no recipe could own, is reported as a skip.
+    Returns ``"match"`` after a passing check; with ``--update-golden``, the
+    one-line summary of what was written (recorded for the end-of-run summary),
+    after checking the case against the file just written, so an update that
+    wrote nothing, or other values than this run's, fails. A file of a recipe
+    this run did not load, or one no recipe could own, is reported as a skip.
     """
     from qcheck.suite import golden
 
@@ -336,6 +339,7 @@ def qcheck_golden(request: pytest.FixtureRequest) -> Callable[[], str]:
                         "from qcheck's own checkout", pytrace=False)
         line = golden.write_case(case, root, overwrite=True)
         request.node.user_properties.append(("qcheck_golden", line))
+        golden.check_case(case, root)
         return line
 
     return run

@@ -52,7 +52,10 @@ def test_call_sites_share_no_state(qcheck_case):
 
 @pytest.mark.qcheck_invariant("rng")
 def test_rng_state_is_flat_across_depth_and_private_control_grows(qcheck_case):
-    assert invariants.check_rng(qcheck_case) >= 0
+    flat = invariants.check_rng(qcheck_case)
+    # Flat, and no more than the unquantized stack carries: the caller's one stream (tests/test_rng.py: the control).
+    twin = invariants.rng_entry_params(qcheck_case.variant.model, "none", depths=(1,))[1].get("u32", 0)
+    invariants.assert_rng_state_matches_twin(flat, twin, qcheck_case.id)
 
 
 @pytest.mark.qcheck_invariant("sharded")

@@ -1,26 +1,22 @@
-"""Golden cases: what pins a recipe's numerics on a fixed seed, one JSON file per recipe × variant.
+"""The golden store: where each case's file lives, its JSON format, provenance, and atomic writes.
 
-Where they live: the cases of the recipes qcheck ships are inside the package
-(:func:`builtin_root`), so they travel with every install; a user's recipes
-keep theirs in the user's project (``./golden`` by default, ``--golden-dir`` or
-``$QCHECK_GOLDEN_DIR`` to move it). :func:`root_for` says which.
+The cases of the recipes qcheck ships live in the package (:func:`builtin_root`),
+so they travel with every install; a user's recipes keep theirs in the user's
+project (``./golden`` by default, ``--golden-dir`` or ``$QCHECK_GOLDEN_DIR`` to
+move it). :func:`root_for` says which.
 
-A case holds the layer output, what one call site fed its matmul on a
-canonical einsum (the operands and the codes and scales on the way, traced from
-the site; raw bits plus the ml_dtypes name, since .npz does not round-trip
-those types), the relative norm against ``none``, the train step's entry
-parameters and gradients (a sample of each leaf, with its norm), the tolerance floats are compared with, the provenance of whoever
-wrote it, and a digest of all that. Files are written only by
-``python -m qcheck golden add/update`` or ``pytest --update-golden``, atomically;
-a file that fails to parse, has another schema or does not match its digest is
-reported by name and never silently replaced by a check.
+A file holds a case's values (:mod:`qcheck.suite.golden.record`) as JSON:
+arrays as raw little-endian bits plus the dtype's name (.npz does not
+round-trip ml_dtypes' types), the tolerance floats are compared with, the
+provenance of whoever wrote it, and a digest of all that. :func:`read_case`
+names the file and what is wrong with it for anything it cannot trust;
+:func:`write_files` writes several files all or none.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
 import hashlib
 import json
 import os
@@ -34,36 +30,41 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from qcheck.suite import cases as cases_mod
-from qcheck import checks
-from qcheck.suite import _process
-from qcheck.layers import step
-from qcheck.suite._operands import site_operands
-from qcheck.suite.cases import SEED, Case, Variant
 from qcheck.recipes import get_recipe, is_builtin, recipe_names, recipe_source
+from qcheck.suite import _process
+from qcheck.suite import cases as cases_mod
+from qcheck.suite.cases import SEED, Case, Variant
 
 __all__ = [
+    "CANONICAL_EQN",
     "DEFAULT_TOLERANCE",
     "ENV",
+    "GRAD_SAMPLE",
     "SCHEMA",
-    "GoldenCase",
-    "GoldenFileError",
     "Collected",
+    "GoldenCase",
     "GoldenError",
+    "GoldenFileError",
+    "Stored",
     "add_command",
     "builtin_root",
-    "check_case",
+    "check_writable",
     "collect",
+    "decode_array",
+    "digest",
+    "encode_array",
     "golden_cases",
     "golden_dir",
+    "grad_sample",
+    "provenance",
+    "read_case",
+    "render",
     "root_for",
+    "to_record",
+    "update_command",
     "user_root",
     "writable_here",
-    "write_cases",
-    "measure",
-    "read_case",
-    "summarize",
-    "write_case",
+    "write_files",
 ]
 
 SCHEMA = "qcheck.golden/2"
@@ -83,7 +84,7 @@ DEFAULT_TOLERANCE = {"output": {"rtol": 1e-5, "atol": 1e-6}, "rel_norm": {"atol"
 #: the flattened leaf, so every expert and row is sampled; the norm and absmax
 #: of the whole leaf are stored beside them.
 GRAD_SAMPLE = 1024
-#: The einsum whose operand codes a case records (see :func:`canonical_operands`).
+#: The einsum whose operand codes a case records (:func:`qcheck.suite.golden.record.canonical_operands`).
 CANONICAL_EQN = "tm,mh->th"
 _ROW_BYTES = 32  # one hex line of a stored array: a diff shows which rows moved
 _KEYS = ("schema", "digest", "case", "provenance", "tolerance", "rel_norm", "entry_params",
@@ -161,7 +162,7 @@ def builtin_root() -> Path:
     In the repository they are its top-level ``golden/``; the wheel carries that
     directory as ``qcheck/_golden`` (pyproject.toml's package-dir).
     """
-    package = Path(__file__).resolve().parents[1]
+    package = Path(__file__).resolve().parents[2]  # qcheck/suite/golden/store.py -> qcheck
     installed = package / "_golden"
     return installed if installed.is_dir() else package.parent / "golden"
 
@@ -223,69 +224,6 @@ def add_command(recipe: str, root: Path) -> str:
     if Path(root).resolve() not in (golden_dir(default="golden").resolve(), builtin_root()):
         parts += ["--golden-dir", str(root)]
     return shlex.join(parts)
-
-
-# -- measuring ----------------------------------------------------------------
-
-
-def canonical_operands(model: str) -> tuple[np.ndarray, np.ndarray]:
-    """The canonical einsum's operands on ``model``: ``[4, emb]`` tokens, ``[emb, 32]`` weights.
-
-    Four tokens of the layer input against the first 32 columns of expert 0's
-    first input projection (the same weights for every recipe and path).
-    """
-    x = np.asarray(cases_mod.layer_input(model))[0, :4]
-    w = np.asarray(cases_mod.layer(Case("none", Variant(model, "dense", False))).wi_0[...])[0, :, :32]
-    return x, w
-
-
-@functools.cache
-def operand_codes(recipe_name: str, model: str) -> dict[str, np.ndarray]:
-    """What the recipe's fresh ``wi_0`` site fed its matmul on the canonical einsum's operands.
-
-    Taken from the site itself (:func:`qcheck.suite._operands.site_operands`),
-    not recomputed from the recipe's declared formats: ``lhs``/``rhs`` are the
-    operands the matmul received, bitwise (codes times scales), and
-    ``<side>.<dtype>`` the narrow values (codes, block scales) computed on the
-    way, so a plug-in that quantizes otherwise than it declares, or declares
-    nothing, records what it does.
-    """
-    lhs, rhs = canonical_operands(model)
-    site = cases_mod.layer(Case(recipe_name, Variant(model, "dense", False))).get_einsum("wi_0")
-    return site_operands(site, CANONICAL_EQN, lhs, rhs)
-
-
-@functools.cache
-def train_step_entry_params(case: Case) -> dict[str, int]:
-    """Entry parameters of the case's jitted train step, read off its lowering.
-
-    Lowers the same jitted function the suite runs, so a step already traced is not traced again.
-    """
-    graphdef, params, meta, rest = step.split_for_step(cases_mod.layer(case))
-    lowered = step.lower_train_step(graphdef, params, meta, rest, cases_mod.layer_input(case.variant.model))
-    return checks.lowered_entry_params(lowered)
-
-
-def measure(case: GoldenCase) -> dict[str, Any]:
-    """The values a golden case pins, measured now: output, codes, rel_norm, entry params, gradients.
-
-    Where the recipe cannot train on the variant
-    (:func:`qcheck.suite.invariants.train_step_runs`) there is no train step:
-    its entry parameters and gradients are recorded as empty.
-    """
-    from qcheck.suite.invariants import grad_leaves, train_step_runs
-
-    recipe = get_recipe(case.recipe)
-    output = cases_mod.layer_output(case.case)
-    rel = checks.rel_norm(output, cases_mod.layer_output(case.case.reference)) if recipe.quantized else 0.0
-    trains = train_step_runs(recipe, case.variant)
-    return {
-        "rel_norm": rel,
-        "entry_params": train_step_entry_params(case.case) if trains else {},
-        "output": output,
-        "codes": operand_codes(case.recipe, case.model),
-        "grads": grad_leaves(cases_mod.layer_step(case.case).grads) if trains else {},
-    }
 
 
 def grad_sample(g: np.ndarray) -> tuple[int, np.ndarray]:
@@ -361,7 +299,8 @@ def decode_array(d: Any, where: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype).reshape(shape)
 
 
-def _digest(record: dict[str, Any]) -> str:
+def digest(record: dict[str, Any]) -> str:
+    """``sha256:<hex>`` of ``record`` without its digest: what a file written by qcheck carries."""
     body = {k: v for k, v in record.items() if k != "digest"}
     return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
@@ -372,7 +311,7 @@ def _summary(a: np.ndarray) -> dict[str, float]:
 
 
 def to_record(case: GoldenCase, values: dict[str, Any], *, tolerance=None) -> dict[str, Any]:
-    """The JSON object for ``case`` holding ``values`` (from :func:`measure`)."""
+    """The JSON object for ``case`` holding ``values`` (from :func:`qcheck.suite.golden.record.measure`)."""
     record = {
         "schema": SCHEMA,
         "digest": "",
@@ -389,7 +328,7 @@ def to_record(case: GoldenCase, values: dict[str, Any], *, tolerance=None) -> di
                           for k, g in sorted(values["grads"].items())},
         "grads": {k: encode_array(grad_sample(g)[1]) for k, g in sorted(values["grads"].items())},
     }
-    record["digest"] = _digest(record)
+    record["digest"] = digest(record)
     return record
 
 
@@ -433,7 +372,7 @@ def read_case(case: GoldenCase, root: Path) -> Stored:
         raise GoldenFileError(path, f"is missing keys: {', '.join(missing)}")
     if extra := sorted(set(record) - set(_KEYS)):
         raise GoldenFileError(path, f"has unknown keys: {', '.join(extra)}")
-    if record["digest"] != _digest(record):
+    if record["digest"] != digest(record):
         raise GoldenFileError(
             path, "does not match its digest: it was edited by hand or corrupted. Golden files are "
             f"written only by qcheck; to change it, run `{update_command(case.recipe, root)}`")
@@ -464,6 +403,7 @@ def read_case(case: GoldenCase, root: Path) -> Stored:
 
 
 def update_command(recipe: str, root: Path) -> str:
+    """The exact command that rewrites ``recipe``'s cases in ``root``."""
     return add_command(recipe, root).replace(" golden add ", " golden update ", 1)
 
 
@@ -491,172 +431,23 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
 _INT_LIST = re.compile(r"\[\s*(-?\d+(?:,\s*-?\d+)*)\s*\]")
 
 
-def _render(record: dict[str, Any]) -> str:
-    # One hex row per line; shapes on one line.
+def render(record: dict[str, Any]) -> str:
+    """The file's text for ``record``: one hex row per line, shapes on one line."""
     text = json.dumps(record, indent=1)
     return _INT_LIST.sub(lambda m: "[" + ", ".join(m.group(1).replace(",", " ").split()) + "]", text) + "\n"
 
 
-# -- comparing and writing ------------------------------------------------------
+def write_files(files: list[tuple[Path, str]]) -> None:
+    """Write every ``(path, text)``, each atomically, and all or none.
 
-
-def differences(stored: Stored, values: dict[str, Any]) -> list[str]:
-    """What differs between a stored case and measured ``values``, one line per key; empty if it matches."""
-    tol, out = stored.tolerance, []
-    got, want = np.asarray(values["output"]), stored.output
-    if got.shape != want.shape or got.dtype != want.dtype:
-        out.append(f"output: got shape {got.shape} {got.dtype}, golden {want.shape} {want.dtype}")
-    else:
-        rtol, atol = tol["output"]["rtol"], tol["output"]["atol"]
-        diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
-        bad = ~(diff <= atol + rtol * np.abs(want.astype(np.float64)))
-        if bad.any():
-            i = np.unravel_index(np.argmax(np.where(bad, diff, -1)), diff.shape)
-            i = tuple(int(j) for j in i)
-            out.append(
-                f"output: {int(bad.sum())} of {bad.size} values outside rtol {rtol}, atol {atol}; "
-                f"worst at {i}: got {got[i]!r}, golden {want[i]!r} (|diff| {diff[i]:.3g})")
-    rel, golden_rel = float(values["rel_norm"]), float(stored.record["rel_norm"])
-    if not abs(rel - golden_rel) <= tol["rel_norm"]["atol"]:
-        out.append(f"rel_norm: got {rel:.6g}, golden {golden_rel:.6g} (atol {tol['rel_norm']['atol']})")
-    if dict(values["entry_params"]) != stored.record["entry_params"]:
-        out.append(f"entry_params: got {dict(values['entry_params'])}, golden {stored.record['entry_params']}")
-    out += _grad_differences(stored, values["grads"])
-    codes = values["codes"]
-    if set(codes) != set(stored.codes):
-        out.append(f"codes: got keys {sorted(codes)}, golden {sorted(stored.codes)}")
-    for k in sorted(set(codes) & set(stored.codes)):
-        g, w = np.asarray(codes[k]), stored.codes[k]
-        if g.shape != w.shape or g.dtype != w.dtype:
-            out.append(f"codes[{k!r}]: got shape {g.shape} {g.dtype.name}, golden {w.shape} {w.dtype.name}")
-            continue
-        # Bytes per element, flattened: a view cannot change the itemsize of a 0-d array.
-        gb = g.reshape(-1).view(np.uint8).reshape(g.size, -1)
-        wb = w.reshape(-1).view(np.uint8).reshape(w.size, -1)
-        mismatch = np.any(gb != wb, axis=-1)
-        if mismatch.any():
-            j = int(np.argmax(mismatch))
-            i = tuple(int(n) for n in np.unravel_index(j, g.shape))
-            out.append(
-                f"codes[{k!r}]: {int(mismatch.sum())} of {mismatch.size} differ, first at {i}: "
-                f"got {g[i]!r} (0x{gb[j].tobytes()[::-1].hex()}), golden {w[i]!r} (0x{wb[j].tobytes()[::-1].hex()})")
-    return out
-
-
-def _outside(got: np.ndarray, want: np.ndarray, rtol: float, atol: float) -> tuple[np.ndarray, np.ndarray]:
-    diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
-    return ~(diff <= atol + rtol * np.abs(want.astype(np.float64))), diff
-
-
-def _grad_differences(stored: Stored, grads: dict[str, np.ndarray]) -> list[str]:
-    """Each gradient leaf's sample, elementwise, and its norm, within the ``grads`` tolerance."""
-    rtol, atol = stored.tolerance["grads"]["rtol"], stored.tolerance["grads"]["atol"]
-    if set(grads) != set(stored.grads):
-        return [f"grads: got leaves {sorted(grads)}, golden {sorted(stored.grads)}"]
-    out = []
-    for k in sorted(grads):
-        stride, got = grad_sample(grads[k])
-        want, summary = stored.grads[k], stored.record["grads_summary"][k]
-        if got.shape != want.shape or got.dtype != want.dtype or stride != summary.get("stride"):
-            out.append(f"grads[{k!r}]: got a sample of {got.shape} {got.dtype} (stride {stride}), golden "
-                       f"{want.shape} {want.dtype} (stride {summary.get('stride')})")
-            continue
-        bad, diff = _outside(got, want, rtol, atol)
-        if bad.any():
-            i = int(np.argmax(np.where(bad, diff, -1)))
-            out.append(f"grads[{k!r}]: {int(bad.sum())} of {bad.size} sampled values outside rtol {rtol}, atol "
-                       f"{atol}; worst at element {i * stride}: got {got[i]!r}, golden {want[i]!r} "
-                       f"(|diff| {diff[i]:.3g})")
-        norm = float(np.linalg.norm(np.asarray(grads[k], np.float64)))
-        if not abs(norm - summary["norm"]) <= rtol * abs(summary["norm"]):
-            out.append(f"grads[{k!r}]: norm {norm:.9g}, golden {summary['norm']:.9g} (rtol {rtol})")
-    return out
-
-
-def _bitwise_same(stored: Stored, values: dict[str, Any]) -> bool:
-    fresh = to_record(GoldenCase(**{k: stored.record["case"][k] for k in ("recipe", "model", "path", "dropping")}),
-                      values, tolerance=stored.tolerance)
-    keys = ("rel_norm", "entry_params", "codes", "output", "grads_summary", "grads")
-    return all(fresh[k] == stored.record[k] for k in keys)
-
-
-def _moved_within_tolerance(stored: Stored, values: dict[str, Any]) -> str:
-    got, want = np.asarray(values["output"], np.float64), stored.output.astype(np.float64)
-    moved = int(np.sum(got != want))
-    rel = abs(float(values["rel_norm"]) - float(stored.record["rel_norm"]))
-    return (f"within tolerance: output {moved} of {got.size} values moved, max |diff| "
-            f"{float(np.max(np.abs(got - want))):.2g}; rel_norm moved {rel:.2g}")
-
-
-def _provenance_line(p: dict[str, Any]) -> str:
-    return (f"jax {p.get('jax')}, jaxlib {p.get('jaxlib')}, flax {p.get('flax')}, ml_dtypes {p.get('ml_dtypes')}, "
-            f"numpy {p.get('numpy')}, backend {p.get('backend')} ({p.get('device_kind')}), "
-            f"seed {p.get('seed')}, {p.get('date')}")
-
-
-def check_case(case: GoldenCase, root: Path) -> None:
-    """Assert the case's current numerics match its golden file.
-
-    A missing file fails with the exact command that creates it; an unusable
-    file raises :class:`GoldenFileError`; a mismatch says which key, how far,
-    and both sides' provenance.
+    A failure part way (a full disk, a read-only file) restores whatever had
+    been written already, so a recipe never ends up half-recorded.
     """
-    __tracebackhide__ = True
-    path = case.file(root)
-    if case.recipe not in recipe_names():
-        raise AssertionError(
-            f"golden case {case.id} ({path}) is for recipe {case.recipe!r}, which is not registered "
-            f"(registered: {', '.join(recipe_names())}); name its module with --qcheck-recipes / "
-            "--recipes, or install the package that provides it")
-    if not path.exists():
-        if Path(root).resolve() == builtin_root():
-            raise AssertionError(
-                f"golden case {case.id} has no file ({path}): it ships with qcheck, so this installation "
-                "is incomplete; reinstall qcheck")
-        raise AssertionError(
-            f"golden case {case.id} has no file ({path}); create the recipe's cases with:\n"
-            f"  {add_command(case.recipe, root)}")
-    stored = read_case(case, root)
-    problems = differences(stored, measure(case))
-    if problems:
-        raise AssertionError(
-            f"golden case {case.id} does not match {path}:\n  " + "\n  ".join(problems)
-            + f"\ngolden written with: {_provenance_line(stored.record['provenance'])}"
-            + f"\nthis run:            {_provenance_line(provenance())}"
-            + f"\nif the change is intended: `{update_command(case.recipe, root)}` or `pytest --update-golden`")
-
-
-_OUTCOMES = ("new", "changed", "replaced", "unchanged")
-
-
-def summarize(lines: list[str]) -> str:
-    """``"2 new, 1 changed, 0 replaced, 25 unchanged"`` for the lines :func:`write_case` returned."""
-    counts = {k: sum(f": {k}" in line for line in lines) for k in _OUTCOMES}
-    return ", ".join(f"{n} {k}" for k, n in counts.items())
-
-
-def write_cases(cases: list[GoldenCase], user: Path, *, overwrite: bool) -> list[str]:
-    """Measure every case, then write all of their files or none; returns a summary line per case.
-
-    Each case goes to :func:`root_for` its recipe. Without ``overwrite`` an
-    existing file is a FileExistsError before anything is measured. Nothing is
-    written until every case is measured, and a failure while writing restores
-    whatever had been written already, so a recipe never ends up half-recorded.
-    """
-    targets = [(c, root_for(c.recipe, user)) for c in cases]
-    if not overwrite and (taken := [str(c.file(r)) for c, r in targets if c.file(r).exists()]):
-        raise FileExistsError(
-            f"golden files exist, nothing written: {', '.join(taken)}; rewrite them with "
-            f"`{update_command(cases[0].recipe, targets[0][1])}`")
-    for directory in {r for _, r in targets}:
-        _check_writable(directory)
-    planned = [(c.file(r), *_plan(c, r, overwrite=overwrite)) for c, r in targets]
     done: list[tuple[Path, bytes | None]] = []
     try:
-        for path, text, _ in planned:
-            if text is not None:
-                done.append((path, path.read_bytes() if path.exists() else None))
-                _atomic_write(path, text)
+        for path, text in files:
+            done.append((path, path.read_bytes() if path.exists() else None))
+            _atomic_write(path, text)
     except BaseException:
         for path, old in reversed(done):
             if old is None:
@@ -664,47 +455,12 @@ def write_cases(cases: list[GoldenCase], user: Path, *, overwrite: bool) -> list
             else:
                 _atomic_write_bytes(path, old)
         raise
-    return [line for _, _, line in planned]
 
 
-def _check_writable(directory: Path) -> None:
+def check_writable(directory: Path) -> None:
     """A golden directory we can create files in (made if missing), else a one-line GoldenError."""
     existing = next((p for p in (directory, *directory.parents) if p.exists()), None)
     if existing is not None and not existing.is_dir():
         raise GoldenError(f"golden directory {directory}: {existing} is not a directory")
     if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
         raise GoldenError(f"golden directory {directory} is not writable ({existing}: permission denied)")
-
-
-def _plan(case: GoldenCase, root: Path, *, overwrite: bool) -> tuple[str | None, str]:
-    """What writing ``case`` would do: the file's new text (None: leave it) and the summary line."""
-    path = case.file(root)
-    values = measure(case)
-    if path.exists():
-        if not overwrite:
-            raise FileExistsError(
-                f"golden file {path} exists; rewrite it with `{update_command(case.recipe, root)}` "
-                "or `pytest --update-golden`")
-        try:
-            stored = read_case(case, root)
-        except GoldenFileError as e:
-            return _render(to_record(case, values)), f"{path}: replaced an unusable file ({e})"
-        if _bitwise_same(stored, values):
-            return None, f"{path}: unchanged"
-        what = differences(stored, values) or [_moved_within_tolerance(stored, values)]
-        return (_render(to_record(case, values, tolerance=stored.tolerance)),
-                f"{path}: changed: " + "; ".join(what))
-    return _render(to_record(case, values)), f"{path}: new"
-
-
-def write_case(case: GoldenCase, root: Path, *, overwrite: bool) -> str:
-    """Measure ``case`` and write its file atomically; returns a one-line summary of what changed.
-
-    Without ``overwrite`` an existing file is a FileExistsError. With it, a file
-    whose values are bitwise unchanged is left alone (its provenance too).
-    """
-    get_recipe(case.recipe)
-    text, line = _plan(case, root, overwrite=overwrite)
-    if text is not None:
-        _atomic_write(case.file(root), text)
-    return line

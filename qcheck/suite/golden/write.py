@@ -1,0 +1,83 @@
+"""Writing golden cases: what ``qcheck golden add/update`` and ``pytest --update-golden`` run.
+
+Each case is recorded (:mod:`qcheck.suite.golden.record`), compared with the
+file it would replace (:mod:`qcheck.suite.golden.compare`) to say what
+changed, and only then stored (:mod:`qcheck.suite.golden.store`): all of a
+command's files or none.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from qcheck.recipes import get_recipe
+from qcheck.suite.golden.compare import bitwise_same, differences, moved_within_tolerance
+from qcheck.suite.golden.record import measure
+from qcheck.suite.golden.store import (GoldenCase, GoldenFileError, check_writable, read_case, render, root_for,
+                                       to_record, update_command, write_files)
+
+__all__ = ["summarize", "write_case", "write_cases"]
+
+_OUTCOMES = ("new", "changed", "replaced", "unchanged")
+
+
+def summarize(lines: list[str]) -> str:
+    """``"2 new, 1 changed, 0 replaced, 25 unchanged"`` for the lines :func:`write_case` returned."""
+    counts = {k: sum(f": {k}" in line for line in lines) for k in _OUTCOMES}
+    return ", ".join(f"{n} {k}" for k, n in counts.items())
+
+
+def write_cases(cases: list[GoldenCase], user: Path, *, overwrite: bool) -> list[str]:
+    """Measure every case, then write all of their files or none; returns a summary line per case.
+
+    Each case goes to :func:`~qcheck.suite.golden.store.root_for` its recipe.
+    Without ``overwrite`` an existing file is a FileExistsError before anything
+    is measured. Nothing is written until every case is measured, and a failure
+    while writing restores whatever had been written already
+    (:func:`~qcheck.suite.golden.store.write_files`), so a recipe never ends up
+    half-recorded.
+    """
+    targets = [(c, root_for(c.recipe, user)) for c in cases]
+    if not overwrite and (taken := [str(c.file(r)) for c, r in targets if c.file(r).exists()]):
+        raise FileExistsError(
+            f"golden files exist, nothing written: {', '.join(taken)}; rewrite them with "
+            f"`{update_command(cases[0].recipe, targets[0][1])}`")
+    for directory in {r for _, r in targets}:
+        check_writable(directory)
+    planned = [(c.file(r), *_plan(c, r, overwrite=overwrite)) for c, r in targets]
+    write_files([(path, text) for path, text, _ in planned if text is not None])
+    return [line for _, _, line in planned]
+
+
+def _plan(case: GoldenCase, root: Path, *, overwrite: bool) -> tuple[str | None, str]:
+    """What writing ``case`` would do: the file's new text (None: leave it) and the summary line."""
+    path = case.file(root)
+    values = measure(case)
+    if path.exists():
+        if not overwrite:
+            raise FileExistsError(
+                f"golden file {path} exists; rewrite it with `{update_command(case.recipe, root)}` "
+                "or `pytest --update-golden`")
+        try:
+            stored = read_case(case, root)
+        except GoldenFileError as e:
+            return render(to_record(case, values)), f"{path}: replaced an unusable file ({e})"
+        if bitwise_same(stored, values):
+            return None, f"{path}: unchanged"
+        what = differences(stored, values) or [moved_within_tolerance(stored, values)]
+        return (render(to_record(case, values, tolerance=stored.tolerance)),
+                f"{path}: changed: " + "; ".join(what))
+    return render(to_record(case, values)), f"{path}: new"
+
+
+def write_case(case: GoldenCase, root: Path, *, overwrite: bool) -> str:
+    """Measure ``case`` and write its file atomically; returns a one-line summary of what changed.
+
+    Without ``overwrite`` an existing file is a FileExistsError. With it, a file
+    whose values are bitwise unchanged is left alone (its provenance too).
+    """
+    get_recipe(case.recipe)
+    text, line = _plan(case, root, overwrite=overwrite)
+    if text is not None:
+        write_files([(case.file(root), text)])
+    return line
