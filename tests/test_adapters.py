@@ -121,7 +121,7 @@ def test_ragged_dot_from_einsum_equals_lax_ragged_dot_bitwise():
 
 
 def test_ragged_dot_from_einsum_gradients_sum_in_another_order_than_lax_ragged_dot():
-    """Why the backward invariant leaves the Flax recipes' sparse path out (Recipe.backward_paths).
+    """Why the backward invariant leaves the Flax recipes' sparse path out (Expect.backward_paths).
 
     Unquantized, the emulation's forward equals jax.lax.ragged_dot bitwise but its
     gradients do not (summation order, jax 0.10.2 and 0.12.0.1 on CPU): the input

@@ -118,8 +118,9 @@ def test_declarations_validate_each_field(declaration, kwargs, error, message):
 
 
 def test_declarations_normalise_what_they_accept():
-    expect = Expect(max_rel_norm=1 / 4, paths=["sparse"], unsupported=[_unsupported()])
+    expect = Expect(max_rel_norm=np.float32(0.25), paths=["sparse"], unsupported=[_unsupported()])
     assert (expect.paths, type(expect.unsupported), expect.max_grad_rel_norm) == (("sparse",), tuple, 0.3)
+    assert type(expect.max_rel_norm) is float and expect.max_rel_norm == 0.25
     assert Reference(cast_dtype=jnp.float8_e4m3fnuz).cast_dtype == np.dtype("float8_e4m3fnuz")
     with pytest.raises(dataclasses.FrozenInstanceError):
         expect.max_rel_norm = 0.5

@@ -7,7 +7,7 @@ or a module named with ``--recipes`` / ``--qcheck-recipes``.
 
 from qcheck.recipes._axes import MatmulAxes, einsum_axes
 from qcheck.recipes._base import ApplyRngs, Recipe
-from qcheck.recipes._declarations import DEFAULT_RECIPE_MAX_GRAD_REL_NORM, GRAD_OPERANDS, Expect, Reference
+from qcheck.recipes._declarations import Expect, Reference
 from qcheck.recipes._fp8 import DelayedScalingFp8, fp8, nanoo_fp8
 from qcheck.recipes._intercept import InterceptRecipe
 from qcheck.recipes._none import NoQuant
@@ -25,10 +25,8 @@ from qcheck.recipes._sites import SiteOps
 from qcheck.recipes._unsupported import UNSUPPORTED_KINDS, KnownDefect, Unsupported, assert_still_unsupported
 
 __all__ = [
-    "DEFAULT_RECIPE_MAX_GRAD_REL_NORM",
     "ENTRY_POINT_GROUP",
     "Expect",
-    "GRAD_OPERANDS",
     "KnownDefect",
     "ApplyRngs",
     "DelayedScalingFp8",

@@ -11,6 +11,7 @@ is written, not in the middle of a suite run.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import numpy as np
 
@@ -56,7 +57,7 @@ def _declared(arg: str, value: object, cls: type) -> tuple:
 
 
 def _bound(arg: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < value < 1.0:
         raise ValueError(f"{arg} must lie in (0, 1), got {value!r}")
     return float(value)
 
