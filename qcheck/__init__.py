@@ -13,6 +13,7 @@ __all__ = [
     "MODELS",
     "PATHS",
     "ApplyRngs",
+    "Expect",
     "InterceptRecipe",
     "KnownDefect",
     "LayerFigures",
@@ -21,6 +22,7 @@ __all__ = [
     "QuantSite",
     "MatmulRecord",
     "Recipe",
+    "Reference",
     "Skip",
     "Unsupported",
     "assert_fp8_state_matches",
@@ -57,6 +59,8 @@ _WHERE = {
     "QuantSite": "qcheck.layers.bridge",
     "ApplyRngs": "qcheck.recipes",
     "Recipe": "qcheck.recipes",
+    "Expect": "qcheck.recipes",
+    "Reference": "qcheck.recipes",
     "InterceptRecipe": "qcheck.recipes",
     "KnownDefect": "qcheck.recipes",
     "Unsupported": "qcheck.recipes",
@@ -91,8 +95,8 @@ if TYPE_CHECKING:
     from qcheck.layers.bridge import QuantSite
     from qcheck.layers.decoder import build_decoder
     from qcheck.layers.moe import MODELS, PATHS, MoE, MoEConfig, build_moe
-    from qcheck.recipes import (ApplyRngs, InterceptRecipe, KnownDefect, Recipe, Unsupported, get_recipe,
-                                recipe_names, register_recipe)
+    from qcheck.recipes import (ApplyRngs, Expect, InterceptRecipe, KnownDefect, Recipe, Reference, Unsupported,
+                                get_recipe, recipe_names, register_recipe)
 
 
 def __getattr__(name: str):

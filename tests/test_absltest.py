@@ -207,7 +207,7 @@ class TrackedCasesTest(testing.QuantizationAssertions, parameterized.TestCase):
         testing.case_parameters("tracks", recipes=("fp8", "int8"), models=("mixtral",), paths=("dense",)))
     def test_tracks(self, case):
         figure = self.assertTracks(cases.layer_output(case), cases.layer_output(case.reference),
-                                   max_rel_norm=get_recipe(case.recipe).max_rel_norm)
+                                   max_rel_norm=get_recipe(case.recipe).expect.max_rel_norm)
         self.assertGreater(figure, 0)
 
 

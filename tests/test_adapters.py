@@ -121,7 +121,7 @@ def test_ragged_dot_from_einsum_equals_lax_ragged_dot_bitwise():
 
 
 def test_ragged_dot_from_einsum_gradients_sum_in_another_order_than_lax_ragged_dot():
-    """Why the backward invariant leaves the Flax recipes' sparse path out (Recipe.backward_paths).
+    """Why the backward invariant leaves the Flax recipes' sparse path out (Expect.backward_paths).
 
     Unquantized, the emulation's forward equals jax.lax.ragged_dot bitwise but its
     gradients do not (summation order, jax 0.10.2 and 0.12.0.1 on CPU): the input
@@ -157,8 +157,28 @@ def test_backward_invariant_applies_on_the_declared_paths(recipe, paths):
 
     (backward,) = (inv for inv in invariants.INVARIANTS if inv.name == "backward")
     r = qcheck.get_recipe(recipe)
-    assert r.backward_paths == paths
+    assert r.expect.backward_paths == paths
     assert {v.path for v in VARIANTS if backward.applies(r, v)} == set(paths)
+
+
+def test_library_limits_survive_a_callers_expect():
+    """A caller's Expect gives bounds and targets; it does not switch on a backward reference the library lacks,
+    nor drop a refusal."""
+    from qcheck.adapters import JaxScaledDotRecipe, QwixRecipe
+
+    given = qcheck.Expect(max_rel_norm=0.3, fp8_target="mi300")
+    flax = flax_fp8_recipe("f", nn.Fp8Einsum, e4m3_dtype=jnp.float8_e4m3fnuz, e5m2_dtype=jnp.float8_e5m2fnuz,
+                           expect=given)
+    assert (flax.expect.max_rel_norm, flax.expect.fp8_target, flax.expect.backward_paths) == (0.3, "mi300", ("dense",))
+    assert JaxScaledDotRecipe("j", "nvfp4", expect=given).expect.backward_paths == ()
+    aqt = _aqt()
+    ragged = aqt.aqt_recipe("a", ragged="aqt", lhs="int8_aqt", rhs="int8_aqt", expect=given)
+    assert (ragged.expect.backward_paths, ragged.expect.unsupported, ragged.expect.known_defects) == (
+        (), (aqt.AQT_RAGGED_NO_GRADIENT,), (aqt.AQT_RAGGED_SHARED_SCALE,))
+    qwix = _qwix()
+    rule = dict(module_path=".*", weight_qtype=jnp.int8, act_qtype=jnp.int8)
+    assert QwixRecipe("q", [qwix.QtRule(**rule)], expect=given).expect.backward_paths == ("dense",)
+    assert QwixRecipe("q", [qwix.QtRule(**rule, bwd_qtype=jnp.int8)], expect=given).expect.backward_paths == ()
 
 
 def test_flax_sparse_backward_misses_the_exact_reference_by_rounding():
@@ -195,7 +215,7 @@ def test_grads_invariant_trains_library_recipes_wherever_their_library_has_gradi
 
     (grads,) = (inv for inv in invariants.INVARIANTS if inv.name == "grads")
     r = qcheck.get_recipe(recipe)
-    assert {v.path for v in VARIANTS if grads.applies(r, v) and v.path in r.paths} == set(paths)
+    assert {v.path for v in VARIANTS if grads.applies(r, v) and v.path in r.expect.paths} == set(paths)
 
 
 def _aqt_grads(recipe) -> dict[str, np.ndarray]:
@@ -238,7 +258,7 @@ def test_ragged_dot_from_einsum_rejects_wrong_ranks():
 @pytest.mark.parametrize("path", ["dense", "sparse"])
 @pytest.mark.parametrize("recipe", ["flax_fp8", "flax_nanoo_fp8", "flax_direct_fp8"])
 def test_flax_recipe_sites_cast_exact_should_pass(recipe, path):
-    _assert_sites_cast_exact(_layer(recipe, path), _recipe(recipe).cast_dtype)
+    _assert_sites_cast_exact(_layer(recipe, path), _recipe(recipe).reference.cast_dtype)
 
 
 @pytest.mark.parametrize("path", ["dense", "sparse"])
@@ -251,10 +271,10 @@ def test_flax_fnuz_request_fails_exact_check_wrong_flavour(recipe, path):
     (jax 0.12.0.1). Asked for fnuz, the result is the e4m3fn one, bitwise.
     When Flax fixes it, this test fails and the recipe's check passes.
     """
-    assert _recipe(recipe).cast_dtype == np.dtype(jnp.float8_e4m3fnuz)
+    assert _recipe(recipe).reference.cast_dtype == np.dtype(jnp.float8_e4m3fnuz)
     with pytest.raises(AssertionError, match=r"float8_e4m3fnuz-cast reference .* equals the "
                                              r"float8_e4m3fn-cast reference bitwise \(wrong fp8 flavour\)"):
-        _assert_sites_cast_exact(_layer(recipe, path), _recipe(recipe).cast_dtype)
+        _assert_sites_cast_exact(_layer(recipe, path), _recipe(recipe).reference.cast_dtype)
 
 
 @pytest.mark.parametrize(
@@ -315,7 +335,7 @@ def test_flax_fp8einsum_for_mi300_casts_to_nvidia_types_forward_and_backward(pat
     reads the casts from a traced forward and backward pass against the target.
     """
     recipe = flax_fp8_recipe("flax_einsum_mi300", nn.Fp8Einsum, e4m3_dtype=jnp.float8_e4m3fnuz,
-                             e5m2_dtype=jnp.float8_e5m2fnuz, fp8_target="mi300")
+                             e5m2_dtype=jnp.float8_e5m2fnuz, expect=qcheck.Expect(fp8_target="mi300"))
     checks.assert_recipe_fp8_native(recipe)  # the declaration is right: only the program is not
     layer = qcheck.build_moe("mixtral", recipe, path=path)
     with pytest.raises(AssertionError, match=r"^assert_fp8_dtypes_native: \d+ operand casts to fp8 types not native "
@@ -390,6 +410,8 @@ def test_amax_histories_follow_operands_refuses_what_cannot_fail(site, lhs, rhs,
          r"e5m2_dtype must be one of float8_e5m2, float8_e5m2fnuz"),
         (dict(module_cls=nn.Fp8Einsum, amax_history_length=0), ValueError,
          r"amax_history_length must be a positive int"),
+        (dict(module_cls=nn.Fp8Einsum, fp8_target="mi300"), TypeError,
+         r"^FlaxFp8Recipe 'bad': fp8_target= is declared in expect=: pass expect=qcheck.Expect\(fp8_target=...\)$"),
     ],
 )
 def test_flax_fp8_recipe_bad_input(kwargs, error, match):
@@ -539,6 +561,7 @@ def test_aqt_default_ragged_config_is_one_mutated_object_and_sites_leave_theirs_
         (dict(ragged="dense"), ValueError, r"ragged.*'dense'.*aqt.*einsum"),
         (dict(config_factory=42), TypeError, r"config_factory must be a callable"),
         (dict(config_factory=dict), TypeError, r"config_factory must return an aqt.jax.v2 DotGeneral config"),
+        (dict(max_rel_norm=0.3), TypeError, r"^AqtRecipe 'bad': max_rel_norm= is declared in expect=: pass expect="),
     ],
 )
 def test_aqt_recipe_bad_input(kwargs, error, match):

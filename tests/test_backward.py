@@ -19,7 +19,7 @@ from qcheck.checks._backward import (
 )
 from qcheck.checks._referee import nvfp4_uniforms
 from qcheck.layers.bridge import QuantSite
-from qcheck.recipes import NVFP4, DelayedScalingFp8, Recipe
+from qcheck.recipes import NVFP4, DelayedScalingFp8, Recipe, Reference
 from qcheck.recipes._fp8 import DelayedScalingFp8Site
 from qcheck.recipes._nvfp4 import NVFP4Site, quantizer_key
 from qcheck.recipes._sites import FormatSite, fake_quant_matmul
@@ -134,7 +134,7 @@ class _UnquantizedResidualInt8(Recipe):
 class _OriginalOperandsInt8(_UnquantizedResidualInt8):
     """Declares what its site does: gradients against the operands as received (as qwix's QAT)."""
 
-    grad_operands = "original"
+    reference = Reference(grad_operands="original")
 
 
 @pytest.mark.parametrize("kind", ["dense", "sparse"])
@@ -159,11 +159,9 @@ def test_layer_backward_names_quantized_operands_where_the_original_ones_are_dec
 
 
 def test_unknown_grad_operands_lists_the_valid_ones():
-    recipe = _OriginalOperandsInt8("int8_typo", lhs="int8", rhs="int8")
-    recipe.grad_operands = "originals"
-    with pytest.raises(ValueError, match=r"recipe 'int8_typo': grad_operands must be one of quantized, original, "
-                                         r"got 'originals'"):
-        run(QuantSite(recipe, "wi_0", rngs=nnx.Rngs(0)), recipe, "dense")
+    # Refused where it is declared, before any site runs.
+    with pytest.raises(ValueError, match=r"^grad_operands must be one of quantized, original, got 'originals'$"):
+        Reference(grad_operands="originals")
 
 
 E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ = jnp.float8_e4m3fn, jnp.float8_e4m3fnuz, jnp.float8_e5m2, jnp.float8_e5m2fnuz

@@ -28,7 +28,7 @@ from qcheck.suite import cases, golden, invariants
 from qcheck.layers.bridge import QuantSite
 from qcheck.layers.moe import MODELS, MoE
 from qcheck.checks._site import assert_layer_sites_exact
-from qcheck.recipes import ApplyRngs, DelayedScalingFp8, Recipe
+from qcheck.recipes import ApplyRngs, DelayedScalingFp8, Expect, Recipe, Reference
 from qcheck.recipes._fp8 import DelayedScalingFp8Site
 from qcheck.recipes._sites import FormatSite, SiteOps
 from tests.test_layer_check import INPUT_GRAD, MIXTRAL, _moe, _moe_full_precision, _NaNBackwardMoE
@@ -52,7 +52,7 @@ class FlaxFp8EinsumNanoo(Recipe):
 
     def __init__(self):
         super().__init__("flax_fp8einsum_nanoo", apply_rngs=ApplyRngs.NONE,
-                         cast_dtype=E4M3FNUZ, materialize_at_build=True)
+                         reference=Reference(cast_dtype=E4M3FNUZ), materialize_at_build=True)
 
     def site_module(self, name):
         return nn.Fp8Einsum(e4m3_dtype=E4M3FNUZ, e5m2_dtype=jnp.float8_e5m2fnuz)
@@ -66,7 +66,7 @@ class UnsaturatedSite(SiteOps, nn.Module):
 
 class Unsaturated(Recipe):
     def __init__(self):
-        super().__init__("unsaturated_fp8", apply_rngs=ApplyRngs.NONE, cast_dtype=E4M3FN)
+        super().__init__("unsaturated_fp8", apply_rngs=ApplyRngs.NONE, reference=Reference(cast_dtype=E4M3FN))
 
     def site_module(self, name):
         return UnsaturatedSite()
@@ -637,7 +637,7 @@ def test_coverage_catches_nanoo_declared_and_built_in_e4m3fn(monkeypatch):
     from qcheck.recipes import DelayedScalingFp8
 
     planted = DelayedScalingFp8("nanoo_fp8_e4m3fn", e4m3_dtype=E4M3FN, e5m2_dtype=jnp.float8_e5m2fnuz,
-                                fp8_target="mi300")
+                                expect=Expect(fp8_target="mi300"))
     monkeypatch.setitem(qcheck.recipes._registry._REGISTRY, planted.name, planted)
     case = cases.Case(planted.name, cases.Variant("mixtral", "dense", False))
     with pytest.raises(AssertionError, match=rf"^{case.id}: assert_recipe_fp8_native: .*target 'mi300'.*: "

@@ -43,7 +43,7 @@ def suite_pass() -> None:
         else:
             step.apply(layer, x)
         runs = invariants.site_runs(layer, recipe, v)  # as invariants.case_site_runs: exact's and backward's program
-        if recipe.lhs is not None or recipe.cast_dtype is not None:
+        if recipe.lhs is not None or recipe.reference.cast_dtype is not None:
             invariants.assert_sites_exact(layer, recipe, case.id, runs)
             _site_exact.assert_site_calls_exact(tuple(layer.sites.keys()), runs.calls, recipe, label=case.id)
         invariants.assert_sites_backward_exact(layer, recipe, case.id, runs)
@@ -58,7 +58,7 @@ def suite_fixtures() -> None:
         invariants.check_sites(case)
         if recipe.materialize_at_build:
             invariants.check_state(case)
-        if recipe.lhs is not None or recipe.cast_dtype is not None:
+        if recipe.lhs is not None or recipe.reference.cast_dtype is not None:
             invariants.check_exact(case)
         invariants.check_backward(case)
         golden.train_step_entry_params(case)

@@ -393,5 +393,6 @@ def test_error_of_each_quantized_site_lies_within_its_recipes_bound():
     recipe = qcheck.get_recipe("fp8")
     records = coverage(_layer("fp8", "sparse"), X, errors=True)
     errors = [r.error for r, site in zip(records, _sites(records)) if site]
-    assert len(errors) == 3 and all(0.0 < e <= recipe.max_rel_norm for e in errors), format_coverage(records)
+    bound = recipe.expect.max_rel_norm
+    assert len(errors) == 3 and all(0.0 < e <= bound for e in errors), format_coverage(records)
     assert all(r.error is None for r, site in zip(records, _sites(records)) if not site)

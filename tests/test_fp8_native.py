@@ -12,7 +12,7 @@ import qcheck
 from qcheck import checks, get_recipe, hardware
 from qcheck.checks._fp8_native import declared_fp8_dtypes, declared_operand_fp8_dtypes
 from qcheck.layers.moe import MODELS, MoE
-from qcheck.recipes import DelayedScalingFp8, Recipe, _registry
+from qcheck.recipes import DelayedScalingFp8, Expect, Recipe, _registry
 from qcheck.suite import cases, invariants
 
 E4M3FN, E5M2, E5M2FNUZ = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e5m2fnuz
@@ -58,7 +58,7 @@ def test_coverage_backward_refuses_errors():
 
 @pytest.mark.parametrize("call", [
     lambda: hardware.fp8_target_dtypes("h100"),
-    lambda: Recipe("x", lhs="e4m3fn", rhs="e4m3fn", fp8_target="h100"),
+    lambda: Expect(fp8_target="h100"),
 ])
 def test_unknown_fp8_target_lists_the_valid_ones(call):
     with pytest.raises(ValueError, match=r"unknown fp8[_ ]target 'h100'; valid .*: nvidia, mi300"):
@@ -70,7 +70,8 @@ def test_every_recipe_with_declared_fp8_types_names_its_target():
     for name in qcheck.recipe_names():
         recipe = get_recipe(name)
         declared = declared_fp8_dtypes(recipe)
-        assert (recipe.fp8_target is not None) == bool(declared), (name, recipe.fp8_target, declared)
+        target = recipe.expect.fp8_target
+        assert (target is not None) == bool(declared), (name, target, declared)
 
 
 # -- declared formats ---------------------------------------------------------------
@@ -83,12 +84,12 @@ def test_recipe_fp8_native_should_pass(name):
 
 
 @pytest.mark.parametrize("recipe, match", [
-    (Recipe("slip", lhs="e4m3fn", rhs="e4m3fn", grad="e5m2fnuz", fp8_target="nvidia"),
+    (Recipe("slip", lhs="e4m3fn", rhs="e4m3fn", grad="e5m2fnuz", expect=Expect(fp8_target="nvidia")),
      r"recipe 'slip' declares fp8 types not native to its target 'nvidia' \(native fp8: float8_e4m3fn, "
      r"float8_e5m2\): grad float8_e5m2fnuz$"),
-    (DelayedScalingFp8("nanoo_e4m3fn", e4m3_dtype=E4M3FN, e5m2_dtype=E5M2FNUZ, fp8_target="mi300"),
+    (DelayedScalingFp8("nanoo_e4m3fn", e4m3_dtype=E4M3FN, e5m2_dtype=E5M2FNUZ, expect=Expect(fp8_target="mi300")),
      r"recipe 'nanoo_e4m3fn' .*target 'mi300' .*: lhs float8_e4m3fn, rhs float8_e4m3fn, "
-     r"cast_dtype float8_e4m3fn, e4m3_dtype float8_e4m3fn$"),
+     r"reference.cast_dtype float8_e4m3fn, e4m3_dtype float8_e4m3fn$"),
 ])
 def test_recipe_fp8_native_should_fail(recipe, match):
     with pytest.raises(AssertionError, match=r"^assert_recipe_fp8_native: " + match):
@@ -111,7 +112,7 @@ def _layer(recipe: Recipe, path: str = "dense") -> MoE:
 @pytest.mark.parametrize("path", ["dense", "sparse"])
 def test_fp8_dtypes_native_should_pass(name, path):
     recipe = get_recipe(name)
-    records = checks.assert_fp8_dtypes_native(_layer(recipe, path), X, target=recipe.fp8_target)
+    records = checks.assert_fp8_dtypes_native(_layer(recipe, path), X, target=recipe.expect.fp8_target)
     assert any(r.backward for r in records) and any(not r.backward for r in records)
 
 
@@ -136,7 +137,8 @@ def test_fp8_dtypes_native_skip_must_be_callable():
 
 def _nanoo_in_e4m3fn() -> DelayedScalingFp8:
     """nanoo_fp8 with the e4m3 flavour wrong in declaration and site alike (the e5m2 flavour kept)."""
-    return DelayedScalingFp8("nanoo_fp8_e4m3fn", e4m3_dtype=E4M3FN, e5m2_dtype=E5M2FNUZ, fp8_target="mi300")
+    return DelayedScalingFp8("nanoo_fp8_e4m3fn", e4m3_dtype=E4M3FN, e5m2_dtype=E5M2FNUZ,
+                             expect=Expect(fp8_target="mi300"))
 
 
 def test_coverage_invariant_catches_nanoo_declared_and_built_in_e4m3fn(monkeypatch):

@@ -32,7 +32,7 @@ def test_quantized_layer_tracks_its_twin_on_the_gpu(recipe):
         quantized, _ = step.apply(build_moe("mixtral", recipe), x)
         reference, _ = step.apply(build_moe("mixtral", "none"), x)
     assert quantized.devices() == {gpu}
-    checks.assert_tracks(quantized, reference, max_rel_norm=get_recipe(recipe).max_rel_norm)
+    checks.assert_tracks(quantized, reference, max_rel_norm=get_recipe(recipe).expect.max_rel_norm)
 
 
 def _needs_native(dtype: str) -> None:
@@ -66,11 +66,11 @@ def test_fp8_einsum_runs_the_native_gemm_and_matches_the_emulation(dtype):
 
 
 @pytest.mark.fp8_gpu
-@pytest.mark.parametrize("recipe", [r for r in recipe_names() if get_recipe(r).cast_dtype is not None])
+@pytest.mark.parametrize("recipe", [r for r in recipe_names() if get_recipe(r).reference.cast_dtype is not None])
 def test_fresh_fp8_call_site_runs_the_native_gemm_and_matches_the_emulation(recipe):
     # The recipe's own quantized einsum, not a stand-in: XLA must see through its
     # qdq (cast to fp8, back to float32 times the scale) to the fp8 operands.
-    dtype = get_recipe(recipe).cast_dtype.name
+    dtype = get_recipe(recipe).reference.cast_dtype.name
     _needs_native(dtype)
     with jax.default_device(jax.devices("gpu")[0]):
         graphdef, state = nnx.split(build_moe("mixtral", recipe).get_einsum("wi_0"))
@@ -99,7 +99,7 @@ NATIVE_TESTS = [
     (test_fp8_einsum_runs_the_native_gemm_and_matches_the_emulation, "float8_e4m3fn"),
     (test_fp8_einsum_runs_the_native_gemm_and_matches_the_emulation, "float8_e4m3fnuz"),
     *((test_fresh_fp8_call_site_runs_the_native_gemm_and_matches_the_emulation, r)
-      for r in recipe_names() if get_recipe(r).cast_dtype is not None),
+      for r in recipe_names() if get_recipe(r).reference.cast_dtype is not None),
     *((test_block_scaled_matmul_runs_the_native_dot_and_matches_the_emulation, f) for f in native.BLOCK_SCALED_FORMATS),
 ]
 
@@ -137,4 +137,4 @@ def test_with_a_native_kernel_the_native_tests_pass(cpu_as_gpu, monkeypatch, tes
 def test_the_layer_test_runs_on_the_stand_in(cpu_as_gpu, monkeypatch):
     figures = _recording(monkeypatch, "assert_tracks")
     test_quantized_layer_tracks_its_twin_on_the_gpu("fp8")
-    assert len(figures) == 1 and 0 < figures[0] <= get_recipe("fp8").max_rel_norm, figures
+    assert len(figures) == 1 and 0 < figures[0] <= get_recipe("fp8").expect.max_rel_norm, figures

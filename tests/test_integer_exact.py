@@ -140,8 +140,9 @@ def test_integer_exact_bad_input(kwargs, match):
 
 def test_aqt_recipes_declare_formats_and_integer_matmul():
     for recipe in (aqt_int8(), aqt_int8_ragged()):
-        assert (recipe.lhs, recipe.rhs, recipe.matmul, recipe.backward_paths) == ("int8_aqt", "int8_aqt", "integer", ())
-    assert qcheck.get_recipe("int8").matmul == "float"
+        declared = (recipe.lhs, recipe.rhs, recipe.reference.matmul, recipe.expect.backward_paths)
+        assert declared == ("int8_aqt", "int8_aqt", "integer", ())
+    assert qcheck.get_recipe("int8").reference.matmul == "float"
 
 
 

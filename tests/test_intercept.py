@@ -223,15 +223,16 @@ def _defect(**kw):
 def test_known_defect_for_one_model_covers_only_that_model():
     from qcheck.suite._declared import declared
 
+    from qcheck.recipes import Expect
+
     class Declares:
-        unsupported = ()
-        known_defects = (_defect(models=("mixtral",)),)
+        expect = Expect(known_defects=(_defect(models=("mixtral",)),))
 
     sparse = {m: cases.Variant(m, "sparse", False) for m in MODELS}
-    assert declared(Declares(), sparse["mixtral"], "sharded") is Declares.known_defects[0]
+    assert declared(Declares(), sparse["mixtral"], "sharded") is Declares.expect.known_defects[0]
     assert declared(Declares(), sparse["gemma"], "sharded") is None
-    Declares.known_defects = (_defect(),)  # no models: every model
-    assert declared(Declares(), sparse["gemma"], "sharded") is Declares.known_defects[0]
+    Declares.expect = Expect(known_defects=(_defect(),))  # no models: every model
+    assert declared(Declares(), sparse["gemma"], "sharded") is Declares.expect.known_defects[0]
 
 
 @pytest.mark.parametrize("models", ["mixtral", ("mixtral", "")])
@@ -244,13 +245,15 @@ def test_known_defect_bad_models_are_named(models):
 def test_qwix_rule_with_bwd_qtype_has_no_backward_reference_and_fails_the_straight_through_one():
     """A rule that quantizes gradients (bwd_qtype=int8, qwix 0.1.8) leaves backward_paths empty: qcheck has no
     referee for qwix's gradient quantization; held to the straight-through reference anyway, it fails."""
+    import dataclasses
+
     from qcheck.adapters import QwixRecipe
     from qcheck.suite import invariants
 
     rule = _int8_rule(weight_qtype=jnp.int8, act_qtype=jnp.int8, bwd_qtype=jnp.int8)
-    recipe = QwixRecipe("qwix_int8_bwd", [rule], lhs="int8_qwix", rhs="int8_qwix")
-    recipe.matmul = "integer"
-    assert recipe.backward_paths == () and recipe.grad_operands == "original"
+    recipe = QwixRecipe("qwix_int8_bwd", [rule], lhs="int8_qwix", rhs="int8_qwix",
+                        reference=dataclasses.replace(QwixRecipe.reference, matmul="integer"))
+    assert recipe.expect.backward_paths == () and recipe.reference.grad_operands == "original"
     with pytest.raises(AssertionError, match=r"qwix_int8_bwd site '\w+': assert_site_backward_exact: site '\w+' "
                                              r"dgrad \(g unquantized \(straight through to the original operands\)\)"
                                              r": differs from the reference"):

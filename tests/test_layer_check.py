@@ -47,7 +47,7 @@ def _bits(module: nnx.Module) -> list[bytes]:
 
 @pytest.mark.parametrize("recipe, max_rel_norm", [
     ("fp8", 0.22),
-    ("nvfp4", qcheck.get_recipe("nvfp4").max_rel_norm),  # 0.35: NVFP4's forward lies above 0.22
+    ("nvfp4", qcheck.get_recipe("nvfp4").expect.max_rel_norm),  # 0.35: NVFP4's forward lies above 0.22
 ])
 def test_check_layer_should_pass_on_qcheck_layers(recipe, max_rel_norm):
     layer, twin = _moe(recipe), _moe("none")

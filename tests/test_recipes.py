@@ -1,11 +1,13 @@
 """The recipe registry and what each built-in recipe declares."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import qcheck
-from qcheck.recipes import ApplyRngs, Recipe
+from qcheck.recipes import ApplyRngs, DelayedScalingFp8, Expect, InterceptRecipe, Recipe, Reference, Unsupported
 
 
 def test_builtin_recipes_are_registered_in_order():
@@ -25,7 +27,7 @@ def test_builtin_recipes_are_registered_in_order():
 def test_builtin_recipe_declarations(name, mode, cast):
     recipe = qcheck.get_recipe(name)
     assert recipe.apply_rngs is mode
-    assert recipe.cast_dtype == (None if cast is None else np.dtype(cast))
+    assert recipe.reference.cast_dtype == (None if cast is None else np.dtype(cast))
 
 
 def test_nanoo_fp8_quantizes_gradients_to_e5m2fnuz():
@@ -49,18 +51,98 @@ def test_register_recipe_rejects_duplicates_and_non_recipes():
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
+    "kwargs, error, message",
     [
-        ({"name": "Bad-Name"}, "must match"),
-        ({"max_rel_norm": 0.0}, r"max_rel_norm must lie in \(0, 1\)"),
-        ({"max_grad_rel_norm": 1.5}, r"max_grad_rel_norm must lie in \(0, 1\), got 1.5"),
-        ({"apply_rngs": "shared"}, "apply_rngs must be an ApplyRngs"),
+        ({"name": "Bad-Name"}, ValueError, "must match"),
+        ({"apply_rngs": "shared"}, TypeError, "apply_rngs must be an ApplyRngs"),
+        ({"expect": {"max_rel_norm": 0.3}}, TypeError, r"^expect must be a qcheck.Expect, got \{'max_rel_norm': 0.3\}$"),
+        ({"reference": Expect()}, TypeError, r"^reference must be a qcheck.Reference, got Expect\("),
+        ({"max_rel_norm": 0.3}, TypeError,
+         r"^Recipe 'ok': max_rel_norm= is declared in expect=: pass expect=qcheck.Expect\(max_rel_norm=...\)$"),
+        ({"max_grad_rel_norm": 0.3}, TypeError, r"max_grad_rel_norm= is declared in expect=: pass expect=qcheck.Expect"),
+        ({"fp8_target": "nvidia"}, TypeError, r"fp8_target= is declared in expect=: pass expect=qcheck.Expect"),
+        ({"paths": ("dense",)}, TypeError, r"paths= is declared in expect=: pass expect=qcheck.Expect\(paths="),
+        ({"backward_paths": ()}, TypeError, r"backward_paths= is declared in expect="),
+        ({"unsupported": ()}, TypeError, r"unsupported= is declared in expect="),
+        ({"known_defects": ()}, TypeError, r"known_defects= is declared in expect="),
+        ({"cast_dtype": jnp.float8_e4m3fn}, TypeError,
+         r"^Recipe 'ok': cast_dtype= is declared in reference=: pass reference=qcheck.Reference\(cast_dtype=...\)$"),
+        ({"matmul": "integer"}, TypeError, r"matmul= is declared in reference=: pass reference=qcheck.Reference"),
+        ({"grad_operands": "original"}, TypeError, r"grad_operands= is declared in reference="),
+        ({"bogus": 1}, TypeError, r"^Recipe 'ok': unexpected keyword argument 'bogus'$"),
     ],
 )
-def test_recipe_constructor_validates(kwargs, message):
-    args = {"name": "ok", **kwargs}
-    with pytest.raises((ValueError, TypeError), match=message):
+def test_recipe_constructor_validates(kwargs, error, message):
+    args = {"name": "ok", "lhs": "int8", "rhs": "int8", **kwargs}
+    with pytest.raises(error, match=message):
         Recipe(args.pop("name"), **args)
+
+
+def test_subclass_constructors_name_the_moved_keywords_too():
+    with pytest.raises(TypeError, match=r"^DelayedScalingFp8 'f': fp8_target= is declared in expect=: pass "
+                                        r"expect=qcheck.Expect\(fp8_target=...\)$"):
+        DelayedScalingFp8("f", e4m3_dtype=jnp.float8_e4m3fn, e5m2_dtype=jnp.float8_e5m2, fp8_target="nvidia")
+    with pytest.raises(TypeError, match=r"^InterceptRecipe 'i': max_rel_norm= is declared in expect="):
+        InterceptRecipe("i", lambda layer, x: layer, max_rel_norm=0.3)
+
+
+def _unsupported() -> Unsupported:
+    return Unsupported(library="lib", kind="gradient", paths=("sparse",), reason="r", reproduce=lambda: None)
+
+
+@pytest.mark.parametrize(
+    "declaration, kwargs, error, message",
+    [
+        (Expect, {"max_rel_norm": 0.0}, ValueError, r"^max_rel_norm must lie in \(0, 1\), got 0.0$"),
+        (Expect, {"max_rel_norm": "0.2"}, ValueError, r"^max_rel_norm must lie in \(0, 1\), got '0.2'$"),
+        (Expect, {"max_grad_rel_norm": 1.5}, ValueError, r"^max_grad_rel_norm must lie in \(0, 1\), got 1.5$"),
+        (Expect, {"fp8_target": "h100"}, ValueError, r"^unknown fp8_target 'h100'; valid fp8_targets: nvidia, mi300$"),
+        (Expect, {"paths": "dense"}, TypeError, r"^paths must be a non-empty tuple of dense, sparse, got 'dense'$"),
+        (Expect, {"paths": ()}, TypeError, r"^paths must be a non-empty tuple of dense, sparse, got \(\)$"),
+        (Expect, {"paths": ("ragged",)}, ValueError, r"^unknown path 'ragged'; valid paths: dense, sparse$"),
+        (Expect, {"backward_paths": "sparse"}, TypeError, r"^backward_paths must be a tuple of dense, sparse, got"),
+        (Expect, {"backward_paths": ("both",)}, ValueError, r"^unknown path 'both'; valid paths: dense, sparse$"),
+        (Expect, {"unsupported": (None,)}, TypeError,
+         r"^unsupported must be a tuple of qcheck.recipes.Unsupported, got \(None,\)$"),
+        (Expect, {"known_defects": (_unsupported(),)}, TypeError,
+         r"^known_defects must be a tuple of qcheck.recipes.KnownDefect, got \(Unsupported\("),
+        (Reference, {"matmul": "int"}, ValueError, r"^unknown matmul 'int'; valid matmuls: float, integer$"),
+        (Reference, {"grad_operands": "originals"}, ValueError,
+         r"^grad_operands must be one of quantized, original, got 'originals'$"),
+        (Reference, {"cast_dtype": "e4m3"}, TypeError, r"^cast_dtype must be a numpy or ml_dtypes dtype, got 'e4m3'$"),
+    ],
+)
+def test_declarations_validate_each_field(declaration, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        declaration(**kwargs)
+
+
+def test_declarations_normalise_what_they_accept():
+    expect = Expect(max_rel_norm=np.float32(0.25), paths=["sparse"], unsupported=[_unsupported()])
+    assert (expect.paths, type(expect.unsupported), expect.max_grad_rel_norm) == (("sparse",), tuple, 0.3)
+    assert type(expect.max_rel_norm) is float and expect.max_rel_norm == 0.25
+    assert Reference(cast_dtype=jnp.float8_e4m3fnuz).cast_dtype == np.dtype("float8_e4m3fnuz")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        expect.max_rel_norm = 0.5
+
+
+def test_a_subclass_declares_by_class_attribute_and_an_argument_replaces_it():
+    class Coarse(Recipe):
+        expect = Expect(max_rel_norm=0.4, backward_paths=("dense",))
+        reference = Reference(grad_operands="original")
+
+    default, given = Coarse("coarse", lhs="int8", rhs="int8"), Coarse("fine", lhs="int8", rhs="int8", expect=Expect())
+    assert (default.expect.max_rel_norm, default.expect.backward_paths) == (0.4, ("dense",))
+    assert default.reference.grad_operands == "original"
+    assert given.expect == Expect() and given.reference == Coarse.reference
+
+
+def test_narrow_backward_keeps_only_the_paths_given():
+    assert Expect().narrow_backward(("dense",)).backward_paths == ("dense",)
+    assert Expect(backward_paths=("sparse",)).narrow_backward(("dense",)).backward_paths == ()
+    assert Expect(max_rel_norm=0.3).narrow_backward(()) == Expect(max_rel_norm=0.3, backward_paths=())
+    with pytest.raises(ValueError, match=r"^unknown path 'ragged'"):
+        Expect().narrow_backward(("ragged",))
 
 
 def test_a_recipe_without_formats_or_site_module_says_so():
@@ -89,7 +171,7 @@ def test_a_declarative_recipe_fake_quantizes_operands_and_gradients():
     np.testing.assert_allclose(dlhs, qg @ qr.T, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(drhs, ql.T @ qg, rtol=1e-6, atol=1e-6)
     assert not np.allclose(dlhs, g @ qr.T, rtol=1e-4)  # the gradient really was quantized
-    assert recipe.apply_rngs is ApplyRngs.NONE and recipe.max_rel_norm == 0.22
+    assert recipe.apply_rngs is ApplyRngs.NONE and recipe.expect.max_rel_norm == 0.22
 
 
 def test_plugin_recipes_come_from_entry_points():
@@ -102,4 +184,4 @@ def test_plugin_recipes_come_from_entry_points():
 
 
 def test_nvfp4_declares_its_own_bound():
-    assert 0.22 < qcheck.get_recipe("nvfp4").max_rel_norm < 0.5
+    assert 0.22 < qcheck.get_recipe("nvfp4").expect.max_rel_norm < 0.5

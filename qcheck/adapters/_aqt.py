@@ -19,6 +19,7 @@ asserted). Its defects are also pinned in qcheck's tests/test_adapters.py.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -35,7 +36,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from qcheck._choices import check_choice
 from qcheck.adapters._ragged import ragged_dot_from_einsum
-from qcheck.recipes import ApplyRngs, KnownDefect, Recipe, Unsupported
+from qcheck.recipes import ApplyRngs, Expect, KnownDefect, Recipe, Reference, Unsupported
 
 __all__ = ["AQT_RAGGED", "AQT_RAGGED_NO_GRADIENT", "AQT_RAGGED_SHARED_SCALE", "AqtRecipe", "aqt_int8", "aqt_int8_ragged", "aqt_recipe"]
 
@@ -107,14 +108,10 @@ class AqtSite(nn.Module):
 class AqtRecipe(Recipe):
     """Every call site runs AQT v2 with a fresh config from ``config_factory``."""
 
-    # AQT quantizes gradients its own way (config_v4: dlhs in int8 with
-    # stochastic rounding from its own RNG), which no qcheck referee models:
-    # no exact backward check. `grads` still holds them to the none twin's.
-    backward_paths = ()
     # config_v4's forward: int8 codes multiplied with an int32 accumulator,
     # the lhs scale applied to the float32 sum, then the rhs scale
     # (aqt_dot_general._qtensor_dot_general, QTensor.dequant).
-    matmul = "integer"
+    reference = Reference(matmul="integer")
 
     def __init__(
         self,
@@ -122,9 +119,10 @@ class AqtRecipe(Recipe):
         config_factory: ConfigFactory = aqt_config.config_v4,
         *,
         ragged: str = "einsum",
-        max_rel_norm: float = 0.22,
         lhs: str | None = None,
         rhs: str | None = None,
+        expect: Expect | None = None,
+        **moved: object,
     ):
         if not callable(config_factory):
             raise TypeError(
@@ -137,13 +135,19 @@ class AqtRecipe(Recipe):
             )
         # PRIVATE: AQT draws its gradient stochastic rounding from the "params"
         # stream of each module, which upstream forks per module.
-        super().__init__(name, lhs=lhs, rhs=rhs, apply_rngs=ApplyRngs.PRIVATE, max_rel_norm=max_rel_norm)
+        super().__init__(name, lhs=lhs, rhs=rhs, apply_rngs=ApplyRngs.PRIVATE, expect=expect, **moved)
         self.config_factory = config_factory
         self.ragged = check_choice("ragged", ragged, AQT_RAGGED)
+        # AQT quantizes gradients its own way (config_v4: dlhs in int8 with
+        # stochastic rounding from its own RNG), which no qcheck referee models:
+        # no exact backward check. `grads` still holds them to the none twin's.
+        self.expect = self.expect.narrow_backward(())
         if self.ragged == "aqt":
-            self.unsupported = (AQT_RAGGED_NO_GRADIENT,)
-            if lhs == rhs == "int8_aqt":  # what the exact check sees only where formats are declared
-                self.known_defects = (AQT_RAGGED_SHARED_SCALE,)
+            refused = (AQT_RAGGED_NO_GRADIENT,)
+            # What the exact check sees only where formats are declared.
+            defects = (AQT_RAGGED_SHARED_SCALE,) if lhs == rhs == "int8_aqt" else ()
+            self.expect = dataclasses.replace(self.expect, unsupported=self.expect.unsupported + refused,
+                                              known_defects=self.expect.known_defects + defects)
 
     def site_module(self, name: str) -> nn.Module:
         return AqtSite(config_factory=self.config_factory, ragged=self.ragged)
@@ -158,9 +162,10 @@ def aqt_recipe(
     config_factory: ConfigFactory = aqt_config.config_v4,
     *,
     ragged: str = "einsum",
-    max_rel_norm: float = 0.22,
     lhs: str | None = None,
     rhs: str | None = None,
+    expect: Expect | None = None,
+    **moved: object,
 ) -> AqtRecipe:
     """A recipe running ``AqtEinsum(cfg=config_factory())`` at every einsum call site.
 
@@ -169,9 +174,11 @@ def aqt_recipe(
     ``"aqt"`` (AQT's ragged_dot) has neither, and declares
     :data:`AQT_RAGGED_NO_GRADIENT`. ``lhs``/``rhs``: the qcheck formats the
     config's forward quantizes to, if any (``int8_aqt`` for ``config_v4``),
-    which turns on the ``exact`` check in integer arithmetic.
+    which turns on the ``exact`` check in integer arithmetic. ``expect``
+    (:class:`qcheck.Expect`): the bounds and paths; the library's limits (no
+    backward reference, the refusals of ``"aqt"``) are added to it.
     """
-    return AqtRecipe(name, config_factory, ragged=ragged, max_rel_norm=max_rel_norm, lhs=lhs, rhs=rhs)
+    return AqtRecipe(name, config_factory, ragged=ragged, lhs=lhs, rhs=rhs, expect=expect, **moved)
 
 
 def aqt_int8() -> AqtRecipe:
@@ -181,6 +188,5 @@ def aqt_int8() -> AqtRecipe:
 
 def aqt_int8_ragged() -> AqtRecipe:
     """:func:`aqt_int8` with AQT's own ``ragged_dot`` on the sparse path: forward only, one weight scale."""
-    recipe = aqt_recipe("aqt_int8_ragged", ragged="aqt", lhs="int8_aqt", rhs="int8_aqt")
-    recipe.paths = ("sparse",)  # its dense path is aqt_int8's: the same AqtEinsum, the same cases
-    return recipe
+    # Only the sparse path: its dense path is aqt_int8's, the same AqtEinsum, the same cases.
+    return aqt_recipe("aqt_int8_ragged", ragged="aqt", lhs="int8_aqt", rhs="int8_aqt", expect=Expect(paths=("sparse",)))

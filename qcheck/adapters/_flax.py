@@ -19,7 +19,7 @@ from flax import linen as nn
 from flax.linen import fp8_ops
 
 from qcheck.adapters._ragged import ragged_dot_from_einsum
-from qcheck.recipes import DelayedScalingFp8
+from qcheck.recipes import DelayedScalingFp8, Expect
 
 __all__ = ["FlaxFp8Recipe", "flax_fp8", "flax_fp8_recipe", "flax_nanoo_fp8"]
 
@@ -84,15 +84,10 @@ class FlaxFp8Site(nn.Module):
 class FlaxFp8Recipe(DelayedScalingFp8):
     """A recipe whose every call site is a fresh instance of a Flax fp8 module class.
 
-    ``cast_dtype`` (what qcheck's exact check expects a fresh site to cast to) is
-    the ``e4m3_dtype`` asked for, so a module that ignores it fails that check.
+    ``reference.cast_dtype`` (what qcheck's exact check expects a fresh site to
+    cast to) is the ``e4m3_dtype`` asked for, so a module that ignores it fails
+    that check.
     """
-
-    # Flax has no fp8 ragged_dot: the sparse path runs one einsum over every
-    # group (ragged_dot_from_einsum), whose forward equals jax.lax.ragged_dot
-    # bitwise but whose gradient matmuls sum in another order (1 ulp on CPU,
-    # jax 0.10.2), so only the dense path's gradients have an exact reference.
-    backward_paths = ("dense",)
 
     def __init__(
         self,
@@ -102,7 +97,8 @@ class FlaxFp8Recipe(DelayedScalingFp8):
         e4m3_dtype,
         e5m2_dtype,
         amax_history_length: int = 1024,
-        fp8_target: str | None = None,
+        expect: Expect | None = None,
+        **moved: object,
     ):
         if not (isinstance(module_cls, type) and issubclass(module_cls, fp8_ops.Fp8DotGeneralBase)):
             raise TypeError(
@@ -119,7 +115,12 @@ class FlaxFp8Recipe(DelayedScalingFp8):
         if not (isinstance(amax_history_length, int) and amax_history_length > 0):
             raise ValueError(f"amax_history_length must be a positive int, got {amax_history_length!r}")
         super().__init__(name, e4m3_dtype=e4m3, e5m2_dtype=e5m2, amax_history_length=amax_history_length,
-                         fp8_target=fp8_target)
+                         expect=expect, **moved)
+        # Flax has no fp8 ragged_dot: the sparse path runs one einsum over every
+        # group (ragged_dot_from_einsum), whose forward equals jax.lax.ragged_dot
+        # bitwise but whose gradient matmuls sum in another order (1 ulp on CPU,
+        # jax 0.10.2), so only the dense path's gradients have an exact reference.
+        self.expect = self.expect.narrow_backward(("dense",))
         self.module_cls = module_cls
 
     def site_module(self, name: str) -> nn.Module:
@@ -142,7 +143,8 @@ def flax_fp8_recipe(
     e4m3_dtype,
     e5m2_dtype,
     amax_history_length: int = 1024,
-    fp8_target: str | None = None,
+    expect: Expect | None = None,
+    **moved: object,
 ) -> FlaxFp8Recipe:
     """A qcheck recipe running ``module_cls`` (a flax.linen fp8 module class) at every call site.
 
@@ -151,29 +153,31 @@ def flax_fp8_recipe(
 
         flax_fp8_recipe("flax_einsum_fnuz", flax.linen.Fp8Einsum,
                         e4m3_dtype=jnp.float8_e4m3fnuz, e5m2_dtype=jnp.float8_e5m2fnuz,
-                        fp8_target="mi300")
+                        expect=qcheck.Expect(fp8_target="mi300"))
 
-    ``fp8_target`` is the hardware the recipe is for ("nvidia", "mi300"; see
-    :attr:`qcheck.Recipe`); with it the ``coverage`` invariant reads the fp8
-    types the module really casts to, forward and backward, against that
-    hardware's (which ``Fp8Einsum`` asked for fnuz fails).
+    ``expect`` (:class:`qcheck.Expect`) declares the bounds and ``fp8_target``,
+    the hardware the recipe is for ("nvidia", "mi300"); with it the ``coverage``
+    invariant reads the fp8 types the module really casts to, forward and
+    backward, against that hardware's (which ``Fp8Einsum`` asked for fnuz
+    fails). Its ``backward_paths`` keep the dense path at most (no exact
+    gradient reference on the sparse one).
 
     Einsum call sites call the module (an ``Fp8Einsum``) or run ``jnp.einsum``
     with the module as its dot_general; ragged_dot call sites run every row
     against its own group through that same einsum.
     """
     return FlaxFp8Recipe(name, module_cls, e4m3_dtype=e4m3_dtype, e5m2_dtype=e5m2_dtype,
-                         amax_history_length=amax_history_length, fp8_target=fp8_target)
+                         amax_history_length=amax_history_length, expect=expect, **moved)
 
 
 flax_fp8 = partial(
     flax_fp8_recipe, "flax_fp8", fp8_ops.Fp8Einsum,
-    e4m3_dtype=jnp.float8_e4m3fn, e5m2_dtype=jnp.float8_e5m2, fp8_target="nvidia",
+    e4m3_dtype=jnp.float8_e4m3fn, e5m2_dtype=jnp.float8_e5m2, expect=Expect(fp8_target="nvidia"),
 )
 flax_fp8.__doc__ = "``flax.linen.Fp8Einsum`` in its default flavours (e4m3fn forward, e5m2 gradients)."
 
 flax_nanoo_fp8 = partial(
     flax_fp8_recipe, "flax_nanoo_fp8", fp8_ops.NANOOFp8DotGeneralOp,
-    e4m3_dtype=jnp.float8_e4m3fnuz, e5m2_dtype=jnp.float8_e5m2fnuz, fp8_target="mi300",
+    e4m3_dtype=jnp.float8_e4m3fnuz, e5m2_dtype=jnp.float8_e5m2fnuz, expect=Expect(fp8_target="mi300"),
 )
 flax_nanoo_fp8.__doc__ = "``flax.linen.NANOOFp8DotGeneralOp``: AMD's fnuz flavours, which it honours."

@@ -46,7 +46,7 @@ from flax import linen as nn
 
 from qcheck import formats
 from qcheck.adapters._ragged import ragged_dot_from_einsum
-from qcheck.recipes import Recipe
+from qcheck.recipes import Expect, Recipe
 from qcheck.recipes._nvfp4 import NVFP4_MAX_GRAD_REL_NORM, NVFP4_MAX_REL_NORM
 
 __all__ = ["JAX_MODES", "JaxScaledDotRecipe", "jax_mxfp8", "jax_nvfp4", "scaled_dot_general_runs"]
@@ -150,30 +150,28 @@ class JaxScaledDotRecipe(Recipe):
     Its declared formats (``lhs``/``rhs``) are JAX's rule as qcheck names it
     (``mxfp8_jax``, ``nvfp4_jax``), along each matmul's contraction axes, so
     ``exact`` holds every site bit for bit to the referee of that rule.
+    Without ``expect``, the mode's measured bounds; with any, no backward paths.
     """
 
-    #: No exact gradient reference (the ``backward`` invariant; ``grads`` still runs). mxfp8's vjp
-    #: quantizes the output gradient and re-quantizes the *original* other operand along the gradient
-    #: matmul's contraction, which no qcheck referee's gradient models (``grad_operands`` is "quantized" or
-    #: "original", never "re-quantized"). nvfp4's is the full-precision matmul of g and the original
-    #: operands (``grad_operands="original"``), bitwise the referee's on Mixtral's dense layer (jax
-    #: 0.12.0.1), but summed by ``jnp.matmul`` over JAX's (batch, rows, contraction) reshape: on the
-    #: dropping layer's dispatch (g contracts two axes) and through the sparse path's einsum, in another
-    #: order than the referee's einsum vjp (1 ulp at 101 of 2048 dispatch DGRAD elements).
-    backward_paths: tuple[str, ...] = ()
-
-    def __init__(self, name: str, mode: str, *, max_rel_norm: float | None = None,
-                 max_grad_rel_norm: float | None = None):
+    def __init__(self, name: str, mode: str, *, expect: Expect | None = None, **moved: object):
         if mode not in JAX_MODES:
             raise ValueError(f"mode must be one of {', '.join(JAX_MODES)}, got {mode!r}")
         fmt = JAX_MODES[mode]
         # mxfp8's vjp quantizes the output gradient in MXFP8 (so gradients never equal the twin's, and a
         # gradient matmul over fewer than 32 tokens cannot run); nvfp4's multiplies it in full precision.
-        super().__init__(
-            name, lhs=fmt, rhs=fmt, grad=fmt if mode == "mxfp8" else None,
-            max_rel_norm=_MAX_REL_NORM[mode] if max_rel_norm is None else max_rel_norm,
-            max_grad_rel_norm=_MAX_GRAD_REL_NORM[mode] if max_grad_rel_norm is None else max_grad_rel_norm,
-            fp8_target="nvidia")
+        if expect is None:
+            expect = Expect(max_rel_norm=_MAX_REL_NORM[mode], max_grad_rel_norm=_MAX_GRAD_REL_NORM[mode],
+                            fp8_target="nvidia")
+        super().__init__(name, lhs=fmt, rhs=fmt, grad=fmt if mode == "mxfp8" else None, expect=expect, **moved)
+        # No exact gradient reference (the ``backward`` invariant; ``grads`` still runs). mxfp8's vjp
+        # quantizes the output gradient and re-quantizes the *original* other operand along the gradient
+        # matmul's contraction, which no qcheck referee's gradient models (``grad_operands`` is "quantized" or
+        # "original", never "re-quantized"). nvfp4's is the full-precision matmul of g and the original
+        # operands (``grad_operands="original"``), bitwise the referee's on Mixtral's dense layer (jax
+        # 0.12.0.1), but summed by ``jnp.matmul`` over JAX's (batch, rows, contraction) reshape: on the
+        # dropping layer's dispatch (g contracts two axes) and through the sparse path's einsum, in another
+        # order than the referee's einsum vjp (1 ulp at 101 of 2048 dispatch DGRAD elements).
+        self.expect = self.expect.narrow_backward(())
         self.mode = mode
 
     def site_module(self, name: str) -> nn.Module:

@@ -30,6 +30,7 @@ run in the layer itself, stay unquantized as on every qcheck layer. A rule's
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import warnings
 from collections.abc import Iterator, Sequence
@@ -43,7 +44,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("qcheck.adapters' qwix recipes need qwix: pip install 'qcheck[qwix]'") from e
 
-from qcheck.recipes import InterceptRecipe, KnownDefect
+from qcheck.recipes import Expect, InterceptRecipe, KnownDefect, Reference
 
 __all__ = ["QwixRecipe", "qwix_int8"]
 
@@ -112,10 +113,11 @@ class QwixRecipe(InterceptRecipe):
 
     #: qwix's QAT keeps the original operands for the backward pass: without ``bwd_qtype`` a dense site's
     #: gradients are g against the operands as received, bitwise (qwix 0.1.8). Its ``ragged_dot``'s are
-    #: neither those nor the quantized operands' (tests/test_intercept.py), so no sparse reference; a rule
-    #: with ``bwd_qtype`` quantizes g in a way no qcheck referee models, so no reference at all.
-    grad_operands = "original"
-    backward_paths = ("dense",)
+    #: neither those nor the quantized operands' (tests/test_intercept.py), so no sparse reference (the
+    #: constructor narrows any ``expect``'s backward paths to the dense one); a rule with ``bwd_qtype``
+    #: quantizes g in a way no qcheck referee models, so no reference at all.
+    reference = Reference(grad_operands="original")
+    expect = Expect()
 
     def __init__(
         self,
@@ -124,19 +126,19 @@ class QwixRecipe(InterceptRecipe):
         *,
         lhs: str | None = None,
         rhs: str | None = None,
-        max_rel_norm: float = 0.22,
-        max_grad_rel_norm: float | None = None,
+        reference: Reference | None = None,
+        expect: Expect | None = None,
+        **moved: object,
     ):
         rules = tuple(rules)
         if not rules:
             raise ValueError(f"QwixRecipe {name!r}: rules must hold at least one qwix.QtRule")
         for i, rule in enumerate(rules):
             _check_rule(name, i, rule)
-        super().__init__(name, self._quantize_sites, lhs=lhs, rhs=rhs, max_rel_norm=max_rel_norm,
-                         max_grad_rel_norm=max_grad_rel_norm)
+        super().__init__(name, self._quantize_sites, lhs=lhs, rhs=rhs, reference=reference, expect=expect,
+                         **moved)
         self.rules = rules
-        if any(rule.bwd_qtype is not None for rule in rules):
-            self.backward_paths = ()
+        self.expect = self.expect.narrow_backward(() if any(r.bwd_qtype is not None for r in rules) else ("dense",))
 
     def _quantize_sites(self, layer: nnx.Module, sample_input: jax.Array) -> nnx.Module:
         batch, seq, _ = sample_input.shape
@@ -199,7 +201,6 @@ def qwix_int8(name: str = "qwix_int8") -> QwixRecipe:
     integer arithmetic; on the sparse path it fails as declared.
     """
     rule = qwix.QtRule(module_path=".*", weight_qtype=jnp.int8, act_qtype=jnp.int8)
-    recipe = QwixRecipe(name, [rule], lhs="int8_qwix", rhs="int8_qwix")
-    recipe.matmul = "integer"
-    recipe.known_defects = (QWIX_INT8_RAGGED_SHARED_SCALE, QWIX_INT8_SHARDED_SPARSE)
-    return recipe
+    return QwixRecipe(name, [rule], lhs="int8_qwix", rhs="int8_qwix",
+                      reference=dataclasses.replace(QwixRecipe.reference, matmul="integer"),
+                      expect=Expect(known_defects=(QWIX_INT8_RAGGED_SHARED_SCALE, QWIX_INT8_SHARDED_SPARSE)))

@@ -7,7 +7,7 @@ gradient matmul (``jax.vjp`` of ``jnp.einsum`` / ``jax.lax.ragged_dot`` in
 float32, the contraction the site itself runs) of operands and ``g`` quantized
 by :mod:`qcheck.referees`, never by :mod:`qcheck.formats`:
 
-- fp8-class recipes (``recipe.cast_dtype`` set): ``g`` cast, saturating at
+- fp8-class recipes (``recipe.reference.cast_dtype`` set): ``g`` cast, saturating at
   scale 1, to the e5m2 flavour of the recipe's e4m3 flavour (e4m3fn -> e5m2,
   e4m3fnuz -> e5m2fnuz), for both gradients;
 - declarative recipes with ``grad=``: ``g`` quantized along the axes each
@@ -55,8 +55,6 @@ __all__ = [
     "site_grads",
 ]
 
-#: What a site's gradient matmuls may take (``Recipe.grad_operands``).
-GRAD_OPERANDS = ("quantized", "original")
 # The gradient flavour that goes with each forward e4m3 flavour: same family.
 _E5M2_OF = {"e4m3fn": "e5m2", "e4m3fnuz": "e5m2fnuz"}
 # Each fp8 flavour's sibling, the one a wrong-flavour bug casts to instead.
@@ -217,11 +215,11 @@ def _fp8_name(dtype: np.dtype) -> str:
 
 
 def _operand_formats(recipe: Recipe) -> tuple[str, str]:
-    if recipe.cast_dtype is not None:
-        fmt = _fp8_name(recipe.cast_dtype)
+    if recipe.reference.cast_dtype is not None:
+        fmt = _fp8_name(recipe.reference.cast_dtype)
         if fmt not in _E5M2_OF:
             raise ValueError(
-                f"recipe {recipe.name!r}: cast_dtype {recipe.cast_dtype} has no e5m2 gradient flavour; "
+                f"recipe {recipe.name!r}: cast_dtype {recipe.reference.cast_dtype} has no e5m2 gradient flavour; "
                 f"fp8-class recipes cast to one of {', '.join('float8_' + k for k in _E5M2_OF)}"
             )
         return fmt, fmt
@@ -241,7 +239,7 @@ def _expectations(
     unsalted_key: jax.Array | None,
 ) -> tuple[_Expectation, _Expectation]:
     lhs_fmt, _ = _operand_formats(recipe)
-    if recipe.cast_dtype is not None:
+    if recipe.reference.cast_dtype is not None:
         e5 = _E5M2_OF[lhs_fmt]
         sib = _SIBLING[e5]
         exp = _Expectation(
@@ -255,7 +253,7 @@ def _expectations(
         )
         return exp, exp
     if recipe.grad is None:
-        on = " to the original operands" if recipe.grad_operands == "original" else ""
+        on = " to the original operands" if recipe.reference.grad_operands == "original" else ""
         exp = _Expectation(f"g unquantized (straight through{on})", g, {})
         return exp, exp
     fmt = recipe.grad
@@ -286,11 +284,8 @@ def _expectations(
 def grad_operands(recipe: Recipe, lhs: np.ndarray, rhs: np.ndarray, q_lhs: np.ndarray, q_rhs: np.ndarray
                   ) -> tuple[tuple[np.ndarray, np.ndarray], str, tuple[np.ndarray, np.ndarray]]:
     """``(operands, other's description, other operands)``: what the gradient matmuls take, and the bug of
-    taking the other ones (``recipe.grad_operands``)."""
-    if recipe.grad_operands not in GRAD_OPERANDS:
-        raise ValueError(f"recipe {recipe.name!r}: grad_operands must be one of {', '.join(GRAD_OPERANDS)}, "
-                         f"got {recipe.grad_operands!r}")
-    if recipe.grad_operands == "original":
+    taking the other ones (``recipe.reference.grad_operands``)."""
+    if recipe.reference.grad_operands == "original":
         return (lhs, rhs), "the quantized operands (straight through the quantizers)", (q_lhs, q_rhs)
     return (q_lhs, q_rhs), "unquantized operands", (lhs, rhs)
 
@@ -357,7 +352,7 @@ def _check(
         raise ValueError(f"{check}: site {name!r}: the referee cannot quantize for this site: {e}") from e
     for what, x, fmt, ax in (("lhs", lhs, lhs_fmt, axes.lhs), ("rhs", rhs, rhs_fmt, axes.rhs),
                              ("g (dgrad)", g, recipe.grad, axes.dgrad), ("g (wgrad)", g, recipe.grad, axes.wgrad)):
-        if fmt == "nvfp4" and recipe.cast_dtype is None:
+        if fmt == "nvfp4" and recipe.reference.cast_dtype is None:
             _require_exact_nvfp4_decode(check, what, x, ax)
 
     def grads(a, b, gd, gw) -> tuple[np.ndarray, np.ndarray]:

@@ -4,7 +4,7 @@ A recipe declared with the wrong e4m3 flavour everywhere (NANOO fp8 built with
 e4m3fn, site and declaration alike) passes every check that follows the
 declaration: ``exact``, ``backward`` and ``tracks`` compare the layer with what
 it says it does. What it is *for* is independent of the formats: the hardware
-it targets (``Recipe.fp8_target``; :data:`qcheck.hardware.FP8_TARGETS`). Here
+it targets (``Expect.fp8_target``; :data:`qcheck.hardware.FP8_TARGETS`). Here
 the types are read from the program, not the declaration: the coverage map of
 a forward and a backward trace (tracing only) gives every narrowing cast on
 each matmul operand's quantized chain, and each fp8 one must be native to the
@@ -44,7 +44,7 @@ def _format_fp8_dtypes(fmt: str, *, codes_only: bool = False) -> set[str]:
 def declared_fp8_dtypes(recipe: Any) -> dict[str, set[str]]:
     """What ``recipe`` declares, by attribute, as the fp8 types it uses: formats (lhs/rhs/grad) and dtypes.
 
-    ``cast_dtype`` and, on fp8 recipes with flavours (``DelayedScalingFp8``,
+    ``reference.cast_dtype`` and, on fp8 recipes with flavours (``DelayedScalingFp8``,
     Flax's), ``e4m3_dtype``/``e5m2_dtype``. Attributes without fp8 types are left out.
     """
     out: dict[str, set[str]] = {}
@@ -52,8 +52,9 @@ def declared_fp8_dtypes(recipe: Any) -> dict[str, set[str]]:
         fmt = getattr(recipe, arg, None)
         if fmt is not None and (types := _format_fp8_dtypes(fmt)):
             out[arg] = types
-    for arg in ("cast_dtype", "e4m3_dtype", "e5m2_dtype"):
-        dtype = getattr(recipe, arg, None)
+    dtypes = {"reference.cast_dtype": getattr(getattr(recipe, "reference", None), "cast_dtype", None),
+              **{arg: getattr(recipe, arg, None) for arg in ("e4m3_dtype", "e5m2_dtype")}}
+    for arg, dtype in dtypes.items():
         if dtype is not None and (types := _fp8_types([dtype])):
             out[arg] = types
     return out
@@ -62,14 +63,14 @@ def declared_fp8_dtypes(recipe: Any) -> dict[str, set[str]]:
 def declared_operand_fp8_dtypes(recipe: Any) -> set[str]:
     """The fp8 types ``recipe`` declares its matmul operands' codes in (not scales): what a trace must show.
 
-    ``lhs``/``rhs`` codes and ``cast_dtype``. NVFP4 declares none (e2m1 codes;
+    ``lhs``/``rhs`` codes and ``reference.cast_dtype``. NVFP4 declares none (e2m1 codes;
     its e4m3 block scales divide, which the coverage map does not follow).
     """
     out = set()
     for arg in ("lhs", "rhs"):
         if (fmt := getattr(recipe, arg, None)) is not None:
             out |= _format_fp8_dtypes(fmt, codes_only=True)
-    if (dtype := getattr(recipe, "cast_dtype", None)) is not None:
+    if (dtype := getattr(getattr(recipe, "reference", None), "cast_dtype", None)) is not None:
         out |= _fp8_types([dtype])
     return out
 
@@ -79,12 +80,12 @@ def _target(target: str, native: frozenset[str]) -> str:
 
 
 def assert_recipe_fp8_native(recipe: Any, target: str | None = None) -> dict[str, set[str]]:
-    """Assert every fp8 type ``recipe`` declares is native to ``target`` (default: ``recipe.fp8_target``).
+    """Assert every fp8 type ``recipe`` declares is native to ``target`` (default: ``recipe.expect.fp8_target``).
 
     Cheap (shapes only): it catches a declaration slip before any layer runs.
     Returns :func:`declared_fp8_dtypes`.
     """
-    target = getattr(recipe, "fp8_target", None) if target is None else target
+    target = getattr(getattr(recipe, "expect", None), "fp8_target", None) if target is None else target
     if target is None:
         raise ValueError(f"assert_recipe_fp8_native: recipe {getattr(recipe, 'name', recipe)!r} declares no "
                          "fp8_target; pass target=")

@@ -112,12 +112,12 @@ _AXIS_FORMATS = frozenset({"int8", "int8_aqt", "int8_qwix", "mxfp8", "nvfp4", "m
 
 
 def operand_formats(recipe: Recipe | str) -> tuple[str, str]:
-    """The (lhs, rhs) formats a fresh site of ``recipe`` quantizes to: ``lhs``/``rhs``, else its ``cast_dtype``."""
+    """The (lhs, rhs) formats a fresh site of ``recipe`` quantizes to: ``lhs``/``rhs``, else ``reference.cast_dtype``'s."""
     recipe = get_recipe(recipe)
     if recipe.lhs is not None:
         return recipe.lhs, recipe.rhs
-    if recipe.cast_dtype is not None:
-        name = recipe.cast_dtype.name.removeprefix("float8_")
+    if recipe.reference.cast_dtype is not None:
+        name = recipe.reference.cast_dtype.name.removeprefix("float8_")
         return name, name
     raise ValueError(
         f"recipe {recipe.name!r} declares no operand formats (lhs=/rhs=) and no cast_dtype, "
@@ -564,7 +564,7 @@ def assert_site_calls_exact(
     check = "assert_layer_sites_exact"
     where = f"{label}: " if label else ""
     lhs_fmt, rhs_fmt = operand_formats(recipe)
-    matmul = getattr(get_recipe(recipe), "matmul", "float")
+    matmul = get_recipe(recipe).reference.matmul
     _check_formats(check, lhs_fmt, rhs_fmt, matmul=matmul)
     counts = {name: 0 for name in sites}
     for call in calls:

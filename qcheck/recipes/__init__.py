@@ -7,6 +7,7 @@ or a module named with ``--recipes`` / ``--qcheck-recipes``.
 
 from qcheck.recipes._axes import MatmulAxes, einsum_axes
 from qcheck.recipes._base import ApplyRngs, Recipe
+from qcheck.recipes._declarations import Expect, Reference
 from qcheck.recipes._fp8 import DelayedScalingFp8, fp8, nanoo_fp8
 from qcheck.recipes._intercept import InterceptRecipe
 from qcheck.recipes._none import NoQuant
@@ -25,6 +26,7 @@ from qcheck.recipes._unsupported import UNSUPPORTED_KINDS, KnownDefect, Unsuppor
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "Expect",
     "KnownDefect",
     "ApplyRngs",
     "DelayedScalingFp8",
@@ -33,6 +35,7 @@ __all__ = [
     "NVFP4",
     "NoQuant",
     "Recipe",
+    "Reference",
     "SiteOps",
     "UNSUPPORTED_KINDS",
     "Unsupported",

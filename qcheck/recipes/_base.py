@@ -2,32 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import re
 
-import numpy as np
 from flax import linen as nn
 
 from qcheck import formats
 from qcheck._choices import check_choice
+from qcheck.recipes._declarations import Expect, Reference
 from qcheck.recipes._sites import FormatSite
 
-__all__ = ["DEFAULT_RECIPE_MAX_GRAD_REL_NORM", "ApplyRngs", "Recipe"]
-
-# Each Param's gradient after one train step on the case table's input, against
-# the `none` twin's (relative norm; seed 0, jax 0.10.2, CPU), worst over the
-# table's variants and leaves: int8 0.023 (wo, dropping), fp8 0.146 and
-# nanoo_fp8 0.147 (wi_0, dropping), fp8_current 0.123 (wo, dropping), mxfp8
-# 0.113 (wo; it cannot train on the dropping variant). Seeds 1 and 2 (Mixtral
-# dense with and without dropping, Gemma dense): at most 0.025 (int8), 0.154
-# (mxfp8's gate, seed 2), 0.136 (fp8-class). Gradients sit 1.3-1.5x
-# further from the twin than outputs (0.10 against 0.067 for fp8 without
-# dropping), and dropping adds the dispatch and combine gradients. 0.3 is about twice
-# the worst of those; the bug it is for, an output gradient cast to e4m3 at
-# scale 1 (most of it flushed to 0), measures 0.73. The library recipes, same
-# measure: flax_fp8 0.103 (wo, sparse), aqt_int8 0.048 and qwix_int8 0.045
-# (gate, dropping); AQT with 2-bit gradient matmuls measures 0.76.
-DEFAULT_RECIPE_MAX_GRAD_REL_NORM = 0.3
+__all__ = ["ApplyRngs", "Recipe"]
 
 
 class ApplyRngs(enum.Enum):
@@ -46,12 +32,12 @@ class ApplyRngs(enum.Enum):
 
 
 class Recipe:
-    """A quantization recipe: what every einsum call site of a layer does.
+    """A quantization recipe: what every einsum call site of a layer does, and what qcheck should hold it to.
 
     Declarative (the common case)::
 
         qcheck.Recipe("fp8_current", lhs="e4m3fn_current", rhs="e4m3fn_current",
-                      grad="e5m2_current")
+                      grad="e5m2_current", expect=qcheck.Expect(fp8_target="nvidia"))
 
     fake-quantizes both operands in formats :mod:`qcheck.formats` knows (along
     the contraction axes of each matmul) and, if ``grad`` is given, the output
@@ -62,28 +48,27 @@ class Recipe:
     :class:`qcheck.recipes.SiteOps` to get both from one ``matmul``). qcheck
     bridges one instance per call site into NNX, so no two sites share state.
 
+    The quantization is the constructor's; beside it a recipe carries two
+    declarations: ``reference`` (:class:`qcheck.Reference`: how the referee
+    computes what its sites must equal) and ``expect`` (:class:`qcheck.Expect`:
+    the suite's bounds, the paths it runs, what the recipe's library refuses or
+    gets wrong). A subclass may set either as a class attribute; an argument
+    given here replaces it.
+
     Attributes:
       name: registry key, also the golden directory name.
       lhs, rhs, grad: format names; on a subclass, ``lhs``/``rhs`` say what a
         fresh site does to the operands, which the golden cases record as codes.
-      max_rel_norm: the bound ``assert_tracks`` uses against the ``none`` twin.
-      max_grad_rel_norm: the bound on each parameter's gradient (one train step)
-        against the ``none`` twin's, which the ``grads`` invariant uses; the
-        default is measured in :data:`DEFAULT_RECIPE_MAX_GRAD_REL_NORM`.
       apply_rngs: how the sites use random numbers (:class:`ApplyRngs`).
-      cast_dtype: the fp8 element type a freshly built site casts both operands
-        to at scale 1; when set, the suite pins every site bitwise against it.
       materialize_at_build: create the site's state when the layer is built, from
         a canonical operand pair (fixed-shape state such as fp8 scales and amax
         histories), rather than on first use.
-      fp8_target: the hardware family whose fp8 matmuls the recipe is for (a key
-        of :data:`qcheck.hardware.FP8_TARGETS`: "nvidia", "mi300"); None for a
-        recipe without fp8 types. The ``coverage`` invariant holds every fp8
-        type the layer casts its matmul operands to, forward and backward, and
-        every declared format, to that hardware's native types
-        (:func:`qcheck.checks.assert_fp8_dtypes_native`): an intent independent
-        of the formats, so a flavour wrong in declaration and site alike fails.
+      reference: what the ``exact`` and ``backward`` referees follow.
+      expect: what the suite expects.
     """
+
+    reference: Reference = Reference()
+    expect: Expect = Expect()
 
     def __init__(
         self,
@@ -93,20 +78,14 @@ class Recipe:
         rhs: str | None = None,
         grad: str | None = None,
         apply_rngs: ApplyRngs = ApplyRngs.NONE,
-        max_rel_norm: float = 0.22,
-        max_grad_rel_norm: float | None = None,
-        cast_dtype: np.dtype | type | None = None,
         materialize_at_build: bool = False,
-        fp8_target: str | None = None,
+        reference: Reference | None = None,
+        expect: Expect | None = None,
+        **moved: object,
     ):
         if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", name):
             raise ValueError(f"recipe name must match [a-z][a-z0-9_]*, got {name!r}")
-        if not 0.0 < max_rel_norm < 1.0:
-            raise ValueError(f"max_rel_norm must lie in (0, 1), got {max_rel_norm}")
-        if max_grad_rel_norm is None:
-            max_grad_rel_norm = DEFAULT_RECIPE_MAX_GRAD_REL_NORM
-        if not 0.0 < max_grad_rel_norm < 1.0:
-            raise ValueError(f"max_grad_rel_norm must lie in (0, 1), got {max_grad_rel_norm}")
+        _refuse_moved(f"{type(self).__name__} {name!r}", moved)
         if not isinstance(apply_rngs, ApplyRngs):
             raise TypeError(f"apply_rngs must be an ApplyRngs, got {apply_rngs!r}")
         for arg, fmt in (("lhs", lhs), ("rhs", rhs), ("grad", grad)):
@@ -121,50 +100,18 @@ class Recipe:
             )
         if grad is not None and lhs is None:
             raise TypeError(f"Recipe {name!r}: grad= needs lhs= and rhs= too")
+        reference = type(self).reference if reference is None else reference
+        expect = type(self).expect if expect is None else expect
+        if not isinstance(reference, Reference):
+            raise TypeError(f"reference must be a qcheck.Reference, got {reference!r}")
+        if not isinstance(expect, Expect):
+            raise TypeError(f"expect must be a qcheck.Expect, got {expect!r}")
         self.name = name
         self.lhs, self.rhs, self.grad = lhs, rhs, grad
-        self.max_rel_norm = float(max_rel_norm)
-        self.max_grad_rel_norm = float(max_grad_rel_norm)
         self.apply_rngs = apply_rngs
-        self.cast_dtype = None if cast_dtype is None else np.dtype(cast_dtype)
         self.materialize_at_build = materialize_at_build
-        if fp8_target is not None:
-            from qcheck.hardware import FP8_TARGETS
-
-            check_choice("fp8_target", fp8_target, FP8_TARGETS)
-        self.fp8_target = fp8_target
-
-    #: The layer paths the suite's cases run this recipe on. A recipe that
-    #: differs from another only on one path narrows it, so the suite does not
-    #: run the other path's cases twice (qcheck.adapters.aqt_int8_ragged).
-    paths: tuple[str, ...] = ("dense", "sparse")
-
-    #: The paths on which the suite holds the sites' gradients bitwise to a
-    #: reference (the ``backward`` invariant). A recipe narrows it where no
-    #: exact reference exists, saying why (qcheck.adapters' library recipes);
-    #: ``grads`` (the gradients against the none twin's) runs on every path.
-    backward_paths: tuple[str, ...] = ("dense", "sparse")
-
-    #: Which operands the gradient matmuls of a site take, which the ``backward``
-    #: reference follows: "quantized" (g against the operands as the forward
-    #: pass quantized them: fp8 recipes, and straight-through quantizers) or
-    #: "original" (g against the operands as the site received them, as qwix's
-    #: QAT keeps them for its backward pass).
-    grad_operands: str = "quantized"
-
-    #: How a site multiplies its quantized operands, which the ``exact``
-    #: reference follows: "float" (the float32 matmul of dequantized operands)
-    #: or "integer" (int8 codes in integer arithmetic, scales applied after, as
-    #: AQT does: :mod:`qcheck.referees._integer`).
-    matmul: str = "float"
-
-    #: What the recipe's library refuses by design (:class:`qcheck.recipes.Unsupported`):
-    #: the suite runs none of those checks there, the matrix names the reason,
-    #: and pytest asserts the library still refuses.
-    unsupported: tuple = ()
-    #: Library defects a check of the suite catches (:class:`qcheck.recipes.KnownDefect`):
-    #: the check runs there and must fail with the declared message.
-    known_defects: tuple = ()
+        self.reference = reference
+        self.expect = expect
 
     @property
     def quantized(self) -> bool:
@@ -180,3 +127,22 @@ class Recipe:
             grad = "" if self.grad is None else f", grad={self.grad!r}"
             return f"Recipe({self.name!r}, lhs={self.lhs!r}, rhs={self.rhs!r}{grad})"
         return f"{type(self).__name__}({self.name!r})"
+
+
+# Keywords the constructors once took -> the declaration that holds them now.
+_MOVED = {f.name: decl for decl, cls in (("expect", Expect), ("reference", Reference)) for f in dataclasses.fields(cls)}
+
+
+def _refuse_moved(owner: str, moved: dict[str, object]) -> None:
+    """TypeError for a keyword no recipe constructor takes, naming its new place if it moved.
+
+    The bounds and declarations left the constructors' keywords for
+    :class:`Expect` and :class:`Reference`; a subclass that forwards its
+    ``**moved`` to ``Recipe.__init__`` gets the same message for them.
+    """
+    for key in moved:
+        if key in _MOVED:
+            cls = _MOVED[key].capitalize()
+            raise TypeError(f"{owner}: {key}= is declared in {_MOVED[key]}=: pass "
+                            f"{_MOVED[key]}=qcheck.{cls}({key}=...)")
+        raise TypeError(f"{owner}: unexpected keyword argument {key!r}")

@@ -17,6 +17,7 @@ from flax import linen as nn
 from flax.linen import fp8_ops
 
 from qcheck.recipes._base import ApplyRngs, Recipe
+from qcheck.recipes._declarations import Expect, Reference
 from qcheck.recipes._sites import SiteOps
 
 
@@ -53,7 +54,7 @@ class DelayedScalingFp8(Recipe):
     """fp8 with Flax's delayed scaling, in a chosen e4m3 (forward) / e5m2 (gradient) flavour."""
 
     def __init__(self, name: str, *, e4m3_dtype, e5m2_dtype, amax_history_length: int = 1024,
-                 fp8_target: str | None = None):
+                 expect: Expect | None = None, **moved: object):
         # lhs/rhs: what a fresh site does (scale 1), which the golden codes record.
         fresh = np.dtype(e4m3_dtype).name.removeprefix("float8_")
         super().__init__(
@@ -61,9 +62,10 @@ class DelayedScalingFp8(Recipe):
             lhs=fresh,
             rhs=fresh,
             apply_rngs=ApplyRngs.NONE,
-            cast_dtype=e4m3_dtype,
             materialize_at_build=True,
-            fp8_target=fp8_target,
+            reference=Reference(cast_dtype=e4m3_dtype),
+            expect=expect,
+            **moved,
         )
         self.e4m3_dtype = np.dtype(e4m3_dtype)
         self.e5m2_dtype = np.dtype(e5m2_dtype)
@@ -78,11 +80,13 @@ class DelayedScalingFp8(Recipe):
 
 
 def fp8() -> DelayedScalingFp8:
-    return DelayedScalingFp8("fp8", e4m3_dtype=jnp.float8_e4m3fn, e5m2_dtype=jnp.float8_e5m2, fp8_target="nvidia")
+    return DelayedScalingFp8("fp8", e4m3_dtype=jnp.float8_e4m3fn, e5m2_dtype=jnp.float8_e5m2,
+                             expect=Expect(fp8_target="nvidia"))
 
 
 def nanoo_fp8() -> DelayedScalingFp8:
     # AMD MI300's fnuz flavours: no negative zero, no infinities, a different bias.
     return DelayedScalingFp8(
-        "nanoo_fp8", e4m3_dtype=jnp.float8_e4m3fnuz, e5m2_dtype=jnp.float8_e5m2fnuz, fp8_target="mi300"
+        "nanoo_fp8", e4m3_dtype=jnp.float8_e4m3fnuz, e5m2_dtype=jnp.float8_e5m2fnuz,
+        expect=Expect(fp8_target="mi300"),
     )

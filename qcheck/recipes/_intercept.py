@@ -18,6 +18,7 @@ from flax import linen as nn
 from flax import nnx
 
 from qcheck.recipes._base import ApplyRngs, Recipe
+from qcheck.recipes._declarations import Expect, Reference
 
 __all__ = ["InterceptRecipe", "Transform"]
 
@@ -32,13 +33,14 @@ class InterceptRecipe(Recipe):
 
     ``lhs``/``rhs`` declare the qcheck formats the transformed sites' operand
     codes coincide with, bitwise (the ``exact`` invariant holds them to the
-    referee); leave them out where no qcheck format matches.
+    referee); leave them out where no qcheck format matches. ``reference`` and
+    ``expect`` replace the class's (``InterceptRecipe.expect``: no backward paths).
     """
 
     # An interception library computes gradients its own way, which a qcheck
     # backward referee models only where a subclass says how (QwixRecipe: the
     # dense path, g against the original operands) and widens this.
-    backward_paths: tuple[str, ...] = ()
+    expect = Expect(backward_paths=())
 
     def __init__(
         self,
@@ -47,13 +49,14 @@ class InterceptRecipe(Recipe):
         *,
         lhs: str | None = None,
         rhs: str | None = None,
-        max_rel_norm: float = 0.22,
-        max_grad_rel_norm: float | None = None,
+        reference: Reference | None = None,
+        expect: Expect | None = None,
+        **moved: object,
     ):
         if not callable(transform):
             raise TypeError(f"transform must be a callable (layer, sample_input) -> layer, got {transform!r}")
-        super().__init__(name, lhs=lhs, rhs=rhs, apply_rngs=ApplyRngs.NONE, max_rel_norm=max_rel_norm,
-                         max_grad_rel_norm=max_grad_rel_norm)
+        super().__init__(name, lhs=lhs, rhs=rhs, apply_rngs=ApplyRngs.NONE, reference=reference, expect=expect,
+                         **moved)
         self._transform = transform
 
     def transform(self, layer: nnx.Module, sample_input: jax.Array) -> nnx.Module:

@@ -24,6 +24,7 @@ from flax import linen as nn
 from qcheck import formats
 from qcheck.recipes._axes import MatmulAxes
 from qcheck.recipes._base import ApplyRngs, Recipe
+from qcheck.recipes._declarations import Expect
 from qcheck.recipes._sites import SiteOps, fake_quant_matmul
 
 # fp8's 0.22 does not fit a 4-bit format. One NVFP4 matmul of normal operands
@@ -71,11 +72,11 @@ class NVFP4Site(SiteOps, nn.Module):
 
 
 class NVFP4(Recipe):
+    expect = Expect(max_rel_norm=NVFP4_MAX_REL_NORM, max_grad_rel_norm=NVFP4_MAX_GRAD_REL_NORM, fp8_target="nvidia")
+
     def __init__(self, name: str = "nvfp4"):
         # SHARED: it draws, but the per-quantizer hash means it needs no stream of its own.
-        super().__init__(name, lhs="nvfp4", rhs="nvfp4", grad="nvfp4",
-                         apply_rngs=ApplyRngs.SHARED, max_rel_norm=NVFP4_MAX_REL_NORM,
-                         max_grad_rel_norm=NVFP4_MAX_GRAD_REL_NORM, fp8_target="nvidia")
+        super().__init__(name, lhs="nvfp4", rhs="nvfp4", grad="nvfp4", apply_rngs=ApplyRngs.SHARED)
 
     def site_module(self, name: str) -> nn.Module:
         return NVFP4Site(quantizer=name)

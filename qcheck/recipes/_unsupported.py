@@ -2,7 +2,7 @@
 
 An adapter recipe wraps a library that may refuse some case outright (AQT's
 ``ragged_dot`` has no backward pass). Such a case is neither a pass nor a
-qcheck failure. The recipe lists it in ``Recipe.unsupported``; the suite runs
+qcheck failure. The recipe lists it in ``Expect.unsupported``; the suite runs
 none of the checks it covers there, the matrix says
 ``not supported by <library> <version>: <reason>`` in those cells, and pytest
 runs ``reproduce`` — the library on the refused case — and asserts it still
@@ -18,12 +18,13 @@ from importlib import metadata
 
 from qcheck._choices import check_choice
 
-__all__ = ["UNSUPPORTED_KINDS", "KnownDefect", "Unsupported", "assert_still_unsupported"]
+__all__ = ["PATHS", "UNSUPPORTED_KINDS", "KnownDefect", "Unsupported", "assert_still_unsupported"]
 
 #: What a declaration can cover. "gradient": anything that differentiates the
 #: layer (the suite's backward, grads, state and rng checks, golden gradients).
 UNSUPPORTED_KINDS = ("gradient",)
-_PATHS = ("dense", "sparse")
+#: The layer paths a declaration can name (the layers' own, qcheck.layers.moe.PATHS, sit above recipes).
+PATHS = ("dense", "sparse")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,9 +47,9 @@ class Unsupported:
     def __post_init__(self):
         check_choice("unsupported kind", self.kind, UNSUPPORTED_KINDS)
         if isinstance(self.paths, str) or not self.paths:
-            raise TypeError(f"paths must be a non-empty tuple of {', '.join(_PATHS)}, got {self.paths!r}")
+            raise TypeError(f"paths must be a non-empty tuple of {', '.join(PATHS)}, got {self.paths!r}")
         for path in self.paths:
-            check_choice("path", path, _PATHS)
+            check_choice("path", path, PATHS)
         if not callable(self.reproduce):
             raise TypeError(f"reproduce must be a callable that runs {self.library} on the refused case, "
                             f"got {self.reproduce!r}")
@@ -112,9 +113,9 @@ class KnownDefect:
 
     def __post_init__(self):
         if isinstance(self.paths, str) or not self.paths:
-            raise TypeError(f"paths must be a non-empty tuple of {', '.join(_PATHS)}, got {self.paths!r}")
+            raise TypeError(f"paths must be a non-empty tuple of {', '.join(PATHS)}, got {self.paths!r}")
         for path in self.paths:
-            check_choice("path", path, _PATHS)
+            check_choice("path", path, PATHS)
         if isinstance(self.models, str) or not all(isinstance(m, str) and m for m in self.models):
             raise TypeError(f"models must be a tuple of model names (empty: every model), got {self.models!r}")
         if not self.match:

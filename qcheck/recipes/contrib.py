@@ -14,9 +14,10 @@ __all__ = ["fp8_current", "mxfp8"]
 #: Current scaling, as TransformerEngine's Float8CurrentScaling (HYBRID): each
 #: tensor is scaled by its own amax, no history; e4m3 forward, e5m2 gradients.
 fp8_current = qcheck.Recipe(
-    "fp8_current", lhs="e4m3fn_current", rhs="e4m3fn_current", grad="e5m2_current", fp8_target="nvidia"
+    "fp8_current", lhs="e4m3fn_current", rhs="e4m3fn_current", grad="e5m2_current",
+    expect=qcheck.Expect(fp8_target="nvidia"),
 )
 
 #: OCP MX v1.0 MXFP8: blocks of 32 along each matmul's contraction axis, a
 #: shared power-of-two (e8m0) scale per block, e4m3fn elements, gradients too.
-mxfp8 = qcheck.Recipe("mxfp8", lhs="mxfp8", rhs="mxfp8", grad="mxfp8", fp8_target="nvidia")
+mxfp8 = qcheck.Recipe("mxfp8", lhs="mxfp8", rhs="mxfp8", grad="mxfp8", expect=qcheck.Expect(fp8_target="nvidia"))

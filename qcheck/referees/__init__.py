@@ -11,5 +11,6 @@ only which operand ``jnp.einsum`` hands ``dot_general`` first).
 from __future__ import annotations
 
 from qcheck.referees._formats import referee_format_names, reference_dequantize, reference_qdq, reference_quantize
+from qcheck.referees._integer import MATMUL_MODES
 
-__all__ = ["referee_format_names", "reference_dequantize", "reference_qdq", "reference_quantize"]
+__all__ = ["MATMUL_MODES", "referee_format_names", "reference_dequantize", "reference_qdq", "reference_quantize"]

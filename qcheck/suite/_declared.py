@@ -32,12 +32,12 @@ def declared(recipe: Recipe, variant: Variant, invariant: str) -> Unsupported | 
     """The recipe's declaration covering ``invariant`` on the variant's path, if any (refusals first)."""
     from qcheck.suite import invariants
 
-    for u in recipe.unsupported:
+    for u in recipe.expect.unsupported:
         if variant.path in u.paths and invariant in KIND_INVARIANTS[u.kind]:
             if invariant in _ALWAYS or any(i.name == invariant and i.applies(recipe, variant)
                                            for i in invariants.INVARIANTS):
                 return u
-    for d in recipe.known_defects:
+    for d in recipe.expect.known_defects:
         if variant.path in d.paths and invariant == d.invariant and (not d.models or variant.model in d.models):
             return d
     return None

@@ -123,7 +123,7 @@ def cases(
         Case(r, v)
         for r in names
         for v in VARIANTS
-        if v.path in get_recipe(r).paths
+        if v.path in get_recipe(r).expect.paths
         and (models is None or v.model in models) and (paths is None or v.path in paths)
     ]
 
@@ -139,7 +139,7 @@ def grads_applies(recipe: Recipe, variant: Variant) -> bool:
     """
     if not recipe.quantized:
         return False
-    if any(u.kind == "gradient" and variant.path in u.paths for u in recipe.unsupported):
+    if any(u.kind == "gradient" and variant.path in u.paths for u in recipe.expect.unsupported):
         return False
     return gradient_tiles(recipe, variant)
 
@@ -151,7 +151,7 @@ def backward_applies(recipe: Recipe, variant: Variant) -> bool:
     reference for its gradients; its gradients are still held to the ``none``
     twin's by ``grads``.
     """
-    return variant.path in recipe.backward_paths and grads_applies(recipe, variant)
+    return variant.path in recipe.expect.backward_paths and grads_applies(recipe, variant)
 
 
 def gradient_tiles(recipe: Recipe, variant: Variant) -> bool:

@@ -129,11 +129,13 @@ def assert_sites_exact(layer: MoE, recipe: Recipe, label: str, runs: SiteRuns | 
         if p.eqn is not None:
             run = functools.partial(
                 _site_exact.assert_site_exact, _site_programs.replay(got, p, p.lhs, p.rhs),
-                p.eqn, p.lhs, p.rhs, lhs_format=lhs_fmt, rhs_format=rhs_fmt, site=p.site, matmul=recipe.matmul)
+                p.eqn, p.lhs, p.rhs, lhs_format=lhs_fmt, rhs_format=rhs_fmt, site=p.site,
+                matmul=recipe.reference.matmul)
         else:
             run = functools.partial(
                 _site_exact.assert_site_ragged_exact, _site_programs.replay(got, p, p.lhs, p.rhs, p.group_sizes),
-                p.lhs, p.rhs, p.group_sizes, lhs_format=lhs_fmt, rhs_format=rhs_fmt, site=p.site, matmul=recipe.matmul)
+                p.lhs, p.rhs, p.group_sizes, lhs_format=lhs_fmt, rhs_format=rhs_fmt, site=p.site,
+                matmul=recipe.reference.matmul)
         _prefixed(label, run)
 
 
@@ -241,20 +243,20 @@ def assert_layer_quantized(layer: MoE, x, label: str):
 def assert_layer_fp8_native(layer: MoE, x, recipe: Recipe, label: str, *, backward: bool = True) -> None:
     """The fp8 types ``layer``'s matmul operands are cast to, and those ``recipe`` declares, suit its target.
 
-    Native to ``recipe.fp8_target``, forward and backward; nothing to check
+    Native to ``recipe.expect.fp8_target``, forward and backward; nothing to check
     without a target. Tracing only: one vjp trace (the forward pass alone
     without ``backward``). Folded into ``coverage``, not a column of its own:
     it reads the same coverage map of the same fresh layer, at the cost of a
     trace, and a recipe's flavour is a property of what its matmuls take.
     """
     __tracebackhide__ = True
-    if recipe.fp8_target is None:
+    if recipe.expect.fp8_target is None:
         return
     from qcheck.checks._fp8_native import assert_fp8_dtypes_native, assert_recipe_fp8_native, declared_operand_fp8_dtypes
 
     _prefixed(label, lambda: assert_recipe_fp8_native(recipe))
     if declared_operand_fp8_dtypes(recipe):  # else no fp8 type reaches an operand's chain (NVFP4)
-        _prefixed(label, lambda: assert_fp8_dtypes_native(layer, x, target=recipe.fp8_target, backward=backward))
+        _prefixed(label, lambda: assert_fp8_dtypes_native(layer, x, target=recipe.expect.fp8_target, backward=backward))
 
 
 def check_coverage(case: Case) -> int:
@@ -317,7 +319,7 @@ def check_backward(case: Case) -> None:
 
 def _exact_applies(recipe: Recipe, variant: Variant) -> bool:
     # Recipes that declare operand formats (lhs=/rhs=) or a cast dtype.
-    return recipe.lhs is not None or recipe.cast_dtype is not None
+    return recipe.lhs is not None or recipe.reference.cast_dtype is not None
 
 
 def check_tracks(case: Case) -> float:
@@ -327,7 +329,7 @@ def check_tracks(case: Case) -> float:
     return _prefixed(case.id, lambda: checks.assert_tracks(
         cases_mod.layer_output(case),
         cases_mod.layer_output(case.reference),
-        max_rel_norm=recipe.max_rel_norm,
+        max_rel_norm=recipe.expect.max_rel_norm,
     ))
 
 
@@ -368,7 +370,7 @@ def assert_grads_track(grads: dict[str, np.ndarray], reference: dict[str, np.nda
 
 def _quantizes_grads(recipe: Recipe) -> bool:
     # A declared grad format, or fp8-class (the e5m2 output-gradient cast).
-    return recipe.grad is not None or recipe.cast_dtype is not None
+    return recipe.grad is not None or recipe.reference.cast_dtype is not None
 
 
 def check_grads(case: Case) -> float:
@@ -377,7 +379,7 @@ def check_grads(case: Case) -> float:
     recipe = get_recipe(case.recipe)
     return assert_grads_track(
         grad_leaves(cases_mod.layer_step(case).grads), grad_leaves(cases_mod.layer_step(case.reference).grads),
-        max_grad_rel_norm=recipe.max_grad_rel_norm, distinct=_quantizes_grads(recipe), label=case.id)
+        max_grad_rel_norm=recipe.expect.max_grad_rel_norm, distinct=_quantizes_grads(recipe), label=case.id)
 
 
 def fp8_meta_leaves(state: nnx.State) -> dict[str, np.ndarray]:

@@ -89,7 +89,7 @@ def _cell(inv: invariants.Invariant, case: Case) -> Cell:
         cell = _run(_declared.check_declared, case, inv)  # fails once the declaration is stale
         if cell.status == "fail":
             return cell
-        return Cell("unsupported" if found in recipe.unsupported else "known", cell.figure)
+        return Cell("unsupported" if found in recipe.expect.unsupported else "known", cell.figure)
     return _run(inv.run, case) if inv.applies(recipe, case.variant) else Cell("n/a")
 
 

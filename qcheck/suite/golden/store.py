@@ -132,7 +132,7 @@ def golden_cases(recipes: tuple[str, ...] | None = None) -> list[GoldenCase]:
     """The cases every registered recipe (or each of ``recipes``) must have."""
     names = recipe_names() if recipes is None else tuple(get_recipe(r).name for r in recipes)
     return [GoldenCase(r, v.model, v.path, v.dropping) for r in names for v in cases_mod.VARIANTS
-            if v.path in get_recipe(r).paths]
+            if v.path in get_recipe(r).expect.paths]
 
 
 def golden_dir(explicit: str | os.PathLike | None = None, *, default: str | os.PathLike) -> Path:
