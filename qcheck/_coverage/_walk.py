@@ -378,13 +378,14 @@ def _prefix_of(package: str) -> str | None:
 
 
 def _machinery_prefixes(extra: tuple[str, ...] = ()) -> tuple[str, ...]:
-    here = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    here = os.path.dirname(os.path.abspath(__file__)) + os.sep  # qcheck/_coverage/
+    qcheck_root = os.path.dirname(here.rstrip(os.sep)) + os.sep  # the checks and sites live beside it
     packages = [p for p in (_prefix_of(name) for name in (*MACHINERY, *extra)) if p]
     return (
         *packages,
         os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep,
-        os.path.abspath(__file__), here + "checks.py", here + "recipes" + os.sep,
-        here + "bridge.py", here + "_plain_site.py", here + "formats.py", here + "_layer_check.py",
+        here, qcheck_root + "checks" + os.sep, qcheck_root + "recipes" + os.sep,
+        os.path.join(qcheck_root, "layers", "bridge.py"), qcheck_root + "formats.py",
     )
 
 
