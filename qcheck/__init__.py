@@ -39,6 +39,7 @@ __all__ = [
     "recipe_names",
     "referees",
     "register_recipe",
+    "registered",
     "skip_at",
     "skip_functions",
     "skip_modules",
@@ -63,6 +64,7 @@ _WHERE = {
     "get_recipe": "qcheck.recipes",
     "recipe_names": "qcheck.recipes",
     "register_recipe": "qcheck.recipes",
+    "registered": "qcheck.recipes",
     "MatmulRecord": "qcheck._coverage",
     "assert_quantized": "qcheck._coverage",
     "coverage": "qcheck._coverage",
@@ -92,7 +94,7 @@ if TYPE_CHECKING:
     from qcheck.layers.decoder import build_decoder
     from qcheck.layers.moe import MODELS, PATHS, MoE, MoEConfig, build_moe
     from qcheck.recipes import (ApplyRngs, InterceptRecipe, KnownDefect, Recipe, Unsupported, get_recipe,
-                                recipe_names, register_recipe)
+                                recipe_names, register_recipe, registered)
 
 
 def __getattr__(name: str):
