@@ -85,3 +85,8 @@ def test_the_guide_takes_a_new_recipe_from_nothing_to_a_passing_suite(tmp_path, 
                       f"test_layer_tracks_unquantized_twin[{name}-mixtral-dense]",
                       f"test_sharded_layer_computes_the_same_function[{name}-mixtral-dense]",
                       f"test_train_step_gradients_track_unquantized_twin[{name}-mixtral-dense]"]
+
+
+def test_the_guide_registers_a_recipe_for_one_test():
+    (block,) = guide_blocks("registered")
+    exec(compile(block, "docs/adding-a-recipe.md", "exec"), {})  # it asserts the recipe is gone after the block
