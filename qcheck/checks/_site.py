@@ -51,6 +51,7 @@ from jax.typing import ArrayLike
 
 from qcheck import referees
 from qcheck.referees import _integer as _integer_matmul
+from qcheck.referees._formats import Blocks, flush
 from qcheck.referees._libraries import LIBRARY_RULES
 from qcheck.recipes import MatmulAxes, Recipe, einsum_axes, get_recipe
 from qcheck.recipes._axes import RAGGED_AXES
@@ -133,12 +134,12 @@ def _qdq(x: np.ndarray, fmt: str, axes: tuple[int, ...], order: str = NVFP4_DECO
     if fmt != "nvfp4" or order == NVFP4_DECODE_ORDERS[0]:
         return referees.reference_qdq(x, fmt, axis=axes, ftz=ftz, xla_reciprocal=True)
     codes, scales = referees.reference_quantize(x, fmt, axis=axes, ftz=ftz)
-    blocks = referees.Blocks(codes.shape, tuple(sorted(a % x.ndim for a in axes)), 16, "nvfp4")
+    blocks = Blocks(codes.shape, tuple(sorted(a % x.ndim for a in axes)), 16, "nvfp4")
     c = blocks.split(codes.astype(np.float32))
     sb = scales["block"].astype(np.float32)[..., None]
     nonzero = sb > 0
     out = np.where(nonzero, c * (np.where(nonzero, sb, np.float32(1)) / scales["tensor"]), np.float32(0))
-    return referees.flush(blocks.join(out.astype(np.float32)), ftz)
+    return flush(blocks.join(out.astype(np.float32)), ftz)
 
 
 def _orders(fmt: str) -> tuple[str, ...]:
