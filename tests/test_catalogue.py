@@ -710,7 +710,8 @@ def sites_independent(message: str) -> Catch:
 
 def sharded_matches(message: str) -> Catch:
     return Catch(invariants.assert_layer_sharded_matches,
-                 lambda build: (build, cases.layer_output(SHARDED_CASE), X, "bug"), message, lambda: {"mesh": cases.mesh()})
+                 lambda build: (build, cases.layer_output(SHARDED_CASE), X, "bug"), message,
+                 lambda: {"mesh": cases.mesh()})
 
 
 def golden_check(message: str, case=None, error: type[Exception] = AssertionError) -> Catch:
@@ -744,7 +745,8 @@ CATALOGUE = [
         (cast_exact(E4M3FNUZ, "site 'wi_0'.*wrong fp8 flavour"),)),
     Bug("exact_catches_the_wrong_flavour_on_the_sparse_path",
         "the wrong e4m3 flavour on the sparse (ragged_dot) path", "`exact` via `assert_fresh_ragged_cast_exact`",
-        lambda p: cases.layer(cases.Case("fp8", SPARSE)), (cast_exact(E4M3FNUZ, "ragged_dot differs.*wrong fp8 flavour"),)),
+        lambda p: cases.layer(cases.Case("fp8", SPARSE)),
+        (cast_exact(E4M3FNUZ, "ragged_dot differs.*wrong fp8 flavour"),)),
     Bug("exact_catches_a_cast_without_saturation",
         "a cast without saturation (e4m3 overflow becomes NaN)", "`exact`",
         lambda p: MoE(MODELS["mixtral"], Unsaturated(), capacity_factor=1.0, rngs=nnx.Rngs(0)),
@@ -795,7 +797,8 @@ CATALOGUE = [
         (fp8_state_only_in_backward(r"forward pass changed fp8 state at \['sites\.wo\.input_amax_history'\]"),)),
     Bug("state_catches_a_layer_that_lost_its_fp8_state",
         "an fp8 layer that lost its scales and histories", "`state`",
-        lambda p: cases.layer(cases.Case("int8", DENSE)), (fp8_state_only_in_backward("no fp8 scales or amax histories"),)),
+        lambda p: cases.layer(cases.Case("int8", DENSE)),
+        (fp8_state_only_in_backward("no fp8 scales or amax histories"),)),
     # One expert matmul multiplying in full precision, on one path: the layer still lands well inside
     # its bound and differs from its twin, so tracks passes.
     Bug("coverage_catches_one_call_site_unquantized_on_the_sparse_path",
@@ -850,7 +853,8 @@ CATALOGUE = [
         then=names_every_gradient_nan),
     Bug("grads_catches_nan_gradients_from_an_unguarded_empty_amax_history",
         "NaN gradients from an unguarded delayed scale (empty amax history)", "`grads` (finite)",
-        planted_grads("empty_history"), (grads_track(r"bug: gradient of \w+ \(float32\) has \d+ non-finite values of \d+"),)),
+        planted_grads("empty_history"),
+        (grads_track(r"bug: gradient of \w+ \(float32\) has \d+ non-finite values of \d+"),)),
     # The forward pass is a healthy e4m3fn layer: tracks passes; only the gradients are flushed.
     Bug("grads_catches_output_gradients_cast_to_e4m3_at_scale_1",
         "output gradients cast to e4m3 at scale 1, most flushed to 0 (the forward pass unchanged)",
@@ -902,7 +906,8 @@ CATALOGUE = [
         control=lambda r: qcheck.assert_fp8_state_matches(
             r["loops"].whole_batch, functools.partial(r["reused"], max_grad=True), r["once"], r["batch"])),
     Bug("train_catches_a_site_reused_on_two_halves_summing_its_amax",
-        "an fp8 site applying one op to each half of its input: autodiff sums the amax", "`train` (batch == microbatches)",
+        "an fp8 site applying one op to each half of its input: autodiff sums the amax",
+        "`train` (batch == microbatches)",
         lambda p: reused_case(p, halves=True),
         (check_train(rf"(?s)^{HALVES.id} \(one batch vs 2 microbatches\): assert_fp8_state_matches: 3 of 18 fp8 leaves "
                      r"differ.*\n  sites/wi_0/input_amax_history\[0\]: step_a [\d.]+, step_b [\d.]+, ratio 1\.\d+: "

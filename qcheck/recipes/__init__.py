@@ -8,7 +8,8 @@ or a module named with ``--recipes`` / ``--qcheck-recipes``.
 from qcheck.recipes._axes import MatmulAxes, einsum_axes
 from qcheck.recipes._base import ApplyRngs, Recipe
 from qcheck.recipes._fp8 import DelayedScalingFp8
-from qcheck.recipes._fp8 import fp8 as _fp8_recipe, nanoo_fp8 as _nanoo_fp8_recipe  # the built-ins' factories, not exported
+from qcheck.recipes._fp8 import fp8 as _fp8_recipe  # the built-ins' factories, not exported
+from qcheck.recipes._fp8 import nanoo_fp8 as _nanoo_fp8_recipe
 from qcheck.recipes._intercept import InterceptRecipe
 from qcheck.recipes._none import NoQuant
 from qcheck.recipes._nvfp4 import NVFP4
