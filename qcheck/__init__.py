@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+# Of the assertions, qcheck re-exports those its README calls (a user's first test); every assertion
+# lives in qcheck.checks. tests/test_public_api.py holds this and keeps _WHERE and TYPE_CHECKING in step.
 __all__ = [
     "MODELS",
     "PATHS",

@@ -58,7 +58,7 @@ def register_recipe(recipe: Recipe) -> Recipe:
 
 @contextlib.contextmanager
 def registered(*recipes: Recipe) -> Iterator[tuple[Recipe, ...]]:
-    """Register ``recipes`` for the ``with`` block only: a test's planted recipe, gone again after it.
+    """Register ``recipes`` for the ``with`` block only (it yields them): a test's planted recipe, gone after it.
 
     Whatever the block registers besides (``register_recipe``, ``import_recipes``) is gone after it too,
     also when the block raises. A name already taken is register_recipe's ValueError, before anything
