@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+# Of the assertions, qcheck re-exports those its README calls (a user's first test); every assertion
+# lives in qcheck.checks. tests/test_public_api.py holds this and keeps _WHERE and TYPE_CHECKING in step.
 __all__ = [
     "MODELS",
     "PATHS",
@@ -41,6 +43,7 @@ __all__ = [
     "recipe_names",
     "referees",
     "register_recipe",
+    "registered",
     "skip_at",
     "skip_functions",
     "skip_modules",
@@ -67,6 +70,7 @@ _WHERE = {
     "get_recipe": "qcheck.recipes",
     "recipe_names": "qcheck.recipes",
     "register_recipe": "qcheck.recipes",
+    "registered": "qcheck.recipes",
     "MatmulRecord": "qcheck._coverage",
     "assert_quantized": "qcheck._coverage",
     "coverage": "qcheck._coverage",
@@ -96,7 +100,7 @@ if TYPE_CHECKING:
     from qcheck.layers.decoder import build_decoder
     from qcheck.layers.moe import MODELS, PATHS, MoE, MoEConfig, build_moe
     from qcheck.recipes import (ApplyRngs, Expect, InterceptRecipe, KnownDefect, Recipe, Reference, Unsupported,
-                                get_recipe, recipe_names, register_recipe)
+                                get_recipe, recipe_names, register_recipe, registered)
 
 
 def __getattr__(name: str):

@@ -13,10 +13,20 @@ from collections.abc import Callable
 
 import ml_dtypes
 import numpy as np
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 from qcheck import formats
 
 SHAPE = (4, 32)  # four slices of 32: two NVFP4 blocks or one MXFP8 block each; int8 scales per slice (axis -1)
+
+# Magnitudes from far below every format's smallest value to beyond every
+# maximum, so saturation and underflow are both exercised.
+VALUES = hnp.arrays(
+    np.float32,
+    SHAPE,
+    elements=st.floats(-1e5, 1e5, width=32, allow_nan=False, allow_infinity=False, allow_subnormal=False),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,7 +275,7 @@ def assert_on_grid(qdq: Qdq, x: np.ndarray, fmt: Format) -> None:
         raise AssertionError(f"{fmt.name}: outputs off the grid at their block's scale")
 
 
-def _fp8_half_step(y: np.ndarray, dtype: np.dtype) -> np.ndarray:
+def fp8_half_step(y: np.ndarray, dtype: np.dtype) -> np.ndarray:
     info = ml_dtypes.finfo(dtype)
     tiny = float(info.smallest_normal)
     exp = np.floor(np.log2(np.maximum(np.abs(y), tiny)))
@@ -287,7 +297,7 @@ def assert_error_within_half_step(qdq: Qdq, x: np.ndarray, fmt: Format) -> None:
         v = _blocks(x, fmt) / scale
         y = np.clip(v, -bound, bound)
         # Beyond the format's max the value saturates (MXFP8 maps a block's amax into [256, 512)).
-        allowed = (_fp8_half_step(y, fmt.dtype) * (1 + REL) + (np.abs(v) - np.abs(y))) * scale
+        allowed = (fp8_half_step(y, fmt.dtype) * (1 + REL) + (np.abs(v) - np.abs(y))) * scale
         if not exact:
             # Plus a few ulps of x for x · scale and code · (1 / scale) rounding in
             # float32, and XLA on CPU flushing a result below 2^-126 to zero.

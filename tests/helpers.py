@@ -11,7 +11,13 @@ import pytest
 from flax import nnx
 
 import qcheck
+from qcheck import formats
 from qcheck.layers.bridge import QuantSite
+from qcheck.layers.moe import UNQUANTIZED_BY_DESIGN
+from qcheck.recipes import NVFP4, DelayedScalingFp8
+from qcheck.recipes._fp8 import DelayedScalingFp8Site
+from qcheck.recipes._nvfp4 import NVFP4Site, quantizer_key
+from qcheck.recipes._sites import fake_quant_matmul
 
 EQN = "bd,de->be"
 
@@ -117,3 +123,80 @@ def documented_scaled_matmul(a, b, a_scales, b_scales, preferred_element_type=jn
     a = a.astype(jnp.float32) * jnp.repeat(a_scales.astype(jnp.float32), a.shape[-1] // a_scales.shape[-1], axis=-1)
     b = b.astype(jnp.float32) * jnp.repeat(b_scales.astype(jnp.float32), b.shape[-1] // b_scales.shape[-1], axis=-1)
     return jnp.einsum("BMK,BNK->BMN", a, b, preferred_element_type=preferred_element_type)
+
+
+def assert_quantizers_draw_their_own_bits(dgrad=nvfp4_dgrad) -> None:
+    """Two SHARED nvfp4 quantizers at one stream state (``dgrad(site, seed)``) draw different rounding bits."""
+    if np.array_equal(dgrad("wi_0", 5), dgrad("wi_1", 5)):
+        raise AssertionError("quantizers 'wi_0' and 'wi_1' drew the same stochastic-rounding bits at one stream "
+                             "state: their keys are not salted per quantizer")
+
+
+# qwix 0.1.8 walks NNX models with APIs flax 0.12 deprecates (m.iter_modules(), Param.value).
+QWIX_WARNS = [
+    pytest.mark.filterwarnings(r"ignore:The 'm\.iter_modules\(\)' method is deprecated:DeprecationWarning"),
+    pytest.mark.filterwarnings(r"ignore:'\.value' access is now deprecated:DeprecationWarning"),
+]
+
+
+# -- planted layers and recipes shared by test_layer_check, test_backward and test_catalogue -----------------
+
+#: The input check_layer's tests feed qcheck's Mixtral layer.
+CHECK_LAYER_X = np.random.default_rng(0).normal(size=(2, 32, 32)).astype(np.float32)
+
+
+#: qcheck's layer keeps its router and its combine einsum unquantized, by design: the skip rule saying so.
+MOE_FULL_PRECISION = qcheck.skip_functions(*UNQUANTIZED_BY_DESIGN)
+
+
+@functools.cache
+def sparse_moe(recipe: str, seed: int = 0) -> qcheck.MoE:
+    """qcheck's sparse Mixtral layer under ``recipe``, built once per (recipe, seed)."""
+    return qcheck.build_moe("mixtral", recipe, path="sparse", seed=seed)
+
+
+@jax.custom_vjp
+def _nan_backward(y):
+    return y
+
+
+_nan_backward.defvjp(lambda y: (y, None), lambda _, g: (jnp.full_like(g, jnp.nan),))
+
+
+class NaNBackwardMoE(qcheck.MoE):
+    """A layer whose forward pass is fine and whose every gradient is NaN."""
+
+    def __call__(self, x):
+        return _nan_backward(super().__call__(x))
+
+
+class _SkipGradSite(DelayedScalingFp8Site):
+    def quantize_output(self, y):
+        return y  # the output gradient is never quantized
+
+
+class SkipGradFp8(DelayedScalingFp8):
+    """fp8 whose output gradient is never quantized."""
+
+    def site_module(self, name):
+        return _SkipGradSite(amax_history_length=self.amax_history_length,
+                             e4m3_dtype=self.e4m3_dtype, e5m2_dtype=self.e5m2_dtype)
+
+
+class _WrongAxesNVFP4Site(NVFP4Site):
+    def matmul(self, op, lhs, rhs, axes):
+        key = quantizer_key(self.make_rng("params"), f"{self.quantizer}/dgrad")
+        return fake_quant_matmul(
+            op, lhs, rhs, key,
+            q_lhs=lambda x: formats.qdq(x, "nvfp4", axis=axes.lhs),
+            q_rhs=lambda x: formats.qdq(x, "nvfp4", axis=axes.rhs),
+            q_dgrad=lambda g, k: formats.qdq(g, "nvfp4", axis=axes.wgrad, rng=k),  # the bug: WGRAD's axes
+            q_wgrad=lambda g: formats.qdq(g, "nvfp4", axis=axes.wgrad),
+        )
+
+
+class WrongAxesNVFP4(NVFP4):
+    """nvfp4 blocking the input gradient's copy of g along the weight gradient's axes."""
+
+    def site_module(self, name):
+        return _WrongAxesNVFP4Site(quantizer=name)

@@ -25,7 +25,7 @@ from qcheck.adapters import flax_fp8, flax_fp8_recipe, flax_nanoo_fp8, ragged_do
 from qcheck.checks import assert_amax_histories_follow_operands, assert_ragged_groups_independent
 from qcheck.layers.bridge import QuantSite
 from qcheck.suite import cases, invariants
-from tests.helpers import import_extra, requires_extra
+from tests.helpers import QWIX_WARNS, import_extra, requires_extra
 
 BATCH, SEQ = 2, 8
 
@@ -431,10 +431,11 @@ aqt_warns = pytest.mark.filterwarnings(
 
 
 def _aqt():
+    """qcheck.adapters, or a skip naming the aqt extra."""
     import_extra("aqt")
-    from qcheck.adapters import _aqt
+    from qcheck import adapters
 
-    return _aqt
+    return adapters
 
 
 @functools.cache
@@ -616,11 +617,6 @@ def test_installed_recipes_offer_jax_scaled_dot_only_where_it_lowers(monkeypatch
 
 
 # -- qwix ------------------------------------------------------------------------
-# qwix 0.1.8 walks NNX models with APIs flax 0.12 deprecates (m.iter_modules(), Param.value).
-qwix_warns = [
-    pytest.mark.filterwarnings(r"ignore:The 'm\.iter_modules\(\)' method is deprecated:DeprecationWarning"),
-    pytest.mark.filterwarnings(r"ignore:'\.value' access is now deprecated:DeprecationWarning"),
-]
 
 
 def _qwix():
@@ -663,7 +659,7 @@ def _qwix_dense_ragged_dot(a, b, gs):
 
 def _qwix_test(fn):
     """A test of qwix itself or of qcheck's qwix adapters: skipped, naming the extra, without qwix."""
-    for mark in (requires_extra("qwix"), *qwix_warns):
+    for mark in (requires_extra("qwix"), *QWIX_WARNS):
         fn = mark(fn)
     return fn
 

@@ -20,9 +20,9 @@ from qcheck.checks._backward import (
 from qcheck.checks._referee import nvfp4_uniforms
 from qcheck.layers.bridge import QuantSite
 from qcheck.recipes import NVFP4, DelayedScalingFp8, Recipe, Reference
-from qcheck.recipes._fp8 import DelayedScalingFp8Site
-from qcheck.recipes._nvfp4 import NVFP4Site, quantizer_key
-from qcheck.recipes._sites import FormatSite, fake_quant_matmul
+from qcheck.recipes._nvfp4 import NVFP4Site
+from qcheck.recipes._sites import FormatSite
+from tests.helpers import SkipGradFp8, WrongAxesNVFP4
 
 # A Mixtral-like wi site, small: dense BSM,EMH->BSEH; sparse ragged_dot([T, M], [E, M, H]).
 EQN = "BSM,EMH->BSEH"
@@ -70,34 +70,6 @@ def test_site_backward_exact_should_pass(name, kind):
 
 
 # -- should fail: one planted bug each ----------------------------------------------------
-
-
-class _SkipGradSite(DelayedScalingFp8Site):
-    def quantize_output(self, y):
-        return y  # the output gradient is never quantized
-
-
-class _SkipGradFp8(DelayedScalingFp8):
-    def site_module(self, name):
-        return _SkipGradSite(amax_history_length=self.amax_history_length,
-                             e4m3_dtype=self.e4m3_dtype, e5m2_dtype=self.e5m2_dtype)
-
-
-class _WrongAxesNVFP4Site(NVFP4Site):
-    def matmul(self, op, lhs, rhs, axes):
-        key = quantizer_key(self.make_rng("params"), f"{self.quantizer}/dgrad")
-        return fake_quant_matmul(
-            op, lhs, rhs, key,
-            q_lhs=lambda x: formats.qdq(x, "nvfp4", axis=axes.lhs),
-            q_rhs=lambda x: formats.qdq(x, "nvfp4", axis=axes.rhs),
-            q_dgrad=lambda g, k: formats.qdq(g, "nvfp4", axis=axes.wgrad, rng=k),  # the bug: WGRAD's axes
-            q_wgrad=lambda g: formats.qdq(g, "nvfp4", axis=axes.wgrad),
-        )
-
-
-class _WrongAxesNVFP4(NVFP4):
-    def site_module(self, name):
-        return _WrongAxesNVFP4Site(quantizer=name)
 
 
 class _UnsaltedNVFP4Site(NVFP4Site):
@@ -176,14 +148,14 @@ FAILS = [
      r"equals the gradient with g in float8_e4m3fnuz \(the forward flavour\)"),
     ("nanoo-g-wrong-fnuz", lambda: DelayedScalingFp8("nanoo_fp8", e4m3_dtype=E4M3FNUZ, e5m2_dtype=E5M2), None,
      "dense", r"dgrad \(g in float8_e5m2fnuz\).*equals the gradient with g in float8_e5m2 \(the other fnuz"),
-    ("fp8-g-skipped", lambda: _SkipGradFp8("fp8", e4m3_dtype=E4M3FN, e5m2_dtype=E5M2), None, "sparse",
+    ("fp8-g-skipped", lambda: SkipGradFp8("fp8", e4m3_dtype=E4M3FN, e5m2_dtype=E5M2), None, "sparse",
      r"dgrad \(g in float8_e5m2\).*equals the gradient with unquantized g bitwise"),
     ("mxfp8-g-skipped", lambda: Recipe("mxfp8", lhs="mxfp8", rhs="mxfp8"), "mxfp8", "dense",
      r"dgrad \(g in mxfp8 along axes \(2, 3\)\).*equals the gradient with unquantized g bitwise"),
-    ("nvfp4-dgrad-wrong-axes", lambda: _WrongAxesNVFP4(), None, "dense",
+    ("nvfp4-dgrad-wrong-axes", lambda: WrongAxesNVFP4(), None, "dense",
      r"dgrad \(g in nvfp4 along axes \(2, 3\), stochastic\).*equals the gradient with g in nvfp4 along the "
      r"wgrad axes \(0, 1\) bitwise"),
-    ("nvfp4-dgrad-wrong-axes-sparse", lambda: _WrongAxesNVFP4(), None, "sparse",
+    ("nvfp4-dgrad-wrong-axes-sparse", lambda: WrongAxesNVFP4(), None, "sparse",
      r"dgrad \(g in nvfp4 along axes \(1,\), stochastic\).*along the wgrad axes \(0,\) bitwise"),
     ("nvfp4-unsalted-key", lambda: _UnsaltedNVFP4(), None, "dense",
      r"dgrad .*stochastic\).*rounded with the unsalted key bitwise"),

@@ -10,7 +10,8 @@ import json
 import pytest
 
 from qcheck.recipes import KnownDefect, Unsupported, assert_still_unsupported
-from qcheck.suite import _declared, invariants, matrix
+from qcheck.suite import invariants, matrix
+from qcheck.suite._declared import check_declared, declared as declared_for
 from qcheck.suite.cases import Case, Variant
 from tests.helpers import INNER, import_extra
 
@@ -76,12 +77,12 @@ def test_aqt_int8_ragged_declares_its_sparse_cells(invariant, declared):
     from qcheck.recipes import get_recipe
 
     recipe = get_recipe("aqt_int8_ragged")
-    assert _declared.declared(recipe, SPARSE.variant, invariant) == declared
-    assert _declared.declared(recipe, Variant("mixtral", "dense", False), invariant) is None
+    assert declared_for(recipe, SPARSE.variant, invariant) == declared
+    assert declared_for(recipe, Variant("mixtral", "dense", False), invariant) is None
 
 
 def test_known_defect_still_fails_should_pass():
-    note = _declared.check_declared(SPARSE, "exact")
+    note = check_declared(SPARSE, "exact")
     assert note.startswith("known defect of aqtp 0.9.0: aqt_ragged_dot.ragged_dot shares one weight scale across "
                            "all experts (aqt_int8_ragged-mixtral-sparse: assert_site_ragged_exact: site 'wi_0'"), note
 
@@ -93,7 +94,7 @@ def test_a_known_defect_that_passes_fails_saying_to_drop_it_should_fail(monkeypa
     with pytest.raises(AssertionError, match=r"aqt_int8_ragged-mixtral-sparse: exact passes where aqtp 0.9.0 has "
                                              r"the declared defect \(aqt_ragged_dot.ragged_dot shares one weight "
                                              r"scale across all experts\): fixed upstream\? drop the KnownDefect"):
-        _declared.check_declared(SPARSE, "exact")
+        check_declared(SPARSE, "exact")
 
 
 def test_matrix_names_the_refusal_and_the_defect_in_notes():

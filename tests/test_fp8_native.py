@@ -12,7 +12,7 @@ import qcheck
 from qcheck import checks, get_recipe, hardware
 from qcheck.checks._fp8_native import declared_fp8_dtypes, declared_operand_fp8_dtypes
 from qcheck.layers.moe import MODELS, MoE
-from qcheck.recipes import DelayedScalingFp8, Expect, Recipe, _registry
+from qcheck.recipes import DelayedScalingFp8, Expect, Recipe, registered
 from qcheck.suite import cases, invariants
 
 E4M3FN, E5M2, E5M2FNUZ = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e5m2fnuz
@@ -141,9 +141,14 @@ def _nanoo_in_e4m3fn() -> DelayedScalingFp8:
                              expect=Expect(fp8_target="mi300"))
 
 
-def test_coverage_invariant_catches_nanoo_declared_and_built_in_e4m3fn(monkeypatch):
-    planted = _nanoo_in_e4m3fn()
-    monkeypatch.setitem(_registry._REGISTRY, planted.name, planted)
+@pytest.fixture
+def nanoo_in_e4m3fn():
+    with registered(_nanoo_in_e4m3fn()) as (planted,):
+        yield planted
+
+
+def test_coverage_invariant_catches_nanoo_declared_and_built_in_e4m3fn(nanoo_in_e4m3fn):
+    planted = nanoo_in_e4m3fn
     case = cases.Case(planted.name, cases.Variant("mixtral", "sparse", False))
     with pytest.raises(AssertionError, match=rf"^{case.id}: assert_recipe_fp8_native: .*target 'mi300'.*"
                        r"lhs float8_e4m3fn"):

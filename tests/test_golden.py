@@ -110,9 +110,7 @@ def test_a_missing_case_fails_with_the_command_that_creates_it(tmp_path):
 
 
 def test_add_command_names_the_recipe_module_and_the_directory(monkeypatch):
-    from qcheck.recipes import _registry
-
-    monkeypatch.setitem(_registry._SOURCE, "int8", "/tmp/my_recipes.py")
+    monkeypatch.setattr(golden, "recipe_source", lambda name: "/tmp/my_recipes.py" if name == "int8" else None)
     assert golden.add_command("int8", Path("golden")) == "qcheck golden add int8 --recipes /tmp/my_recipes.py"
     assert golden.add_command("int8", Path("/x/golden")).endswith("--golden-dir /x/golden")
 
@@ -244,16 +242,13 @@ PROBE_FILES = ["gemma-dense.json", "gemma-sparse.json", "mixtral-dense-drop.json
 @pytest.fixture(scope="module")
 def probe_module(tmp_path_factory):
     """A user's recipe module, imported as --recipes would; unregistered again after the module's tests."""
-    from qcheck.recipes import _registry
+    from qcheck.recipes import import_recipes, registered
 
-    saved = [dict(d) for d in (_registry._REGISTRY, _registry._SOURCE, _registry._IMPORTED)]
     module = tmp_path_factory.mktemp("project") / "my_recipes.py"
     module.write_text(PROBE_MODULE)
-    _registry.import_recipes(str(module))
-    yield module
-    for d, old in zip((_registry._REGISTRY, _registry._SOURCE, _registry._IMPORTED), saved):
-        d.clear()
-        d.update(old)
+    with registered():
+        import_recipes(str(module))
+        yield module
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ import pytest
 from qcheck.suite import golden
 from tests.helpers import INNER
 from qcheck.suite.cli import main
-from qcheck.recipes import _registry
+from qcheck.recipes import registered
+from qcheck.recipes._registry import step_aside
 
 REPO = Path(__file__).parent.parent
 GUIDE = (REPO / "docs" / "adding-a-recipe.md").read_text()
@@ -34,13 +35,10 @@ def registry():
     A recipe of the same name registered by the run itself (someone following
     the guide, then running the suite with --qcheck-recipes) steps aside meanwhile.
     """
-    saved = [dict(d) for d in (_registry._REGISTRY, _registry._SOURCE, _registry._IMPORTED)]
-    for name in re.findall(r'qcheck\.Recipe\(\s*"(\w+)"', guide_blocks("recipe module")[0]):
-        _registry._REGISTRY.pop(name, None)
-    yield
-    for d, old in zip((_registry._REGISTRY, _registry._SOURCE, _registry._IMPORTED), saved):
-        d.clear()
-        d.update(old)
+    with registered():
+        for name in re.findall(r'qcheck\.Recipe\(\s*"(\w+)"', guide_blocks("recipe module")[0]):
+            step_aside(name)
+        yield
 
 
 def test_the_guide_takes_a_new_recipe_from_nothing_to_a_passing_suite(tmp_path, monkeypatch, capsys, registry,
@@ -87,3 +85,8 @@ def test_the_guide_takes_a_new_recipe_from_nothing_to_a_passing_suite(tmp_path, 
                       f"test_layer_tracks_unquantized_twin[{name}-mixtral-dense]",
                       f"test_sharded_layer_computes_the_same_function[{name}-mixtral-dense]",
                       f"test_train_step_gradients_track_unquantized_twin[{name}-mixtral-dense]"]
+
+
+def test_the_guide_registers_a_recipe_for_one_test():
+    (block,) = guide_blocks("registered")
+    exec(compile(block, "docs/adding-a-recipe.md", "exec"), {})  # it asserts the recipe is gone after the block

@@ -18,7 +18,7 @@ from flax import nnx
 
 import qcheck
 from qcheck import referees
-from qcheck.referees import _integer as _integer_matmul
+from qcheck.referees._integer import SCALE_ORDERS, dot_general_lhs, integer_einsum
 from qcheck.checks._site import assert_site_exact, assert_site_ragged_exact, probe_site_operands
 from qcheck.layers.bridge import QuantSite
 from qcheck.recipes import einsum_axes
@@ -60,7 +60,7 @@ def _probes(eqn, lhs_shape, rhs_shape, seed=0):
 
 @pytest.mark.parametrize("site, eqn, lhs_shape, rhs_shape, first", SITES)
 def test_dot_general_lhs_follows_jnp_einsum(site, eqn, lhs_shape, rhs_shape, first):
-    assert _integer_matmul.dot_general_lhs(eqn, lhs_shape, rhs_shape) == first
+    assert dot_general_lhs(eqn, lhs_shape, rhs_shape) == first
 
 
 @pytest.mark.parametrize("site, eqn, lhs_shape, rhs_shape, first", SITES)
@@ -98,7 +98,7 @@ def _scales_in_the_other_order(eqn, a, b):
     (cl, sl), (cr, sr) = ((c, s["slice"]) for c, s in (
         referees.reference_quantize(np.asarray(a), "int8_aqt", axis=axes.lhs, ftz=True, xla_reciprocal=True),
         referees.reference_quantize(np.asarray(b), "int8_aqt", axis=axes.rhs, ftz=True, xla_reciprocal=True)))
-    return _integer_matmul.integer_einsum(eqn, cl, sl, cr, sr, axes, order=_integer_matmul.SCALE_ORDERS[1], ftz=True)
+    return integer_einsum(eqn, cl, sl, cr, sr, axes, order=SCALE_ORDERS[1], ftz=True)
 
 
 @pytest.mark.parametrize(

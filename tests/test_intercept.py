@@ -14,8 +14,7 @@ from qcheck.layers.decoder import build_decoder
 from qcheck.layers.moe import MODELS, MoE
 from qcheck.recipes import InterceptRecipe
 from qcheck.suite import cases
-from tests.helpers import import_extra, requires_extra
-from tests.test_adapters import qwix_warns
+from tests.helpers import QWIX_WARNS, import_extra, requires_extra
 
 X = cases.layer_input("mixtral")
 
@@ -109,7 +108,7 @@ def _int8_rule(**kw):
 
 def qwix_test(fn):
     """A test of qwix_int8 or QwixRecipe: skipped, naming the extra, without qwix; qwix's deprecations allowed."""
-    for mark in (requires_extra("qwix"), *qwix_warns):
+    for mark in (requires_extra("qwix"), *QWIX_WARNS):
         fn = mark(fn)
     return fn
 

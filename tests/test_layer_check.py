@@ -15,26 +15,16 @@ import pytest
 from flax import linen, nnx
 
 import qcheck
-from qcheck.layers.moe import UNQUANTIZED_BY_DESIGN
 from qcheck import checks, formats
 from qcheck.checks._compiles import counting_compilations
 from qcheck.checks._layer import INPUT_GRAD, LayerFigures, check_layer, copy_params_into
 from qcheck.layers.bridge import Fp8Meta
 from qcheck.layers.step import apply
 from tests import maxtext_like
+from tests.helpers import CHECK_LAYER_X as X, MOE_FULL_PRECISION, sparse_moe
 
-X = np.random.default_rng(0).normal(size=(2, 32, 32)).astype(np.float32)
 MIXTRAL = qcheck.MODELS["mixtral"]
 DOC = Path(__file__).parent.parent / "docs" / "checking-your-layer.md"
-
-
-# qcheck's layer keeps its router and its combine einsum unquantized, by design.
-_moe_full_precision = qcheck.skip_functions(*UNQUANTIZED_BY_DESIGN)
-
-
-@functools.cache
-def _moe(recipe: str, seed: int = 0) -> qcheck.MoE:
-    return qcheck.build_moe("mixtral", recipe, path="sparse", seed=seed)
 
 
 def _bits(module: nnx.Module) -> list[bytes]:
@@ -50,10 +40,10 @@ def _bits(module: nnx.Module) -> list[bytes]:
     ("nvfp4", qcheck.get_recipe("nvfp4").expect.max_rel_norm),  # 0.35: NVFP4's forward lies above 0.22
 ])
 def test_check_layer_should_pass_on_qcheck_layers(recipe, max_rel_norm):
-    layer, twin = _moe(recipe), _moe("none")
+    layer, twin = sparse_moe(recipe), sparse_moe("none")
     before = _bits(layer), _bits(twin)
     with counting_compilations() as log:
-        figures = check_layer(layer, twin, X, max_rel_norm=max_rel_norm, skip=_moe_full_precision)
+        figures = check_layer(layer, twin, X, max_rel_norm=max_rel_norm, skip=MOE_FULL_PRECISION)
     # One program per layer (none if an earlier check built the same structure): the second call reuses it.
     assert sum(n for k, n in log.items() if k.startswith("jit(step)")) <= 2, log
     assert 0 < figures.rel_norm <= max_rel_norm
@@ -97,13 +87,13 @@ def _silent_fallback() -> qcheck.MoE:
 
 def test_assert_tracks_alone_passes_the_silent_fallback():
     out, _ = apply(_silent_fallback(), X)
-    ref, _ = apply(_moe("none"), X)
+    ref, _ = apply(sparse_moe("none"), X)
     assert 0 < checks.assert_tracks(out, ref, max_rel_norm=0.22) <= 0.22
 
 
 def test_check_layer_should_fail_on_the_silent_fallback_naming_each_call_and_its_line():
     with pytest.raises(AssertionError) as info:
-        check_layer(_silent_fallback(), _moe("none"), X, skip=_moe_full_precision)
+        check_layer(_silent_fallback(), sparse_moe("none"), X, skip=MOE_FULL_PRECISION)
     message = str(info.value)
     assert message.startswith("check_layer: 1 check(s) failed:\n"
                               "  coverage: assert_quantized: 3 of 5 matmuls reach full precision:")
@@ -116,19 +106,6 @@ def test_check_layer_should_fail_on_the_silent_fallback_naming_each_call_and_its
 
 
 # -- the other checks, each on its bug ----------------------------------------------
-
-@jax.custom_vjp
-def _nan_backward(y):
-    return y
-
-
-_nan_backward.defvjp(lambda y: (y, None), lambda _, g: (jnp.full_like(g, jnp.nan),))
-
-
-class _NaNBackwardMoE(qcheck.MoE):
-    def __call__(self, x):
-        return _nan_backward(super().__call__(x))
-
 
 class _NoisyMoE(qcheck.MoE):
     """Adds fresh noise on every call: a second call on the same input gives other bits."""
@@ -148,7 +125,7 @@ def test_check_layer_should_fail_on_a_non_deterministic_layer():
     with pytest.raises(AssertionError, match=re.escape("check_layer: 1 check(s) failed:\n  determinism: a second "
                                                        f"call on the same input changed {X.size} of {X.size} output "
                                                        "values (float32; worst by ")):
-        check_layer(layer, _moe("none"), X, skip=_moe_full_precision)
+        check_layer(layer, sparse_moe("none"), X, skip=MOE_FULL_PRECISION)
     assert _bits(layer) == before  # the RNG count the second call advanced was a copy's
 
 
@@ -312,8 +289,8 @@ def test_copy_params_into_should_pass_copying_params_and_nothing_else():
 
 
 def test_copy_params_into_leaves_fp8_state_behind():
-    twin = copy_params_into(_moe("fp8"), qcheck.build_moe("mixtral", "none", path="sparse", seed=1))
-    assert len(jax.tree.leaves(nnx.state(_moe("fp8"), Fp8Meta))) == 18
+    twin = copy_params_into(sparse_moe("fp8"), qcheck.build_moe("mixtral", "none", path="sparse", seed=1))
+    assert len(jax.tree.leaves(nnx.state(sparse_moe("fp8"), Fp8Meta))) == 18
     assert jax.tree.leaves(nnx.state(twin, Fp8Meta)) == []
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests import test_adapters, test_fp8_state, test_maxtext, test_qwix_formats
-from tests.helpers import import_extra
+from tests.helpers import QWIX_WARNS, import_extra
 
 #: The modules whose tests the defect table may name (test_maxtext imports without MaxText).
 DEFECT_MODULES = (test_adapters, test_qwix_formats, test_fp8_state, test_maxtext)
@@ -50,8 +50,8 @@ def test_every_library_has_a_block():
 
 
 @pytest.mark.parametrize("label", sorted(doc_blocks()))
-@test_adapters.qwix_warns[0]  # qwix 0.1.8 uses APIs flax 0.12 deprecates
-@test_adapters.qwix_warns[1]
+@QWIX_WARNS[0]  # qwix 0.1.8 uses APIs flax 0.12 deprecates
+@QWIX_WARNS[1]
 def test_doc_block_runs(label, capsys):
     if NEEDS[label]:
         import_extra(NEEDS[label])

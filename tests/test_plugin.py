@@ -83,7 +83,7 @@ def test_unknown_invariant_marker_is_a_usage_error(pytester):
 
 def test_unknown_hardware_marker_name_is_rejected():
     with pytest.raises(ValueError, match="unknown hardware marker 'h100'; known markers: gpu, tpu"):
-        hardware._has("h100")
+        hardware.missing("h100")
 
 
 class FakeGpu:
@@ -101,11 +101,13 @@ class FakeGpu:
 def test_native_fp8_types_follow_the_gpu_vendor(monkeypatch, gpus, expected):
     monkeypatch.setattr(hardware, "_devices", lambda platform: gpus if platform == "gpu" else [])
     hardware.fp8_gemm_dtypes.cache_clear()
+    hardware.missing.cache_clear()
     try:
         assert hardware.fp8_gemm_dtypes() == expected
-        assert hardware._has("fp8_gpu") == bool(expected)
+        assert (hardware.missing("fp8_gpu") is None) == bool(expected)  # the fp8_gpu marker follows them
     finally:
         hardware.fp8_gemm_dtypes.cache_clear()
+        hardware.missing.cache_clear()
 
 
 def test_pytest_fixtures_describes_the_plugins_fixtures(pytester):

@@ -28,7 +28,7 @@ import qcheck
 from qcheck import checks, formats, referees
 from qcheck.checks._site import _NEIGHBOURS, PARTING_BINADES, probe_site_operands
 from qcheck.layers.moe import MODELS, MoE
-from qcheck.recipes import _registry, einsum_axes
+from qcheck.recipes import einsum_axes, registered
 from qcheck.recipes._axes import RAGGED_AXES
 from qcheck.recipes._sites import FormatSite
 from qcheck.suite import cases, invariants
@@ -146,22 +146,22 @@ class _RunsFnuz(qcheck.Recipe):
 VARIANTS = [cases.Variant("mixtral", "dense", False), cases.Variant("gemma", "sparse", False)]
 
 
-def _check_exact(monkeypatch, recipe, variant):
-    monkeypatch.setitem(_registry._REGISTRY, recipe.name, recipe)  # as a user's --recipes module registers it
-    invariants.check_exact(cases.Case(recipe.name, variant))
+def _check_exact(recipe, variant):
+    with registered(recipe):  # as a user's --recipes module registers it
+        invariants.check_exact(cases.Case(recipe.name, variant))
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.id)
-def test_a_users_e5m2_recipe_should_pass_exact(monkeypatch, variant):
-    _check_exact(monkeypatch, qcheck.Recipe("probe_my_e5m2", lhs="e5m2", rhs="e5m2"), variant)
+def test_a_users_e5m2_recipe_should_pass_exact(variant):
+    _check_exact(qcheck.Recipe("probe_my_e5m2", lhs="e5m2", rhs="e5m2"), variant)
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.id)
-def test_an_e5m2_recipe_computing_in_e5m2fnuz_should_fail_exact_naming_the_sibling(monkeypatch, variant):
+def test_an_e5m2_recipe_computing_in_e5m2fnuz_should_fail_exact_naming_the_sibling(variant):
     form = "einsum 'BSM,EMH->BSEH'" if variant.path == "dense" else "ragged_dot"
     with pytest.raises(AssertionError, match=rf"^probe_runs_fnuz-{variant.id}: assert_site_\w+: site 'wi_0' {form} "
                        r"\(e5m2 x e5m2\): differs .*; it equals both operands in e5m2fnuz instead of e5m2 bitwise"):
-        _check_exact(monkeypatch, _RunsFnuz("probe_runs_fnuz", lhs="e5m2", rhs="e5m2"), variant)
+        _check_exact(_RunsFnuz("probe_runs_fnuz", lhs="e5m2", rhs="e5m2"), variant)
 
 
 def test_the_plain_probes_cannot_part_e5m2_from_e5m2fnuz():
@@ -223,16 +223,15 @@ class _GradsInFnuz(qcheck.Recipe):
         return FormatSite(lhs="e5m2", rhs="e5m2", grad="e5m2fnuz")
 
 
-def test_an_e5m2_gradient_recipe_should_pass_backward(monkeypatch):
+def test_an_e5m2_gradient_recipe_should_pass_backward():
     recipe = qcheck.Recipe("probe_grad_e5m2", lhs="e5m2", rhs="e5m2", grad="e5m2")
-    monkeypatch.setitem(_registry._REGISTRY, recipe.name, recipe)
-    invariants.check_backward(cases.Case(recipe.name, VARIANTS[0]))
+    with registered(recipe):
+        invariants.check_backward(cases.Case(recipe.name, VARIANTS[0]))
 
 
-def test_an_e5m2_gradient_recipe_quantizing_g_in_e5m2fnuz_should_fail_backward_naming_the_sibling(monkeypatch):
+def test_an_e5m2_gradient_recipe_quantizing_g_in_e5m2fnuz_should_fail_backward_naming_the_sibling():
     recipe = _GradsInFnuz("probe_grad_fnuz", lhs="e5m2", rhs="e5m2", grad="e5m2")
-    monkeypatch.setitem(_registry._REGISTRY, recipe.name, recipe)
-    with pytest.raises(AssertionError, match=r"site 'wi_0': assert_site_backward_exact: site 'wi_0' dgrad \(g in "
+    with registered(recipe), pytest.raises(AssertionError, match=r"site 'wi_0': assert_site_backward_exact: site 'wi_0' dgrad \(g in "
                        r"e5m2 along axes \(2, 3\)\): differs .*; it equals the gradient with g in e5m2fnuz instead "
                        r"of e5m2 bitwise"):
         invariants.check_backward(cases.Case(recipe.name, VARIANTS[0]))

@@ -44,10 +44,34 @@ def test_get_recipe_unknown_name_lists_registered():
 
 
 def test_register_recipe_rejects_duplicates_and_non_recipes():
-    with pytest.raises(ValueError, match="'fp8' is already registered"):
+    with pytest.raises(ValueError, match=r"^a recipe named 'fp8' is already registered; registered recipes: none, "
+                                         r"int8, fp8, nanoo_fp8, nvfp4"):
         qcheck.register_recipe(qcheck.get_recipe("fp8"))
     with pytest.raises(TypeError, match="expects a qcheck.Recipe, got str"):
         qcheck.register_recipe("fp8")
+
+
+def test_a_recipe_registered_for_a_block_should_be_gone_after_it_also_on_error():
+    before = qcheck.recipe_names()
+    planted = Recipe("planted_int8", lhs="int8", rhs="int8")
+    with qcheck.registered(planted):
+        assert qcheck.get_recipe("planted_int8") is planted
+        qcheck.register_recipe(Recipe("planted_inside", lhs="int8", rhs="int8"))  # registered in the block: gone too
+        assert qcheck.recipe_names() == (*before, "planted_int8", "planted_inside")
+    assert qcheck.recipe_names() == before
+    with pytest.raises(RuntimeError, match="a failing test"), qcheck.recipes.registered(planted):
+        raise RuntimeError("a failing test")
+    assert qcheck.recipe_names() == before
+
+
+def test_a_recipe_registered_for_a_block_should_fail_on_a_name_already_taken():
+    before = qcheck.recipe_names()
+    taken = Recipe("fp8", lhs="e4m3fn", rhs="e4m3fn")
+    with pytest.raises(ValueError, match=r"^a recipe named 'fp8' is already registered; registered recipes: none, "
+                                         r"int8, fp8, nanoo_fp8, nvfp4(, \w+)*$"):
+        with qcheck.registered(Recipe("planted_first", lhs="int8", rhs="int8"), taken):
+            pytest.fail("the block ran")
+    assert qcheck.recipe_names() == before and qcheck.get_recipe("fp8") is not taken  # the first unregistered
 
 
 @pytest.mark.parametrize(

@@ -51,8 +51,8 @@ from jax.typing import ArrayLike
 
 from qcheck import referees
 from qcheck.referees import _integer as _integer_matmul
-from qcheck.referees._libraries import LIBRARY_RULES
 from qcheck.referees._formats import Blocks, flush
+from qcheck.referees._libraries import LIBRARY_RULES
 from qcheck.recipes import MatmulAxes, Recipe, einsum_axes, get_recipe
 from qcheck.recipes._axes import RAGGED_AXES
 

@@ -27,7 +27,8 @@ from qcheck.recipes._plain import UnquantizedSite
 from qcheck.layers.bridge import QuantSite
 from qcheck.recipes import ApplyRngs, InterceptRecipe, Recipe, get_recipe
 
-__all__ = ["MESH_AXES", "MODELS", "PATHS", "MoE", "MoEConfig", "SiteSpec", "build_moe", "transform_layer"]
+__all__ = ["MESH_AXES", "MODELS", "PATHS", "UNQUANTIZED_BY_DESIGN", "MoE", "MoEConfig", "SiteSpec", "build_moe",
+           "transform_layer"]
 
 #: The mesh axes a sharded layer expects: tokens split over "data", experts over "expert".
 MESH_AXES = ("data", "expert")

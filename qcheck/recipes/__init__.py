@@ -8,7 +8,9 @@ or a module named with ``--recipes`` / ``--qcheck-recipes``.
 from qcheck.recipes._axes import MatmulAxes, einsum_axes
 from qcheck.recipes._base import ApplyRngs, Recipe
 from qcheck.recipes._declarations import Expect, Reference
-from qcheck.recipes._fp8 import DelayedScalingFp8, fp8, nanoo_fp8
+from qcheck.recipes._fp8 import DelayedScalingFp8
+from qcheck.recipes._fp8 import fp8 as _fp8_recipe  # the built-ins' factories, not exported
+from qcheck.recipes._fp8 import nanoo_fp8 as _nanoo_fp8_recipe
 from qcheck.recipes._intercept import InterceptRecipe
 from qcheck.recipes._none import NoQuant
 from qcheck.recipes._nvfp4 import NVFP4
@@ -20,6 +22,7 @@ from qcheck.recipes._registry import (
     recipe_names,
     recipe_source,
     register_recipe,
+    registered,
 )
 from qcheck.recipes._sites import SiteOps
 from qcheck.recipes._unsupported import UNSUPPORTED_KINDS, KnownDefect, Unsupported, assert_still_unsupported
@@ -47,6 +50,7 @@ __all__ = [
     "recipe_names",
     "recipe_source",
     "register_recipe",
+    "registered",
 ]
 
 from qcheck.recipes import _registry
@@ -55,7 +59,7 @@ from qcheck.recipes import _registry
 # gradients straight through; PRIVATE streams, as AQT keeps them upstream.
 _INT8 = Recipe("int8", lhs="int8", rhs="int8", apply_rngs=ApplyRngs.PRIVATE)
 
-for _recipe in (NoQuant(), _INT8, fp8(), nanoo_fp8(), NVFP4()):
+for _recipe in (NoQuant(), _INT8, _fp8_recipe(), _nanoo_fp8_recipe(), NVFP4()):
     register_recipe(_recipe)
     _registry._BUILTIN.add(_recipe.name)
 del _recipe

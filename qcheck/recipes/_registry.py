@@ -9,12 +9,13 @@ first time anyone asks what is registered. A module named on the command line
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
 import sys
 import types
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from qcheck.recipes._base import Recipe
@@ -27,6 +28,7 @@ __all__ = [
     "recipe_names",
     "recipe_source",
     "register_recipe",
+    "registered",
 ]
 
 ENTRY_POINT_GROUP = "qcheck.recipes"
@@ -48,9 +50,38 @@ def register_recipe(recipe: Recipe) -> Recipe:
     if not isinstance(recipe, Recipe):
         raise TypeError(f"register_recipe expects a qcheck.Recipe, got {type(recipe).__name__}")
     if recipe.name in _REGISTRY:
-        raise ValueError(f"a recipe named {recipe.name!r} is already registered")
+        raise ValueError(f"a recipe named {recipe.name!r} is already registered; registered recipes: "
+                         f"{', '.join(_REGISTRY)}")
     _REGISTRY[recipe.name] = recipe
     return recipe
+
+
+@contextlib.contextmanager
+def registered(*recipes: Recipe) -> Iterator[tuple[Recipe, ...]]:
+    """Register ``recipes`` for the ``with`` block only (it yields them): a test's planted recipe, gone after it.
+
+    Whatever the block registers besides (``register_recipe``, ``import_recipes``) is gone after it too,
+    also when the block raises. A name already taken is register_recipe's ValueError, before anything
+    is registered.
+    """
+    _load_entry_points()  # plug-ins loaded inside the block would be forgotten with it
+    saved = dict(_REGISTRY), dict(_SOURCE), dict(_IMPORTED)
+    try:
+        for recipe in recipes:
+            register_recipe(recipe)
+        yield recipes
+    finally:
+        for table, old in zip((_REGISTRY, _SOURCE, _IMPORTED), saved):
+            table.clear()
+            table.update(old)
+
+
+def step_aside(name: str) -> None:
+    """Unregister ``name`` (if registered): inside :func:`registered`, which puts it back after the block.
+
+    For tests that follow a guide registering a name the run may already hold; not exported.
+    """
+    _REGISTRY.pop(name, None)
 
 
 def recipe_names() -> tuple[str, ...]:
