@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-# Of the assertions, qcheck re-exports those its README calls (a user's first test); every assertion
-# lives in qcheck.checks. tests/test_public_api.py holds this and keeps _WHERE and TYPE_CHECKING in step.
+# Every assertion of qcheck.checks is also offered here, the same function under the same name.
+# tests/test_public_api.py holds this and keeps _WHERE and TYPE_CHECKING in step with __all__.
 __all__ = [
     "MODELS",
     "PATHS",
@@ -19,16 +19,28 @@ __all__ = [
     "InterceptRecipe",
     "KnownDefect",
     "LayerFigures",
+    "MatmulRecord",
     "MoE",
     "MoEConfig",
     "QuantSite",
-    "MatmulRecord",
     "Recipe",
     "Reference",
     "Skip",
     "Unsupported",
+    "assert_amax_histories_follow_operands",
+    "assert_format_matches_referee",
+    "assert_fp8_dtypes_native",
     "assert_fp8_state_matches",
+    "assert_fresh_cast_exact",
+    "assert_fresh_ragged_cast_exact",
+    "assert_native_matches_emulation",
+    "assert_no_recompiles",
     "assert_quantized",
+    "assert_ragged_groups_independent",
+    "assert_recipe_fp8_native",
+    "assert_site_backward_exact",
+    "assert_site_ragged_backward_exact",
+    "assert_tracks",
     "build_decoder",
     "build_moe",
     "check_layer",
@@ -48,11 +60,25 @@ __all__ = [
     "skip_functions",
     "skip_modules",
     "skip_where",
-    "warmed_up",
     "train",
+    "warmed_up",
 ]
 
 _WHERE = {
+    "assert_amax_histories_follow_operands": "qcheck.checks",
+    "assert_fp8_dtypes_native": "qcheck.checks",
+    "assert_fp8_state_matches": "qcheck.checks",
+    "assert_format_matches_referee": "qcheck.checks",
+    "assert_fresh_cast_exact": "qcheck.checks",
+    "assert_fresh_ragged_cast_exact": "qcheck.checks",
+    "assert_native_matches_emulation": "qcheck.checks",
+    "assert_no_recompiles": "qcheck.checks",
+    "assert_quantized": "qcheck.checks",
+    "assert_ragged_groups_independent": "qcheck.checks",
+    "assert_recipe_fp8_native": "qcheck.checks",
+    "assert_site_backward_exact": "qcheck.checks",
+    "assert_site_ragged_backward_exact": "qcheck.checks",
+    "assert_tracks": "qcheck.checks",
     "MODELS": "qcheck.layers.moe",
     "PATHS": "qcheck.layers.moe",
     "MoE": "qcheck.layers.moe",
@@ -72,7 +98,6 @@ _WHERE = {
     "register_recipe": "qcheck.recipes",
     "registered": "qcheck.recipes",
     "MatmulRecord": "qcheck._coverage",
-    "assert_quantized": "qcheck._coverage",
     "coverage": "qcheck._coverage",
     "format_coverage": "qcheck._coverage",
     "skip_functions": "qcheck._coverage",
@@ -84,17 +109,22 @@ _WHERE = {
     "LayerFigures": "qcheck.checks._layer",
     "check_layer": "qcheck.checks._layer",
     "copy_params_into": "qcheck.checks._layer",
-    "assert_fp8_state_matches": "qcheck.checks._fp8_state",
     "fp8_state": "qcheck.checks._fp8_state",
     "train": "qcheck.layers._train",
 }
 
 if TYPE_CHECKING:
+    from qcheck.checks import (assert_amax_histories_follow_operands, assert_fp8_dtypes_native,
+                               assert_fp8_state_matches, assert_format_matches_referee, assert_fresh_cast_exact,
+                               assert_fresh_ragged_cast_exact, assert_native_matches_emulation,
+                               assert_no_recompiles, assert_quantized, assert_ragged_groups_independent,
+                               assert_recipe_fp8_native, assert_site_backward_exact,
+                               assert_site_ragged_backward_exact, assert_tracks)
     from qcheck import checks, formats, native, referees
     from qcheck.checks._layer import LayerFigures, check_layer, copy_params_into
-    from qcheck._coverage import (MatmulRecord, Skip, assert_quantized, coverage, format_coverage, skip_at,
+    from qcheck._coverage import (MatmulRecord, Skip, coverage, format_coverage, skip_at,
                                   skip_functions, skip_modules, skip_where, warmed_up)
-    from qcheck.checks._fp8_state import assert_fp8_state_matches, fp8_state
+    from qcheck.checks._fp8_state import fp8_state
     from qcheck.layers._train import train
     from qcheck.layers.bridge import QuantSite
     from qcheck.layers.decoder import build_decoder

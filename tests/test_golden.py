@@ -110,7 +110,7 @@ def test_a_missing_case_fails_with_the_command_that_creates_it(tmp_path):
 
 
 def test_add_command_names_the_recipe_module_and_the_directory(monkeypatch):
-    monkeypatch.setattr(golden, "recipe_source", lambda name: "/tmp/my_recipes.py" if name == "int8" else None)
+    monkeypatch.setattr(golden.store, "recipe_source", lambda name: "/tmp/my_recipes.py" if name == "int8" else None)
     assert golden.add_command("int8", Path("golden")) == "qcheck golden add int8 --recipes /tmp/my_recipes.py"
     assert golden.add_command("int8", Path("/x/golden")).endswith("--golden-dir /x/golden")
 

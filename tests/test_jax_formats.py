@@ -17,7 +17,7 @@ import pytest
 from jax._src.cudnn.scaled_matmul_stablehlo import quantize as jax_quantize
 
 from qcheck import coverage, formats, referees
-from qcheck.referees import _formats as referee_formats
+import qcheck.referees._formats as referee_formats  # the referee's own global scale, to hold JAX's to
 from qcheck.adapters import jax_mxfp8, jax_nvfp4, scaled_dot_general_runs
 
 F32 = np.float32

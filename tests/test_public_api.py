@@ -1,6 +1,6 @@
 """The public surface, kept honest: what each public module exports resolves, its lazy table and its
-``TYPE_CHECKING`` imports name exactly its ``__all__``, the top-level ``qcheck`` re-exports exactly the
-assertions the README calls through it, and README and docs code import only public names.
+``TYPE_CHECKING`` imports name exactly its ``__all__``, the top-level ``qcheck`` re-exports every
+assertion of ``qcheck.checks``, and README and docs code import only public names.
 
 Each rule is an ``assert_*`` function here with a control: a fake module or a fake text that breaks it.
 """
@@ -90,15 +90,14 @@ def assert_package_exports_its_imports(module: types.ModuleType, tree: ast.Modul
     assert not forgotten, f"{module.__name__} imports {sorted(forgotten)} but leaves them out of __all__"
 
 
-def assert_top_level_checks_are_the_readmes(top: types.ModuleType, checks: types.ModuleType, readme: str) -> None:
-    """The rule: ``qcheck`` re-exports the assertions its README calls as ``qcheck.assert_*`` (a user's first
-    test), each the very object ``qcheck.checks`` exports; every other assertion lives in ``qcheck.checks``."""
+def assert_top_level_checks_are_the_checks(top: types.ModuleType, checks: types.ModuleType) -> None:
+    """The rule: ``qcheck`` re-exports every assertion of ``qcheck.checks`` (``qcheck.assert_tracks`` and
+    ``qcheck.checks.assert_tracks`` are one function), and no other ``assert_*``."""
     top_level = {n for n in top.__all__ if n.startswith("assert_")}
-    called = set(re.findall(r"\bqcheck\.(assert_\w+)", readme))
-    assert top_level == called, (f"qcheck re-exports {sorted(top_level)} but the README calls qcheck."
-                                 f"{sorted(called)}: re-export exactly those, the rest from qcheck.checks")
+    offered = {n for n in checks.__all__ if n.startswith("assert_")}
+    assert top_level == offered, (f"qcheck re-exports {sorted(top_level)}, qcheck.checks offers {sorted(offered)}: "
+                                  "qcheck re-exports every assertion of qcheck.checks, and no other")
     for name in sorted(top_level):
-        assert name in checks.__all__, f"qcheck.{name} is not in qcheck.checks.__all__"
         assert getattr(top, name) is getattr(checks, name), f"qcheck.{name} is not qcheck.checks.{name}"
 
 
@@ -168,8 +167,8 @@ def test_the_readme_imports_unquantized_by_design_from_a_public_name():
     assert "UNQUANTIZED_BY_DESIGN" in moe.__all__
 
 
-def test_qcheck_re_exports_exactly_the_readmes_assertions():
-    assert_top_level_checks_are_the_readmes(qcheck, qcheck.checks, (ROOT / "README.md").read_text())
+def test_qcheck_re_exports_every_assertion_of_qcheck_checks():
+    assert_top_level_checks_are_the_checks(qcheck, qcheck.checks)
 
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
@@ -218,18 +217,19 @@ def test_a_package_importing_a_name_it_does_not_export_should_fail():
         assert_package_exports_its_imports(module, tree)
 
 
-def test_top_level_assertions_other_than_the_readmes_should_fail():
+def test_top_level_assertions_other_than_the_checks_should_fail():
     checks = types.ModuleType("checks")
     checks.__all__, checks.assert_a, checks.assert_b = ["assert_a", "assert_b"], object(), object()
     top = types.ModuleType("top")
-    top.__all__, top.assert_a = ["assert_a"], checks.assert_a
-    assert_top_level_checks_are_the_readmes(top, checks, "qcheck.assert_a(x)")
-    with pytest.raises(AssertionError, match=r"re-exports \['assert_a'\] but the README calls qcheck\.\['assert_a', "
+    top.__all__, top.assert_a, top.assert_b = ["assert_a", "assert_b"], checks.assert_a, checks.assert_b
+    assert_top_level_checks_are_the_checks(top, checks)
+    top.__all__ = ["assert_a"]  # one assertion left out
+    with pytest.raises(AssertionError, match=r"re-exports \['assert_a'\], qcheck.checks offers \['assert_a', "
                                              r"'assert_b'\]"):
-        assert_top_level_checks_are_the_readmes(top, checks, "qcheck.assert_a(x)\nqcheck.assert_b(y)")
-    top.assert_a = object()  # a different function under the same name
+        assert_top_level_checks_are_the_checks(top, checks)
+    top.__all__, top.assert_a = ["assert_a", "assert_b"], object()  # a different function under the same name
     with pytest.raises(AssertionError, match=r"qcheck.assert_a is not qcheck.checks.assert_a"):
-        assert_top_level_checks_are_the_readmes(top, checks, "qcheck.assert_a(x)")
+        assert_top_level_checks_are_the_checks(top, checks)
 
 
 @pytest.mark.parametrize("block, named", [
@@ -266,9 +266,6 @@ STILL_PRIVATE: dict[str, str] = {
     "test_process.py: from qcheck.suite import _process": _H2,
     "test_process.py: _process._jaxlib_version": _H2,
     "test_cli.py: cli._paths_agree": _H2,
-    "test_golden.py: golden._atomic_write": _H2,
-    "test_golden.py: golden._digest": _H2,
-    "test_golden.py: setattr(golden, _atomic_write)": _H2,
     "test_backward.py: from qcheck.checks._backward import _uniforms": _H1,
     "test_probe_siblings.py: from qcheck.checks._site import _NEIGHBOURS": _H1,
     "test_formats.py: formats._quantize": "counts traces of the jitted quantizer qdq calls (qcheck.formats)",
