@@ -138,3 +138,13 @@ def test_the_architecture_page_check_sees_a_missing_and_an_unnamed_part(tmp_path
     assert architecture_gaps("`qcheck/formats.py`, `qcheck/layers/`", tmp_path / "qcheck") == []
     assert architecture_gaps("`qcheck/formats.py`, `qcheck/gone/`", tmp_path / "qcheck") == [
         "names qcheck/gone/, which does not exist", "does not name qcheck/layers/"]
+
+
+def test_pyproject_lists_every_package_of_the_tree():
+    import tomllib
+
+    setuptools = tomllib.loads((QCHECK.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    tree = {".".join(p.parent.relative_to(QCHECK.parent).parts) for p in QCHECK.rglob("__init__.py")}
+    # golden/ travels as package data under qcheck/, mapped at build time (pyproject's package-dir).
+    assert set(setuptools["packages"]) == tree | {"qcheck._golden"}
+    assert setuptools["package-dir"] == {"qcheck._golden": "golden"}
