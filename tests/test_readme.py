@@ -31,3 +31,10 @@ def test_the_invariants_table_lists_every_invariant():
 def test_the_readme_stays_short():
     lines = len(README.splitlines())
     assert lines <= 150, f"README.md has {lines} lines; details belong in docs/"
+
+
+def test_the_recipe_guide_names_every_invariant():
+    guide = (Path(__file__).parent.parent / "docs" / "adding-a-recipe.md").read_text()
+    matrix_step = guide.split("## 3. See it in the matrix", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`(\w+)`", matrix_step))
+    assert not (missing := [inv.name for inv in invariants.INVARIANTS if inv.name not in named]), missing
