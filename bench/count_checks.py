@@ -5,7 +5,7 @@
 Counted the same way on any commit: for every case of the case table and every
 per-case invariant, one check when the invariant applies to the case, plus one
 per dense == sparse comparison of the unquantized layer. Works on the layout
-before qcheck.suite existed (qcheck.cases, qcheck.invariants) and after.
+before qcheck.suite existed (qcheck.cases, qcheck.invariants) and after, and before qcheck.layers.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def _module(*names: str):
 def main() -> None:
     cases = _module("qcheck.suite.cases", "qcheck.cases")
     invariants = _module("qcheck.suite.invariants", "qcheck.invariants")
-    from qcheck.layers.moe import MODELS
+    MODELS = _module("qcheck.layers.moe", "qcheck.moe").MODELS
     from qcheck.recipes import get_recipe
 
     table = cases.cases()
