@@ -378,13 +378,16 @@ def _prefix_of(package: str) -> str | None:
 
 
 def _machinery_prefixes(extra: tuple[str, ...] = ()) -> tuple[str, ...]:
-    here = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    here = os.path.dirname(os.path.abspath(__file__)) + os.sep  # qcheck/_coverage/
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # qcheck/
     packages = [p for p in (_prefix_of(name) for name in (*MACHINERY, *extra)) if p]
+    # qcheck's own layers of a call site (the checks, the recipes' sites, the bridge, the formats): a
+    # matmul is located at the user's line that reached them, not inside them.
     return (
         *packages,
         os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep,
-        os.path.abspath(__file__), here + "checks.py", here + "recipes" + os.sep,
-        here + "bridge.py", here + "_plain_site.py", here + "formats.py", here + "_layer_check.py",
+        here, root + "checks" + os.sep, root + "recipes" + os.sep,
+        root + "layers" + os.sep + "bridge.py", root + "formats.py",
     )
 
 
