@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from qcheck import formats, referees
+from qcheck.referees import _formats as referee_formats
 from qcheck.checks._referee import NVFP4_JIT_DECODE_ULPS, assert_format_matches_referee, nvfp4_uniforms
 from tests import format_properties as fp
 from tests.helpers import conversion_probes
@@ -323,10 +324,10 @@ PROBE[0, :8] = [464.01, 1e6, -3e5, 249.0, 300.0, 1e-4, -1e-5, 0.7]  # saturation
         ("int8_qwix", formats, "INT8_EDGE", 128.0, None,
          r"int8_qwix: codes differs from the referee at index \(\d+, \d+\): jax 0x[0-9a-f]{2} .* vs referee 0x"),
         # The referee side: qwix without its scale floor of 2^-63 quantizes a tiny slice.
-        ("int8_qwix", referees, "_QWIX_MIN_SCALE", F32(0), None,
+        ("int8_qwix", referee_formats, "QWIX_MIN_SCALE", F32(0), None,
          r"int8_qwix: codes differs from the referee at index \(0, 0\): jax 0x00 \(np.int8\(0\)\) vs referee 0x7f \(np.int8\(127\)\)"),
         # The referee side: current scaling without qcheck's cap on the scale.
-        ("e5m2_current", referees, "_CURRENT_SCALE_CAP", F32(np.inf), None,
+        ("e5m2_current", referee_formats, "CURRENT_SCALE_CAP", F32(np.inf), None,
          r"e5m2_current: codes differs from the referee at index \(0, 0\): jax 0x55 \(80\) vs referee 0x7b \(57344\)"),
     ],
     ids=["no-saturation", "other-fnuz-flavour", "truncation", "reused-uniforms", "mx-scale-off-by-one",
@@ -334,7 +335,7 @@ PROBE[0, :8] = [464.01, 1e6, -3e5, 249.0, 300.0, 1e-4, -1e-5, 0.7]  # saturation
          "referee-current-uncapped"],
 )
 def test_comparison_fails_on_a_planted_bug(monkeypatch, fmt, target, name, bug, rng, message):
-    x = {"_CURRENT_SCALE_CAP": _fill([1e-36, 3e-37]), "_QWIX_MIN_SCALE": _fill([1e-18, -3e-19])}.get(name, PROBE)
+    x = {"CURRENT_SCALE_CAP": _fill([1e-36, 3e-37]), "QWIX_MIN_SCALE": _fill([1e-18, -3e-19])}.get(name, PROBE)
     key = None if rng is None else jax.random.key(rng)
     assert_format_matches_referee(x, fmt, axis=-1, rng=key, jit=False)  # should pass before the bug
     monkeypatch.setattr(target, name, bug)

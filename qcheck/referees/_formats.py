@@ -28,7 +28,8 @@ import math
 import ml_dtypes
 import numpy as np
 
-__all__ = ["referee_format_names", "reference_dequantize", "reference_qdq", "reference_quantize"]
+__all__ = ["CURRENT_SCALE_CAP", "QWIX_MIN_SCALE", "referee_format_names", "reference_dequantize", "reference_qdq",
+           "reference_quantize"]
 
 _F32 = np.float32
 
@@ -48,10 +49,10 @@ _INT8_BOUND = 127  # [def] symmetric int8: codes in [-127, 127], -128 unused
 # [def] AQT v2 IntSymmetric(8 bits, preserve_zero, not preserve_max_val) and qwix's
 # get_symmetric_bound(int8): absmax maps onto the edge of the last bucket, 127 + 0.5.
 _INT8_EDGE = _F32(127.5)
-_QWIX_MIN_SCALE = _F32(2.0**-63)  # [def] qwix: sqrt(float32 tiny) = sqrt(2^-126)
+QWIX_MIN_SCALE = _F32(2.0**-63)  # [def] qwix: sqrt(float32 tiny) = sqrt(2^-126)
 _NVFP4_BLOCK = 16  # [def] NVIDIA NVFP4: 16 e2m1 elements share one e4m3 scale
 _MX_BLOCK = 32  # [def] OCP MX v1.0: k = 32 elements share one e8m0 scale
-_CURRENT_SCALE_CAP = _F32(2.0**126)  # [qcheck] formats.CURRENT_MAX_SCALE: 1/cap stays a normal float32
+CURRENT_SCALE_CAP = _F32(2.0**126)  # [qcheck] formats.CURRENT_MAX_SCALE: 1/cap stays a normal float32
 
 
 def _fmax(dtype: np.dtype) -> _F32:
@@ -155,7 +156,7 @@ def _int8_aqt(x: np.ndarray, axes: tuple[int, ...], ftz: bool, xla_reciprocal: b
 
 def _int8_qwix(x: np.ndarray, axes: tuple[int, ...], ftz: bool, xla_reciprocal: bool):
     scale = _edge_scale(np.max(np.abs(x), axis=axes, keepdims=True), ftz, xla_reciprocal)
-    scale = np.where(scale < _QWIX_MIN_SCALE, _F32(1), scale).astype(_F32)  # [def] qwix: a scale below 2^-63 is 1
+    scale = np.where(scale < QWIX_MIN_SCALE, _F32(1), scale).astype(_F32)  # [def] qwix: a scale below 2^-63 is 1
     # [def] qwix: round half to even, then a saturating cast to int8: codes -128..127.
     codes = np.clip(np.round(flush(_divide(x, scale, xla_reciprocal), ftz)), -_INT8_BOUND - 1, _INT8_BOUND)
     return codes.astype(np.int8), {"slice": scale}
@@ -167,7 +168,7 @@ def _current(x: np.ndarray, dtype: np.dtype, ftz: bool):
     if amax > 0:
         with np.errstate(over="ignore"):
             # [qcheck] capped at CURRENT_MAX_SCALE (2^126) so 1 / scale stays normal.
-            scale = min(_fmax(dtype) / amax, _CURRENT_SCALE_CAP)
+            scale = min(_fmax(dtype) / amax, CURRENT_SCALE_CAP)
     else:
         scale = _F32(1)  # [qcheck] an all-zero tensor has scale 1
     scale = _F32(scale)
@@ -210,7 +211,6 @@ def _nvfp4(x: np.ndarray, axes: tuple[int, ...], uniforms: np.ndarray | None, ft
     nonzero = sb > 0
     # [qcheck] encode = s_enc / s_block per block, decode = 1 / encode (not s_block / s_enc).
     encode = (s_enc / np.where(nonzero, sb, _F32(1))).astype(_F32)
-    decode = (_F32(1) / encode).astype(_F32)
     # [def] scaled elements clip to e2m1's ±6, then round to an e2m1 value.
     v = np.clip(flush(blocks * encode, ftz), -_E2M1_MAX, _E2M1_MAX)
     if uniforms is None:
