@@ -913,7 +913,7 @@ CATALOGUE = [
      test_exact_catches_a_silently_unquantized_call_site),
     ("NANOO fp8 built on `flax.linen.Fp8Einsum`, which ignores `e4m3_dtype`", "`exact` (wrong fp8 flavour)",
      test_exact_catches_nanoo_built_on_flax_fp8einsum),
-    ("the wrong e4m3 flavour on the sparse (ragged_dot) path", "`exact` via `assert_fresh_ragged_cast_exact`",
+    ("the wrong e4m3 flavour on the sparse (ragged_dot) path", "`exact` via `assert_fresh_cast_exact` on `Ragged`",
      test_exact_catches_the_wrong_flavour_on_the_sparse_path),
     ("a cast without saturation (e4m3 overflow becomes NaN)", "`exact`",
      test_exact_catches_a_cast_without_saturation),

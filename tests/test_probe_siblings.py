@@ -202,9 +202,9 @@ def test_fresh_cast_exact_should_pass_on_the_e5m2_flavour_and_fail_on_its_siblin
         checks.assert_fresh_cast_exact(_cast_einsum(sibling), "tm,mh->th", lhs, rhs, cast_dtype=flavour)
     lhs, rhs = checks.probe_operands(1, (24, 32), (4, 32, 8), cast_dtype=flavour, contract=((1,), (1,)))
     sizes = np.array([10, 6, 8, 0], np.int32)
-    checks.assert_fresh_ragged_cast_exact(_cast_ragged(flavour), lhs, rhs, sizes, cast_dtype=flavour)
+    checks.assert_fresh_cast_exact(_cast_ragged(flavour), checks.Ragged(sizes), lhs, rhs, cast_dtype=flavour)
     with pytest.raises(AssertionError, match=rf"ragged_dot differs .*{sibling.name}-cast reference bitwise"):
-        checks.assert_fresh_ragged_cast_exact(_cast_ragged(sibling), lhs, rhs, sizes, cast_dtype=flavour)
+        checks.assert_fresh_cast_exact(_cast_ragged(sibling), checks.Ragged(sizes), lhs, rhs, cast_dtype=flavour)
 
 
 def test_fresh_cast_exact_refuses_the_plain_probes_for_e5m2_and_probe_operands_asks_for_contract():
