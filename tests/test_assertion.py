@@ -171,3 +171,7 @@ def test_measuring_checks_return_figures_should_pass():
     lhs, rhs = checks.probe_operands(1, (12, 32), (3, 32, 16))
     rows = checks.assert_ragged_groups_independent(jax.lax.ragged_dot, lhs, rhs, np.array([5, 7, 0], np.int32))
     assert isinstance(rows, checks.Figures) and rows == rows["rows"] == 7
+
+
+def test_figures_print_as_the_number_they_replaced():
+    assert f"{checks.Figures(7, rows=7)} rows" == "7 rows" and str(checks.Figures(np.float32(0.5))) == "0.5"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
 from types import MappingProxyType
 
@@ -16,18 +18,27 @@ class Figures(float):
     did (``assert_tracks(...) <= 0.22``, ``f"{rel:.3g}"``); a read-only mapping
     of the figures by name (``figures["dgrad"]``, ``set(figures)``,
     ``figures.values()``) for checks that measure more than one. Arithmetic
-    gives plain floats.
+    gives plain floats; printed, it shows as its main figure did (a count as
+    an int).
     """
 
     _figures: Mapping[str, float]
+    _number: float | int
 
-    def __new__(cls, value: float, figures: Mapping[str, float] | None = None, /, **named: float) -> Figures:
+    def __new__(cls, value: float | int, figures: Mapping[str, float] | None = None, /, **named: float) -> Figures:
         self = super().__new__(cls, value)
         self._figures = MappingProxyType({**(figures or {}), **named})
+        self._number = int(value) if isinstance(value, numbers.Integral) else float(value)
         return self
 
     def __reduce__(self):
-        return (Figures, (float(self), dict(self._figures)))
+        return (Figures, (self._number, dict(self._figures)))
+
+    def __repr__(self) -> str:
+        # Shown as the number it is (a count stays "7"), as the plain result it replaced was.
+        return repr(self._number)
+
+    __str__ = __repr__
 
     @property
     def figures(self) -> Mapping[str, float]:
