@@ -59,11 +59,6 @@ def _flattened(eqn: str, a, b):
     return jnp.transpose(y, [produced.index(i) for i in out])
 
 
-@jax.jit
-def _ragged(a, b, group_sizes):
-    return jax.lax.ragged_dot(a, b, group_sizes)
-
-
 @functools.partial(jax.jit, static_argnums=0)
 def _einsum_grad_matmuls(eqn: str, lhs, rhs, g_dgrad, g_wgrad):
     _, vjp = jax.vjp(functools.partial(jnp.einsum, eqn), lhs, rhs)
@@ -136,7 +131,8 @@ class Einsum:
     def reference(self, a: np.ndarray, b: np.ndarray, layout: str = EINSUM_LAYOUTS[0]) -> np.ndarray:
         """``jnp.einsum`` of host operands, in one of :data:`EINSUM_LAYOUTS`."""
         if layout == EINSUM_LAYOUTS[0]:
-            return _host(_einsum(self.eqn, jax.device_put(a), jax.device_put(b)))
+            # jnp.einsum itself (a jitted function): the program an eager einsum of the same shapes uses too.
+            return _host(jnp.einsum(self.eqn, jax.device_put(a), jax.device_put(b)))
         if layout == EINSUM_LAYOUTS[2]:
             return _host(_flattened(self.eqn, jax.device_put(a), jax.device_put(b)))
         sa, sb, out = self.subscripts
@@ -207,7 +203,8 @@ class Ragged:
 
     def reference(self, a: np.ndarray, b: np.ndarray, layout: str = EINSUM_LAYOUTS[0]) -> np.ndarray:
         """``jax.lax.ragged_dot`` of host operands (one layout: as given)."""
-        return _host(_ragged(jax.device_put(a), jax.device_put(b), self._sizes))
+        # jax.lax.ragged_dot itself: the program an eager ragged_dot of the same shapes uses too.
+        return _host(jax.lax.ragged_dot(jax.device_put(a), jax.device_put(b), self._sizes))
 
     def layouts(self) -> tuple[str, ...]:
         return EINSUM_LAYOUTS[:1]
