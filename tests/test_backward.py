@@ -10,7 +10,7 @@ from flax import nnx
 
 import qcheck
 from qcheck import checks, formats, get_recipe
-from qcheck.checks._backward import _uniforms, assert_site_backward_exact, probe_grad, probe_nvfp4
+from qcheck.checks._backward import flat_uniforms, assert_site_backward_exact, probe_grad, probe_nvfp4
 from qcheck.checks._referee import nvfp4_uniforms
 from qcheck.layers.bridge import QuantSite
 from qcheck.recipes import NVFP4, DelayedScalingFp8, Recipe
@@ -282,7 +282,7 @@ def test_refuses_shapes_the_format_cannot_block():
 def test_flat_uniforms_are_the_ones_nvfp4_draws():
     key = jax.random.key(7)
     for shape, axes in (((2, 16, 4, 32), (2, 3)), ((2, 16, 4, 32), (0, 1)), ((64, 32), (0,))):
-        assert np.array_equal(_uniforms(key, shape, axes), nvfp4_uniforms(key, shape, axes))
+        assert np.array_equal(flat_uniforms(key, shape, axes), nvfp4_uniforms(key, shape, axes))
 
 
 def test_probe_nvfp4_blocks_have_power_of_two_encode_scales():

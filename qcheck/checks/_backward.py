@@ -55,6 +55,7 @@ __all__ = [
     "backend_qdq",
     "check_site_grads",
     "expectations",
+    "flat_uniforms",
     "grad_operand_formats",
     "grad_operands",
     "probe_grad",
@@ -80,7 +81,7 @@ def site_dgrad_key(key: jax.Array, site_name: str) -> jax.Array:
     return jax.random.fold_in(base, zlib.crc32(f"{site_name}/dgrad".encode()) & 0x7FFFFFFF)
 
 
-def _uniforms(key: jax.Array, shape: tuple[int, ...], axes: tuple[int, ...]) -> np.ndarray:
+def flat_uniforms(key: jax.Array, shape: tuple[int, ...], axes: tuple[int, ...]) -> np.ndarray:
     """:func:`qcheck.checks._referee.nvfp4_uniforms`, drawn flat: one program per size, not per layout.
 
     JAX's uniforms depend on the flat index alone (tests/test_backward.py checks the two agree).
@@ -196,17 +197,17 @@ def expectations(
         ("dgrad", axes.dgrad, axes.wgrad, "wgrad"),
         ("wgrad", axes.wgrad, axes.dgrad, "dgrad"),
     ):
-        u = None if which == "wgrad" or dgrad_key is None else _uniforms(dgrad_key, g.shape, own)
+        u = None if which == "wgrad" or dgrad_key is None else flat_uniforms(dgrad_key, g.shape, own)
         rounding = ", stochastic" if u is not None else ""
         neighbours = {"unquantized g": g}
         if fmt in formats.AXIS_FORMATS:
             # A wrong-axes bug still rounds stochastically, drawing the same key for its own blocks.
-            wrong_u = None if u is None else _uniforms(dgrad_key, g.shape, other)
+            wrong_u = None if u is None else flat_uniforms(dgrad_key, g.shape, other)
             neighbours[f"g in {fmt} along the {other_name} axes {other}"] = backend_qdq(g, fmt, other, wrong_u)
         if u is not None:
             neighbours[f"g in {fmt} along {own}, rounded to nearest"] = backend_qdq(g, fmt, own)
             neighbours[f"g in {fmt} along {own}, rounded with the unsalted key"] = backend_qdq(
-                g, fmt, own, _uniforms(unsalted_key, g.shape, own))
+                g, fmt, own, flat_uniforms(unsalted_key, g.shape, own))
         if lhs_fmt != fmt:
             neighbours[f"g in {lhs_fmt} (the operands' format)"] = backend_qdq(g, lhs_fmt, own)
         if fmt in formats.FP8_SIBLINGS:  # probe_grad reaches below 2^-14, where even e5m2 and e5m2fnuz part

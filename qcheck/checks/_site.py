@@ -60,6 +60,7 @@ from qcheck.recipes import MatmulAxes, Recipe, get_recipe
 
 __all__ = [
     "EINSUM_LAYOUTS",
+    "NEIGHBOURS",
     "NVFP4_DECODE_ORDERS",
     "PARTING_BINADES",
     "SiteCall",
@@ -75,8 +76,8 @@ __all__ = [
 #: NVFP4 decode orders the reference accepts: qcheck's documented one, and XLA's rewrite of it.
 NVFP4_DECODE_ORDERS = ("1 / (s_enc / s_block)", "s_block / s_enc")
 
-# The format a wrong-variant bug would use instead, by format.
-_NEIGHBOURS = {
+#: The formats a wrong-variant bug would use instead, by format (the probes must tell each apart).
+NEIGHBOURS = {
     "int8": ("int8_aqt", "int8_qwix"),
     "int8_aqt": ("int8", "int8_qwix"),
     "int8_qwix": ("int8", "int8_aqt"),
@@ -134,7 +135,7 @@ def _neighbours(mm: Matmul, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt) -> Iterato
     for side, x, fmt, axes in (("lhs", lhs, lhs_fmt, mm.axes(lhs.ndim, rhs.ndim).lhs), ("rhs", rhs, rhs_fmt, mm.axes(lhs.ndim, rhs.ndim).rhs)):
         def with_(q):
             return mm.reference(q, q_rhs) if side == "lhs" else mm.reference(q_lhs, q)
-        for other in _NEIGHBOURS[fmt]:
+        for other in NEIGHBOURS[fmt]:
             yield f"{side} in {other} instead of {fmt}", with_(_qdq(x, other, axes))
         if fmt in formats.AXIS_FORMATS:
             wrong = _wrong_axes(axes, x.ndim)
@@ -144,7 +145,7 @@ def _neighbours(mm: Matmul, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt) -> Iterato
                 continue
             yield f"{side} in {fmt} along the wrong axes {wrong} (contraction: {axes})", with_(q)
     if lhs_fmt == rhs_fmt:  # the wrong flavour throughout, as a recipe that declares one and runs another has it
-        for other in _NEIGHBOURS[lhs_fmt]:
+        for other in NEIGHBOURS[lhs_fmt]:
             yield (f"both operands in {other} instead of {lhs_fmt}",
                    mm.reference(_qdq(lhs, other, mm.axes(lhs.ndim, rhs.ndim).lhs), _qdq(rhs, other, mm.axes(lhs.ndim, rhs.ndim).rhs)))
     # Per-slice formats only: a block format's blocks lie within one group's contraction either way.
@@ -276,8 +277,8 @@ def assert_site_exact(
 
 def _check_formats(*fmts: str, arithmetic: str = "float") -> None:
     for fmt in fmts:
-        if fmt not in _NEIGHBOURS:
-            raise ValueError(f"unknown format {fmt!r}; valid formats: {', '.join(_NEIGHBOURS)}")
+        if fmt not in NEIGHBOURS:
+            raise ValueError(f"unknown format {fmt!r}; valid formats: {', '.join(NEIGHBOURS)}")
     if arithmetic not in _integer_matmul.MATMUL_MODES:
         raise ValueError(f"unknown arithmetic {arithmetic!r}; valid: {', '.join(_integer_matmul.MATMUL_MODES)}")
     if arithmetic == "integer" and (bad := [f for f in fmts if f not in _INTEGER_FORMATS]):
@@ -312,8 +313,8 @@ def probe_site_operands(
     same for every block of values that all reach about 2^10).
     """
     for fmt in (lhs_format, rhs_format):
-        if fmt is not None and fmt not in _NEIGHBOURS:
-            raise ValueError(f"probe_site_operands: unknown format {fmt!r}; valid formats: {', '.join(_NEIGHBOURS)}")
+        if fmt is not None and fmt not in NEIGHBOURS:
+            raise ValueError(f"probe_site_operands: unknown format {fmt!r}; valid formats: {', '.join(NEIGHBOURS)}")
     nvfp4 = nvfp4 or "nvfp4" in (lhs_format, rhs_format)
     if not nvfp4:
         lhs, rhs = probe_operands(seed, lhs_shape, rhs_shape)
