@@ -31,7 +31,9 @@ from jax.typing import ArrayLike
 __all__ = [
     "CURRENT_MAX_SCALE",
     "E2M1_GRID",
+    "AXIS_FORMATS",
     "FP8_DTYPES",
+    "FP8_SIBLINGS",
     "jax_nvfp4_global_scale",
     "block_size",
     "MX_BLOCK",
@@ -52,6 +54,14 @@ FP8_DTYPES: dict[str, np.dtype] = {
     "float8_e4m3fnuz": np.dtype(ml_dtypes.float8_e4m3fnuz),
     "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
     "float8_e5m2fnuz": np.dtype(ml_dtypes.float8_e5m2fnuz),
+}
+
+#: Each fp8 format's sibling flavour (fnuz <-> not fnuz): what a wrong-flavour bug casts to instead.
+FP8_SIBLINGS: dict[str, str] = {
+    "e4m3fn": "e4m3fnuz",
+    "e4m3fnuz": "e4m3fn",
+    "e5m2": "e5m2fnuz",
+    "e5m2fnuz": "e5m2",
 }
 
 INT8_MAX = 127
@@ -277,6 +287,10 @@ def _int8_qwix_quantize(x: Array, axes: tuple[int, ...]) -> _Codes:
 
 
 _INT8_LIBRARY_FORMATS = {"int8_aqt": _int8_aqt_quantize, "int8_qwix": _int8_qwix_quantize}
+
+#: Formats whose quantization depends on the axes it runs along (a scale per slice or per block); the
+#: plain fp8 and current-scaled formats treat the whole tensor alike along any axes.
+AXIS_FORMATS: frozenset[str] = frozenset({"int8", *_INT8_LIBRARY_FORMATS, *_BLOCK_FORMATS})
 
 
 def _int8_dequantize(q: Quantized) -> Array:

@@ -5,7 +5,7 @@ JAX, Flax and MaxText write their tests as ``absl.testing.absltest`` /
 
 - :class:`QuantizationAssertions`, a mixin for ``absltest.TestCase`` (or
   ``parameterized.TestCase``): ``assertTracks``, ``assertQuantized``,
-  ``assertFreshCastExact``, ``assertFreshRaggedCastExact``,
+  ``assertFreshCastExact``,
   ``assertFormatMatchesReferee``. Each runs the check of the same name in
   :mod:`qcheck.checks`, fails through ``self.fail`` with the check's message
   (``msg=`` is added the unittest way: appended under ``longMessage``, the
@@ -96,26 +96,15 @@ class QuantizationAssertions:
         return self._qcheck(checks.assert_quantized, (fn, *args), {"skip": skip, **kwargs}, msg)
 
     def assertFreshCastExact(
-        self, site: Callable[..., Any], eqn: str, lhs: Any, rhs: Any, *, cast_dtype: Any, msg: str | None = None
+        self, op: Callable[..., Any], matmul: Any, lhs: Any, rhs: Any, *, cast_dtype: Any, msg: str | None = None
     ) -> None:
-        """:func:`qcheck.checks.assert_fresh_cast_exact`: ``site(eqn, lhs, rhs)`` equals the cast einsum, bitwise."""
-        __tracebackhide__ = True
-        self._qcheck(checks.assert_fresh_cast_exact, (site, eqn, lhs, rhs), {"cast_dtype": cast_dtype}, msg)
+        """:func:`qcheck.checks.assert_fresh_cast_exact`: ``op`` equals the matmul of cast operands, bitwise.
 
-    def assertFreshRaggedCastExact(
-        self,
-        ragged_dot: Callable[..., Any],
-        lhs: Any,
-        rhs: Any,
-        group_sizes: Any,
-        *,
-        cast_dtype: Any,
-        msg: str | None = None,
-    ) -> None:
-        """:func:`qcheck.checks.assert_fresh_ragged_cast_exact`: the same for a grouped matmul (``ragged_dot``)."""
+        ``matmul`` is an einsum string (``op(eqn, lhs, rhs)``) or ``qcheck.checks.Ragged(group_sizes)``
+        (``op(lhs, rhs, group_sizes)``).
+        """
         __tracebackhide__ = True
-        self._qcheck(checks.assert_fresh_ragged_cast_exact, (ragged_dot, lhs, rhs, group_sizes),
-                     {"cast_dtype": cast_dtype}, msg)
+        self._qcheck(checks.assert_fresh_cast_exact, (op, matmul, lhs, rhs), {"cast_dtype": cast_dtype}, msg)
 
     def assertFormatMatchesReferee(
         self,

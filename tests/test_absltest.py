@@ -128,9 +128,11 @@ class AssertionsTest(testing.QuantizationAssertions, absltest.TestCase):
         def site(a, b, gs):
             return jax.lax.ragged_dot(_cast(a, jnp.float8_e4m3fn), _cast(b, jnp.float8_e4m3fn), gs)
 
-        self.assertFreshRaggedCastExact(site, lhs, rhs, sizes, cast_dtype=ml_dtypes.float8_e4m3fn)
-        with self.assertRaisesRegex(AssertionError, r"^assert_fresh_ragged_cast_exact: .*silently unquantized"):
-            self.assertFreshRaggedCastExact(jax.lax.ragged_dot, lhs, rhs, sizes, cast_dtype=ml_dtypes.float8_e4m3fn)
+        self.assertFreshCastExact(site, checks.Ragged(sizes), lhs, rhs, cast_dtype=ml_dtypes.float8_e4m3fn)
+        with self.assertRaisesRegex(AssertionError, r"^assert_fresh_cast_exact: ragged_dot differs .*silently "
+                                                    r"unquantized"):
+            self.assertFreshCastExact(jax.lax.ragged_dot, checks.Ragged(sizes), lhs, rhs,
+                                      cast_dtype=ml_dtypes.float8_e4m3fn)
 
     def test_format_matches_referee_should_pass(self):
         self.assertFormatMatchesReferee(LHS, "int8", jit=False)
@@ -138,7 +140,7 @@ class AssertionsTest(testing.QuantizationAssertions, absltest.TestCase):
     def test_format_matches_referee_should_fail_on_int8_scaled_to_128(self):
         # Op by op (jit=False): the patched module global is read at call time.
         with mock.patch.object(formats, "INT8_MAX", 128):
-            with self.assertRaisesRegex(AssertionError, r"^int8: codes differs from the referee at index"):
+            with self.assertRaisesRegex(AssertionError, r"^assert_format_matches_referee: int8: codes differs from the referee at index"):
                 self.assertFormatMatchesReferee(LHS, "int8", jit=False)
 
     def test_layer_checks_is_offered_only_with_the_library_check(self):

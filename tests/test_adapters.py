@@ -101,9 +101,9 @@ def _assert_sites_cast_exact(layer, cast_dtype) -> None:
                     lambda eqn, a, b: _site_einsum(graphdef, eqn, state, a, b), spec.eqn, lhs, rhs,
                     cast_dtype=cast_dtype)
             else:
-                checks.assert_fresh_ragged_cast_exact(
-                    lambda a, b, gs: _site_ragged_dot(graphdef, state, a, b, gs), lhs, rhs,
-                    _group_sizes(lhs.shape[0], rhs.shape[0], i), cast_dtype=cast_dtype)
+                checks.assert_fresh_cast_exact(
+                    lambda a, b, gs: _site_ragged_dot(graphdef, state, a, b, gs),
+                    checks.Ragged(_group_sizes(lhs.shape[0], rhs.shape[0], i)), lhs, rhs, cast_dtype=cast_dtype)
         except AssertionError as e:
             raise AssertionError(f"site {name!r}: {e}") from e
 
@@ -500,7 +500,7 @@ def _assert_experts_independent(recipe, label: str) -> int:
 def test_aqt_ragged_dot_shares_one_weight_scale_across_experts():
     """AQT calibrates the ragged weight over [experts, contraction] (aqtp 0.9.0: "the same scale for all the
     experts"): expert 0's weights set expert 1's scale."""
-    with pytest.raises(AssertionError, match=r"assert_ragged_groups_independent: aqt ragged_dot: scaling group 0's "
+    with pytest.raises(AssertionError, match=r"aqt ragged_dot: assert_ragged_groups_independent: scaling group 0's "
                                              r"weights by 1000 changed 7 of 7 rows of other groups .*one weight "
                                              r"scale shared across groups"):
         _assert_experts_independent(_aqt_recipe("aqt"), "aqt ragged_dot")
@@ -669,7 +669,7 @@ def test_qwix_ragged_dot_shares_one_weight_scale_across_experts():
     """qwix's ragged_dot quantizes the weight with channelwise_axes=[2] only (qwix/_src/core/ragged_dot_qt.py):
     one scale per output column across all experts (qwix 0.1.8)."""
     lhs, rhs = checks.probe_operands(0, (12, 32), (3, 32, 8))
-    with pytest.raises(AssertionError, match=r"assert_ragged_groups_independent: qwix ragged_dot: scaling group 0's "
+    with pytest.raises(AssertionError, match=r"qwix ragged_dot: assert_ragged_groups_independent: scaling group 0's "
                                              r"weights by 1000 changed 7 of 7 rows .*one weight scale shared"):
         assert_ragged_groups_independent(_qwix_ragged_dot, lhs, rhs, np.array([5, 7, 0], np.int32),
                                          label="qwix ragged_dot")
@@ -806,7 +806,7 @@ def test_qwix_int8_recipe_sparse_site_shares_one_weight_scale_across_experts():
     experts' weights together, as on a user's model (the row above)."""
     site = cases.layer(_qwix_int8_case("mixtral", "sparse")).get_einsum("wi_0")
     lhs, rhs = checks.probe_operands(0, (12, 32), (3, 32, 8))
-    with pytest.raises(AssertionError, match=r"assert_ragged_groups_independent: qwix_int8 site: scaling group 0's "
+    with pytest.raises(AssertionError, match=r"qwix_int8 site: assert_ragged_groups_independent: scaling group 0's "
                                              r"weights by 1000 changed 7 of 7 rows .*one weight scale shared"):
         assert_ragged_groups_independent(site.ragged_dot, lhs, rhs, np.array([5, 7, 0], np.int32),
                                          label="qwix_int8 site")
@@ -819,7 +819,7 @@ def test_qwix_int8_recipe_sparse_path_fails_exact_with_one_weight_scale_shared()
     experts, which the `exact` check names (declared: its matrix cell reads "known defect")."""
     from qcheck.adapters._qwix_recipe import QWIX_INT8_RAGGED_SHARED_SCALE
 
-    with pytest.raises(AssertionError, match=r"qwix_int8-gemma-sparse: assert_site_ragged_exact: site 'wi_0' "
+    with pytest.raises(AssertionError, match=r"qwix_int8-gemma-sparse: assert_site_exact: site 'wi_0' "
                                              r"ragged_dot \(int8_qwix x int8_qwix, integer matmul\): .*"
                                              + QWIX_INT8_RAGGED_SHARED_SCALE.match):
         invariants.check_exact(_qwix_int8_case("gemma", "sparse"))

@@ -744,7 +744,7 @@ CATALOGUE = [
         lambda p: MoE(MODELS["mixtral"], FlaxFp8EinsumNanoo(), rngs=nnx.Rngs(0)),
         (cast_exact(E4M3FNUZ, "site 'wi_0'.*wrong fp8 flavour"),)),
     Bug("exact_catches_the_wrong_flavour_on_the_sparse_path",
-        "the wrong e4m3 flavour on the sparse (ragged_dot) path", "`exact` via `assert_fresh_ragged_cast_exact`",
+        "the wrong e4m3 flavour on the sparse (ragged_dot) path", "`exact` via `assert_fresh_cast_exact` on `Ragged`",
         lambda p: cases.layer(cases.Case("fp8", SPARSE)),
         (cast_exact(E4M3FNUZ, "ragged_dot differs.*wrong fp8 flavour"),)),
     Bug("exact_catches_a_cast_without_saturation",

@@ -152,10 +152,10 @@ def test_fresh_cast_exact_rejects_a_non_fp8_cast_dtype(bad):
 def test_fresh_ragged_cast_exact_should_pass_and_fail():
     lhs, rhs = checks.probe_operands(1, (12, 32), (3, 32, 16))
     sizes = np.array([5, 7, 0], np.int32)
-    checks.assert_fresh_ragged_cast_exact(
-        fresh_site("nanoo_fp8").ragged_dot, lhs, rhs, sizes, cast_dtype=E4M3FNUZ)
-    with pytest.raises(AssertionError, match="ragged_dot differs .*silently unquantized"):
-        checks.assert_fresh_ragged_cast_exact(jax.lax.ragged_dot, lhs, rhs, sizes, cast_dtype=E4M3FNUZ)
+    checks.assert_fresh_cast_exact(
+        fresh_site("nanoo_fp8").ragged_dot, checks.Ragged(sizes), lhs, rhs, cast_dtype=E4M3FNUZ)
+    with pytest.raises(AssertionError, match="^assert_fresh_cast_exact: ragged_dot differs .*silently unquantized"):
+        checks.assert_fresh_cast_exact(jax.lax.ragged_dot, checks.Ragged(sizes), lhs, rhs, cast_dtype=E4M3FNUZ)
 
 
 def test_cast_reference_saturates_instead_of_overflowing_to_nan():

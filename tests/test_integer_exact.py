@@ -19,7 +19,8 @@ from flax import nnx
 import qcheck
 from qcheck import referees
 from qcheck.referees._integer import SCALE_ORDERS, dot_general_lhs, integer_einsum
-from qcheck.checks._site import assert_site_exact, assert_site_ragged_exact, probe_site_operands
+from qcheck.checks import Ragged
+from qcheck.checks._site import assert_site_exact, probe_site_operands
 from qcheck.layers.bridge import QuantSite
 from qcheck.recipes import einsum_axes
 from qcheck.recipes._axes import RAGGED_AXES
@@ -66,14 +67,14 @@ def test_dot_general_lhs_follows_jnp_einsum(site, eqn, lhs_shape, rhs_shape, fir
 @pytest.mark.parametrize("site, eqn, lhs_shape, rhs_shape, first", SITES)
 def test_aqt_einsum_exact_in_integer_arithmetic_should_pass(site, eqn, lhs_shape, rhs_shape, first):
     lhs, rhs = _probes(eqn, lhs_shape, rhs_shape)
-    assert_site_exact(_aqt_site(), eqn, lhs, rhs, site=site, matmul="integer", **FMT)
+    assert_site_exact(_aqt_site(), eqn, lhs, rhs, site=site, arithmetic="integer", **FMT)
 
 
 def test_aqt_ragged_via_einsum_exact_in_integer_arithmetic_should_pass():
     lhs, rhs = probe_site_operands(3, (16, 32), (4, 32, 8), RAGGED_AXES)
     graphdef, state = nnx.split(QuantSite(aqt_int8(), "wi_0", rngs=nnx.Rngs(0)))
-    assert_site_ragged_exact(lambda a, b, gs: _site_ragged_dot(graphdef, state, a, b, gs), lhs, rhs,
-                             probe_group_sizes(16, 4, 3), matmul="integer", **FMT)
+    assert_site_exact(lambda a, b, gs: _site_ragged_dot(graphdef, state, a, b, gs), Ragged(probe_group_sizes(16, 4, 3)),
+                      lhs, rhs, arithmetic="integer", **FMT)
 
 
 @pytest.mark.parametrize("site, eqn, lhs_shape, rhs_shape, first", SITES)
@@ -103,7 +104,7 @@ def _scales_in_the_other_order(eqn, a, b):
 
 @pytest.mark.parametrize(
     "bug, match",
-    [(_float_matmul_of_dequantized, r"it equals the float32 matmul of the dequantized operands \(matmul='float'\) "
+    [(_float_matmul_of_dequantized, r"it equals the float32 matmul of the dequantized operands \(arithmetic='float'\) "
                                     r"bitwise"),
      (_scales_in_the_other_order, r"it equals the scales applied in the other order \(dot_general rhs first\) "
                                   r"bitwise")],
@@ -113,7 +114,7 @@ def test_integer_exact_names_the_bug_should_fail(bug, match, site, eqn, lhs_shap
     lhs, rhs = _probes(eqn, lhs_shape, rhs_shape)
     with pytest.raises(AssertionError, match=rf"assert_site_exact: site '{site}' einsum .*\(int8_aqt x int8_aqt, "
                                              rf"integer matmul\): differs .*; {match}"):
-        assert_site_exact(bug, eqn, lhs, rhs, site=site, matmul="integer", **FMT)
+        assert_site_exact(bug, eqn, lhs, rhs, site=site, arithmetic="integer", **FMT)
 
 
 def test_aqt_ragged_dot_shared_weight_scale_fails_exact_naming_it():
@@ -121,15 +122,15 @@ def test_aqt_ragged_dot_shared_weight_scale_fails_exact_naming_it():
     with pytest.raises(AssertionError, match=r"ragged_dot \(int8_aqt x int8_aqt, integer matmul\): differs .*it "
                                              r"equals rhs with one weight scale shared across groups \(calibrated "
                                              r"over groups and contraction\), in integer arithmetic bitwise"):
-        assert_site_ragged_exact(_aqt_site(ragged=True), lhs, rhs, probe_group_sizes(16, 4, 3), matmul="integer",
-                                 **FMT)
+        assert_site_exact(_aqt_site(ragged=True), Ragged(probe_group_sizes(16, 4, 3)), lhs, rhs, arithmetic="integer",
+                          **FMT)
 
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [(dict(matmul="fixed"), r"unknown matmul 'fixed'; valid: float, integer"),
-     (dict(matmul="integer", lhs_format="e4m3fn", rhs_format="int8_aqt"),
-      r"matmul='integer' needs integer formats \(int8, int8_aqt, int8_qwix\), got e4m3fn")],
+    [(dict(arithmetic="fixed"), r"unknown arithmetic 'fixed'; valid: float, integer"),
+     (dict(arithmetic="integer", lhs_format="e4m3fn", rhs_format="int8_aqt"),
+      r"arithmetic='integer' needs integer formats \(int8, int8_aqt, int8_qwix\), got e4m3fn")],
 )
 def test_integer_exact_bad_input(kwargs, match):
     eqn, lhs_shape, rhs_shape = SITES[0][1:4]
@@ -158,4 +159,4 @@ def test_float_exact_names_a_weight_scale_shared_across_groups_should_fail():
     with pytest.raises(AssertionError, match=r"ragged_dot \(int8 x int8\): differs .*it equals rhs with one weight "
                                              r"scale shared across groups \(calibrated over groups and contraction\) "
                                              r"bitwise"):
-        assert_site_ragged_exact(shared, lhs, rhs, probe_group_sizes(16, 4, 3), lhs_format="int8", rhs_format="int8")
+        assert_site_exact(shared, Ragged(probe_group_sizes(16, 4, 3)), lhs, rhs, lhs_format="int8", rhs_format="int8")

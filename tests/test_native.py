@@ -40,7 +40,8 @@ def test_a_gemm_that_did_not_quantize_fails():
 
 def test_a_gemm_in_the_wrong_fp8_flavour_fails():
     lhs, rhs = native_operands()
-    with pytest.raises(AssertionError, match=r"e4m3fn: native differs from the emulation by relative norm"):
+    with pytest.raises(AssertionError, match=r"e4m3fn: assert_native_matches_emulation: native differs from the "
+                                             r"emulation by relative norm"):
         checks.assert_native_matches_emulation(
             fp8_einsum_jit("float8_e4m3fnuz")(lhs, rhs),
             native.emulate_fp8_einsum(NATIVE_EQN, lhs, rhs, dtype="float8_e4m3fn"),
@@ -82,7 +83,7 @@ def test_nvfp4_without_its_tensor_scales_fails():
                                         qr.scales["block"][None])[0]
 
     forgot = forgot_the_tensor_scales(lhs, rhs)
-    with pytest.raises(AssertionError, match="nvfp4: native differs from the emulation"):
+    with pytest.raises(AssertionError, match="nvfp4: assert_native_matches_emulation: native differs from the emulation"):
         checks.assert_native_matches_emulation(forgot, native.emulate_block_scaled_matmul(lhs, rhs, "nvfp4"),
                                                unquantized_product(lhs, rhs), label="nvfp4")
 

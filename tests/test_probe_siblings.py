@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import qcheck
 from qcheck import checks, formats, referees
-from qcheck.checks._site import _NEIGHBOURS, PARTING_BINADES, probe_site_operands
+from qcheck.checks._site import NEIGHBOURS, PARTING_BINADES, probe_site_operands
 from qcheck.layers.moe import MODELS, MoE
 from qcheck.recipes import einsum_axes, registered
 from qcheck.recipes._axes import RAGGED_AXES
@@ -36,7 +36,7 @@ from qcheck.suite._site_programs import probe_group_sizes
 
 FTZ = jax.default_backend() == "cpu"  # as the check's referee: XLA's CPU backend flushes float32 subnormals
 # Every (format, sibling) the check rules out; nvfp4 has none, and is held by the should-pass below.
-PAIRS = [(fmt, other) for fmt, others in _NEIGHBOURS.items() for other in others]
+PAIRS = [(fmt, other) for fmt, others in NEIGHBOURS.items() for other in others]
 
 
 def _specs(ragged: bool):
@@ -80,8 +80,8 @@ def _bits(x):
 
 
 def test_every_format_qcheck_knows_has_its_siblings_declared():
-    assert set(_NEIGHBOURS) == set(formats.format_names()) == set(referees.referee_format_names())
-    assert set(PARTING_BINADES) <= set(_NEIGHBOURS)
+    assert set(NEIGHBOURS) == set(formats.format_names()) == set(referees.referee_format_names())
+    assert set(PARTING_BINADES) <= set(NEIGHBOURS)
 
 
 @pytest.mark.parametrize("form", sorted(SPECS))
@@ -90,10 +90,10 @@ def test_probes_part_every_format_from_its_sibling(form, seed, pick):
     eqn, lhs_shape, rhs_shape = SPECS[form][pick % len(SPECS[form])]
     axes = _axes(eqn, lhs_shape, rhs_shape)
     sizes = None if eqn is not None else probe_group_sizes(lhs_shape[0], rhs_shape[0], seed)
-    for fmt in _NEIGHBOURS:
+    for fmt in NEIGHBOURS:
         lhs, rhs = probe_site_operands(seed, lhs_shape, rhs_shape, axes, lhs_format=fmt, rhs_format=fmt)
         want = _bits(_reference(eqn, sizes, axes, lhs, rhs, fmt, fmt))
-        for other in _NEIGHBOURS[fmt]:
+        for other in NEIGHBOURS[fmt]:
             for bug, (lf, rf) in (("lhs", (other, fmt)), ("rhs", (fmt, other)), ("both", (other, other))):
                 got = _bits(_reference(eqn, sizes, axes, lhs, rhs, lf, rf))
                 assert not np.array_equal(got, want), (
@@ -124,7 +124,7 @@ def test_xla_casts_the_parting_binade_as_the_referee_does(fmt):
     x = (np.exp2(np.linspace(lo, hi, 257)[:-1]) * np.resize([1.0, -1.0], 256)).astype(np.float32)
     got = np.asarray(jax.jit(lambda a: formats.qdq(a, fmt))(x))
     assert np.array_equal(_bits(got), _bits(referees.reference_qdq(x, fmt, ftz=FTZ)))
-    other = _NEIGHBOURS[fmt][0]
+    other = NEIGHBOURS[fmt][0]
     assert np.mean(referees.reference_qdq(x, fmt) != referees.reference_qdq(x, other)) > 0.4
 
 
@@ -202,9 +202,9 @@ def test_fresh_cast_exact_should_pass_on_the_e5m2_flavour_and_fail_on_its_siblin
         checks.assert_fresh_cast_exact(_cast_einsum(sibling), "tm,mh->th", lhs, rhs, cast_dtype=flavour)
     lhs, rhs = checks.probe_operands(1, (24, 32), (4, 32, 8), cast_dtype=flavour, contract=((1,), (1,)))
     sizes = np.array([10, 6, 8, 0], np.int32)
-    checks.assert_fresh_ragged_cast_exact(_cast_ragged(flavour), lhs, rhs, sizes, cast_dtype=flavour)
+    checks.assert_fresh_cast_exact(_cast_ragged(flavour), checks.Ragged(sizes), lhs, rhs, cast_dtype=flavour)
     with pytest.raises(AssertionError, match=rf"ragged_dot differs .*{sibling.name}-cast reference bitwise"):
-        checks.assert_fresh_ragged_cast_exact(_cast_ragged(sibling), lhs, rhs, sizes, cast_dtype=flavour)
+        checks.assert_fresh_cast_exact(_cast_ragged(sibling), checks.Ragged(sizes), lhs, rhs, cast_dtype=flavour)
 
 
 def test_fresh_cast_exact_refuses_the_plain_probes_for_e5m2_and_probe_operands_asks_for_contract():

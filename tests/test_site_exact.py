@@ -10,10 +10,10 @@ from flax import nnx
 
 from qcheck import formats, get_recipe, referees
 from qcheck.referees._libraries import LIBRARY_RULES
+from qcheck.checks import Ragged
 from qcheck.checks._site import (
     assert_layer_sites_exact,
     assert_site_exact,
-    assert_site_ragged_exact,
     operand_formats,
     probe_site_operands,
 )
@@ -89,7 +89,7 @@ def test_library_rules_name_a_failure_but_never_refuse_operands():
         assert_site_exact(_site("mxfp8", None), EQN, lhs, rhs, lhs_format="mxfp8", rhs_format="mxfp8", site="s")
 
 
-def test_assert_site_ragged_exact_should_pass_and_fail():
+def test_assert_site_exact_on_ragged_should_pass_and_fail():
     lhs, rhs = probe_site_operands(1, (128, 32), (8, 32, 64), RAGGED_AXES)
     sizes = np.array([20, 0, 30, 10, 40, 8, 20, 0], np.int32)
 
@@ -97,9 +97,9 @@ def test_assert_site_ragged_exact_should_pass_and_fail():
         return jax.jit(lambda a, b, gs: jax.lax.ragged_dot(formats.qdq(a, "int8", axis=1),
                                                            formats.qdq(b, fmt_r, axis=1), gs))
 
-    assert_site_ragged_exact(site("int8"), lhs, rhs, sizes, lhs_format="int8", rhs_format="int8", site="r")
+    assert_site_exact(site("int8"), Ragged(sizes), lhs, rhs, lhs_format="int8", rhs_format="int8", site="r")
     with pytest.raises(AssertionError, match=r"site 'r' ragged_dot \(int8 x int8\).*rhs in int8_qwix instead"):
-        assert_site_ragged_exact(site("int8_qwix"), lhs, rhs, sizes, lhs_format="int8", rhs_format="int8", site="r")
+        assert_site_exact(site("int8_qwix"), Ragged(sizes), lhs, rhs, lhs_format="int8", rhs_format="int8", site="r")
 
 
 def test_assert_site_exact_refuses_operands_that_cannot_tell_bugs_apart():

@@ -378,15 +378,16 @@ def _prefix_of(package: str) -> str | None:
 
 
 def _machinery_prefixes(extra: tuple[str, ...] = ()) -> tuple[str, ...]:
-    here = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    qcheck = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    checks = qcheck + "checks" + os.sep
+    here = os.path.dirname(os.path.abspath(__file__)) + os.sep  # qcheck/_coverage/
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # qcheck/
     packages = [p for p in (_prefix_of(name) for name in (*MACHINERY, *extra)) if p]
+    # qcheck's own layers of a call site (the checks, the recipes' sites, the bridge, the formats): a
+    # matmul is located at the user's line that reached them, not inside them.
     return (
         *packages,
         os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep,
-        here, qcheck + "recipes" + os.sep, qcheck + os.path.join("layers", "bridge.py"), qcheck + "formats.py",
-        *(checks + f for f in ("_tracks.py", "_fresh.py", "_native_gemm.py", "_programs.py", "_layer.py")),
+        here, root + "checks" + os.sep, root + "recipes" + os.sep,
+        root + "layers" + os.sep + "bridge.py", root + "formats.py",
     )
 
 

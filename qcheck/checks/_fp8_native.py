@@ -23,6 +23,7 @@ import numpy as np
 
 from qcheck import formats
 from qcheck._coverage import MatmulRecord, coverage
+from qcheck.checks._assertion import assertion
 from qcheck.hardware import fp8_target_dtypes
 
 __all__ = ["assert_fp8_dtypes_native", "assert_recipe_fp8_native", "declared_fp8_dtypes", "declared_operand_fp8_dtypes"]
@@ -63,7 +64,7 @@ def declared_fp8_dtypes(recipe: Any) -> dict[str, set[str]]:
 def declared_operand_fp8_dtypes(recipe: Any) -> set[str]:
     """The fp8 types ``recipe`` declares its matmul operands' codes in (not scales): what a trace must show.
 
-    ``lhs``/``rhs`` codes and ``reference.cast_dtype``. NVFP4 declares none (e2m1 codes;
+    ``lhs``/``rhs`` codes and ``cast_dtype``. NVFP4 declares none (e2m1 codes;
     its e4m3 block scales divide, which the coverage map does not follow).
     """
     out = set()
@@ -79,7 +80,8 @@ def _target(target: str, native: frozenset[str]) -> str:
     return f"target {target!r} (native fp8: {', '.join(sorted(native))})"
 
 
-def assert_recipe_fp8_native(recipe: Any, target: str | None = None) -> dict[str, set[str]]:
+@assertion
+def assert_recipe_fp8_native(recipe: Any, target: str | None = None, *, label: str = "") -> dict[str, set[str]]:
     """Assert every fp8 type ``recipe`` declares is native to ``target`` (default: ``recipe.expect.fp8_target``).
 
     Cheap (shapes only): it catches a declaration slip before any layer runs.
@@ -87,24 +89,26 @@ def assert_recipe_fp8_native(recipe: Any, target: str | None = None) -> dict[str
     """
     target = getattr(getattr(recipe, "expect", None), "fp8_target", None) if target is None else target
     if target is None:
-        raise ValueError(f"assert_recipe_fp8_native: recipe {getattr(recipe, 'name', recipe)!r} declares no "
+        raise ValueError(f"recipe {getattr(recipe, 'name', recipe)!r} declares no "
                          "fp8_target; pass target=")
     native = fp8_target_dtypes(target)
     declared = declared_fp8_dtypes(recipe)
     bad = [f"{arg} {t}" for arg, types in declared.items() for t in sorted(types - native)]
     if bad:
         raise AssertionError(
-            f"assert_recipe_fp8_native: recipe {getattr(recipe, 'name', recipe)!r} declares fp8 types not native "
+            f"recipe {getattr(recipe, 'name', recipe)!r} declares fp8 types not native "
             f"to its {_target(target, native)}: {', '.join(bad)}")
     return declared
 
 
+@assertion
 def assert_fp8_dtypes_native(
     fn: Callable[..., Any],
     *args: Any,
     target: str,
     skip: Callable[[MatmulRecord], bool] | None = None,
     backward: bool = True,
+    label: str = "",
     **kwargs: Any,
 ) -> list[MatmulRecord]:
     """Assert every fp8 type ``fn``'s matmul operands are cast to, forward and backward, is native to ``target``.
@@ -120,7 +124,7 @@ def assert_fp8_dtypes_native(
     """
     native = fp8_target_dtypes(target)
     if skip is not None and not callable(skip):
-        raise TypeError(f"assert_fp8_dtypes_native: skip must be a callable (record) -> bool, "
+        raise TypeError(f"skip must be a callable (record) -> bool, "
                         f"got {type(skip).__name__}")
     records = coverage(fn, *args, backward=backward, **kwargs)
     lines: list[str] = []
@@ -138,11 +142,11 @@ def assert_fp8_dtypes_native(
                     lines.append(line)
     if lines:
         raise AssertionError(
-            f"assert_fp8_dtypes_native: {len(lines)} operand casts to fp8 types not native to "
+            f"{len(lines)} operand casts to fp8 types not native to "
             f"{_target(target, native)}:\n" + "\n".join(lines))
     if not found:
         # Nothing to hold to the target: a check that saw nothing must not pass.
         raise ValueError(
-            f"assert_fp8_dtypes_native: none of the {len(records)} matmuls takes an operand cast to an fp8 type "
+            f"none of the {len(records)} matmuls takes an operand cast to an fp8 type "
             f"({', '.join(formats.FP8_DTYPES)}); nothing to check against target {target!r}")
     return records

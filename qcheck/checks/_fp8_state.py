@@ -22,11 +22,11 @@ import numpy as np
 from flax import nnx
 from flax.linen import fp8_ops
 
+from qcheck.checks._assertion import assertion
 from qcheck.layers.bridge import Fp8Meta
 
-__all__ = ["assert_fp8_state_matches", "fp8_state"]
+__all__ = ["assert_fp8_state_matches", "fp8_state", "history_rolls"]
 
-_CHECK = "assert_fp8_state_matches"
 _OWG = fp8_ops.OVERWRITE_WITH_GRADIENT
 #: Above this a relative tolerance would admit the bugs the check exists for
 #: (a sum over 2 microbatches is a factor 2, a clip factor well below 1).
@@ -118,13 +118,13 @@ def _run(step: Callable[[Any, Any], Any], name: str, state: Any, batch: Any) -> 
     new = step(mine, batch)
     if new is None:
         if not isinstance(mine, nnx.Module):
-            raise TypeError(f"{_CHECK}: {name} returned None; a step returns the new state "
+            raise TypeError(f"{name} returned None; a step returns the new state "
                             "(or updates an NNX module it is given in place)")
         new = mine
     return new
 
 
-def _rolls(before: np.ndarray, after: np.ndarray, most: int = 64) -> int | None:
+def history_rolls(before: np.ndarray, after: np.ndarray, most: int = 64) -> int | None:
     """How many times Flax's update (roll by -1, newest at 0) turns ``before`` into ``after``; None if none fits."""
     n = before.shape[0]
     if np.array_equal(before, after):
@@ -192,6 +192,7 @@ def _close(a: np.ndarray, b: np.ndarray, rtol: float) -> np.ndarray:
     return (np.abs(a64 - b64) <= rtol * np.abs(a64)) | ((a64 == b64) | (np.isnan(a64) & np.isnan(b64)))
 
 
+@assertion
 def assert_fp8_state_matches(
     step_a: Callable[[Any, Any], Any],
     step_b: Callable[[Any, Any], Any],
@@ -231,22 +232,20 @@ def assert_fp8_state_matches(
     differing leaf, both figures at its first differing entry, their ratio
     and the likely cause. Returns the fp8 state after ``step_a``.
     """
-    __tracebackhide__ = True
-    prefix = f"{label}: {_CHECK}" if label else _CHECK
     for name, step in (("step_a", step_a), ("step_b", step_b)):
         if not callable(step):
-            raise TypeError(f"{_CHECK}: {name} must be a callable step(state, batch) -> new_state, "
+            raise TypeError(f"{name} must be a callable step(state, batch) -> new_state, "
                             f"got {type(step).__name__}")
     if not (isinstance(rtol, (int, float)) and 0 <= rtol <= MAX_RTOL):
-        raise ValueError(f"{_CHECK}: rtol must be a number in [0, {MAX_RTOL:g}], got {rtol!r} (a larger "
+        raise ValueError(f"rtol must be a number in [0, {MAX_RTOL:g}], got {rtol!r} (a larger "
                          "tolerance would admit a clip factor or a sum over microbatches)")
     try:
         before = fp8_state(state)
     except ValueError as e:
-        raise ValueError(f"{_CHECK}: state: {e}") from None
+        raise ValueError(f"state: {e}") from None
     params_before = _params(state)
     if not params_before:
-        raise ValueError(f"{_CHECK}: state holds no floating-point parameters besides its fp8 state")
+        raise ValueError("state holds no floating-point parameters besides its fp8 state")
 
     after: dict[str, dict[str, np.ndarray]] = {}
     for name, step in (("step_a", step_a), ("step_b", step_b)):
@@ -254,14 +253,14 @@ def assert_fp8_state_matches(
         got = fp8_state(new, required=False)
         if sorted(got) != sorted(before):
             missing, extra = sorted(set(before) - set(got)), sorted(set(got) - set(before))
-            raise AssertionError(f"{prefix}: {name}'s new state holds other fp8 leaves than the state it was given "
+            raise AssertionError(f"{name}'s new state holds other fp8 leaves than the state it was given "
                                  f"(missing {missing or 'none'}, new {extra or 'none'})")
         params = _params(new)
         if not any(k in params_before and not np.array_equal(params[k], params_before[k]) for k in params):
-            raise AssertionError(f"{prefix}: {name} moved no parameter ({len(params_before)} leaves): a step that "
+            raise AssertionError(f"{name} moved no parameter ({len(params_before)} leaves): a step that "
                                  "changes nothing passes nothing")
         if all(np.array_equal(got[k], before[k]) for k in before):
-            raise AssertionError(f"{prefix}: {name} left all {len(before)} fp8 leaves as they were: the fp8 state "
+            raise AssertionError(f"{name} left all {len(before)} fp8 leaves as they were: the fp8 state "
                                  "was not written back (dropped from the step's result?)")
         after[name] = got
 
@@ -283,7 +282,7 @@ def assert_fp8_state_matches(
         roll = None
         if key.endswith("history") and a.ndim == 1:
             # Only a clean count explains it: a history scaled as a whole is no roll at all.
-            ka, kb = _rolls(before[key], a), _rolls(before[key], b)
+            ka, kb = history_rolls(before[key], a), history_rolls(before[key], b)
             if None not in (ka, kb) and ka != kb:
                 roll = (f"step_a rolled it {ka} time(s), step_b {kb}: history "
                         f"{'not rolled' if kb == 0 else f'rolled {kb} times'} in one step "
@@ -305,5 +304,5 @@ def assert_fp8_state_matches(
     shown = lines[:12] + ([f"... and {len(lines) - 12} more"] if len(lines) > 12 else [])
     tolerance = "bitwise" if rtol == 0 else f"rtol {rtol:g}"
     cause = f"; likely cause: {pattern}" if pattern else ""
-    raise AssertionError(f"{prefix}: {len(rows)} of {len(before)} fp8 leaves differ between step_a and step_b "
+    raise AssertionError(f"{len(rows)} of {len(before)} fp8 leaves differ between step_a and step_b "
                          f"({tolerance}){cause}:\n  " + "\n  ".join(shown))

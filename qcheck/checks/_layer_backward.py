@@ -30,9 +30,13 @@ import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike
 
-from qcheck.checks import _backward
-from qcheck.recipes import Recipe, einsum_axes, get_recipe
-from qcheck.recipes._axes import RAGGED_AXES
+from qcheck.checks._assertion import assertion
+from qcheck.checks._backward import assert_grad_equal, backend_qdq, expectations, grad_operand_formats, grad_operands
+from qcheck.checks._bits import bits, bitwise_equal
+from qcheck.checks._matmul import of_call
+from qcheck.checks._probes import probe_grad
+from qcheck.checks._site import record_site_calls
+from qcheck.recipes import Recipe, get_recipe
 
 __all__ = ["SiteGradCall", "assert_layer_sites_backward_exact", "assert_site_grad_calls_exact",
            "record_site_grads", "through_layer_applies"]
@@ -97,7 +101,7 @@ def record_site_grads(layer: nnx.Module, x: jax.Array, g: jax.Array) -> list[Sit
     def run(taps, params):
         copy = nnx.merge(graphdef, params, rest, copy=True)
         log: dict = {}
-        object.__setattr__(copy, "sites", {n: _Tap(copy.sites[n], n, taps, log) for n in names})
+        copy.sites = {n: _Tap(copy.sites[n], n, taps, log) for n in names}  # as record_site_calls does
         return copy(x), log
 
     shapes = _call_shapes(nnx.graphdef(layer), nnx.state(layer), x, names)
@@ -114,8 +118,6 @@ def record_site_grads(layer: nnx.Module, x: jax.Array, g: jax.Array) -> list[Sit
 
 
 def _call_shapes(graphdef, state, x, names: Sequence[str]) -> dict[str, tuple]:
-    from qcheck.checks._site import record_site_calls
-
     out = jax.eval_shape(lambda s: record_site_calls(nnx.merge(graphdef, s, copy=True), x)[1], state)
     shapes = {}
     for call in out:
@@ -133,23 +135,24 @@ def _record(graphdef, state, x, g):
     return record_site_grads(nnx.merge(graphdef, state, copy=True), x, g)
 
 
+@assertion
 def assert_layer_sites_backward_exact(layer: nnx.Module, x: ArrayLike, recipe: Recipe | str, *,
                                       g: ArrayLike | None = None, label: str = "") -> None:
     """Every site's gradients in one backward pass of a fresh ``layer(x)`` equal the referee's, bitwise.
 
     One jitted program (:func:`record_site_grads`); ``g`` is the layer output's
-    gradient (default :func:`qcheck.checks._backward.probe_grad`, whose small values
+    gradient (default :func:`qcheck.checks._probes.probe_grad`, whose small values
     part the gradient flavours). See :func:`assert_site_grad_calls_exact`.
     """
-    __tracebackhide__ = True
     recipe = get_recipe(recipe)
     graphdef, state = nnx.split(layer)
     if g is None:
-        g = _backward.probe_grad(7, tuple(jax.eval_shape(lambda: layer(x)).shape))
+        g = probe_grad(7, tuple(jax.eval_shape(lambda: layer(x)).shape))
     calls = _record(graphdef, state, x, jax.device_put(np.asarray(g, np.float32)))
     assert_site_grad_calls_exact(calls, recipe, label=label)
 
 
+@assertion(name="assert_layer_sites_backward_exact")
 def assert_site_grad_calls_exact(calls: Sequence[SiteGradCall], recipe: Recipe | str, *, label: str = "") -> None:
     """Each recorded call's DGRAD and WGRAD equal the gradient matmuls of its referee-quantized operands and ``g``.
 
@@ -158,41 +161,31 @@ def assert_site_grad_calls_exact(calls: Sequence[SiteGradCall], recipe: Recipe |
     (``g`` unquantized, in the other flavour, along the other gradient's axes;
     the operands unquantized).
     """
-    __tracebackhide__ = True
-    check = "assert_layer_sites_backward_exact"
-    where = f"{label}: " if label else ""
     recipe = get_recipe(recipe)
     if not through_layer_applies(recipe):
-        raise ValueError(f"{check}: recipe {recipe.name!r} rounds DGRAD stochastically from the site's own stream, "
+        raise ValueError(f"recipe {recipe.name!r} rounds DGRAD stochastically from the site's own stream, "
                          "which a layer's backward pass does not expose; hold it on probes")
-    lhs_fmt, rhs_fmt = _backward._operand_formats(recipe)
+    lhs_fmt, rhs_fmt = grad_operand_formats(recipe)
     for call in calls:
         lhs, rhs, g = (np.asarray(a) for a in (call.lhs, call.rhs, call.g))
-        axes = einsum_axes(call.eqn, lhs.ndim, rhs.ndim) if call.eqn is not None else RAGGED_AXES
-        sizes = None if call.group_sizes is None else np.asarray(call.group_sizes)
-        q_lhs, q_rhs = _backward._qdq(lhs, lhs_fmt, axes.lhs), _backward._qdq(rhs, rhs_fmt, axes.rhs)
-        dgrad, wgrad = _backward._expectations(recipe, axes, g, None, None)
-
-        def matmuls(a, b, gd, gw, eqn=call.eqn, sizes=sizes):
-            d, w = (_backward._einsum_grad_matmuls(eqn, a, b, gd, gw) if eqn is not None
-                    else _backward._ragged_grad_matmuls(a, b, sizes, gd, gw))
-            return np.asarray(d), np.asarray(w)
-
-        (a, b), other, (other_a, other_b) = _backward.grad_operands(recipe, lhs, rhs, q_lhs, q_rhs)
-        want = matmuls(a, b, dgrad.g, wgrad.g)
+        mm = of_call(call.eqn, call.group_sizes)
+        axes = mm.axes(lhs.ndim, rhs.ndim)
+        q_lhs, q_rhs = backend_qdq(lhs, lhs_fmt, axes.lhs), backend_qdq(rhs, rhs_fmt, axes.rhs)
+        dgrad, wgrad = expectations(recipe, axes, g, None, None)
+        (a, b), other, (other_a, other_b) = grad_operands(recipe, lhs, rhs, q_lhs, q_rhs)
+        want = mm.grad_matmuls(a, b, dgrad.g, wgrad.g)
         got = (np.asarray(call.dgrad), np.asarray(call.wgrad))
-        if call.weight_grad is not None and not _backward._equal(w := np.asarray(call.weight_grad), got[1]):
-            off = int(np.sum(_backward._bits(w) != _backward._bits(got[1]))) if w.shape == got[1].shape else w.size
+        if call.weight_grad is not None and not bitwise_equal(w := np.asarray(call.weight_grad), got[1]):
+            off = int(np.sum(bits(w) != bits(got[1]))) if w.shape == got[1].shape else w.size
             raise AssertionError(
-                f"{where}{check}: the layer's gradient of its parameter {call.site!r} is not the gradient its site "
+                f"the layer's gradient of its parameter {call.site!r} is not the gradient its site "
                 f"gave (they differ at {off} of {w.size} elements; the site's is {'all zeros' if not got[1].any() else 'nonzero'}): "
                 "the layer takes that weight's gradient from elsewhere (a straight-through path around the site?)")
         for i, (which, exp) in enumerate((("dgrad", dgrad), ("wgrad", wgrad))):
-            if _backward._equal(got[i], want[i]):
+            if bitwise_equal(got[i], want[i]):
                 continue
-            bugs = {desc: matmuls(a, b, *((bug, wgrad.g) if i == 0 else (dgrad.g, bug)))[i]
+            bugs = {desc: mm.grad_matmuls(a, b, *((bug, wgrad.g) if i == 0 else (dgrad.g, bug)))[i]
                     for desc, bug in exp.neighbours.items()}
-            bugs[other] = matmuls(other_a, other_b, dgrad.g, wgrad.g)[i]
-            what = "einsum " + repr(call.eqn) if call.eqn is not None else "ragged_dot"
-            _backward._assert_equal(f"{where}{check}: site {call.site!r} {what} {which} in the layer's backward "
-                                    f"({exp.what})", got[i], want[i], bugs)
+            bugs[other] = mm.grad_matmuls(other_a, other_b, dgrad.g, wgrad.g)[i]
+            assert_grad_equal(f"site {call.site!r} {mm.what} {which} in the layer's backward ({exp.what})",
+                              got[i], want[i], bugs)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 from jax.typing import ArrayLike
 
+from qcheck.checks._assertion import assertion
+from qcheck.checks._figures import Figures
 from qcheck.checks._tracks import count_nonfinite, concrete, rel_norm
 
 __all__ = ["NATIVE_GEMM_TOL", "assert_native_matches_emulation"]
@@ -19,6 +21,7 @@ __all__ = ["NATIVE_GEMM_TOL", "assert_native_matches_emulation"]
 NATIVE_GEMM_TOL = 2.0**-8
 
 
+@assertion
 def assert_native_matches_emulation(
     native: ArrayLike,
     emulated: ArrayLike,
@@ -26,7 +29,7 @@ def assert_native_matches_emulation(
     *,
     tol: float = NATIVE_GEMM_TOL,
     label: str = "",
-) -> float:
+) -> Figures:
     """Assert a native low-precision GEMM's result matches the emulation of the same codes within ``tol``.
 
     ``emulated`` is the same product computed from the same codes on the host
@@ -34,24 +37,23 @@ def assert_native_matches_emulation(
     operands. The control: the operands must set ``unquantized`` more than
     4·``tol`` apart from ``emulated`` (else a ValueError), so a native path that
     silently multiplied in full precision cannot pass. Returns
-    rel_norm(native, emulated).
+    rel_norm(native, emulated) (:class:`~qcheck.checks.Figures`: ``rel_norm``, and ``gap``, the
+    unquantized product's distance from the emulation).
     """
-    __tracebackhide__ = True
-    where = f"{label}: " if label else ""
     n, e, u = (concrete(x, w).astype(np.float64) for x, w in
                ((native, "native"), (emulated, "emulated"), (unquantized, "unquantized")))
     if not n.shape == e.shape == u.shape:
-        raise AssertionError(f"{where}native has shape {n.shape}, emulated {e.shape}, unquantized {u.shape}")
+        raise AssertionError(f"native has shape {n.shape}, emulated {e.shape}, unquantized {u.shape}")
     if (bad := count_nonfinite(n)) > 0:
-        raise AssertionError(f"{where}native has {bad} non-finite values out of {n.size}")
+        raise AssertionError(f"native has {bad} non-finite values out of {n.size}")
     if not (gap := rel_norm(u, e)) > 4 * tol:
-        raise ValueError(f"{where}the operands cannot tell quantized from unquantized: the unquantized product "
+        raise ValueError(f"the operands cannot tell quantized from unquantized: the unquantized product "
                          f"is {gap:.3g} from the emulation, not more than 4 × {tol:.3g}")
     figure = rel_norm(n, e)
     if figure <= tol:
-        return figure
+        return Figures(figure, rel_norm=figure, gap=gap)
     if rel_norm(n, u) <= tol:
         why = "it matches the unquantized product instead (the GEMM did not quantize?)"
     else:
         why = "another format, scale or rounding?"
-    raise AssertionError(f"{where}native differs from the emulation by relative norm {figure:.3g} > {tol:.3g}; {why}")
+    raise AssertionError(f"native differs from the emulation by relative norm {figure:.3g} > {tol:.3g}; {why}")

@@ -9,6 +9,9 @@ from typing import Any
 
 import jax
 
+from qcheck.checks._assertion import assertion
+from qcheck.checks._compiles import counting_compilations
+
 _HLO_PARAM = re.compile(r"=\s*([a-z][a-z0-9]*)\[[^\]]*\](?:\{[^}]*\})?\s+parameter\(\d+\)")
 _MLIR_TENSOR = re.compile(r"tensor<(?:[0-9?]+x)*([a-z][a-z0-9]*)>")
 
@@ -61,6 +64,7 @@ def lowered_entry_params(lowered: jax.stages.Lowered, *, compile: bool = False) 
     return {**dict(sorted(counts.items())), "total": sum(counts.values())}
 
 
+@assertion
 def assert_no_recompiles(fn: Callable[[], Any], *, warmup: Callable[[], Any] | None = None,
                          label: str = "") -> None:
     """Run ``warmup`` (default: ``fn``), then ``fn``; that run must request no XLA compilation.
@@ -71,15 +75,12 @@ def assert_no_recompiles(fn: Callable[[], Any], *, warmup: Callable[[], Any] | N
     equal, a shape that changes. The message names each function and its
     argument types.
     """
-    __tracebackhide__ = True
-    from qcheck.checks._compiles import counting_compilations
-
     (warmup or fn)()
     with counting_compilations() as counts:
         fn()
     if counts:
         lines = "\n  ".join(f"{name} x{n}" for name, n in sorted(counts.items()))
         raise AssertionError(
-            f"assert_no_recompiles{': ' + label if label else ''}: the second run compiled "
+            "the second run compiled "
             f"{sum(counts.values())} programs again:\n  {lines}"
         )

@@ -17,11 +17,12 @@ import jax
 import numpy as np
 from jax.typing import ArrayLike
 
+from qcheck.checks._assertion import assertion
+from qcheck.checks._figures import Figures
+
 __all__ = ["assert_ragged_groups_independent"]
 
-_CHECK = "assert_ragged_groups_independent"
-
-
+@assertion
 def assert_ragged_groups_independent(
     ragged_dot: Callable[[ArrayLike, ArrayLike, ArrayLike], ArrayLike],
     lhs: ArrayLike,
@@ -30,8 +31,8 @@ def assert_ragged_groups_independent(
     *,
     group: int = 0,
     factor: float = 1000.0,
-    label: str = "ragged_dot",
-) -> int:
+    label: str = "",
+) -> Figures:
     """Assert that scaling group ``group``'s weights leaves every other group's rows bitwise unchanged.
 
     ``ragged_dot(lhs[m, k], rhs[g, k, n], group_sizes[g])`` is called twice, the
@@ -39,29 +40,29 @@ def assert_ragged_groups_independent(
     same operands both times, so with per-group scales their results are
     bitwise equal; a scale shared across groups rescales their grid and moves
     them. A per-tensor recipe (one scale for the whole weight, such as
-    qcheck's ``fp8_current``) fails it by design. Returns the number of rows compared. Group sizes that leave
+    qcheck's ``fp8_current``) fails it by design. Returns the number of rows compared
+    (:class:`~qcheck.checks.Figures`: ``rows``). Group sizes that leave
     ``group`` or every other group empty are refused (the check could not fail).
     """
-    __tracebackhide__ = True
     lhs, rhs = np.asarray(lhs), np.asarray(rhs)
     sizes = np.asarray(group_sizes)
     if lhs.ndim != 2 or rhs.ndim != 3 or sizes.shape != rhs.shape[:1]:
-        raise ValueError(f"{_CHECK}: expects lhs [m, k], rhs [g, k, n], group_sizes [g]; got shapes "
+        raise ValueError(f"expects lhs [m, k], rhs [g, k, n], group_sizes [g]; got shapes "
                          f"{lhs.shape}, {rhs.shape}, {sizes.shape}")
     if not 0 <= group < rhs.shape[0]:
-        raise ValueError(f"{_CHECK}: group must lie in [0, {rhs.shape[0]}), got {group}")
+        raise ValueError(f"group must lie in [0, {rhs.shape[0]}), got {group}")
     if factor == 1.0 or not np.isfinite(factor):
-        raise ValueError(f"{_CHECK}: factor must be finite and not 1, got {factor}")
+        raise ValueError(f"factor must be finite and not 1, got {factor}")
     ends = np.cumsum(sizes)
     starts = ends - sizes
     if ends[-1] > lhs.shape[0]:
-        raise ValueError(f"{_CHECK}: group_sizes sum to {ends[-1]}, more than lhs's {lhs.shape[0]} rows")
+        raise ValueError(f"group_sizes sum to {ends[-1]}, more than lhs's {lhs.shape[0]} rows")
     own = np.zeros(lhs.shape[0], bool)
     own[starts[group]:ends[group]] = True
     others = np.zeros(lhs.shape[0], bool)
     others[:ends[-1]] = ~own[:ends[-1]]
     if not own.any() or not others.any():
-        raise ValueError(f"{_CHECK}: group_sizes {sizes.tolist()} leave group {group} or every other group "
+        raise ValueError(f"group_sizes {sizes.tolist()} leave group {group} or every other group "
                          "empty, so the check could not fail")
     scaled = rhs.copy()
     scaled[group] *= np.asarray(factor, rhs.dtype)
@@ -76,7 +77,7 @@ def assert_ragged_groups_independent(
     if changed.any():
         worst = float(np.max(np.abs(a.astype(np.float64) - b)))
         raise AssertionError(
-            f"{_CHECK}: {label}: scaling group {group}'s weights by {factor:g} changed {int(changed.sum())} of "
+            f"scaling group {group}'s weights by {factor:g} changed {int(changed.sum())} of "
             f"{len(a)} rows of other groups ({base.dtype}), by up to {worst:.3g}: one weight scale shared "
             "across groups (experts)")
-    return int(len(a))
+    return Figures(len(a), rows=int(len(a)))

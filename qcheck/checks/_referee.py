@@ -9,6 +9,8 @@ import jax
 import numpy as np
 
 from qcheck import formats, referees
+from qcheck.checks._assertion import assertion
+from qcheck.checks._bits import bits
 
 __all__ = ["NVFP4_JIT_DECODE_ULPS", "assert_format_matches_referee", "nvfp4_uniforms"]
 
@@ -56,18 +58,13 @@ def _eager(x, fmt, axis, rng):
     return q, formats.qdq(x, fmt, axis=axis, rng=rng)
 
 
-def _bits(a) -> np.ndarray:
-    a = np.asarray(a)
-    return a.view(np.dtype(f"u{a.dtype.itemsize}")) if a.dtype.itemsize in (1, 2, 4, 8) else a
-
-
 def _first_difference(fmt: str, what: str, got, want, allowed_ulps: int = 0) -> None:
     got, want = np.asarray(got), np.asarray(want)
     if got.dtype != want.dtype or got.shape != want.shape:
         raise AssertionError(
             f"{fmt}: {what} is {got.dtype}{list(got.shape)}, the referee's {want.dtype}{list(want.shape)}"
         )
-    g, w = _bits(got), _bits(want)
+    g, w = bits(got), bits(want)
     if allowed_ulps:
         off = np.abs(g.astype(np.int64) - w.astype(np.int64)) > allowed_ulps
     else:
@@ -88,6 +85,7 @@ def _first_difference(fmt: str, what: str, got, want, allowed_ulps: int = 0) -> 
     )
 
 
+@assertion
 def assert_format_matches_referee(
     x: np.ndarray,
     fmt: str,
@@ -95,6 +93,7 @@ def assert_format_matches_referee(
     axis: int | tuple[int, ...] = -1,
     rng: jax.Array | None = None,
     jit: bool = True,
+    label: str = "",
 ) -> None:
     """``formats.quantize`` and ``formats.qdq`` of float32 ``x`` equal :mod:`qcheck.referees`' bit for bit.
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 import numpy as np
 from jax.typing import ArrayLike
 
+from qcheck.checks._assertion import assertion
+from qcheck.checks._bits import bitwise_equal
+from qcheck.checks._figures import Figures
+
 __all__ = ["assert_tracks", "rel_norm"]
 
 
@@ -31,34 +35,34 @@ def count_nonfinite(x: np.ndarray) -> int:
     return int(x.size - np.count_nonzero(np.isfinite(x.astype(np.float32))))
 
 
-def assert_tracks(actual: ArrayLike, reference: ArrayLike, *, max_rel_norm: float = 0.22) -> float:
+@assertion
+def assert_tracks(actual: ArrayLike, reference: ArrayLike, *, max_rel_norm: float = 0.22, label: str = "") -> Figures:
     """Assert a quantized result stays near its unquantized reference without equalling it.
 
     Passes only when the shapes are equal (no broadcasting), both are finite,
     ``rel_norm(actual, reference) <= max_rel_norm``, and the two are not bitwise
     equal: a quantized path that silently fell back to full precision fails.
-    Returns the measured relative norm.
+    Returns the measured relative norm (:class:`~qcheck.checks.Figures`: ``rel_norm``).
     """
-    __tracebackhide__ = True
     a, r = concrete(actual, "actual"), concrete(reference, "reference")
     if a.shape != r.shape:
         raise AssertionError(
-            f"assert_tracks: actual has shape {a.shape} but reference has shape {r.shape} "
+            f"actual has shape {a.shape} but reference has shape {r.shape} "
             "(no broadcasting)"
         )
     for what, x in (("actual", a), ("reference", r)):
         if (n := count_nonfinite(x)) > 0:
-            raise AssertionError(f"assert_tracks: {what} has {n} non-finite values out of {x.size}")
+            raise AssertionError(f"{what} has {n} non-finite values out of {x.size}")
     if not np.any(r):
-        raise ValueError("assert_tracks: the reference is all zeros; a relative bound cannot judge it")
-    if a.dtype == r.dtype and a.tobytes() == r.tobytes():
+        raise ValueError("the reference is all zeros; a relative bound cannot judge it")
+    if bitwise_equal(a, r):
         raise AssertionError(
-            "assert_tracks: actual is bitwise equal to the unquantized reference — "
+            "actual is bitwise equal to the unquantized reference — "
             "the quantized path was not taken (silent fallback?)"
         )
     figure = rel_norm(a, r)
     if not figure <= max_rel_norm:
         raise AssertionError(
-            f"assert_tracks: relative norm {figure:.4f} exceeds the bound {max_rel_norm}"
+            f"relative norm {figure:.4f} exceeds the bound {max_rel_norm}"
         )
-    return figure
+    return Figures(figure, rel_norm=figure)

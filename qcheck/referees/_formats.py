@@ -28,7 +28,8 @@ import math
 import ml_dtypes
 import numpy as np
 
-__all__ = ["referee_format_names", "reference_dequantize", "reference_qdq", "reference_quantize"]
+__all__ = ["CURRENT_SCALE_CAP", "QWIX_MIN_SCALE", "referee_format_names", "reference_dequantize", "reference_qdq",
+           "reference_quantize"]
 
 _F32 = np.float32
 
@@ -210,7 +211,6 @@ def _nvfp4(x: np.ndarray, axes: tuple[int, ...], uniforms: np.ndarray | None, ft
     nonzero = sb > 0
     # [qcheck] encode = s_enc / s_block per block, decode = 1 / encode (not s_block / s_enc).
     encode = (s_enc / np.where(nonzero, sb, _F32(1))).astype(_F32)
-    decode = (_F32(1) / encode).astype(_F32)
     # [def] scaled elements clip to e2m1's ±6, then round to an e2m1 value.
     v = np.clip(flush(blocks * encode, ftz), -_E2M1_MAX, _E2M1_MAX)
     if uniforms is None:

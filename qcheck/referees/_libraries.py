@@ -31,7 +31,7 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 
-from qcheck.referees._formats import Blocks, flush
+from qcheck.referees._formats import QWIX_MIN_SCALE, Blocks, flush
 
 __all__ = ["LIBRARY_RULES", "quantize_jax_nvfp4_e1f12ba4", "QWIX_MIN_SCALE", "qwix_cast", "qwix_divide", "quantize_qwix_mxfp8", "quantize_qwix_nvfp4",
            "qwix_scale"]
@@ -39,7 +39,6 @@ __all__ = ["LIBRARY_RULES", "quantize_jax_nvfp4_e1f12ba4", "QWIX_MIN_SCALE", "qw
 _F32 = np.float32
 _E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 _E2M1 = np.dtype(ml_dtypes.float4_e2m1fn)
-QWIX_MIN_SCALE = _F32(2.0**-63)  # qwix: jnp.sqrt(jnp.finfo(float32).tiny)
 
 
 def qwix_divide(a: np.ndarray, b: np.ndarray, xla_reciprocal: bool) -> np.ndarray:

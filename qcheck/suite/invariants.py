@@ -102,16 +102,16 @@ def assert_sites_cast_exact(layer: MoE, cast_dtype, label: str) -> None:
             run = functools.partial(checks.assert_fresh_cast_exact, _site_programs.replay(runs.forward[p.site], p, p.lhs, p.rhs),
                                     p.eqn, p.lhs, p.rhs, cast_dtype=cast_dtype)
         else:
-            run = functools.partial(checks.assert_fresh_ragged_cast_exact,
+            run = functools.partial(checks.assert_fresh_cast_exact,
                                     _site_programs.replay(runs.forward[p.site], p, p.lhs, p.rhs, p.group_sizes),
-                                    p.lhs, p.rhs, p.group_sizes, cast_dtype=cast_dtype)
+                                    checks.Ragged(p.group_sizes), p.lhs, p.rhs, cast_dtype=cast_dtype)
         _prefixed(f"{label} site {p.site!r}", run)
 
 
 def assert_sites_exact(layer: MoE, recipe: Recipe, label: str, runs: SiteRuns | None = None) -> None:
     """Every call site of a fresh ``layer`` equals the matmul of referee-quantized probe operands, bitwise.
 
-    :func:`qcheck.checks._site.assert_site_exact` (its ragged twin on the sparse
+    :func:`qcheck.checks.assert_site_exact` (an einsum, or ``Ragged`` on the sparse
     path) per site, in the recipe's declared formats along each matmul's
     contraction axes, on probes that tell the reference from every neighbouring
     bug (another int8 variant or fp8 flavour, unscaled current scaling, blocks
@@ -128,14 +128,13 @@ def assert_sites_exact(layer: MoE, recipe: Recipe, label: str, runs: SiteRuns | 
         got = runs.forward[p.site]
         if p.eqn is not None:
             run = functools.partial(
-                _site_exact.assert_site_exact, _site_programs.replay(got, p, p.lhs, p.rhs),
-                p.eqn, p.lhs, p.rhs, lhs_format=lhs_fmt, rhs_format=rhs_fmt, site=p.site,
-                matmul=recipe.reference.matmul)
+                checks.assert_site_exact, _site_programs.replay(got, p, p.lhs, p.rhs),
+                p.eqn, p.lhs, p.rhs, lhs_format=lhs_fmt, rhs_format=rhs_fmt, site=p.site, arithmetic=recipe.reference.matmul)
         else:
             run = functools.partial(
-                _site_exact.assert_site_ragged_exact, _site_programs.replay(got, p, p.lhs, p.rhs, p.group_sizes),
-                p.lhs, p.rhs, p.group_sizes, lhs_format=lhs_fmt, rhs_format=rhs_fmt, site=p.site,
-                matmul=recipe.reference.matmul)
+                checks.assert_site_exact, _site_programs.replay(got, p, p.lhs, p.rhs, p.group_sizes),
+                checks.Ragged(p.group_sizes), p.lhs, p.rhs, lhs_format=lhs_fmt, rhs_format=rhs_fmt, site=p.site,
+                arithmetic=recipe.reference.matmul)
         _prefixed(label, run)
 
 
@@ -275,7 +274,7 @@ def check_coverage(case: Case) -> int:
 def assert_sites_backward_exact(layer: MoE, recipe: Recipe, label: str, runs: SiteRuns | None = None) -> None:
     """Both gradients of every call site of a fresh ``layer`` equal the referee's gradient matmuls, bitwise.
 
-    :func:`qcheck.checks.assert_site_backward_exact` per site (its ragged twin
+    :func:`qcheck.checks.assert_site_backward_exact` per site (on ``Ragged``
     on the sparse path): the output gradient quantized as the recipe declares
     (fp8-class: cast to the e5m2 flavour at scale 1; ``grad=``: the referee's
     format along each gradient matmul's contraction; NVFP4's DGRAD with the
@@ -291,11 +290,11 @@ def assert_sites_backward_exact(layer: MoE, recipe: Recipe, label: str, runs: Si
     for p in probes:
         site, grads = layer.get_einsum(p.site), _site_programs.replay(runs.grads[p.site], p, p.lhs, p.rhs, p.g)
         if p.eqn is not None:
-            run = functools.partial(_backward.check_einsum_grads, site, p.eqn, p.lhs, p.rhs, p.g, recipe=recipe,
+            run = functools.partial(_backward.check_site_grads, site, p.eqn, p.lhs, p.rhs, p.g, recipe=recipe,
                                     key=runs.key, site_grads=grads)
         else:
-            run = functools.partial(_backward.check_ragged_grads, site, p.lhs, p.rhs, p.group_sizes, p.g,
-                                    recipe=recipe, key=runs.key, site_grads=grads)
+            run = functools.partial(_backward.check_site_grads, site, checks.Ragged(p.group_sizes), p.lhs, p.rhs,
+                                    p.g, recipe=recipe, key=runs.key, site_grads=grads)
         _prefixed(f"{label} site {p.site!r}", run)
 
 
@@ -467,7 +466,7 @@ def assert_layer_trains(layer: MoE, x, label: str, *, calls=None) -> int:
     Returns how many fp8 leaves were held.
     """
     __tracebackhide__ = True
-    from qcheck.checks._fp8_state import _rolls, assert_fp8_state_matches, fp8_state
+    from qcheck.checks._fp8_state import assert_fp8_state_matches, fp8_state, history_rolls
     from qcheck.layers._train import train
 
     fresh = fp8_state(layer)
@@ -493,7 +492,7 @@ def assert_layer_trains(layer: MoE, x, label: str, *, calls=None) -> int:
                     "the site records other amaxes than its operands' (summed over uses?)")
     for key in sorted(k for k in fresh if k.endswith("history")):
         for n, before, after in ((1, fresh[key], first[key]), (2, first[key], second[key])):
-            if (rolls := _rolls(before, after)) != 1:
+            if (rolls := history_rolls(before, after)) != 1:
                 what = {None: "is no roll of the one before", 0: "was not rolled"}.get(rolls, f"rolled {rolls} times")
                 raise AssertionError(f"{label}: {key} at step {n} {what} (each history rolls once per step, "
                                      "newest amax at 0)")

@@ -1,0 +1,61 @@
+"""The one wrapper every public ``assert_*`` goes through (chex's ``chex_assertion`` is the model).
+
+It gives every check the same message prefix, ``"[label: ]assert_name: "``, on
+both ways a check can refuse to pass: ``AssertionError`` (the check ran and
+failed) and ``ValueError``/``TypeError`` (the input makes the check
+meaningless, so it must not pass either). The message body is the check's own,
+with its figures. A check called from inside another check is named once, by
+the innermost: the outer one leaves an already named message alone.
+``__tracebackhide__`` keeps pytest's traceback on the caller's line.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+__all__ = ["assertion", "prefix"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Set on an exception once a check has put its name on the message.
+_NAMED = "_qcheck_check"
+
+
+def prefix(name: str, label: str = "") -> str:
+    """The prefix of every message of check ``name`` called with ``label``."""
+    return f"{label}: {name}: " if label else f"{name}: "
+
+
+def assertion(fn: F | None = None, *, name: str | None = None) -> F | Callable[[F], F]:
+    """Decorate a check: its messages get :func:`prefix` of ``name`` (default: the function's name).
+
+    The check should take a keyword-only ``label: str = ""``; the wrapper reads
+    it (the check need not use it) and shows it first. Exceptions keep their
+    type and traceback; only the first argument (the message) is rewritten.
+    """
+    if fn is None:
+        return functools.partial(assertion, name=name)  # type: ignore[return-value]
+    check = name or fn.__name__
+    label_param = inspect.signature(fn).parameters.get("label")
+    if label_param is None or label_param.kind is not inspect.Parameter.KEYWORD_ONLY:
+        raise TypeError(f"assertion: {fn.__qualname__} must take a keyword-only label: str = ''")
+    default_label = label_param.default
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        try:
+            return fn(*args, **kwargs)
+        except (AssertionError, ValueError, TypeError) as e:
+            if getattr(e, _NAMED, None) is None:
+                label = kwargs.get("label", default_label)
+                message = str(e.args[0]) if e.args else ""
+                e.args = (prefix(check, label if isinstance(label, str) else str(label)) + message, *e.args[1:])
+                setattr(e, _NAMED, check)
+            raise
+
+    wrapper.__qcheck_assertion__ = check  # type: ignore[attr-defined]
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,236 @@
+"""One description of the matmul an exact check holds a call site to: an einsum, or a grouped ``ragged_dot``.
+
+Every exact check (fresh fp8 casts, call sites forward and backward) takes one
+``matmul``: an einsum string (or :class:`Einsum`) or :class:`Ragged` with the
+group sizes. The description knows what the check needs of the matmul: its
+contraction axes, how to call the op under test, and the reference matmul run
+by JAX on host arrays (forward, in each layout the reference accepts, and the
+two gradient matmuls), each program compiled once per shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike
+
+from qcheck.recipes import MatmulAxes, einsum_axes
+from qcheck.recipes._axes import RAGGED_AXES
+
+__all__ = ["EINSUM_LAYOUTS", "Einsum", "Matmul", "Ragged", "as_matmul", "of_call"]
+
+#: Operand layouts the einsum reference runs in: as given, contraction axes last (as a block qdq leaves
+#: them), and (batch, rows, flattened contraction) as one batched dot (as jax.nn.scaled_dot_general runs it).
+EINSUM_LAYOUTS = ("as given", "contraction last", "flattened")
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _einsum(eqn: str, a, b):
+    return jnp.einsum(eqn, a, b)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _flattened(eqn: str, a, b):
+    # The einsum as JAX's scaled_dot_general runs it: each operand to (batch, rows, contraction), the
+    # contraction axes flattened in axis order, one batched dot, then the output's own layout.
+    ins, out = eqn.replace(" ", "").split("->")
+    sa, sb = ins.split(",")
+    batch = [i for i in sa if i in sb and i in out]
+    contract_a = [i for i in sa if i in sb and i not in out]
+    contract_b = [i for i in sb if i in sa and i not in out]
+    free_a, free_b = [i for i in sa if i not in sb], [i for i in sb if i not in sa]
+    size = dict(zip(sa, a.shape)) | dict(zip(sb, b.shape))
+
+    def to3(x, sub, free, contract):
+        perm = [sub.index(i) for i in batch + free + contract]
+        shape = [int(np.prod([size[i] for i in g])) for g in (batch, free, contract)]
+        return jnp.reshape(jnp.transpose(x, perm), shape)
+
+    y = jax.lax.dot_general(to3(a, sa, free_a, contract_a), to3(b, sb, free_b, contract_b),
+                            (((2,), (2,)), ((0,), (0,))))
+    produced = batch + free_a + free_b
+    y = jnp.reshape(y, [size[i] for i in produced])
+    return jnp.transpose(y, [produced.index(i) for i in out])
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _einsum_grad_matmuls(eqn: str, lhs, rhs, g_dgrad, g_wgrad):
+    _, vjp = jax.vjp(functools.partial(jnp.einsum, eqn), lhs, rhs)
+    return vjp(g_dgrad)[0], vjp(g_wgrad)[1]
+
+
+@jax.jit
+def _ragged_grad_matmuls(lhs, rhs, group_sizes, g_dgrad, g_wgrad):
+    _, vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, group_sizes), lhs, rhs)
+    return vjp(g_dgrad)[0], vjp(g_wgrad)[1]
+
+
+def _host(x: jax.Array) -> np.ndarray:
+    return np.asarray(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Einsum:
+    """A two-operand einsum, e.g. ``Einsum("BSM,EMH->BSEH")``; the op under test is called ``op(eqn, lhs, rhs)``."""
+
+    eqn: str
+
+    def __post_init__(self) -> None:
+        eqn = self.eqn
+        if not isinstance(eqn, str):
+            raise ValueError(f"matmul must be an einsum string such as 'ij,jk->ik', got {type(eqn).__name__}")
+        ins, arrow, out = eqn.replace(" ", "").partition("->")
+        subs = ins.split(",")
+        if not arrow or len(subs) != 2 or not all(s.isalpha() for s in subs) or not (out.isalpha() or out == ""):
+            raise ValueError(f"matmul must be a two-operand einsum with an explicit output such as 'ij,jk->ik', "
+                             f"got {eqn!r}")
+
+    @property
+    def what(self) -> str:
+        return f"einsum {self.eqn!r}"
+
+    @property
+    def subscripts(self) -> tuple[str, str, str]:
+        """(lhs, rhs, output) subscripts."""
+        ins, out = self.eqn.replace(" ", "").split("->")
+        lhs, rhs = ins.split(",")
+        return lhs, rhs, out
+
+    def axes(self, lhs_ndim: int, rhs_ndim: int) -> MatmulAxes:
+        return einsum_axes(self.eqn, lhs_ndim, rhs_ndim)
+
+    def check_operands(self, lhs: np.ndarray, rhs: np.ndarray) -> None:
+        """A one-line ValueError where the operands do not fit the einsum (rank, or a shared axis's size)."""
+        sa, sb, _ = self.subscripts
+        for name, x, sub in (("lhs", lhs, sa), ("rhs", rhs, sb)):
+            if x.ndim != len(sub):
+                raise ValueError(f"{name} has shape {x.shape}, but einsum {self.eqn!r} gives it {len(sub)} axes")
+        size = dict(zip(sa, lhs.shape))
+        for i, n in zip(sb, rhs.shape):
+            if size.setdefault(i, n) != n:
+                raise ValueError(f"einsum {self.eqn!r}: axis {i!r} has size {size[i]} in lhs {lhs.shape} and {n} "
+                                 f"in rhs {rhs.shape}")
+
+    def out_shape(self, lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...]) -> tuple[int, ...]:
+        sa, sb, out = self.subscripts
+        size = dict(zip(sa, lhs_shape)) | dict(zip(sb, rhs_shape))
+        return tuple(size[i] for i in out)
+
+    def call(self, op: Callable[..., ArrayLike], lhs: ArrayLike, rhs: ArrayLike) -> np.ndarray:
+        """The op under test on device copies of the operands, back on the host."""
+        # device_put, not jnp.asarray: on jax 0.10 asarray of a host array compiles a
+        # program per shape to stage it, and the checks run on a dozen shapes per layer.
+        return np.asarray(op(self.eqn, jax.device_put(lhs), jax.device_put(rhs)))
+
+    def reference(self, a: np.ndarray, b: np.ndarray, layout: str = EINSUM_LAYOUTS[0]) -> np.ndarray:
+        """``jnp.einsum`` of host operands, in one of :data:`EINSUM_LAYOUTS`."""
+        if layout == EINSUM_LAYOUTS[0]:
+            # jnp.einsum itself (a jitted function): the program an eager einsum of the same shapes uses too.
+            return _host(jnp.einsum(self.eqn, jax.device_put(a), jax.device_put(b)))
+        if layout == EINSUM_LAYOUTS[2]:
+            return _host(_flattened(self.eqn, jax.device_put(a), jax.device_put(b)))
+        sa, sb, out = self.subscripts
+        axes = self.axes(a.ndim, b.ndim)
+        (sa, a), (sb, b) = (_contraction_last(s, x, ax) for s, x, ax in ((sa, a, axes.lhs), (sb, b, axes.rhs)))
+        return _host(_einsum(f"{sa},{sb}->{out}", jax.device_put(a), jax.device_put(b)))
+
+    def layouts(self) -> tuple[str, ...]:
+        return EINSUM_LAYOUTS
+
+    def grad_matmuls(self, a: np.ndarray, b: np.ndarray, g_dgrad: np.ndarray, g_wgrad: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """(DGRAD of ``g_dgrad``, WGRAD of ``g_wgrad``): ``jax.vjp`` of ``jnp.einsum`` in float32."""
+        d, w = _einsum_grad_matmuls(self.eqn, *map(jax.device_put, (a, b, g_dgrad, g_wgrad)))
+        return _host(d), _host(w)
+
+
+def _contraction_last(sub: str, x: np.ndarray, axes: tuple[int, ...]) -> tuple[str, np.ndarray]:
+    perm = [i for i in range(x.ndim) if i not in axes] + list(axes)
+    return "".join(sub[i] for i in perm), np.ascontiguousarray(np.transpose(x, perm))
+
+
+@dataclasses.dataclass(frozen=True)
+class Ragged:
+    """A grouped matmul ``ragged_dot(lhs[m, k], rhs[g, k, n], group_sizes[g])``; the op under test is called
+    ``op(lhs, rhs, group_sizes)``. ``group_sizes`` are non-negative integers, one per group of ``rhs``, and
+    sum to ``lhs``'s rows."""
+
+    group_sizes: Any
+
+    def __post_init__(self) -> None:
+        sizes = np.asarray(self.group_sizes)
+        if sizes.ndim != 1 or sizes.size == 0 or not np.issubdtype(sizes.dtype, np.integer) or np.any(sizes < 0):
+            raise ValueError(f"group_sizes must be a non-empty 1-D array of non-negative integers, got "
+                             f"{sizes.dtype}{list(sizes.shape)} {sizes.tolist()}")
+        object.__setattr__(self, "group_sizes", tuple(int(n) for n in sizes))  # hashable, compares by value
+
+    @property
+    def eqn(self) -> None:
+        return None
+
+    @property
+    def what(self) -> str:
+        return "ragged_dot"
+
+    @functools.cached_property
+    def _sizes(self) -> jax.Array:
+        return jax.device_put(np.asarray(self.group_sizes, np.int32))
+
+    def axes(self, lhs_ndim: int = 2, rhs_ndim: int = 3) -> MatmulAxes:
+        return RAGGED_AXES
+
+    def check_operands(self, lhs: np.ndarray, rhs: np.ndarray) -> None:
+        """A one-line ValueError where the operands do not fit ``ragged_dot`` with these group sizes."""
+        if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
+            raise ValueError(f"ragged_dot takes lhs [m, k] and rhs [g, k, n], got shapes {lhs.shape} and {rhs.shape}")
+        if len(self.group_sizes) != rhs.shape[0]:
+            raise ValueError(f"group_sizes has {len(self.group_sizes)} groups, rhs {rhs.shape} has {rhs.shape[0]}")
+        if sum(self.group_sizes) != lhs.shape[0]:
+            raise ValueError(f"group_sizes sum to {sum(self.group_sizes)}, lhs {lhs.shape} has {lhs.shape[0]} rows "
+                             "(rows in no group would be checked against zeros)")
+
+    def out_shape(self, lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (lhs_shape[0], rhs_shape[-1])
+
+    def call(self, op: Callable[..., ArrayLike], lhs: ArrayLike, rhs: ArrayLike) -> np.ndarray:
+        return np.asarray(op(jax.device_put(lhs), jax.device_put(rhs), self._sizes))
+
+    def reference(self, a: np.ndarray, b: np.ndarray, layout: str = EINSUM_LAYOUTS[0]) -> np.ndarray:
+        """``jax.lax.ragged_dot`` of host operands (one layout: as given)."""
+        # jax.lax.ragged_dot itself: the program an eager ragged_dot of the same shapes uses too.
+        return _host(jax.lax.ragged_dot(jax.device_put(a), jax.device_put(b), self._sizes))
+
+    def layouts(self) -> tuple[str, ...]:
+        return EINSUM_LAYOUTS[:1]
+
+    def grad_matmuls(self, a: np.ndarray, b: np.ndarray, g_dgrad: np.ndarray, g_wgrad: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """(DGRAD of ``g_dgrad``, WGRAD of ``g_wgrad``): ``jax.vjp`` of ``jax.lax.ragged_dot`` in float32."""
+        a, b, gd, gw = map(jax.device_put, (a, b, g_dgrad, g_wgrad))
+        d, w = _ragged_grad_matmuls(a, b, self._sizes, gd, gw)
+        return _host(d), _host(w)
+
+
+#: What an exact check's ``matmul`` argument describes.
+Matmul = Union[Einsum, Ragged]
+
+
+def as_matmul(matmul: str | Einsum | Ragged) -> Einsum | Ragged:
+    """``matmul`` as a description: an einsum string becomes :class:`Einsum`; anything else is a ValueError."""
+    if isinstance(matmul, (Einsum, Ragged)):
+        return matmul
+    if isinstance(matmul, str):
+        return Einsum(matmul)
+    raise ValueError(f"matmul must be an einsum string, qcheck.checks.Einsum(eqn) or "
+                     f"qcheck.checks.Ragged(group_sizes), got {type(matmul).__name__}")
+
+
+def of_call(eqn: str | None, group_sizes: ArrayLike | None) -> Einsum | Ragged:
+    """The description of a recorded site call: its einsum, or (``eqn`` None) a ragged_dot with its group sizes."""
+    return Einsum(eqn) if eqn is not None else Ragged(np.asarray(group_sizes))
