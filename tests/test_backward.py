@@ -15,7 +15,7 @@ from qcheck.checks._referee import nvfp4_uniforms
 from qcheck.layers.bridge import QuantSite
 from qcheck.recipes import NVFP4, DelayedScalingFp8, Recipe, Reference
 from qcheck.recipes._nvfp4 import NVFP4Site
-from qcheck.recipes._sites import FormatSite
+from qcheck.recipes._sites import FormatSite, fake_quant_matmul
 from tests.helpers import SkipGradFp8, WrongAxesNVFP4
 
 # A Mixtral-like wi site, small: dense BSM,EMH->BSEH; sparse ragged_dot([T, M], [E, M, H]).

@@ -95,7 +95,6 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
-@pytest.mark.xfail(reason="two cycles left to fold this round: checks._fresh/_site, suite.golden/invariants")
 def test_no_import_cycles_among_qcheck_modules():
     cycles = import_cycles(import_graph(QCHECK))
     assert not cycles, "import cycles (imports inside functions count): " + "; ".join(" <-> ".join(c) for c in cycles)

@@ -266,8 +266,6 @@ STILL_PRIVATE: dict[str, str] = {
     "test_process.py: from qcheck.suite import _process": _H2,
     "test_process.py: _process._jaxlib_version": _H2,
     "test_cli.py: cli._paths_agree": _H2,
-    "test_backward.py: from qcheck.checks._backward import _uniforms": _H1,
-    "test_probe_siblings.py: from qcheck.checks._site import _NEIGHBOURS": _H1,
     "test_formats.py: formats._quantize": "counts traces of the jitted quantizer qdq calls (qcheck.formats)",
     "test_formats.py: setattr(formats, _quantize)": "counts traces of the jitted quantizer qdq calls (qcheck.formats)",
     "test_adapters.py: setattr(adapters, _has)": _FAKE,

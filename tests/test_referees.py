@@ -19,7 +19,6 @@ from hypothesis.extra import numpy as hnp
 
 import qcheck.referees._formats as referee_formats  # the referee's own constants, to plant bugs in it
 from qcheck import formats, referees
-from qcheck.referees import _formats as referee_formats
 from qcheck.checks._referee import NVFP4_JIT_DECODE_ULPS, assert_format_matches_referee, nvfp4_uniforms
 from tests import format_properties as fp
 from tests.helpers import conversion_probes
