@@ -147,3 +147,43 @@ def test_pyproject_lists_every_package_of_the_tree():
     # golden/ travels as package data under qcheck/, mapped at build time (pyproject's package-dir).
     assert set(setuptools["packages"]) == tree | {"qcheck._golden"}
     assert setuptools["package-dir"] == {"qcheck._golden": "golden"}
+
+
+def private_reaches(root: Path) -> list[str]:
+    """Each use, in a module under ``root``, of another qcheck module's private name: ``from m import _x``
+    or ``m._x``. Private modules are fine (``from qcheck.checks import _site``): their names are the point."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        modules = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == root.name:
+                for alias in node.names:
+                    if alias.name.startswith("_") and f"{node.module}.{alias.name}".replace(".", "/") not in {
+                            str(p.relative_to(root.parent).with_suffix("")) for p in root.rglob("*.py")} | {
+                            str(p.parent.relative_to(root.parent)) for p in root.rglob("__init__.py")}:
+                        found.append(f"{path.relative_to(root.parent)}: from {node.module} import {alias.name}")
+                    modules.add(alias.asname or alias.name)
+            elif isinstance(node, ast.Import):
+                modules |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.split(".")[0] == root.name}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                found.append(f"{path.relative_to(root.parent)}:{node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_module_reaches_into_another_modules_privates():
+    assert private_reaches(QCHECK) == []
+
+
+def test_a_private_reached_from_another_module_is_named(tmp_path):
+    package = tmp_path / "qcheck"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "_step.py").write_text("_TRAINABLE = 1\nTRAINABLE = 2\n")
+    (package / "train.py").write_text("from qcheck import _step\nfrom qcheck._step import TRAINABLE\nx = _step.TRAINABLE\n")
+    assert private_reaches(package) == []
+    (package / "train.py").write_text("from qcheck import _step\nfrom qcheck._step import _TRAINABLE\nx = _step._TRAINABLE\n")
+    assert private_reaches(package) == ["qcheck/train.py: from qcheck._step import _TRAINABLE",
+                                        "qcheck/train.py:3: _step._TRAINABLE"]

@@ -62,7 +62,7 @@ def _microbatch_step(graphdef, microbatches: int, params, meta, rest, x):
         module = nnx.merge(graphdef, params, meta, rest, copy=True)
         y = module(x)
         # The whole batch's mean: each microbatch's mean over M microbatches of equal size.
-        return jnp.mean(jnp.square(y.astype(jnp.float32))) / microbatches, nnx.state(module, nnx.Not(step._TRAINABLE))
+        return jnp.mean(jnp.square(y.astype(jnp.float32))) / microbatches, nnx.state(module, nnx.Not(step.TRAINABLE))
 
     (_, new_rest), (grads, new_meta) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, meta)
     return grads, new_meta, new_rest
@@ -120,7 +120,7 @@ def train(
     parts = np.split(batch, microbatches)
     for _ in range(steps):
         if microbatches == 1:
-            out = step._train_step(graphdef, params, meta, rest, batch)
+            out = step.train_step_program(graphdef, params, meta, rest, batch)
             grads, meta, rest = out.grads, out.fp8_meta, out.rest
         else:
             runs = [_microbatch_step(graphdef, microbatches, params, meta, rest, x) for x in parts]

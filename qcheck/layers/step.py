@@ -17,9 +17,11 @@ from flax import nnx
 
 from qcheck.layers.bridge import Fp8Meta
 
-__all__ = ["StepOutput", "apply", "lower_train_step", "split_for_step", "train_step", "train_step_fn"]
+__all__ = ["TRAINABLE", "StepOutput", "apply", "lower_train_step", "split_for_step", "train_step", "train_step_fn",
+           "train_step_program"]
 
-_TRAINABLE = nnx.Any(nnx.Param, Fp8Meta)
+#: What a train step differentiates: the parameters, and the fp8 state whose gradient is its update.
+TRAINABLE = nnx.Any(nnx.Param, Fp8Meta)
 
 
 class StepOutput(NamedTuple):
@@ -54,7 +56,7 @@ def _loss(graphdef, params, meta, rest, x):
     y = module(x)
     # The forward's side effects ride along as aux: RNG counts it advanced, and
     # whatever it did to fp8 state (nothing, if the recipe is right).
-    aux = (nnx.state(module, nnx.Not(_TRAINABLE)), y, nnx.state(module, Fp8Meta))
+    aux = (nnx.state(module, nnx.Not(TRAINABLE)), y, nnx.state(module, Fp8Meta))
     return jnp.mean(jnp.square(y.astype(jnp.float32))), aux
 
 
@@ -70,7 +72,8 @@ def train_step_fn(graphdef):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _train_step(graphdef, params, meta, rest, x):
+def train_step_program(graphdef, params, meta, rest, x):
+    """:func:`train_step_fn` under ``jax.jit``, on the parts :func:`split_for_step` gives: one program per graphdef."""
     return train_step_fn(graphdef)(params, meta, rest, x)
 
 
@@ -81,9 +84,9 @@ def train_step(module: nnx.Module, x: jax.Array, *, fp8_meta: nnx.State | None =
     ``fp8_meta`` of a previous step, to run a second step.
     """
     graphdef, params, meta, rest = split_for_step(module)
-    return _train_step(graphdef, params, meta if fp8_meta is None else fp8_meta, rest, x)
+    return train_step_program(graphdef, params, meta if fp8_meta is None else fp8_meta, rest, x)
 
 
 def lower_train_step(graphdef, params, meta, rest, x) -> jax.stages.Lowered:
     """The lowering of exactly the program :func:`train_step` runs (shared trace and lowering caches)."""
-    return _train_step.lower(graphdef, params, meta, rest, x)
+    return train_step_program.lower(graphdef, params, meta, rest, x)

@@ -60,6 +60,5 @@ from qcheck.recipes import _registry
 _INT8 = Recipe("int8", lhs="int8", rhs="int8", apply_rngs=ApplyRngs.PRIVATE)
 
 for _recipe in (NoQuant(), _INT8, _fp8_recipe(), _nanoo_fp8_recipe(), NVFP4()):
-    register_recipe(_recipe)
-    _registry._BUILTIN.add(_recipe.name)
+    _registry.register_builtin(_recipe)
 del _recipe

@@ -115,6 +115,12 @@ def recipe_source(name: str) -> str | None:
     return _SOURCE.get(name)
 
 
+def register_builtin(recipe: Recipe) -> None:
+    """Register one of the recipes qcheck itself ships (its golden cases ship with qcheck)."""
+    register_recipe(recipe)
+    _BUILTIN.add(recipe.name)
+
+
 def is_builtin(name: str) -> bool:
     """Whether qcheck itself ships the recipe ``name`` (its golden cases then ship with qcheck)."""
     _load_entry_points()
