@@ -5,9 +5,10 @@ Its public names are offered as ``qcheck.*`` and ``qcheck.checks.*``.
 
 from __future__ import annotations
 
-from qcheck._coverage._walk import (MACHINERY, MATMUL_PRIMITIVES, VALUE_PRESERVING, MatmulRecord, OperandQuant, Skip,
-                                    SkipArg, as_skips, assert_quantized, coverage, format_coverage, skip_at,
-                                    skip_functions, skip_modules, skip_where, warmed_up)
+from qcheck._coverage._records import MATMUL_PRIMITIVES, VALUE_PRESERVING, MatmulRecord, OperandQuant
+from qcheck._coverage._map import assert_quantized, coverage, format_coverage, warmed_up
+from qcheck._coverage._scopes import MACHINERY
+from qcheck._coverage._skips import Skip, SkipArg, as_skips, skip_at, skip_functions, skip_modules, skip_where
 
 __all__ = [
     "MACHINERY",

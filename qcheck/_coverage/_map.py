@@ -1,0 +1,290 @@
+"""The public functions: the coverage map of a function, its table, and the assertion that all is quantized."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qcheck._coverage._records import MatmulRecord
+from qcheck._coverage._scopes import ModuleScopes
+from qcheck._coverage._skips import Skip, SkipArg, as_skips
+from qcheck._coverage._walk import Walker, Where, input_val
+
+
+def _state_bits(module: Any) -> list[np.ndarray]:
+    from flax import nnx
+
+    def bits(x: Any) -> np.ndarray:
+        if jnp.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        return np.array(x, copy=True)  # a numpy leaf could change in place
+
+    return [bits(x) for x in jax.tree.leaves(nnx.state(module))]
+
+
+def _graph_paths(module: Any) -> frozenset[tuple[Any, ...]]:
+    from flax import nnx
+
+    return frozenset(path for path, _ in nnx.iter_graph(module))
+
+
+def warmed_up(module: Any, *args: Any, **kwargs: Any) -> Any:
+    """``module`` itself, or a copy after one call when calling it creates submodules or variables (lazy modules).
+
+    MaxText creates its AQT einsums on a module's first call; traced as they
+    are, such modules show the initializing call's matmuls and miss the state
+    the next calls use. The warm-up call runs on a copy (one compiled program,
+    plain ``jax.jit``), so ``module`` is left as it was.
+    """
+    from flax import nnx
+
+    graphdef, state = nnx.split(module)
+    before = _graph_paths(module)
+    grown: list[Any] = []
+
+    def call(state, args, kwargs):
+        m = nnx.merge(graphdef, state)
+        m(*args, **kwargs)
+        if _graph_paths(m) != before:
+            grown.append(True)
+        new_graphdef, new_state = nnx.split(m)
+        grown.append(new_graphdef)
+        return new_state
+
+    jax.eval_shape(call, state, args, kwargs)  # tracing only: is the module lazy?
+    if grown[0] is not True:
+        return module
+    new_graphdef = grown[-1]
+    # Traced once more: the values the creating call gives the new variables (their initializers, its RNG draws).
+    new_state = jax.jit(lambda state, args, kwargs: call(state, args, kwargs))(state, args, kwargs)
+    return nnx.merge(new_graphdef, new_state)
+
+
+def _pure(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Callable[..., Any], tuple, Any]:
+    """A pure function of pytrees and its inputs; an NNX module's state (RNG streams included) is an input.
+
+    An NNX module is traced as it will run (:func:`warmed_up`), each submodule's
+    matmuls under the named scope of its path.
+    """
+    from flax import nnx
+
+    if isinstance(fn, nnx.Module):
+        graphdef, state = nnx.split(warmed_up(fn, *args, **kwargs))
+
+        def call(state, args, kwargs):
+            module = nnx.merge(graphdef, state)
+            with ModuleScopes(module):
+                return module(*args, **kwargs)
+
+        return call, (state, args, kwargs), fn
+    if not callable(fn):
+        raise TypeError(f"coverage: fn must be callable or an flax.nnx.Module, got {type(fn).__name__}")
+    return (lambda args, kwargs: fn(*args, **kwargs)), (args, kwargs), None
+
+
+def _with_backward(pure: Callable[..., Any], inputs: tuple) -> tuple[Callable[..., Any], tuple, int]:
+    """``pure`` and its vjp as one function of (differentiable leaves, other leaves, seed); the seed's position.
+
+    Differentiated: every inexact leaf of the inputs (parameters and fp8 state
+    alike, as a train step does); keys and integers are held. The output
+    gradient is ``seed`` times ones, so the seed is the one input the backward
+    pass (and only it) depends on; a product keeps it from looking like a
+    broadcast scale to the walk.
+    """
+    leaves, treedef = jax.tree.flatten(inputs)
+    inexact = [jnp.issubdtype(getattr(x, "dtype", np.float32), jnp.inexact)
+               and not jnp.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.extended) for x in leaves]
+
+    def forward(diff, held):
+        diff_it, held_it = iter(diff), iter(held)
+        merged = [next(diff_it) if d else next(held_it) for d in inexact]
+        out = pure(*jax.tree.unflatten(treedef, merged))
+        return [o for o in jax.tree.leaves(out) if jnp.issubdtype(o.dtype, jnp.inexact)]
+
+    def both(diff, held, seed):
+        out, pull = jax.vjp(lambda d: forward(d, held), diff)
+        return out, pull([jnp.ones(o.shape, o.dtype) * seed.astype(o.dtype) for o in out])
+
+    diff = [x for x, d in zip(leaves, inexact) if d]
+    held = [x for x, d in zip(leaves, inexact) if not d]
+    return both, (diff, held, np.float32(1.0)), len(jax.tree.leaves((diff, held)))
+
+
+def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward: bool = False,
+             machinery: Sequence[str] = (), **kwargs: Any) -> list[MatmulRecord]:
+    """One :class:`MatmulRecord` per matrix multiplication ``fn(*args, **kwargs)`` performs, in program order.
+
+    ``fn`` is a function of arrays (pytrees) or an ``flax.nnx.Module``, which is
+    split as ``nnx.jit`` would split it so that tracing mutates nothing (checked:
+    its state, RNG counts included, is bitwise unchanged afterwards). Tracing
+    only, unless ``errors``: then the function runs once more as one compiled
+    program that also computes each quantized matmul's ``error`` (see
+    :class:`MatmulRecord` for where it is None). Python scalars and other
+    non-array arguments are traced as arrays; close over static ones.
+
+    ``backward``: trace a vjp of ``fn`` too (with respect to every inexact
+    input, an NNX module's state included, of its inexact outputs), still
+    tracing only; the matmuls of the backward pass come after the forward
+    pass's, with ``backward=True``. Not with ``errors``.
+
+    ``machinery``: packages (names or paths) whose frames are quantization
+    machinery besides :data:`MACHINERY`, so records point at their callers.
+    A module whose first call creates submodules is traced after a warm-up
+    call on a copy (:func:`warmed_up`).
+    """
+    if isinstance(machinery, str) or not all(isinstance(m, str) and m for m in machinery):
+        raise ValueError(f"coverage: machinery must be a sequence of package names or paths, got {machinery!r}")
+    machinery = tuple(machinery)
+    if backward and errors:
+        raise ValueError("coverage: errors=True needs values, which the backward trace does not compute; "
+                         "pass errors=False with backward=True")
+    pure, inputs, module = _pure(fn, args, kwargs)
+    before = _state_bits(module) if module is not None else None
+    seed_at = None
+    if backward:
+        pure, inputs, seed_at = _with_backward(pure, inputs)
+    closed = jax.make_jaxpr(pure)(*inputs)
+    if module is not None:
+        after = _state_bits(module)
+        if len(before) != len(after) or not all(
+            a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes() for a, b in zip(before, after)
+        ):
+            raise RuntimeError("coverage: tracing changed the module's state; it must not mutate its inputs")
+    outer = Where(no_values=None if errors else "not computed (errors=False)")
+    ins = [input_val(v.aval) for v in closed.jaxpr.invars]
+    if seed_at is not None:
+        ins[seed_at].grad = True
+    if not errors:
+        walker = Walker(machinery)
+        walker.run(closed.jaxpr, closed.consts, ins, outer, values=False)
+        return walker.records
+
+    walker = Walker(machinery)
+
+    def evaluate(flat):
+        vals = [dataclasses.replace(v, actual=x, shadow=x) for v, x in zip(ins, flat)]
+        walker.run(closed.jaxpr, closed.consts, vals, outer, values=True)
+        return [e for _, e in walker.errors]
+
+    figures = jax.jit(evaluate)(jax.tree.leaves(inputs))
+    records = list(walker.records)
+    for (i, _), e in zip(walker.errors, figures):
+        records[i] = dataclasses.replace(records[i], error=float(e))
+    return records
+
+
+def format_coverage(records: Sequence[MatmulRecord], *, stack: bool = False) -> str:
+    """A table of the records, one line per matmul.
+
+    Columns: primitive, location, function, the scope (module path and named
+    scopes) when any record has one, both operands, quantized (``skipped``
+    where a skip rule spared a full-precision matmul, ``opaque`` for a kernel
+    the walk cannot enter), the error figure, and a ``pass`` column when any
+    record is from a backward pass. ``stack``: under each row, the user's
+    frames of its call, innermost first.
+    """
+    with_scope = any(r.scope for r in records)
+    header = ("primitive", "location", "function", *(("scope",) if with_scope else ()), "lhs", "rhs", "quantized",
+              "error")
+
+    def state(r: MatmulRecord) -> str:
+        if r.quantized:
+            return "yes (opaque)" if r.opaque else "yes"
+        if r.skipped_by:
+            return f"skipped: {r.skipped_by}"
+        return "NO (opaque)" if r.opaque else "NO"
+
+    rows = [header] + [
+        (r.primitive, r.location, r.function, *((r.scope or "-",) if with_scope else ()),
+         f"{r.lhs_shape} {r.lhs_dtype} {r.lhs}" + (f" {r.lhs_block}" if r.lhs_block else ""),
+         f"{r.rhs_shape} {r.rhs_dtype} {r.rhs}" + (f" {r.rhs_block}" if r.rhs_block else ""),
+         state(r), "-" if r.error is None else f"{r.error:.4g}")
+        for r in records
+    ]
+    if any(r.backward for r in records):
+        rows = [rows[0] + ("pass",)] + [
+            row + ("backward" if r.backward else "forward",) for row, r in zip(rows[1:], records)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(rows[0], widths)).rstrip()]
+    for row, r in zip(rows[1:], records):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        if stack:
+            lines += [f"    from {loc} ({fn})" for loc, fn in r.stack]
+    return "\n".join(lines)
+
+
+def _unquantized_line(r: MatmulRecord) -> str:
+    which = " and ".join(side for side, q in (("lhs", r.lhs), ("rhs", r.rhs)) if not q.quantized)
+    scope = f", in {r.scope}" if r.scope else ""
+    kind = " (an opaque kernel: its operands)" if r.opaque else ""
+    return (f"  {r.primitive} at {r.location} ({r.function}): lhs {r.lhs_shape} {r.lhs_dtype} [{r.lhs}], "
+            f"rhs {r.rhs_shape} {r.rhs_dtype} [{r.rhs}]: {which} unquantized{kind}{scope}")
+
+
+def _spared(rule: Skip, records: Sequence[MatmulRecord]) -> list[int]:
+    return [i for i, r in enumerate(records) if not r.quantized and rule(r)]
+
+
+def assert_quantized(
+    fn: Callable[..., Any],
+    *args: Any,
+    skip: SkipArg = None,
+    control: Callable[..., Any] | None = None,
+    machinery: Sequence[str] = (),
+    **kwargs: Any,
+) -> list[MatmulRecord]:
+    """Assert every matmul of ``fn(*args, **kwargs)`` multiplies quantized operands; return the records.
+
+    ``skip`` spares matmuls meant to stay in full precision: one rule
+    (:func:`skip_modules`, :func:`skip_functions`, :func:`skip_at`,
+    :func:`skip_where`, or a plain predicate ``(record) -> bool``) or a list of
+    them. Each rule must spare at least one matmul (a stale rule fails, named),
+    and each spared record names its rule (``skipped_by``).
+
+    ``control``: the unquantized twin, called on the same arguments. The same
+    rules applied to it must not spare more matmuls (by position in the
+    program) than they spare in ``fn``: a rule broad enough to spare every
+    einsum of a function (``skip_functions("RoutedMoE.dense_matmul")``) would
+    hide a site that falls back to full precision, and fails, naming the
+    matmuls it hides.
+
+    Fails with one ``AssertionError`` listing each offending matmul with its
+    primitive, location, shapes and the operand that arrives unquantized, and
+    each failed rule.
+    """
+    __tracebackhide__ = True
+    rules = as_skips(skip, "assert_quantized")
+    records = coverage(fn, *args, machinery=machinery, **kwargs)
+    for i, r in enumerate(records):
+        if not r.quantized:
+            rule = next((rule for rule in rules if rule(r)), None)
+            if rule is not None:
+                records[i] = dataclasses.replace(r, skipped_by=rule.name)
+    problems: list[str] = []
+    bad = [r for r in records if not r.quantized and r.skipped_by is None]
+    if bad:
+        problems.append(f"{len(bad)} of {len(records)} matmuls reach full precision:\n" +
+                        "\n".join(_unquantized_line(r) for r in bad))
+    for rule in rules:
+        if not _spared(rule, records):
+            matched = sum(1 for r in records if rule(r))
+            problems.append(f"skip rule {rule.name} spares none of the {len(records)} matmuls "
+                            f"({'it matches only quantized ones' if matched else 'it matches none'}): "
+                            f"drop it or fix it")
+    if control is not None:
+        twin = coverage(control, *args, machinery=machinery, **kwargs)
+        for rule in rules:
+            hidden = sorted(set(_spared(rule, twin)) - set(_spared(rule, records)))
+            if hidden:
+                problems.append(
+                    f"skip rule {rule.name} spares {len(hidden)} more matmul(s) in the unquantized control than "
+                    f"in the layer; at their positions a full-precision matmul of the layer would pass unseen:\n" +
+                    "\n".join(f"  #{i}: {twin[i].describe()}" for i in hidden))
+    if problems:
+        raise AssertionError("assert_quantized: " + "\n".join(problems))
+    return records

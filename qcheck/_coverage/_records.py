@@ -1,0 +1,206 @@
+"""What the coverage map records of each matmul, and the primitives it knows.
+
+The map itself (:mod:`._walk`): a quantization coverage map of any JAX function: which matmuls really multiply quantized operands.
+
+The silent fallback — a quantized path that quietly multiplies in full
+precision — leaves the output close to the quantized one and passes a
+tolerance check. Here the function is traced to a jaxpr (tracing only) and
+every matrix multiplication in it, nested calls, custom derivatives and
+control flow included, is reported with where it is and what its operands
+went through.
+
+An operand counts as quantized when it derives from a *quantizing step*
+through value-preserving ops only:
+
+* quantizing steps: a narrowing ``convert_element_type`` (any float to a type
+  of at most 8 bits: int8/uint8/int4, float8_*, float4_e2m1fn, ...), or a
+  rounding primitive with no narrow type in the program (emulation:
+  ``round``/``floor``/``ceil``, or ``reduce_precision`` onto at most 8 bits);
+  a jaxpr input or constant whose type is itself narrow counts too.
+* value-preserving ops (the table :data:`VALUE_PRESERVING` below, with the
+  operands whose quantization carries over): layout (reshape, transpose,
+  broadcast, squeeze, expand_dims, slicing, gather, concatenate, pad, copies,
+  sharding constraints), sign (neg, abs: the grids are symmetric), saturation
+  against a constant (max/min/clamp), a conversion that does not narrow,
+  multiplication or division by a scale (a scalar or a value broadcast from
+  fewer elements: per-tensor, per-channel, per-block), ``select_n``, and the
+  boundaries of jit/pjit, closed_call, remat, custom_jvp/custom_vjp (forward),
+  scan, while and cond (inner invars map to outer values).
+* anything else (``add``, a matmul, a reduction, ...) yields full precision.
+
+Where several quantized values meet (``codes * scale`` when the scale was cast
+too), the first operand's quantization is reported.
+
+Every higher-order primitive a program JAX runs may hold is walked: calls
+(jit/pjit, closed_call, remat/checkpoint, custom_jvp/custom_vjp,
+custom_partitioning), ``shard_map`` (its body per shard), ``scan``/``while``/
+``cond``, and any other primitive carrying a jaxpr. Opaque kernels (a
+``pallas_call``, an FFI or custom call) are reported as one record each, a
+region that may multiply, with the quantization of its first two operands.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import numpy as np
+
+
+#: Primitives that multiply matrices, as named in jax 0.10.2 (and 0.12):
+#: ``jnp.einsum``/``matmul``/``dot`` -> dot_general; ``lax.ragged_dot`` ->
+#: ragged_dot_general; ``jax.nn.scaled_matmul`` -> scaled_matmul_wrapper;
+#: ``lax.scaled_dot`` -> scaled_dot. Operands 0 and 1 are lhs and rhs.
+MATMUL_PRIMITIVES: frozenset[str] = frozenset(
+    {"dot_general", "ragged_dot", "ragged_dot_general", "scaled_matmul_wrapper", "scaled_matmul", "scaled_dot"}
+)
+# The scaled matmuls take codes and scales separately; their "operands before
+# quantization" are not the same product, so they get no error figure.
+ERROR_PRIMITIVES = frozenset({"dot_general", "ragged_dot", "ragged_dot_general"})
+
+ROUNDING = frozenset({"round", "floor", "ceil"})
+BLOCK_SCALED = frozenset({"scaled_matmul_wrapper", "scaled_matmul", "scaled_dot"})
+
+#: Kernels whose bodies are not JAX ops the walk can follow: each is one record.
+OPAQUE = frozenset({"pallas_call", "ffi_call", "custom_call", "tpu_custom_call", "mosaic_gpu_call",
+                     "triton_kernel_call"})
+
+#: The value-preserving ops: primitive -> (rule, data operands, why the grid survives).
+#: Rules: "first": the output is quantized when the (first) data operand is;
+#: "all": every data operand is quantized or a constant, one at least quantized;
+#: "scale": a quantized operand times (or over) a scale, i.e. a value that
+#: broadcasts: a scalar, fewer elements than the output, or broadcast from fewer
+#: (per-tensor, per-channel, per-block scales). A conversion or
+#: ``reduce_precision`` counts only when it does not quantize anew.
+VALUE_PRESERVING: dict[str, tuple[str, tuple[int, ...] | slice, str]] = {
+    **{p: ("first", (0,), "layout: moves, copies or repeats values") for p in (
+        "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "slice", "rev",
+        "dynamic_slice", "gather", "copy", "copy_p", "sharding_constraint", "optimization_barrier")},
+    "neg": ("first", (0,), "the grids are symmetric"),
+    "abs": ("first", (0,), "the grids are symmetric"),
+    "convert_element_type": ("first", (0,), "to a float (or back from codes): no narrowing"),
+    "reduce_precision": ("first", (0,), "onto more than 8 bits: no narrowing"),
+    "clamp": ("first", (1,), "saturation at the grid's bounds"),
+    "max": ("all", (0, 1), "saturation against a constant bound (jnp.clip)"),
+    "min": ("all", (0, 1), "saturation against a constant bound (jnp.clip)"),
+    "concatenate": ("all", slice(None), "quantized parts, constant padding"),
+    "pad": ("all", (0, 1), "constant padding"),
+    "dynamic_update_slice": ("all", (0, 1), "quantized parts"),
+    "select_n": ("all", slice(1, None), "each case quantized or constant (masked zeros)"),
+    "mul": ("scale", (0, 1), "dequantization: codes times their scale"),
+    "div": ("scale", (0,), "dequantization: codes over their inverse scale"),
+}
+
+# Calls whose inner jaxpr takes exactly the eqn's operands and gives its results.
+CALLS = {
+    "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
+    "remat2": "jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr", "custom_partitioning": "call",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class OperandQuant:
+    """How one matmul operand was quantized.
+
+    ``kind``: "cast" (a narrowing cast to ``dtype``), "emulated" (rounded onto a
+    grid by ``step`` with no narrow type), or "full" (full precision).
+    """
+
+    kind: Literal["cast", "emulated", "full"]
+    dtype: str | None = None
+    step: str | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.kind != "full"
+
+    def __str__(self) -> str:
+        if self.kind == "cast":
+            return self.dtype if self.step != "input" else f"{self.dtype} input"
+        if self.kind == "emulated":
+            return f"emulated({self.step})"
+        return "full precision"
+
+
+FULL = OperandQuant("full")
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulRecord:
+    """One matrix multiplication of a traced function.
+
+    ``location`` is ``path/to/file.py:LINE``, the innermost frame outside the
+    quantization machinery (:data:`MACHINERY`: JAX, Flax, AQT, qwix, the
+    standard library and qcheck's own plumbing, plus any packages passed as
+    ``machinery=``), so a quantized matmul is reported at the line of the
+    user's code that called the quantizer; ``function`` is that frame's
+    qualified name. ``stack``: every frame outside the machinery, innermost
+    first, as ``(location, function)``. ``scope``: the module path and
+    ``jax.named_scope`` names the matmul was traced under, ``/``-separated
+    (``"moe/gate"``; an NNX module's submodules by attribute path).
+
+    ``error`` is ``||out - ref|| / ||ref||`` against the same product of the
+    operands before quantization; None when not computed, and ``no_error``
+    then says why (full-precision operands, a scaled matmul, a body walked for
+    quantization only, operands narrow from the start, ``errors=False``).
+    ``backward``: the matmul belongs to the backward pass (it depends on the
+    output gradient; only with ``coverage(..., backward=True)``).
+    ``lhs_casts``/``rhs_casts``: every narrow type the operand's quantized chain
+    was cast to (or arrived in), its scales' included (NVFP4's e4m3fn block
+    scales beside its emulated e2m1 codes), where ``lhs``/``rhs`` report one.
+    ``opaque``: a kernel the walk cannot look into (``pallas_call``, a custom
+    call), reported as one record with its first two operands. ``skipped_by``:
+    the skip rule that spared this full-precision matmul in
+    :func:`assert_quantized`, else None.
+    """
+
+    primitive: str
+    location: str
+    function: str
+    lhs_shape: tuple[int, ...]
+    rhs_shape: tuple[int, ...]
+    lhs_dtype: str
+    rhs_dtype: str
+    lhs: OperandQuant
+    rhs: OperandQuant
+    error: float | None = None
+    backward: bool = False
+    lhs_casts: frozenset[str] = frozenset()
+    rhs_casts: frozenset[str] = frozenset()
+    scope: str = ""
+    stack: tuple[tuple[str, str], ...] = ()
+    opaque: bool = False
+    no_error: str | None = None
+    skipped_by: str | None = None
+    #: A block-scaled matmul's (``jax.nn.scaled_matmul``, ``lax.scaled_dot``) block format per operand,
+    #: from its codes and scales: e.g. "mxfp8 (float8_e4m3fn, float8_e8m0fnu scales per 32)"; None otherwise.
+    lhs_block: str | None = None
+    rhs_block: str | None = None
+
+    @property
+    def quantized(self) -> bool:
+        """Both operands reach the matmul quantized."""
+        return self.lhs.quantized and self.rhs.quantized
+
+    def describe(self) -> str:
+        """One line: primitive, location, function, scope and both operands."""
+        scope = f" in {self.scope}" if self.scope else ""
+        return (f"{self.primitive} at {self.location} ({self.function}){scope}: lhs {self.lhs_shape} "
+                f"{self.lhs_dtype} [{self.lhs}], rhs {self.rhs_shape} {self.rhs_dtype} [{self.rhs}]")
+
+#: Block formats by (codes, scales, block size), as OCP MX and NVIDIA name them.
+_BLOCK_FORMAT_NAMES = {
+    ("float8_e4m3fn", "float8_e8m0fnu", 32): "mxfp8", ("float8_e5m2", "float8_e8m0fnu", 32): "mxfp8",
+    ("float4_e2m1fn", "float8_e8m0fnu", 32): "mxfp4", ("float4_e2m1fn", "float8_e4m3fn", 16): "nvfp4",
+}
+
+
+def block_format(codes: Any, scales: Any, primitive: str) -> str:
+    c, sc = str(np.dtype(codes.dtype)), str(np.dtype(scales.dtype))
+    # scaled_matmul's operands are (batch, rows, K) with scales (batch, rows, K / block).
+    block = codes.shape[-1] // scales.shape[-1] if primitive != "scaled_dot" and scales.shape[-1] else None
+    name = _BLOCK_FORMAT_NAMES.get((c, sc, block))
+    per = f" per {block}" if block else ""
+    return f"{name + ' ' if name else ''}({c}, {sc} scales{per})"
+
+
