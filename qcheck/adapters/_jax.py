@@ -47,6 +47,7 @@ from flax import linen as nn
 from qcheck import formats
 from qcheck.adapters._ragged import ragged_dot_from_einsum
 from qcheck.recipes import Expect, Recipe
+from qcheck.recipes._declarations import DEFAULT_RECIPE_MAX_GRAD_REL_NORM
 from qcheck.recipes._nvfp4 import NVFP4_MAX_GRAD_REL_NORM, NVFP4_MAX_REL_NORM
 
 __all__ = ["JAX_MODES", "JaxScaledDotRecipe", "jax_mxfp8", "jax_nvfp4", "scaled_dot_general_runs"]
@@ -58,7 +59,7 @@ JAX_MODES = {"mxfp8": "mxfp8_jax", "nvfp4": "nvfp4_jax"}
 # 0.12.0.1), jax_mxfp8 reaches 0.077 (outputs) and 0.093 (gradients), jax_nvfp4 0.30 and 0.36 (Mixtral
 # with dropping; its gradients are full precision, but taken through NVFP4 activations).
 _MAX_REL_NORM = {"mxfp8": 0.22, "nvfp4": NVFP4_MAX_REL_NORM}
-_MAX_GRAD_REL_NORM = {"mxfp8": None, "nvfp4": NVFP4_MAX_GRAD_REL_NORM}
+_MAX_GRAD_REL_NORM = {"mxfp8": DEFAULT_RECIPE_MAX_GRAD_REL_NORM, "nvfp4": NVFP4_MAX_GRAD_REL_NORM}
 
 
 def scaled_dot_configs(mode: str, lhs: jax.Array, rhs: jax.Array) -> list:
