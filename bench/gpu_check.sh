@@ -5,7 +5,7 @@
 # tests demanding the hardware (QCHECK_REQUIRE_HARDWARE, default gpu,fp8_gpu;
 # "all" on Blackwell), then the whole suite with the hardware tests in it.
 # Logs go to $OUT (or a new temporary folder); the exit status is the worst of
-# the two pytest runs. The README's "Hardware tests" records what it printed.
+# the two pytest runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$(mktemp -d)}
