@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
-def check_choice(kind: str, value: object, valid: Iterable[str]) -> str:
+def require_choice(kind: str, value: object, valid: Iterable[str]) -> str:
     """``value`` if it is one of ``valid``, else a ValueError naming the kind and every valid choice."""
     valid = tuple(valid)
     if value not in valid:

@@ -144,11 +144,11 @@ def _names(what: str, value: Iterable[str] | None) -> tuple[str, ...] | None:
 
 
 def _invariant(name: str) -> Invariant:
-    from qcheck._choices import check_choice
+    from qcheck._choices import require_choice
     from qcheck.suite.invariants import INVARIANTS
 
     by_name = {inv.name: inv for inv in INVARIANTS}
-    return by_name[check_choice("invariant", name, by_name)]
+    return by_name[require_choice("invariant", name, by_name)]
 
 
 def case_parameters(
@@ -239,10 +239,10 @@ class InvariantTestCase(QuantizationAssertions, parameterized.TestCase):
         names = [inv.name for inv in INVARIANTS]
         wanted = _names("qcheck_invariants", cls.qcheck_invariants)
         if wanted is not None:
-            from qcheck._choices import check_choice
+            from qcheck._choices import require_choice
 
             for name in wanted:
-                check_choice("invariant", name, [*names, "paths"])
+                require_choice("invariant", name, [*names, "paths"])
         tests: dict[str, Callable[..., Any]] = {}
         for inv in INVARIANTS:
             if wanted is None or inv.name in wanted:

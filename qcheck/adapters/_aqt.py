@@ -34,7 +34,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "qcheck.adapters' AQT recipes need AQT v2: pip install 'qcheck[aqt]' (the aqtp package)"
     ) from e
 
-from qcheck._choices import check_choice
+from qcheck._choices import require_choice
 from qcheck.adapters._ragged import ragged_dot_from_einsum
 from qcheck.recipes import ApplyRngs, Expect, KnownDefect, Recipe, Reference, Unsupported
 
@@ -137,7 +137,7 @@ class AqtRecipe(Recipe):
         # stream of each module, which upstream forks per module.
         super().__init__(name, lhs=lhs, rhs=rhs, apply_rngs=ApplyRngs.PRIVATE, expect=expect, **moved)
         self.config_factory = config_factory
-        self.ragged = check_choice("ragged", ragged, AQT_RAGGED)
+        self.ragged = require_choice("ragged", ragged, AQT_RAGGED)
         # AQT quantizes gradients its own way (config_v4: dlhs in int8 with
         # stochastic rounding from its own RNG), which no qcheck referee models:
         # no exact backward check. `grads` still holds them to the none twin's.

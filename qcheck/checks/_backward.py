@@ -52,7 +52,7 @@ __all__ = [
     "assert_grad_equal",
     "assert_site_backward_exact",
     "backend_qdq",
-    "check_site_grads",
+    "assert_site_grads_exact",
     "expectations",
     "flat_uniforms",
     "grad_operand_formats",
@@ -348,12 +348,12 @@ def assert_site_backward_exact(
     mm = as_matmul(matmul)
     graphdef, state = nnx.split(site)
     sizes = None if isinstance(mm, Einsum) else jax.device_put(np.asarray(mm.group_sizes, np.int32))
-    return check_site_grads(site, mm, lhs, rhs, g, recipe=recipe, key=key, label=label, site_grads=(
+    return assert_site_grads_exact(site, mm, lhs, rhs, g, recipe=recipe, key=key, label=label, site_grads=(
         lambda a, b, gg, k: _site_grads(graphdef, mm.eqn, state, a, b, sizes, gg, k)))
 
 
 @assertion(name="assert_site_backward_exact")
-def check_site_grads(site: QuantSite, matmul: str | Einsum | Ragged, lhs: ArrayLike, rhs: ArrayLike, g: ArrayLike,
+def assert_site_grads_exact(site: QuantSite, matmul: str | Einsum | Ragged, lhs: ArrayLike, rhs: ArrayLike, g: ArrayLike,
                      *, recipe: Recipe, key: jax.Array | None, site_grads, label: str = "") -> Figures:
     """:func:`assert_site_backward_exact` with the site's gradients from ``site_grads(lhs, rhs, g, key)``.
 

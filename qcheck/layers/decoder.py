@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qcheck._choices import check_choice
+from qcheck._choices import require_choice
 from qcheck.layers.moe import MODELS, MoE, MoEConfig, transform_layer
 from qcheck.recipes import ApplyRngs, InterceptRecipe, Recipe, get_recipe
 
@@ -84,10 +84,10 @@ def build_decoder(
     apply_rngs: ApplyRngs | str | None = None,
 ) -> Decoder:
     """A stack of ``layers`` MoE layers; ``apply_rngs`` overrides the recipe's RNG mode (e.g. force PRIVATE)."""
-    config = MODELS[check_choice("model", model, tuple(MODELS))]
+    config = MODELS[require_choice("model", model, tuple(MODELS))]
     if isinstance(apply_rngs, str):
         valid = tuple(m.value for m in ApplyRngs)
-        apply_rngs = ApplyRngs(check_choice("apply_rngs mode", apply_rngs, valid))
+        apply_rngs = ApplyRngs(require_choice("apply_rngs mode", apply_rngs, valid))
     return Decoder(
         config, get_recipe(recipe), layers=layers, scan=scan, rngs=nnx.Rngs(seed), apply_rngs=apply_rngs
     )

@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from qcheck._choices import check_choice
+from qcheck._choices import require_choice
 from qcheck.recipes._plain import UnquantizedSite
 from qcheck.layers.bridge import QuantSite
 from qcheck.recipes import ApplyRngs, InterceptRecipe, Recipe, get_recipe
@@ -108,7 +108,7 @@ class MoE(nnx.Module):
         self.config = config
         self.mesh = _check_mesh(mesh, config)
         self.recipe_name = recipe.name
-        self.path = check_choice("path", path, PATHS)
+        self.path = require_choice("path", path, PATHS)
         self.capacity_factor = float(capacity_factor)
         self.dtype = jnp.dtype(dtype)
         e, m, h = config.num_experts, config.emb, config.mlp
@@ -315,7 +315,7 @@ def build_moe(
     activations to both; XLA's SPMD partitioner does the rest, ragged matmuls
     included. The function computed is the same as without one.
     """
-    config = MODELS[check_choice("model", model, tuple(MODELS))]
+    config = MODELS[require_choice("model", model, tuple(MODELS))]
     recipe = get_recipe(recipe)
     intercept = isinstance(recipe, InterceptRecipe)
     layer = MoE(

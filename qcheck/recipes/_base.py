@@ -9,7 +9,7 @@ import re
 from flax import linen as nn
 
 from qcheck import formats
-from qcheck._choices import check_choice
+from qcheck._choices import require_choice
 from qcheck.recipes._declarations import Expect, Reference
 from qcheck.recipes._sites import FormatSite
 
@@ -90,7 +90,7 @@ class Recipe:
             raise TypeError(f"apply_rngs must be an ApplyRngs, got {apply_rngs!r}")
         for arg, fmt in (("lhs", lhs), ("rhs", rhs), ("grad", grad)):
             if fmt is not None:
-                check_choice(f"{arg} format", fmt, formats.format_names())
+                require_choice(f"{arg} format", fmt, formats.format_names())
         if (lhs is None) != (rhs is None):
             raise TypeError(f"Recipe {name!r}: give both lhs= and rhs=, or neither")
         if lhs is None and type(self).site_module is Recipe.site_module:

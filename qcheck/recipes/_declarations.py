@@ -15,7 +15,7 @@ import numbers
 
 import numpy as np
 
-from qcheck._choices import check_choice
+from qcheck._choices import require_choice
 from qcheck.hardware import FP8_TARGETS
 from qcheck.recipes._unsupported import PATHS, KnownDefect, Unsupported
 from qcheck.referees import MATMUL_MODES
@@ -46,7 +46,7 @@ def _paths(arg: str, value: object, *, empty: bool) -> tuple[str, ...]:
         kind = "a tuple" if empty else "a non-empty tuple"
         raise TypeError(f"{arg} must be {kind} of {', '.join(PATHS)}, got {value!r}")
     for path in value:
-        check_choice("path", path, PATHS)
+        require_choice("path", path, PATHS)
     return tuple(value)
 
 
@@ -86,7 +86,7 @@ class Reference:
     cast_dtype: np.dtype | None = None
 
     def __post_init__(self):
-        check_choice("matmul", self.matmul, MATMUL_MODES)
+        require_choice("matmul", self.matmul, MATMUL_MODES)
         if self.grad_operands not in GRAD_OPERANDS:
             raise ValueError(f"grad_operands must be one of {', '.join(GRAD_OPERANDS)}, got {self.grad_operands!r}")
         if self.cast_dtype is not None:
@@ -142,7 +142,7 @@ class Expect:
         set_("max_rel_norm", _bound("max_rel_norm", self.max_rel_norm))
         set_("max_grad_rel_norm", _bound("max_grad_rel_norm", self.max_grad_rel_norm))
         if self.fp8_target is not None:
-            check_choice("fp8_target", self.fp8_target, FP8_TARGETS)
+            require_choice("fp8_target", self.fp8_target, FP8_TARGETS)
         set_("paths", _paths("paths", self.paths, empty=False))
         set_("backward_paths", _paths("backward_paths", self.backward_paths, empty=True))
         set_("unsupported", _declared("unsupported", self.unsupported, Unsupported))

@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Callable
 from importlib import metadata
 
-from qcheck._choices import check_choice
+from qcheck._choices import require_choice
 
 __all__ = ["PATHS", "UNSUPPORTED_KINDS", "KnownDefect", "Unsupported", "assert_still_unsupported"]
 
@@ -45,11 +45,11 @@ class Unsupported:
     match: str = ""
 
     def __post_init__(self):
-        check_choice("unsupported kind", self.kind, UNSUPPORTED_KINDS)
+        require_choice("unsupported kind", self.kind, UNSUPPORTED_KINDS)
         if isinstance(self.paths, str) or not self.paths:
             raise TypeError(f"paths must be a non-empty tuple of {', '.join(PATHS)}, got {self.paths!r}")
         for path in self.paths:
-            check_choice("path", path, PATHS)
+            require_choice("path", path, PATHS)
         if not callable(self.reproduce):
             raise TypeError(f"reproduce must be a callable that runs {self.library} on the refused case, "
                             f"got {self.reproduce!r}")
@@ -115,7 +115,7 @@ class KnownDefect:
         if isinstance(self.paths, str) or not self.paths:
             raise TypeError(f"paths must be a non-empty tuple of {', '.join(PATHS)}, got {self.paths!r}")
         for path in self.paths:
-            check_choice("path", path, PATHS)
+            require_choice("path", path, PATHS)
         if isinstance(self.models, str) or not all(isinstance(m, str) and m for m in self.models):
             raise TypeError(f"models must be a tuple of model names (empty: every model), got {self.models!r}")
         if not self.match:

@@ -12,7 +12,7 @@ import functools
 import re
 from typing import TYPE_CHECKING
 
-from qcheck._choices import check_choice
+from qcheck._choices import require_choice
 from qcheck.recipes import KnownDefect, Recipe, Unsupported, assert_still_unsupported, get_recipe
 from qcheck.suite.cases import Case, Variant
 
@@ -60,7 +60,7 @@ def check_declared(case: Case, invariant: str | Invariant) -> str:
 
     if isinstance(invariant, str):
         by_name = {i.name: i for i in invariants.INVARIANTS}
-        inv = by_name[check_choice("invariant", invariant, by_name)]
+        inv = by_name[require_choice("invariant", invariant, by_name)]
     else:
         inv = invariant
     found = declared(get_recipe(case.recipe), case.variant, inv.name)

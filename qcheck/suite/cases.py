@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from qcheck import formats
 from qcheck.layers import step
-from qcheck._choices import check_choice
+from qcheck._choices import require_choice
 from qcheck.layers.decoder import Decoder, build_decoder
 from qcheck.layers.moe import MESH_AXES, MODELS, PATHS, MoE, build_moe, capacity
 from qcheck.recipes import ApplyRngs, Recipe, get_recipe, recipe_names
@@ -118,7 +118,7 @@ def cases(
         get_recipe(name)  # unknown names fail here with the list of valid ones
     for kind, chosen, valid in (("model", models, MODELS), ("path", paths, PATHS)):
         for value in chosen or ():
-            check_choice(kind, value, valid)
+            require_choice(kind, value, valid)
     return [
         Case(r, v)
         for r in names

@@ -227,14 +227,14 @@ def _coverage(args: argparse.Namespace, module_recipes: tuple[str, ...]) -> int:
 def _rng(args: argparse.Namespace, module_recipes: tuple[str, ...]) -> int:
     import json
 
-    from qcheck._choices import check_choice
+    from qcheck._choices import require_choice
     from qcheck.layers.moe import MODELS
     from qcheck.recipes import ApplyRngs, get_recipe
     from qcheck.suite.invariants import rng_entry_params
 
     if any(n < 1 for n in args.layers):
         raise UsageError(f"--layers must be positive integers, got {args.layers}")
-    check_choice("model", args.model, tuple(MODELS))
+    require_choice("model", args.model, tuple(MODELS))
     get_recipe(args.recipe)
     mode = None if args.apply_rngs is None else ApplyRngs(args.apply_rngs)
     counts = rng_entry_params(args.model, args.recipe, depths=tuple(args.layers), apply_rngs=mode)

@@ -290,10 +290,10 @@ def assert_sites_backward_exact(layer: MoE, recipe: Recipe, label: str, runs: Si
     for p in probes:
         site, grads = layer.get_einsum(p.site), _site_programs.replay(runs.grads[p.site], p, p.lhs, p.rhs, p.g)
         if p.eqn is not None:
-            run = functools.partial(_backward.check_site_grads, site, p.eqn, p.lhs, p.rhs, p.g, recipe=recipe,
+            run = functools.partial(_backward.assert_site_grads_exact, site, p.eqn, p.lhs, p.rhs, p.g, recipe=recipe,
                                     key=runs.key, site_grads=grads)
         else:
-            run = functools.partial(_backward.check_site_grads, site, checks.Ragged(p.group_sizes), p.lhs, p.rhs,
+            run = functools.partial(_backward.assert_site_grads_exact, site, checks.Ragged(p.group_sizes), p.lhs, p.rhs,
                                     p.g, recipe=recipe, key=runs.key, site_grads=grads)
         _prefixed(f"{label} site {p.site!r}", run)
 
