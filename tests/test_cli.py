@@ -143,5 +143,5 @@ def test_dense_sparse_rows_report_a_failure(capsys, monkeypatch):
         raise AssertionError(f"none-{model}: dense and sparse differ by up to 0.5")
 
     monkeypatch.setattr(invariants, "check_paths_agree", broken)
-    assert cli._paths_agree(("gemma",)) == ["none-gemma", "none-gemma-drop"]
+    assert cli.paths_agree_failures(("gemma",)) == ["none-gemma", "none-gemma-drop"]
     assert "dense == sparse  none-gemma         FAIL none-gemma: dense and sparse differ" in capsys.readouterr().out

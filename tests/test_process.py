@@ -20,7 +20,7 @@ def test_both_jaxlibs_get_the_compile_speed_flags(version):
 def test_configure_adds_the_flags_for_the_installed_jaxlib():
     env: dict[str, str] = {}
     _process.configure(env, one_thread=False)
-    assert _flags(env).items() >= _process.flags_for(_process._jaxlib_version()).items()
+    assert _flags(env).items() >= _process.flags_for(_process.jaxlib_version()).items()
     assert "--xla_cpu_multi_thread_eigen" not in _flags(env)
 
 
@@ -89,7 +89,7 @@ def test_persistent_cache_dir(env, own, want, tmp_path):
 
 def test_the_user_cache_is_per_user_and_per_jaxlib(tmp_path):
     path = _process.user_cache_dir({"XDG_CACHE_HOME": str(tmp_path)})
-    assert path == str(tmp_path / "qcheck" / "xla" / f"jaxlib-{_process._jaxlib_version()}")
+    assert path == str(tmp_path / "qcheck" / "xla" / f"jaxlib-{_process.jaxlib_version()}")
 
 
 @pytest.fixture

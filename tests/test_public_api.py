@@ -256,16 +256,13 @@ OURS = ("qcheck", "tests", "bench")
 SHARED_TEST_MODULES = {"tests.helpers", "tests.format_properties", "tests.fp8_loops", "tests.maxtext_like",
                        "tests.maxtext_cells"}
 
-_H1 = "qcheck/checks internals (issue 26, H1): to offer under a public name"
-_H2 = "qcheck/suite (issue 26, H2, splitting golden and _process): to offer under a public name"
+_PROCESS = "the setup of qcheck's own processes is what these tests are about"
 _FAKE = "fakes what the host has (extras, GPUs): no public seam for it yet"
 #: Private names tests still use (``file: use`` -> why). The list may only shrink: a use not listed
 #: fails, and so does a listed one no test makes any more.
 STILL_PRIVATE: dict[str, str] = {
-    "test_absltest.py: from qcheck.suite import _process": _H2,
-    "test_process.py: from qcheck.suite import _process": _H2,
-    "test_process.py: _process._jaxlib_version": _H2,
-    "test_cli.py: cli._paths_agree": _H2,
+    "test_absltest.py: from qcheck.suite import _process": _PROCESS,
+    "test_process.py: from qcheck.suite import _process": _PROCESS,
     "test_formats.py: formats._quantize": "counts traces of the jitted quantizer qdq calls (qcheck.formats)",
     "test_formats.py: setattr(formats, _quantize)": "counts traces of the jitted quantizer qdq calls (qcheck.formats)",
     "test_adapters.py: setattr(adapters, _has)": _FAKE,

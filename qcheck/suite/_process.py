@@ -47,7 +47,7 @@ _ALWAYS = {
 _BY_JAXLIB: dict[str, dict[str, str]] = {}
 
 
-def _jaxlib_version() -> str:
+def jaxlib_version() -> str:
     try:
         return metadata.version("jaxlib")
     except metadata.PackageNotFoundError:
@@ -70,7 +70,7 @@ def configure(environ=os.environ, *, one_thread: bool | None = None) -> None:
     (default: under pytest-xdist).
     """
     flags = environ.get("XLA_FLAGS", "")
-    extra = [f"{k}={v}" for k, v in flags_for(_jaxlib_version()).items() if k not in flags]
+    extra = [f"{k}={v}" for k, v in flags_for(jaxlib_version()).items() if k not in flags]
     if one_thread is None:
         one_thread = bool(environ.get("PYTEST_XDIST_WORKER"))
     if one_thread and "xla_cpu_multi_thread_eigen" not in flags:
@@ -87,7 +87,7 @@ def user_cache_dir(environ=os.environ) -> str:
     JAX's entries be removed with their directory.
     """
     base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "qcheck", "xla", f"jaxlib-{_jaxlib_version() or 'unknown'}")
+    return os.path.join(base, "qcheck", "xla", f"jaxlib-{jaxlib_version() or 'unknown'}")
 
 
 def persistent_cache_dir(environ=os.environ, *, default: bool = True) -> str | None:

@@ -267,7 +267,7 @@ def _matrix(args: argparse.Namespace, module_recipes: tuple[str, ...]) -> int:
         print(matrix.to_json(rows) if args.json else matrix.format_table(rows), flush=True)
         failed = [r.case.id for r in rows if not r.ok]
         if with_paths:
-            failed += _paths_agree(as_tuple(args.models), executor=pool)
+            failed += paths_agree_failures(as_tuple(args.models), executor=pool)
     if failed:
         print(f"\n{len(failed)} cases failed: {', '.join(failed)}", file=sys.stderr)
         return 1
@@ -280,7 +280,7 @@ def _matrix(args: argparse.Namespace, module_recipes: tuple[str, ...]) -> int:
     return 0
 
 
-def _paths_agree(models: tuple[str, ...] | None, executor=None) -> list[str]:
+def paths_agree_failures(models: tuple[str, ...] | None, executor=None) -> list[str]:
     """Print the dense == sparse rows for ``none``; returns the labels that failed."""
     from qcheck.layers.moe import MODELS
     from qcheck.suite.matrix import run_paths_agree
