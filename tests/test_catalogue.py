@@ -203,6 +203,12 @@ class _PlantedJax(JaxScaledDotRecipe):
         return self.site_cls(mode="nvfp4")
 
 
+@functools.cache
+def _jax_nvfp4_before_e1f12ba4() -> _PlantedJax:
+    """The recipe the row's layer is built with and its sites are held to (one object for both)."""
+    return _PlantedJax("jax_nvfp4_e1f12ba4", JaxNvfp4BeforeE1f12ba4)
+
+
 def _with_planted_site(recipe: str, planted: Recipe, site: str = "wo", path: str = "dense") -> MoE:
     broken = layer(recipe, path=path)
     broken.sites[site] = QuantSite(planted, site, rngs=nnx.Rngs(7))
@@ -779,8 +785,8 @@ CATALOGUE = [
     Bug("exact_catches_jax_nvfp4_global_scale_applied_to_block_scales_not_data",
         "JAX's nvfp4 before e1f12ba4: the global scale applied to the block scales, not the data (codes mostly 0)",
         "`exact` (names the rule)",
-        lambda p: layer(_PlantedJax("jax_nvfp4_e1f12ba4", JaxNvfp4BeforeE1f12ba4)),
-        (Catch(invariants.assert_sites_exact, lambda broken: (broken, broken.recipe, "bug"),
+        lambda p: layer(_jax_nvfp4_before_e1f12ba4()),
+        (Catch(invariants.assert_sites_exact, lambda broken: (broken, _jax_nvfp4_before_e1f12ba4(), "bug"),
                r"bug: assert_site_exact: site 'wi_0' einsum 'BSM,EMH->BSEH' \(nvfp4_jax x nvfp4_jax\): differs .*it "
                r"equals both operands in JAX's nvfp4 before e1f12ba4 \(the global scale divides the block scales but "
                r"not the data, so its e2m1 codes are mostly zero\) bitwise"),),
