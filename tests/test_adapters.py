@@ -161,24 +161,34 @@ def test_backward_invariant_applies_on_the_declared_paths(recipe, paths):
     assert {v.path for v in VARIANTS if backward.applies(r, v)} == set(paths)
 
 
-def test_library_limits_survive_a_callers_expect():
-    """A caller's Expect gives bounds and targets; it does not switch on a backward reference the library lacks,
-    nor drop a refusal."""
-    from qcheck.adapters import JaxScaledDotRecipe, QwixRecipe
+# A caller's Expect gives bounds and targets; it does not switch on a backward reference the library lacks,
+# nor drop a refusal. One test per library, so each runs where its extra is installed.
+GIVEN = qcheck.Expect(max_rel_norm=0.3, fp8_target="mi300")
 
-    given = qcheck.Expect(max_rel_norm=0.3, fp8_target="mi300")
+
+def test_flax_and_jax_limits_survive_a_callers_expect():
+    from qcheck.adapters import JaxScaledDotRecipe
+
     flax = flax_fp8_recipe("f", nn.Fp8Einsum, e4m3_dtype=jnp.float8_e4m3fnuz, e5m2_dtype=jnp.float8_e5m2fnuz,
-                           expect=given)
+                           expect=GIVEN)
     assert (flax.expect.max_rel_norm, flax.expect.fp8_target, flax.expect.backward_paths) == (0.3, "mi300", ("dense",))
-    assert JaxScaledDotRecipe("j", "nvfp4", expect=given).expect.backward_paths == ()
+    assert JaxScaledDotRecipe("j", "nvfp4", expect=GIVEN).expect.backward_paths == ()
+
+
+def test_aqt_limits_survive_a_callers_expect():
     aqt = _aqt()
-    ragged = aqt.aqt_recipe("a", ragged="aqt", lhs="int8_aqt", rhs="int8_aqt", expect=given)
+    ragged = aqt.aqt_recipe("a", ragged="aqt", lhs="int8_aqt", rhs="int8_aqt", expect=GIVEN)
     assert (ragged.expect.backward_paths, ragged.expect.unsupported, ragged.expect.known_defects) == (
         (), (aqt.AQT_RAGGED_NO_GRADIENT,), (aqt.AQT_RAGGED_SHARED_SCALE,))
+
+
+def test_qwix_limits_survive_a_callers_expect():
     qwix = _qwix()
+    from qcheck.adapters import QwixRecipe
+
     rule = dict(module_path=".*", weight_qtype=jnp.int8, act_qtype=jnp.int8)
-    assert QwixRecipe("q", [qwix.QtRule(**rule)], expect=given).expect.backward_paths == ("dense",)
-    assert QwixRecipe("q", [qwix.QtRule(**rule, bwd_qtype=jnp.int8)], expect=given).expect.backward_paths == ()
+    assert QwixRecipe("q", [qwix.QtRule(**rule)], expect=GIVEN).expect.backward_paths == ("dense",)
+    assert QwixRecipe("q", [qwix.QtRule(**rule, bwd_qtype=jnp.int8)], expect=GIVEN).expect.backward_paths == ()
 
 
 def test_flax_sparse_backward_misses_the_exact_reference_by_rounding():
