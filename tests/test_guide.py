@@ -88,5 +88,30 @@ def test_the_guide_takes_a_new_recipe_from_nothing_to_a_passing_suite(tmp_path, 
 
 
 def test_the_guide_registers_a_recipe_for_one_test():
+    import qcheck
+
     (block,) = guide_blocks("registered")
-    exec(compile(block, "docs/adding-a-recipe.md", "exec"), {})  # it asserts the recipe is gone after the block
+    ran = {}
+    exec(compile(block, "docs/adding-a-recipe.md", "exec"), ran)
+    name = ran["planted"].name
+    assert name not in qcheck.recipe_names()  # registered for the block only
+    with pytest.raises(ValueError, match=rf"unknown recipe '{name}'"):
+        qcheck.get_recipe(name)
+
+
+def test_the_guides_registration_example_fails_on_a_registration_that_leaks(monkeypatch):
+    import contextlib
+
+    import qcheck
+    from qcheck import register_recipe
+
+    @contextlib.contextmanager
+    def leaky(*recipes):  # the bug: registers, never restores
+        for recipe in recipes:
+            register_recipe(recipe)
+        yield recipes
+
+    (block,) = guide_blocks("registered")
+    monkeypatch.setattr(qcheck, "registered", leaky)
+    with registered(), pytest.raises(AssertionError):  # the outer block takes the leaked recipe away again
+        exec(compile(block, "docs/adding-a-recipe.md", "exec"), {})
