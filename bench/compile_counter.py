@@ -5,8 +5,14 @@ PYTHONPATH, so every Python process of a run (pytest, its xdist workers, the
 matrix's spawned workers) imports it at start-up. It does nothing unless
 QCHECK_BENCH_COMPILE_DIR names a directory. Then, as soon as ``jax`` has been
 imported (and before anything can compile), it registers a ``jax.monitoring``
-duration listener, and at exit writes ``<pid>.json`` there:
-``{"compiles": n, "compile_s": s, "argv": [...]}``.
+duration listener, and writes ``<pid>.json`` there:
+``{"compiles": n, "compile_s": s, "argv": [...]}``: at exit, and also while
+the count grows (on the first compilation, then at most once a second,
+replacing the file whole). A process that ends without running its exit
+handlers (``os._exit``, or killed, as pytest-xdist kills a worker that is
+slow to exit) keeps all but its last second's count. With the exit-time write
+alone, a run of qcheck's suite once came out one process and half its
+compilations short.
 
 The event is the one jax's ``_cached_compilation`` (pxla.py) reports around
 ``compile_or_get_cached``: "/jax/core/compile/backend_compile_duration" in jax
@@ -26,6 +32,7 @@ import importlib.machinery
 import json
 import os
 import sys
+import time
 
 _DIR_ENV = "QCHECK_BENCH_COMPILE_DIR"
 _KNOWN_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -33,11 +40,17 @@ _KNOWN_EVENT = "/jax/core/compile/backend_compile_duration"
 _durations: collections.Counter[str] = collections.Counter()
 _counts: collections.Counter[str] = collections.Counter()
 _registered = False
+#: Seconds between the writes made while compiling (the exit-time write is always made).
+FLUSH_EVERY_S = 1.0
+_last_flush = [float("-inf")]
 
 
 def _on_duration(event: str, seconds: float, *args, **kwargs) -> None:
     _counts[event] += 1
     _durations[event] += seconds
+    if event == _KNOWN_EVENT and time.monotonic() - _last_flush[0] >= FLUSH_EVERY_S:
+        _last_flush[0] = time.monotonic()
+        _write()
 
 
 def _register() -> None:
@@ -92,9 +105,10 @@ def _write() -> None:
     record = {"compiles": _counts[event], "compile_s": round(_durations[event], 3), "argv": sys.argv[:4],
               "jax_imported": "jax" in sys.modules}
     path = os.path.join(os.environ[_DIR_ENV], f"{os.getpid()}.json")
-    try:
-        with open(path, "w") as f:
+    try:  # whole or not at all: a process killed while writing leaves its previous record
+        with open(f"{path}.part", "w") as f:
             json.dump(record, f)
+        os.replace(f"{path}.part", path)
     except OSError:
         pass  # the directory is gone: the benchmark that wanted the count has stopped
 

@@ -147,6 +147,32 @@ def test_compile_counter_is_off_without_its_directory(tmp_path):
     assert tallies == []
 
 
+# A process that never runs its exit handlers (os._exit, a killed xdist worker): two
+# compilations a second apart, each written as it happens.
+_EXITS_ABRUPTLY = """
+import os, time
+import numpy as np
+{setup}
+import jax
+jax.jit(lambda a: a + 1)(np.ones(2, np.float32)).block_until_ready()
+time.sleep(1.05)
+jax.jit(lambda a: a * 3)(np.ones(2, np.float32)).block_until_ready()
+os._exit(0)
+"""
+
+
+def test_compile_counter_keeps_the_count_of_a_process_that_skips_its_exit_handlers(tmp_path):
+    tallies, _ = _counted(tmp_path, _EXITS_ABRUPTLY.format(setup=""))
+    assert [t["compiles"] for t in tallies] == [2]
+
+
+def test_compile_counter_writing_only_at_exit_loses_that_count(tmp_path):
+    # The control: with the writes while compiling held off, nothing is left.
+    hold = "import sitecustomize; sitecustomize.FLUSH_EVERY_S = float('inf'); sitecustomize._last_flush[0] = 0.0"
+    tallies, _ = _counted(tmp_path, _EXITS_ABRUPTLY.format(setup=hold))
+    assert tallies == []
+
+
 # The matrix's workers are spawned processes: each must leave its own count.
 _SPAWNED = """
 import multiprocessing
