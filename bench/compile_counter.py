@@ -32,6 +32,7 @@ import importlib.machinery
 import json
 import os
 import sys
+import threading
 import time
 
 _DIR_ENV = "QCHECK_BENCH_COMPILE_DIR"
@@ -105,10 +106,13 @@ def _write() -> None:
     record = {"compiles": _counts[event], "compile_s": round(_durations[event], 3), "argv": sys.argv[:4],
               "jax_imported": "jax" in sys.modules}
     path = os.path.join(os.environ[_DIR_ENV], f"{os.getpid()}.json")
-    try:  # whole or not at all: a process killed while writing leaves its previous record
-        with open(f"{path}.part", "w") as f:
+    # Whole or not at all: a process killed while writing leaves its previous record. A part file of
+    # its own per write, since JAX may report compilations from several threads (and exit meanwhile).
+    part = f"{path}.{threading.get_ident()}.part"
+    try:
+        with open(part, "w") as f:
             json.dump(record, f)
-        os.replace(f"{path}.part", path)
+        os.replace(part, path)
     except OSError:
         pass  # the directory is gone: the benchmark that wanted the count has stopped
 
