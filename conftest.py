@@ -28,17 +28,7 @@ def _runs_tests(config: pytest.Config) -> bool:
 
 
 def _configure_test_process() -> None:
-    import gc
-
     import jax
-
-    # A worker's heap grows to some 650k objects (JAX's and Flax's caches, the
-    # cached layers), and CPython's default full collection, rescanning all of
-    # it every ten second-generation passes, cost 12 x 0.23 s = 2.8 s per
-    # worker. At most one full pass per hundred keeps that to about 0.5 s; young
-    # garbage is still collected as before, and pytest's collection at the end
-    # (which reports unraisable exceptions) is untouched.
-    gc.set_threshold(*gc.get_threshold()[:2], 100)
     from hypothesis import HealthCheck, settings
 
     # A test that uses pytester (the plugin's, the guide's, test_golden's) removes from

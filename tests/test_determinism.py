@@ -1,5 +1,6 @@
 """Same seed, same bits: in fresh processes, and for the matrix in one process or several."""
 
+import gc
 import hashlib
 
 import numpy as np
@@ -30,6 +31,9 @@ def test_same_layer_in_this_and_in_fresh_processes_gives_the_same_bits_and_the_s
     module.write_text('import qcheck\nqcheck.register_recipe(qcheck.Recipe("det_e5m2", lhs="e5m2", rhs="e5m2"))\n')
     with matrix.worker_pool(2, recipe_modules=(str(module),)) as pool:
         assert "det_e5m2" in pool.submit(recipe_names).result() and "det_e5m2" not in recipe_names()
+        # The only matrix workers the suite starts: they collect garbage as this qcheck process does
+        # (tests/test_process.py: less often than CPython's default).
+        assert pool.submit(gc.get_threshold).result() == gc.get_threshold()
         there = pool.submit(output_digest, CASE)
         worker_table = matrix.format_table(matrix.run_matrix(("int8",), executor=pool, **subset))
         assert there.result() == here

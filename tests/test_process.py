@@ -121,6 +121,26 @@ def test_setup_outside_qcheck_s_own_processes_leaves_the_cache_and_the_environme
     assert cache_calls == [] and "QCHECK_XLA_CACHE" not in env
 
 
+@pytest.fixture
+def gc_threshold():
+    import gc
+
+    before = gc.get_threshold()
+    gc.set_threshold(*before[:2], 10)  # CPython's default, whatever this process was given
+    yield gc.get_threshold
+    gc.set_threshold(*before)
+
+
+def test_an_own_process_collects_less_garbage(cache_calls, gc_threshold, tmp_path):
+    _process.setup(own=True, worker=False, environ={"XDG_CACHE_HOME": str(tmp_path)})
+    assert gc_threshold()[2] == _process.FULL_COLLECTION_EVERY
+
+
+def test_a_users_process_keeps_cpythons_garbage_collection(cache_calls, gc_threshold, tmp_path):
+    _process.setup(worker=False, environ={"XDG_CACHE_HOME": str(tmp_path)})  # the plugin's run in a user's pytest
+    assert gc_threshold()[2] == 10
+
+
 def test_the_default_cache_fills_in_a_fresh_qcheck_process(tmp_path):
     """End to end, as the `qcheck` command sets itself up: a compiled program lands in the per-user directory."""
     import os

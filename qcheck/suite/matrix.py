@@ -162,6 +162,7 @@ def _init_worker(recipe_modules: tuple[str, ...], cache_dir: str) -> None:
     from qcheck.recipes import import_recipes
 
     _process.setup(worker=True, cache_dir=cache_dir)  # this process has not started a backend yet
+    _process.collect_less()  # a worker of qcheck's own command
     for spec in recipe_modules:
         import_recipes(spec)
 
