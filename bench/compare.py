@@ -4,6 +4,7 @@
     python bench/compare.py --ref main --python python3.12 --rounds 3 --keep-envs ~/.cache/qcheck-bench \\
         --json bench/compare.local.json --markdown
     python bench/compare.py --ref HEAD~1 --only suite --pytest-args "tests/test_formats.py"
+    python bench/compare.py --ref 17e2bd7 --warm-new                      # the tree with compilation free
 
 This machine's speed drifts by a third within an hour, so two figures taken
 minutes apart say little about a change. This script checks REF out into a
@@ -23,6 +24,13 @@ Python process, counted by bench/compile_counter.py (installed as
 sitecustomize.py on PYTHONPATH), not by the code under test. A round's ratios
 count only when both sides completed: exit 0, or for the suite, exit 1 with a
 summary line (tests failed, but the session ran to the end).
+
+--warm-new asks what the working tree costs when XLA compiles nothing: before
+the rounds, one untimed run of each workload fills a compilation cache, and
+every timed run of the new side then reads its programs from it
+(QCHECK_XLA_CACHE=DIR). The programs are still traced and lowered; only
+their compilation is free. The ref side stays cold. The ratio is then a
+floor: no change to compile time alone can bring the tree below it.
 
 Stdlib only: this process imports neither qcheck nor jax.
 """
@@ -227,7 +235,8 @@ def machine() -> dict:
 # -------------------------------------------------------------------- runs
 
 
-def run_env(venv: Path, site_dir: Path, count_dir: Path) -> dict[str, str]:
+def run_env(venv: Path, site_dir: Path, count_dir: Path, cache_dir: Path | None = None) -> dict[str, str]:
+    """The environment of one run: cold, unless ``cache_dir`` names a compilation cache to read (--warm-new)."""
     env = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENV}
     env["PYTHONPATH"] = str(site_dir)  # the compile counter only; nothing of either tree
     env[COMPILE_DIR_ENV] = str(count_dir)
@@ -236,6 +245,8 @@ def run_env(venv: Path, site_dir: Path, count_dir: Path) -> dict[str, str]:
     # an older tree would take "0" for a directory and keep a warm cache in it).
     env["CI"] = "true"
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    if cache_dir is not None:  # an explicit directory wins over CI=true in every tree that knows the variable
+        env["QCHECK_XLA_CACHE"] = str(cache_dir)
     return env
 
 
@@ -247,17 +258,18 @@ def command(workload: str, venv: Path, pytest_args: list[str]) -> list[str]:
 
 
 def run_once(workload: str, side: str, rnd: int, tree: Path, venv: Path, site_dir: Path,
-             pytest_args: list[str]) -> dict:
-    """One cold, timed run in ``tree`` with ``venv``; a run that cannot start is a record, not an exception."""
+             pytest_args: list[str], cache_dir: Path | None = None) -> dict:
+    """One timed run in ``tree`` with ``venv``, cold unless ``cache_dir``; a run that cannot start is a record."""
     record: dict = {"workload": workload, "side": side, "round": rnd, "exit": None, "wall_s": None,
-                    "cpu_s": None, "summary": None, "counts": {}, "compiles": None, "processes": 0}
+                    "cpu_s": None, "summary": None, "counts": {}, "compiles": None, "processes": 0,
+                    "warm": cache_dir is not None}
     with tempfile.TemporaryDirectory(prefix="qcheck-bench-counts-") as count_dir:
         cmd = command(workload, venv, pytest_args)
         record["command"] = shlex.join(cmd)
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
         try:
-            done = subprocess.run(cmd, cwd=tree, env=run_env(venv, site_dir, Path(count_dir)),
+            done = subprocess.run(cmd, cwd=tree, env=run_env(venv, site_dir, Path(count_dir), cache_dir),
                                   capture_output=True, text=True)
         except OSError as e:
             record["error"] = f"could not start: {e}"
@@ -320,6 +332,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="keep the venvs here, keyed by commit (the tree's: by path) and python, to reuse them")
     p.add_argument("--json", type=Path, metavar="FILE", help="write runs, table, versions and machine here")
     p.add_argument("--markdown", action="store_true", help="also print the table as markdown")
+    p.add_argument("--warm-new", action="store_true",
+                   help="time the working tree with every program read from a compilation cache filled first")
     return p
 
 
@@ -353,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     site_dir.mkdir()
     shutil.copy(HERE / "compile_counter.py", site_dir / "sitecustomize.py")
     records: list[dict] = []
+    fills: list[dict] = []
     try:
         _remove_worktree(root, ref_tree)  # a checkout left by an interrupted run
         _git(root, "worktree", "add", "--detach", str(ref_tree), ref_sha)
@@ -361,10 +376,15 @@ def main(argv: list[str] | None = None) -> int:
         for side in SIDES:
             print(f"[compare] {side}: {trees[side]}, venv {venvs[side]} ({'reused' if reused[side] else 'new'}), "
                   f"{versions[side]}", flush=True)
+        warm = {"ref": None, "new": scratch / "warm-cache" if args.warm_new else None}
+        for workload in args.only if args.warm_new else ():
+            fills.append(run_once(workload, "new", 0, root, venvs["new"], site_dir, pytest_args, warm["new"]))
+            print(_progress(fills[-1]).replace("round 0", "filling the cache,"), flush=True)
         for rnd in range(1, args.rounds + 1):
             for workload in args.only:
                 for side in SIDES:
-                    records.append(run_once(workload, side, rnd, trees[side], venvs[side], site_dir, pytest_args))
+                    records.append(run_once(workload, side, rnd, trees[side], venvs[side], site_dir, pytest_args,
+                                            warm[side]))
                     print(_progress(records[-1]), flush=True)
     finally:
         _remove_worktree(root, ref_tree)
@@ -372,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = [summarize(records, w) for w in args.only]
     cells = table_rows(rows)
-    print(f"\nref {args.ref} ({ref_sha[:12]}) vs working tree, {args.rounds} round(s), Python {py_version}; "
+    new_is = "working tree, its compilations read from a filled cache" if args.warm_new else "working tree"
+    print(f"\nref {args.ref} ({ref_sha[:12]}) vs {new_is}, {args.rounds} round(s), Python {py_version}; "
           "new/ref: ratio of medians, spread: min-max of per-round ratios")
     print(format_plain(cells))
     if args.markdown:
@@ -382,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         dirty = bool(_git(root, "status", "--porcelain"))
         report = {"ref": {"arg": args.ref, "commit": ref_sha}, "new": {"path": str(root), "head": head, "dirty": dirty},
                   "python": python, "rounds": args.rounds, "pytest_args": pytest_args, "machine": machine(),
-                  "versions": versions, "summary": rows, "runs": records}
+                  "versions": versions, "warm_new": args.warm_new, "summary": rows, "runs": records,
+                  "fills": fills}
         args.json.write_text(json.dumps(report, indent=1) + "\n")
         print(f"[compare] wrote {args.json}")
     return 0 if all("wall_s" in row for row in rows) else 1

@@ -99,6 +99,15 @@ def test_summarize_marks_a_workload_failed_when_no_round_completed():
     assert compare.format_markdown(cells).splitlines()[2].startswith("| matrix | FAILED |")
 
 
+def test_runs_are_cold_unless_warm_new_names_a_cache(tmp_path, monkeypatch):
+    # A cache the caller's shell names must not warm either side; --warm-new's must reach the run.
+    monkeypatch.setenv("QCHECK_XLA_CACHE", str(tmp_path / "callers"))
+    cold = compare.run_env(tmp_path / "venv", tmp_path / "site", tmp_path / "counts")
+    warm = compare.run_env(tmp_path / "venv", tmp_path / "site", tmp_path / "counts", tmp_path / "filled")
+    assert "QCHECK_XLA_CACHE" not in cold and cold["CI"] == "true"
+    assert warm["QCHECK_XLA_CACHE"] == str(tmp_path / "filled") and warm["CI"] == "true"
+
+
 @pytest.mark.parametrize(("argv", "match"), [
     (["--ref", "main", "--only", "suite,bogus"], r"unknown workload\(s\) \['bogus'\]; valid: suite, matrix"),
     (["--ref", "main", "--rounds", "0"], r"--rounds takes a positive integer, got '0'"),
