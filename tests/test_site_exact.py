@@ -69,6 +69,42 @@ def test_assert_site_exact_should_fail(fmt, bug, why):
         assert_site_exact(_site(**bug), EQN, lhs, rhs, lhs_format=fmt, rhs_format=fmt, site="s")
 
 
+def _summed_in(parts: int, fmt: str, nudge: bool = False):
+    """A site whose matmul sums its contraction into ``parts`` interleaved float32 partial sums, as XLA:CPU's
+    emitted dot may; ``nudge``: its first output one ulp off."""
+    axes = einsum_axes(EQN, 3, 3)
+
+    def einsum(eqn, a, b):
+        a = np.asarray(formats.qdq(a, fmt, axis=axes.lhs))  # [B, S, M]
+        b = np.asarray(formats.qdq(b, fmt, axis=axes.rhs))  # [E, M, H]
+        sums = np.zeros((parts, a.shape[0], a.shape[1], b.shape[0], b.shape[2]), np.float32)
+        for m in range(a.shape[2]):
+            sums[m % parts] += a[:, :, None, m, None] * b[None, None, :, m, :]
+        out = sums[0].copy()
+        for part in sums[1:]:
+            out += part
+        if nudge:
+            out.flat[0] = np.nextafter(out.flat[0], np.float32(np.inf))
+        return out
+
+    return einsum
+
+
+def test_assert_site_exact_accepts_a_matmul_summed_in_interleaved_partial_sums():
+    lhs, rhs = _probes("mxfp8")
+    in_order, in_two = (_summed_in(k, "mxfp8")(EQN, lhs, rhs) for k in (1, 2))
+    assert (in_order != in_two).sum() > 0  # the control: on these probes the sum order shows in the bits
+    assert_site_exact(_summed_in(2, "mxfp8"), EQN, lhs, rhs, lhs_format="mxfp8", rhs_format="mxfp8", site="s")
+
+
+@pytest.mark.parametrize(("parts", "nudge"), [(2, True), (3, False)])
+def test_assert_site_exact_still_fails_one_ulp_off_or_an_order_it_does_not_know(parts, nudge):
+    lhs, rhs = _probes("mxfp8")
+    with pytest.raises(AssertionError, match=r"differs from the referee-quantized reference .*matches no known bug"):
+        assert_site_exact(_summed_in(parts, "mxfp8", nudge), EQN, lhs, rhs, lhs_format="mxfp8", rhs_format="mxfp8",
+                          site="s")
+
+
 def test_library_rules_name_a_failure_but_never_refuse_operands():
     """qwix's MXFP8 (ceil block scale, qcheck.referees._libraries) equals OCP's on blocks whose amax significand is at
     most 1.75: on such operands the reference cannot tell the two apart, yet a correct site still passes (the

@@ -5,7 +5,8 @@ Every exact check (fresh fp8 casts, call sites forward and backward) takes one
 group sizes. The description knows what the check needs of the matmul: its
 contraction axes, how to call the op under test, and the reference matmul run
 by JAX on host arrays (forward, in each layout the reference accepts, and the
-two gradient matmuls), each program compiled once per shape.
+two gradient matmuls), each program compiled once per shape, and the forward
+einsum summed by numpy in each order of partial sums the reference accepts.
 """
 
 from __future__ import annotations
@@ -23,11 +24,17 @@ from jax.typing import ArrayLike
 from qcheck.recipes import MatmulAxes, einsum_axes
 from qcheck.recipes._axes import RAGGED_AXES
 
-__all__ = ["EINSUM_LAYOUTS", "Einsum", "Matmul", "Ragged", "as_matmul", "of_call"]
+__all__ = ["EINSUM_LAYOUTS", "EINSUM_PARTIAL_SUMS", "Einsum", "Matmul", "Ragged", "as_matmul", "of_call"]
 
 #: Operand layouts the einsum reference runs in: as given, contraction axes last (as a block qdq leaves
 #: them), and (batch, rows, flattened contraction) as one batched dot (as jax.nn.scaled_dot_general runs it).
 EINSUM_LAYOUTS = ("as given", "contraction last", "flattened")
+#: Sum orders the einsum reference also runs in, by numpy: the (flattened) contraction summed into k
+#: interleaved float32 partial sums (element i into sum i mod k, each in order), then those added in order.
+#: XLA:CPU's emitted dot sums so, k and whether it does depending on the CPU, the layout and the threading:
+#: on an AVX-512 AMD EPYC (jax 0.12), jax_mxfp8's ``wo`` sums in 2, while jnp.einsum of the same operands
+#: sums in order with one intra-op thread and in 2 with more.
+EINSUM_PARTIAL_SUMS = tuple(f"{k} interleaved partial sums" for k in (1, 2, 4, 8, 16))
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -35,10 +42,9 @@ def _einsum(eqn: str, a, b):
     return jnp.einsum(eqn, a, b)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _flattened(eqn: str, a, b):
-    # The einsum as JAX's scaled_dot_general runs it: each operand to (batch, rows, contraction), the
-    # contraction axes flattened in axis order, one batched dot, then the output's own layout.
+def _batched(xp, eqn: str, a, b, dot):
+    """``dot`` of each operand as (batch, rows, contraction), the contraction axes flattened in axis order
+    (as JAX's scaled_dot_general lays the einsum out), back in the output's own layout; ``xp``: jnp or np."""
     ins, out = eqn.replace(" ", "").split("->")
     sa, sb = ins.split(",")
     batch = [i for i in sa if i in sb and i in out]
@@ -50,13 +56,37 @@ def _flattened(eqn: str, a, b):
     def to3(x, sub, free, contract):
         perm = [sub.index(i) for i in batch + free + contract]
         shape = [int(np.prod([size[i] for i in g])) for g in (batch, free, contract)]
-        return jnp.reshape(jnp.transpose(x, perm), shape)
+        return xp.reshape(xp.transpose(x, perm), shape)
 
-    y = jax.lax.dot_general(to3(a, sa, free_a, contract_a), to3(b, sb, free_b, contract_b),
-                            (((2,), (2,)), ((0,), (0,))))
+    y = dot(to3(a, sa, free_a, contract_a), to3(b, sb, free_b, contract_b))
     produced = batch + free_a + free_b
-    y = jnp.reshape(y, [size[i] for i in produced])
-    return jnp.transpose(y, [produced.index(i) for i in out])
+    y = xp.reshape(y, [size[i] for i in produced])
+    return xp.transpose(y, [produced.index(i) for i in out])
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _flattened(eqn: str, a, b):
+    return _batched(jnp, eqn, a, b, lambda x, y: jax.lax.dot_general(x, y, (((2,), (2,)), ((0,), (0,)))))
+
+
+def _partial_sums(eqn: str, a: np.ndarray, b: np.ndarray, k: int) -> np.ndarray:
+    """The einsum in float32, its contraction summed into ``k`` interleaved partial sums (EINSUM_PARTIAL_SUMS).
+
+    Each product is rounded to float32 before it is added (a fused multiply-add
+    rounds once; the two agree wherever the products are exact, as those of
+    fp8 and block-format values are).
+    """
+    def dot(x, y):  # (batch, rows, contraction) x (batch, cols, contraction) -> (batch, rows, cols)
+        products = x[:, :, None, :] * y[:, None, :, :]
+        sums = np.zeros((k, *products.shape[:3]), np.float32)
+        for i in range(products.shape[3]):
+            sums[i % k] += products[..., i]
+        total = sums[0].copy()
+        for part in sums[1:]:
+            total += part
+        return total
+
+    return np.ascontiguousarray(_batched(np, eqn, a.astype(np.float32), b.astype(np.float32), dot))
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -129,7 +159,10 @@ class Einsum:
         return np.asarray(op(self.eqn, jax.device_put(lhs), jax.device_put(rhs)))
 
     def reference(self, a: np.ndarray, b: np.ndarray, layout: str = EINSUM_LAYOUTS[0]) -> np.ndarray:
-        """``jnp.einsum`` of host operands, in one of :data:`EINSUM_LAYOUTS`."""
+        """``jnp.einsum`` of host operands, in one of :data:`EINSUM_LAYOUTS`, or numpy's in one of
+        :data:`EINSUM_PARTIAL_SUMS`."""
+        if layout in EINSUM_PARTIAL_SUMS:
+            return _partial_sums(self.eqn, a, b, int(layout.split()[0]))
         if layout == EINSUM_LAYOUTS[0]:
             # jnp.einsum itself (a jitted function): the program an eager einsum of the same shapes uses too.
             return _host(jnp.einsum(self.eqn, jax.device_put(a), jax.device_put(b)))
@@ -141,7 +174,7 @@ class Einsum:
         return _host(_einsum(f"{sa},{sb}->{out}", jax.device_put(a), jax.device_put(b)))
 
     def layouts(self) -> tuple[str, ...]:
-        return EINSUM_LAYOUTS
+        return EINSUM_LAYOUTS + EINSUM_PARTIAL_SUMS
 
     def grad_matmuls(self, a: np.ndarray, b: np.ndarray, g_dgrad: np.ndarray, g_wgrad: np.ndarray
                      ) -> tuple[np.ndarray, np.ndarray]:

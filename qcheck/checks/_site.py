@@ -34,6 +34,10 @@ programs of the same quantized values, so no quantization bug hides in them:
   also runs the einsum on operands laid out contraction-last, and as one
   batched dot over the flattened contraction (``jax.nn.scaled_dot_general``'s
   layout: jax_mxfp8's ``combine``, which contracts two axes, sums in that order).
+- :data:`EINSUM_PARTIAL_SUMS`: XLA:CPU's emitted dot may sum the contraction
+  into a few interleaved partial sums, as many as the CPU, the layout and
+  the intra-op threads give it (jax_mxfp8 ``wo`` on an AVX-512 AMD EPYC, jax
+  0.12: two); the reference also sums in 1, 2, 4, 8 and 16, in numpy.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from jax.typing import ArrayLike
 from qcheck import formats, referees
 from qcheck.checks._assertion import assertion
 from qcheck.checks._bits import as_float32, bits, bitwise_equal
-from qcheck.checks._matmul import EINSUM_LAYOUTS, Einsum, Matmul, Ragged, as_matmul, of_call
+from qcheck.checks._matmul import EINSUM_LAYOUTS, EINSUM_PARTIAL_SUMS, Einsum, Matmul, Ragged, as_matmul, of_call
 from qcheck.checks._probes import PARTING_BINADES, part_fibres, probe_nvfp4, probe_operands
 from qcheck.referees import _integer as _integer_matmul
 from qcheck.referees._formats import Blocks, flush
@@ -60,6 +64,7 @@ from qcheck.recipes import MatmulAxes, Recipe, get_recipe
 
 __all__ = [
     "EINSUM_LAYOUTS",
+    "EINSUM_PARTIAL_SUMS",
     "NEIGHBOURS",
     "NVFP4_DECODE_ORDERS",
     "PARTING_BINADES",
