@@ -10,8 +10,10 @@ from flax import nnx
 
 from qcheck import formats, get_recipe, referees
 from qcheck.referees._libraries import LIBRARY_RULES
-from qcheck.checks import Ragged
+from qcheck.checks import Einsum, Ragged
 from qcheck.checks._site import (
+    EINSUM_LAYOUTS,
+    EINSUM_PARTIAL_SUMS,
     assert_layer_sites_exact,
     assert_site_exact,
     operand_formats,
@@ -103,6 +105,12 @@ def test_assert_site_exact_still_fails_one_ulp_off_or_an_order_it_does_not_know(
     with pytest.raises(AssertionError, match=r"differs from the referee-quantized reference .*matches no known bug"):
         assert_site_exact(_summed_in(parts, "mxfp8", nudge), EQN, lhs, rhs, lhs_format="mxfp8", rhs_format="mxfp8",
                           site="s")
+
+
+def test_sum_orders_are_tried_only_on_matmuls_small_enough_to_sum_in_numpy():
+    # A failing check on a user's large matmul must not spend minutes summing it in numpy, five times over.
+    assert set(EINSUM_PARTIAL_SUMS) <= set(Einsum(EQN).layouts(LHS, RHS))
+    assert Einsum("ij,jk->ik").layouts((4096, 4096), (4096, 4096)) == EINSUM_LAYOUTS
 
 
 def test_library_rules_name_a_failure_but_never_refuse_operands():

@@ -35,6 +35,9 @@ EINSUM_LAYOUTS = ("as given", "contraction last", "flattened")
 #: on an AVX-512 AMD EPYC (jax 0.12), jax_mxfp8's ``wo`` sums in 2, while jnp.einsum of the same operands
 #: sums in order with one intra-op thread and in 2 with more.
 EINSUM_PARTIAL_SUMS = tuple(f"{k} interleaved partial sums" for k in (1, 2, 4, 8, 16))
+# numpy sums these one contraction index at a time: beyond this many multiply-adds (a layer's and its
+# probes' matmuls have a few hundred thousand) a failing check does not try the orders.
+_PARTIAL_SUMS_MAX_WORK = 1 << 24
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -77,13 +80,12 @@ def _partial_sums(eqn: str, a: np.ndarray, b: np.ndarray, k: int) -> np.ndarray:
     fp8 and block-format values are).
     """
     def dot(x, y):  # (batch, rows, contraction) x (batch, cols, contraction) -> (batch, rows, cols)
-        products = x[:, :, None, :] * y[:, None, :, :]
-        sums = np.zeros((k, *products.shape[:3]), np.float32)
-        for i in range(products.shape[3]):
-            sums[i % k] += products[..., i]
-        total = sums[0].copy()
-        for part in sums[1:]:
-            total += part
+        total = np.zeros((x.shape[0], x.shape[1], y.shape[1]), np.float32)
+        for lane in range(k):  # each partial sum in order, then added to the total in order
+            part = np.zeros_like(total)
+            for i in range(lane, x.shape[2], k):
+                part += x[:, :, None, i] * y[:, None, :, i]
+            total = part if lane == 0 else total + part
         return total
 
     return np.ascontiguousarray(_batched(np, eqn, a.astype(np.float32), b.astype(np.float32), dot))
@@ -173,8 +175,13 @@ class Einsum:
         (sa, a), (sb, b) = (_contraction_last(s, x, ax) for s, x, ax in ((sa, a, axes.lhs), (sb, b, axes.rhs)))
         return _host(_einsum(f"{sa},{sb}->{out}", jax.device_put(a), jax.device_put(b)))
 
-    def layouts(self) -> tuple[str, ...]:
-        return EINSUM_LAYOUTS + EINSUM_PARTIAL_SUMS
+    def layouts(self, lhs_shape: tuple[int, ...] = (), rhs_shape: tuple[int, ...] = ()) -> tuple[str, ...]:
+        """The layouts, and for a matmul of these shapes small enough the sum orders, the reference runs in."""
+        sa, sb, out = self.subscripts
+        size = dict(zip(sa, lhs_shape)) | dict(zip(sb, rhs_shape))
+        work = int(np.prod([size.get(i, 0) for i in out])) * int(np.prod([size.get(i, 0) for i in sa if i in sb
+                                                                           and i not in out]))
+        return EINSUM_LAYOUTS + (EINSUM_PARTIAL_SUMS if 0 < work <= _PARTIAL_SUMS_MAX_WORK else ())
 
     def grad_matmuls(self, a: np.ndarray, b: np.ndarray, g_dgrad: np.ndarray, g_wgrad: np.ndarray
                      ) -> tuple[np.ndarray, np.ndarray]:
@@ -239,7 +246,7 @@ class Ragged:
         # jax.lax.ragged_dot itself: the program an eager ragged_dot of the same shapes uses too.
         return _host(jax.lax.ragged_dot(jax.device_put(a), jax.device_put(b), self._sizes))
 
-    def layouts(self) -> tuple[str, ...]:
+    def layouts(self, lhs_shape: tuple[int, ...] = (), rhs_shape: tuple[int, ...] = ()) -> tuple[str, ...]:
         return EINSUM_LAYOUTS[:1]
 
     def grad_matmuls(self, a: np.ndarray, b: np.ndarray, g_dgrad: np.ndarray, g_wgrad: np.ndarray
