@@ -378,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{versions[side]}", flush=True)
         warm = {"ref": None, "new": scratch / "warm-cache" if args.warm_new else None}
         for workload in args.only if args.warm_new else ():
-            fills.append(run_once(workload, "new", 0, root, venvs["new"], site_dir, pytest_args, warm["new"]))
+            fills.append(run_once(workload, "new", 0, trees["new"], venvs["new"], site_dir, pytest_args,
+                                  warm["new"]))
             print(_progress(fills[-1]).replace("round 0", "filling the cache,"), flush=True)
         for rnd in range(1, args.rounds + 1):
             for workload in args.only:

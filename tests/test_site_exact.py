@@ -73,7 +73,7 @@ def test_assert_site_exact_should_fail(fmt, bug, why):
 
 def _summed_in(parts: int, fmt: str, nudge: bool = False):
     """A site whose matmul sums its contraction into ``parts`` interleaved float32 partial sums, as XLA:CPU's
-    emitted dot may; ``nudge``: its first output one ulp off."""
+    dot may; ``nudge``: its first output one ulp off."""
     axes = einsum_axes(EQN, 3, 3)
 
     def einsum(eqn, a, b):

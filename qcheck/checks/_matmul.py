@@ -31,12 +31,12 @@ __all__ = ["EINSUM_LAYOUTS", "EINSUM_PARTIAL_SUMS", "Einsum", "Matmul", "Ragged"
 EINSUM_LAYOUTS = ("as given", "contraction last", "flattened")
 #: Sum orders the einsum reference also runs in, by numpy: the (flattened) contraction summed into k
 #: interleaved float32 partial sums (element i into sum i mod k, each in order), then those added in order.
-#: XLA:CPU's emitted dot sums so, k and whether it does depending on the CPU, the layout and the threading:
-#: on an AVX-512 AMD EPYC (jax 0.12), jax_mxfp8's ``wo`` sums in 2, while jnp.einsum of the same operands
-#: sums in order with one intra-op thread and in 2 with more.
+#: XLA:CPU's dot may sum so, k and whether it does depending on the CPU, the layout and the threading, as
+#: measured on an AVX-512 AMD EPYC (jax 0.12): jax_mxfp8's ``wo`` sums in 2, while jnp.einsum of the same
+#: operands sums in order with one intra-op thread and in 2 with more.
 EINSUM_PARTIAL_SUMS = tuple(f"{k} interleaved partial sums" for k in (1, 2, 4, 8, 16))
-# numpy sums these one contraction index at a time: beyond this many multiply-adds (a layer's and its
-# probes' matmuls have a few hundred thousand) a failing check does not try the orders.
+# numpy sums these one contraction index at a time: beyond this many multiply-adds (the wo site whose
+# order needed them has 262,144) a failing check does not try the orders.
 _PARTIAL_SUMS_MAX_WORK = 1 << 24
 
 
@@ -177,11 +177,11 @@ class Einsum:
 
     def layouts(self, lhs_shape: tuple[int, ...] = (), rhs_shape: tuple[int, ...] = ()) -> tuple[str, ...]:
         """The layouts, and for a matmul of these shapes small enough the sum orders, the reference runs in."""
-        sa, sb, out = self.subscripts
-        size = dict(zip(sa, lhs_shape)) | dict(zip(sb, rhs_shape))
-        work = int(np.prod([size.get(i, 0) for i in out])) * int(np.prod([size.get(i, 0) for i in sa if i in sb
-                                                                           and i not in out]))
-        return EINSUM_LAYOUTS + (EINSUM_PARTIAL_SUMS if 0 < work <= _PARTIAL_SUMS_MAX_WORK else ())
+        if not lhs_shape or not rhs_shape:
+            return EINSUM_LAYOUTS
+        contraction = self.axes(len(lhs_shape), len(rhs_shape)).lhs
+        work = int(np.prod(self.out_shape(lhs_shape, rhs_shape))) * int(np.prod([lhs_shape[i] for i in contraction]))
+        return EINSUM_LAYOUTS + (EINSUM_PARTIAL_SUMS if work <= _PARTIAL_SUMS_MAX_WORK else ())
 
     def grad_matmuls(self, a: np.ndarray, b: np.ndarray, g_dgrad: np.ndarray, g_wgrad: np.ndarray
                      ) -> tuple[np.ndarray, np.ndarray]:

@@ -34,7 +34,7 @@ programs of the same quantized values, so no quantization bug hides in them:
   also runs the einsum on operands laid out contraction-last, and as one
   batched dot over the flattened contraction (``jax.nn.scaled_dot_general``'s
   layout: jax_mxfp8's ``combine``, which contracts two axes, sums in that order).
-- :data:`EINSUM_PARTIAL_SUMS`: XLA:CPU's emitted dot may sum the contraction
+- :data:`EINSUM_PARTIAL_SUMS`: XLA:CPU's dot may sum the contraction
   into a few interleaved partial sums, as many as the CPU, the layout and
   the intra-op threads give it (jax_mxfp8 ``wo`` on an AVX-512 AMD EPYC, jax
   0.12: two); for matmuls of up to 2^24 multiply-adds the reference also
