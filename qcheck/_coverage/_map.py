@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qcheck._coverage._declared import as_declaration, judge, mixed_formats
 from qcheck._coverage._records import MatmulRecord
 from qcheck._coverage._scopes import ModuleScopes
 from qcheck._coverage._skips import Skip, SkipArg, as_skips
@@ -87,6 +88,14 @@ def _pure(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Callable[.
     return (lambda args, kwargs: fn(*args, **kwargs)), (args, kwargs), None
 
 
+def _data_mask(inputs: tuple, module: Any) -> list[bool]:
+    """Per input leaf: True for the call's arguments, False for a module's state (parameters and the rest)."""
+    if module is None:
+        return [True] * len(jax.tree.leaves(inputs))
+    state, args, kwargs = inputs
+    return [False] * len(jax.tree.leaves(state)) + [True] * len(jax.tree.leaves((args, kwargs)))
+
+
 def _with_backward(pure: Callable[..., Any], inputs: tuple) -> tuple[Callable[..., Any], tuple, int]:
     """``pure`` and its vjp as one function of (differentiable leaves, other leaves, seed); the seed's position.
 
@@ -112,11 +121,12 @@ def _with_backward(pure: Callable[..., Any], inputs: tuple) -> tuple[Callable[..
 
     diff = [x for x, d in zip(leaves, inexact) if d]
     held = [x for x, d in zip(leaves, inexact) if not d]
-    return both, (diff, held, np.float32(1.0)), len(jax.tree.leaves((diff, held)))
+    order = [i for i, d in enumerate(inexact) if d] + [i for i, d in enumerate(inexact) if not d]
+    return both, (diff, held, np.float32(1.0)), len(jax.tree.leaves((diff, held))), order
 
 
 def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward: bool = False,
-             machinery: Sequence[str] = (), **kwargs: Any) -> list[MatmulRecord]:
+             machinery: Sequence[str] = (), declared: Any = None, **kwargs: Any) -> list[MatmulRecord]:
     """One :class:`MatmulRecord` per matrix multiplication ``fn(*args, **kwargs)`` performs, in program order.
 
     ``fn`` is a function of arrays (pytrees) or an ``flax.nnx.Module``, which is
@@ -136,6 +146,14 @@ def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward:
     machinery besides :data:`MACHINERY`, so records point at their callers.
     A module whose first call creates submodules is traced after a warm-up
     call on a copy (:func:`warmed_up`).
+
+    ``declared``: what the matmuls' operands are meant to be (a recipe name, a
+    ``qcheck.Recipe``, or a mapping of roles to formats: see
+    :mod:`qcheck._coverage._declared`); each record then carries its operands'
+    declared formats and its ``findings`` against them, from one compiled run
+    that also hands back each quantizer's input and codes (bitwise checks
+    where values are available; inside ``scan``/``while``/``cond`` and
+    ``shard_map`` bodies, and with ``backward=True``, the types alone).
     """
     if isinstance(machinery, str) or not all(isinstance(m, str) and m for m in machinery):
         raise ValueError(f"coverage: machinery must be a sequence of package names or paths, got {machinery!r}")
@@ -143,11 +161,14 @@ def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward:
     if backward and errors:
         raise ValueError("coverage: errors=True needs values, which the backward trace does not compute; "
                          "pass errors=False with backward=True")
+    declaration = None if declared is None else as_declaration(declared, "coverage: declared")
     pure, inputs, module = _pure(fn, args, kwargs)
     before = _state_bits(module) if module is not None else None
+    data = _data_mask(inputs, module)
     seed_at = None
     if backward:
-        pure, inputs, seed_at = _with_backward(pure, inputs)
+        pure, inputs, seed_at, order = _with_backward(pure, inputs)
+        data = [data[i] for i in order]
     closed = jax.make_jaxpr(pure)(*inputs)
     if module is not None:
         after = _state_bits(module)
@@ -156,26 +177,35 @@ def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward:
         ):
             raise RuntimeError("coverage: tracing changed the module's state; it must not mutate its inputs")
     outer = Where(no_values=None if errors else "not computed (errors=False)")
-    ins = [input_val(v.aval) for v in closed.jaxpr.invars]
+    ins = [input_val(v.aval, data=d) for v, d in zip(closed.jaxpr.invars, data + [False] * len(closed.jaxpr.invars))]
+    for v in ins:
+        v.ident = object()
     if seed_at is not None:
         ins[seed_at].grad = True
-    if not errors:
+    if not errors and (declaration is None or backward):
         walker = Walker(machinery)
         walker.run(closed.jaxpr, closed.consts, ins, outer, values=False)
-        return walker.records
+        if declaration is None:
+            return walker.records
+        return judge(walker.records, declaration, [], [])
 
     walker = Walker(machinery)
 
     def evaluate(flat):
         vals = [dataclasses.replace(v, actual=x, shadow=x) for v, x in zip(ins, flat)]
         walker.run(closed.jaxpr, closed.consts, vals, outer, values=True)
-        return [e for _, e in walker.errors]
+        return [e for _, e in walker.errors], walker.quantizers if declaration is not None else []
 
-    figures = jax.jit(evaluate)(jax.tree.leaves(inputs))
+    figures, quantizers = jax.jit(evaluate)(jax.tree.leaves(inputs))
     records = list(walker.records)
-    for (i, _), e in zip(walker.errors, figures):
-        records[i] = dataclasses.replace(records[i], error=float(e))
-    return records
+    if errors:
+        for (i, _), e in zip(walker.errors, figures):
+            records[i] = dataclasses.replace(records[i], error=float(e))
+    if declaration is None:
+        return records
+    quantizers = [(np.asarray(x), np.asarray(c), None if d is None else (np.asarray(d), mul))
+                  for (x, c, d), mul in zip(quantizers, walker.multiplied)]
+    return judge(records, declaration, quantizers, walker.operands)
 
 
 def format_coverage(records: Sequence[MatmulRecord], *, stack: bool = False) -> str:
@@ -226,6 +256,20 @@ def _unquantized_line(r: MatmulRecord) -> str:
             f"rhs {r.rhs_shape} {r.rhs_dtype} [{r.rhs}]: {which} unquantized{kind}{scope}")
 
 
+def _declared_lines(r: MatmulRecord) -> str:
+    scope = f", in {r.scope}" if r.scope else ""
+    head = f"  {r.primitive} at {r.location} ({r.function}){scope}: lhs {r.lhs_shape} [{r.lhs}], rhs {r.rhs_shape} [{r.rhs}]"
+    return head + "".join(f"\n    {f}" for f in r.findings)
+
+
+def _declaration_bites(twin: Sequence[MatmulRecord], declaration: Any, rules: Sequence[Skip]) -> bool:
+    """Whether the unquantized control fails the declaration somewhere no skip rule spares (types alone)."""
+    for r in judge(twin, declaration, [], []):
+        if r.findings and not any(rule(r) for rule in rules):
+            return True
+    return False
+
+
 def _spared(rule: Skip, records: Sequence[MatmulRecord]) -> list[int]:
     return [i for i, r in enumerate(records) if not r.quantized and rule(r)]
 
@@ -236,6 +280,7 @@ def assert_quantized(
     skip: SkipArg = None,
     control: Callable[..., Any] | None = None,
     machinery: Sequence[str] = (),
+    declared: Any = None,
     **kwargs: Any,
 ) -> list[MatmulRecord]:
     """Assert every matmul of ``fn(*args, **kwargs)`` multiplies quantized operands; return the records.
@@ -253,23 +298,37 @@ def assert_quantized(
     hide a site that falls back to full precision, and fails, naming the
     matmuls it hides.
 
+    ``declared``: hold each matmul to a declared quantization instead of
+    "quantized somehow" (:func:`coverage`'s ``declared``): a site fails with
+    each of its findings (the wrong type, codes other than the referee's,
+    full precision where a format is declared), a role the declaration leaves
+    out is not checked, and one declared full precision may stay so. Its
+    control: the ``control`` twin must not satisfy the declaration.
+
     Fails with one ``AssertionError`` listing each offending matmul with its
     primitive, location, shapes and the operand that arrives unquantized, and
     each failed rule.
     """
     __tracebackhide__ = True
     rules = as_skips(skip, "assert_quantized")
-    records = coverage(fn, *args, machinery=machinery, **kwargs)
+    declaration = None if declared is None else as_declaration(declared, "assert_quantized: declared")
+    records = coverage(fn, *args, machinery=machinery, declared=declaration, **kwargs)
     for i, r in enumerate(records):
         if not r.quantized:
             rule = next((rule for rule in rules if rule(r)), None)
             if rule is not None:
                 records[i] = dataclasses.replace(r, skipped_by=rule.name)
     problems: list[str] = []
-    bad = [r for r in records if not r.quantized and r.skipped_by is None]
-    if bad:
-        problems.append(f"{len(bad)} of {len(records)} matmuls reach full precision:\n" +
-                        "\n".join(_unquantized_line(r) for r in bad))
+    if declaration is None:
+        bad = [r for r in records if not r.quantized and r.skipped_by is None]
+        if bad:
+            problems.append(f"{len(bad)} of {len(records)} matmuls reach full precision:\n" +
+                            "\n".join(_unquantized_line(r) for r in bad))
+    else:
+        bad = [r for r in records if r.findings and r.skipped_by is None]
+        if bad:
+            problems.append(f"{len(bad)} of {len(records)} matmuls differ from the declared quantization "
+                            f"({declaration}):\n" + "\n".join(_declared_lines(r) for r in bad))
     for rule in rules:
         if not _spared(rule, records):
             matched = sum(1 for r in records if rule(r))
@@ -278,6 +337,9 @@ def assert_quantized(
                             f"drop it or fix it")
     if control is not None:
         twin = coverage(control, *args, machinery=machinery, **kwargs)
+        if declaration is not None and not _declaration_bites(twin, declaration, rules):
+            problems.append(f"the declaration ({declaration}) holds on the unquantized control as well: it "
+                            f"declares no quantized format for any operand of its matmuls, so it checks nothing")
         for rule in rules:
             hidden = sorted(set(_spared(rule, twin)) - set(_spared(rule, records)))
             if hidden:

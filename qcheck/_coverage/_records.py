@@ -74,7 +74,8 @@ OPAQUE = frozenset({"pallas_call", "ffi_call", "custom_call", "tpu_custom_call",
 VALUE_PRESERVING: dict[str, tuple[str, tuple[int, ...] | slice, str]] = {
     **{p: ("first", (0,), "layout: moves, copies or repeats values") for p in (
         "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "slice", "rev",
-        "dynamic_slice", "gather", "copy", "copy_p", "sharding_constraint", "optimization_barrier")},
+        "dynamic_slice", "gather", "copy", "copy_p", "sharding_constraint", "optimization_barrier",
+        "stop_gradient")},
     "neg": ("first", (0,), "the grids are symmetric"),
     "abs": ("first", (0,), "the grids are symmetric"),
     "convert_element_type": ("first", (0,), "to a float (or back from codes): no narrowing"),
@@ -176,6 +177,15 @@ class MatmulRecord:
     #: from its codes and scales: e.g. "mxfp8 (float8_e4m3fn, float8_e8m0fnu scales per 32)"; None otherwise.
     lhs_block: str | None = None
     rhs_block: str | None = None
+    #: Each operand's role, from the program's data flow: "weight" (derives from parameters and state only),
+    #: "activation" (from the call's inputs), "grad" (from the output gradient, in a backward pass).
+    lhs_role: str = "activation"
+    rhs_role: str = "weight"
+    #: With a declaration (``coverage(..., declared=...)``): what each operand was declared to be, and
+    #: every way the site differs from it, one line each (empty: the site is as declared).
+    lhs_declared: str | None = None
+    rhs_declared: str | None = None
+    findings: tuple[str, ...] = ()
 
     @property
     def quantized(self) -> bool:

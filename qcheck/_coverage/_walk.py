@@ -48,13 +48,71 @@ class _Val:
     shadow: Any = None  # the value before quantization (actual when not on a quantized chain)
     grad: bool = False  # depends on the output gradient: part of the backward pass
     casts: frozenset[str] = frozenset()  # every narrow type on the quantized chain, codes and scales alike
+    data: bool = False  # depends on the call's inputs (not only on parameters and state): an activation
+    # With values, for the declared-quantization check: the quantizer this chain started at (its index in
+    # Walker.quantizers), and for each axis of this value the quantizer's axis it came from (None: unknown).
+    qid: int | None = None
+    axis_map: tuple[int | None, ...] = ()
+    live: bool = False  # the value still is the quantizer's codes (no scale applied since)
+    # A full-precision value on its way to a quantizer: the value before it was divided by (or multiplied
+    # with) a scale and saturated, and that scale (a divisor; None: no scale seen).
+    prescale: Any = None
+    divisor: Any = None
+    multiplied: bool = False  # the scale was multiplied in (x · s), not divided out
+    # Straight-through estimators: x - x (exactly zero), or q - x (to be added back to the same x).
+    ste_zero: bool = False
+    ste_delta: tuple[Any, Any] | None = None  # (the quantized _Val q, the identity of x)
+    ident: Any = None  # what value this is: stop_gradient and copies keep their operand's
 
 
-def input_val(aval: Any, value: Any = None, const: bool = False) -> _Val:
+def input_val(aval: Any, value: Any = None, const: bool = False, data: bool = False) -> _Val:
     bits = _narrow_bits(aval.dtype) if hasattr(aval, "dtype") else None
     quant = OperandQuant("cast", str(np.dtype(aval.dtype)), "input") if bits else None
     scale = getattr(aval, "size", 2) == 1
-    return _Val(quant, const, scale, value, value, casts=frozenset({quant.dtype}) if quant else frozenset())
+    return _Val(quant, const, scale, value, value, casts=frozenset({quant.dtype}) if quant else frozenset(),
+                data=data)
+
+
+#: Layout ops whose output axes can be traced back to their operand's (the rest lose the map).
+_AXIS_OPS = frozenset({"transpose", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "slice", "rev",
+                       "dynamic_slice", "copy", "copy_p", "sharding_constraint", "optimization_barrier",
+                       "convert_element_type", "reduce_precision", "neg", "abs", "clamp", "max", "min", "mul",
+                       "div"})
+
+
+def _reshape_map(old: tuple[int, ...], new: tuple[int, ...]) -> list[int | None]:
+    """For each axis of ``new``, the axis of ``old`` it is (same size, same elements before it), else None."""
+    out: list[int | None] = []
+    before_old = {}
+    acc = 1
+    for j, d in enumerate(old):
+        before_old.setdefault((acc, d), j)
+        acc *= d
+    acc = 1
+    for d in new:
+        out.append(before_old.get((acc, d)) if d != 1 else None)
+        acc *= d
+    return out
+
+
+def _axis_map(eqn: jcore.JaxprEqn, source: tuple[int | None, ...]) -> tuple[int | None, ...]:
+    """``source`` (the operand's axis map) carried through one value-preserving op to its output."""
+    name, out_aval = eqn.primitive.name, eqn.outvars[0].aval
+    ndim = len(getattr(out_aval, "shape", ()))
+    if name not in _AXIS_OPS:
+        return (None,) * ndim
+    if name == "transpose":
+        return tuple(source[p] for p in eqn.params["permutation"])
+    if name == "broadcast_in_dim":
+        out: list[int | None] = [None] * ndim
+        in_shape = eqn.invars[0].aval.shape
+        for j, d in enumerate(eqn.params["broadcast_dimensions"]):
+            out[d] = source[j] if in_shape[j] == out_aval.shape[d] else None
+        return tuple(out)
+    if name in ("reshape", "squeeze", "expand_dims"):
+        m = _reshape_map(tuple(eqn.invars[0].aval.shape), tuple(out_aval.shape))
+        return tuple(None if j is None else source[j] for j in m)
+    return tuple(source) if len(source) == ndim else (None,) * ndim
 
 
 def _scan_operands(params: dict, ins: list) -> tuple[list, list, list]:
@@ -94,10 +152,38 @@ def _eval_eqn(eqn: jcore.JaxprEqn, vals: list[Any]) -> list[Any]:
     return list(jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, []))(*[env[v] for v in invars]))
 
 
+def _role(v: _Val) -> str:
+    return "grad" if v.grad else "activation" if v.data else "weight"
+
+
+def _contracting(eqn: jcore.JaxprEqn) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+    """The contracting axes of a matmul's lhs and rhs (None where the primitive states none qcheck reads)."""
+    p = eqn.params
+    if "dimension_numbers" in p and eqn.primitive.name == "dot_general":
+        (lc, rc), _ = p["dimension_numbers"]
+        return tuple(lc), tuple(rc)
+    if eqn.primitive.name == "ragged_dot_general":
+        (lc, rc), _ = p["ragged_dot_dimension_numbers"].dot_dimension_numbers
+        return tuple(lc), tuple(rc)
+    if eqn.primitive.name == "ragged_dot":  # lhs [m, k], rhs [groups, k, n]
+        return (1,), (1,)
+    return None, None
+
+
+#: Ops whose output is their operand's value itself (for telling ``x - stop_gradient(x)`` from other subtractions).
+_SAME_VALUE = frozenset({"stop_gradient", "copy", "copy_p", "optimization_barrier", "sharding_constraint"})
+
+
 class Walker:
     def __init__(self, machinery: tuple[str, ...] = ()):
         self.records: list[MatmulRecord] = []
         self.errors: list[tuple[int, Any]] = []  # (record index, traced error)
+        # With values: each quantizer's (input before scaling, codes, divisor or None), and each matmul
+        # operand that reached a quantizer's codes: (record index, side, quantizer, its contraction axes
+        # in the quantizer's layout, None where one cannot be traced back).
+        self.quantizers: list[tuple[Any, Any, Any]] = []
+        self.operands: list[tuple[int, str, int, tuple[int | None, ...]]] = []
+        self.multiplied: list[bool] = []  # per quantizer: its scale was multiplied in
         self.machinery = machinery_prefixes(machinery)
 
     def read(self, env: dict, v: Any) -> _Val:
@@ -112,6 +198,7 @@ class Walker:
         env: dict = {}
         for var, c in zip(jaxpr.constvars, consts):
             env[var] = input_val(var.aval, c if values else None)
+            env[var].ident = var
         for var, val in zip(jaxpr.invars, ins):
             env[var] = val
         for eqn in jaxpr.eqns:
@@ -163,10 +250,13 @@ class Walker:
             if mapped is not None:
                 grad = any(v.grad for v in ins)
                 return [_Val(o.quant, False, False, actual[i] if values else None, actual[i] if values else None,
-                             grad=grad, casts=o.casts) for i, o in enumerate(mapped)]
+                             grad=grad, casts=o.casts, data=o.data) for i, o in enumerate(mapped)]
+        if (ste := self.straight_through(eqn, ins, actual[0] if values else None)) is not None:
+            return [ste]
         quant = self.propagate(eqn, ins)
         const = all(v.const for v in ins)
         grad = any(v.grad for v in ins)
+        data = self.data_of(eqn, ins)
         casts = frozenset()
         if quant is not None:
             # Scales and codes meet here: the record reports one quantization, this keeps every cast.
@@ -177,21 +267,110 @@ class Walker:
         for i, var in enumerate(eqn.outvars):
             a = actual[i] if values else None
             val = _Val(quant if i == 0 else None, const, getattr(var.aval, "size", 2) == 1, a, a, grad=grad,
-                       casts=casts if i == 0 else frozenset())
+                       casts=casts if i == 0 else frozenset(), data=data, ident=var)
             outs.append(val)
         if len(outs) == 1:
             outs[0].scale = outs[0].scale or self.scale_like(eqn, ins)
+            if name in _SAME_VALUE:
+                outs[0].ident = ins[0].ident
             if values and quant is not None:
                 shadow = self.shadow(eqn, ins, quant)
                 outs[0].shadow = outs[0].actual if shadow is None else shadow
+            if values:
+                self.chain(eqn, ins, quant, outs[0])
         return outs
+
+    @staticmethod
+    def data_of(eqn: jcore.JaxprEqn, ins: list[_Val]) -> bool:
+        """Whether the output depends on the call's inputs; indices into a weight (gather, dynamic_slice) do not count."""
+        if eqn.primitive.name in ("gather", "dynamic_slice") and ins:
+            return ins[0].data
+        return any(v.data for v in ins)
+
+    def straight_through(self, eqn: jcore.JaxprEqn, ins: list[_Val], actual: Any) -> _Val | None:
+        """A straight-through estimator's forward value read as the quantized value it stands for.
+
+        ``(x - stop_gradient(x)) + stop_gradient(q)`` is ``0 + q``, exactly q;
+        ``x + stop_gradient(q - x)`` is q up to one rounding, and is read as q.
+        """
+        name = eqn.primitive.name
+        if name in _SAME_VALUE and ins and (ins[0].ste_zero or ins[0].ste_delta is not None):
+            return dataclasses.replace(ins[0], actual=actual, shadow=actual)
+        if name == "sub" and len(ins) == 2:
+            a, b = ins
+            if a.ident is not None and a.ident is b.ident:
+                return _Val(const=a.const, actual=actual, shadow=actual, grad=a.grad, data=a.data, ste_zero=True,
+                            ident=eqn.outvars[0])
+            if a.quant is not None and b.quant is None and b.ident is not None:
+                return _Val(actual=actual, shadow=actual, grad=a.grad or b.grad, data=a.data or b.data,
+                            ste_delta=(a, b.ident), ident=eqn.outvars[0])
+            return None
+        if name != "add" or len(ins) != 2:
+            return None
+        for q, other in ((ins[0], ins[1]), (ins[1], ins[0])):
+            if q.ste_zero:
+                kept = other
+            elif q.ste_delta is not None and q.ste_delta[1] is other.ident:
+                kept = q.ste_delta[0]
+            else:
+                continue
+            if kept.quant is None:
+                return None
+            return dataclasses.replace(kept, actual=actual, shadow=actual if kept.shadow is kept.actual else kept.shadow,
+                                       grad=ins[0].grad or ins[1].grad, data=ins[0].data or ins[1].data,
+                                       ident=eqn.outvars[0])
+        return None
+
+    def chain(self, eqn: jcore.JaxprEqn, ins: list[_Val], quant: OperandQuant | None, out: _Val) -> None:
+        """Carry, with values, what the declared-quantization check needs: the quantizer's input and codes."""
+        name = eqn.primitive.name
+        first = ins[0] if ins else _Val()
+        if quant is None:
+            # On the way to a quantizer: a scale divided out (or multiplied in), a saturation.
+            scale_at = [i for i, (v, var) in enumerate(zip(ins, eqn.invars))
+                        if v.scale or v.const or getattr(var.aval, "size", 0) < getattr(eqn.outvars[0].aval, "size", 0)]
+            if name in ("div", "mul") and len(ins) == 2 and len(scale_at) == 1 and (name == "mul" or scale_at == [1]):
+                x = ins[1 - scale_at[0]]
+                if x.divisor is None:
+                    out.prescale = x.prescale if x.prescale is not None else x.actual
+                    out.divisor, out.multiplied = ins[scale_at[0]].actual, name == "mul"
+            elif name in ("clamp", "max", "min", "convert_element_type", "stop_gradient", "copy", "copy_p"):
+                x = ins[1] if name == "clamp" else next((v for v in ins if not v.const), first)
+                out.prescale, out.divisor, out.multiplied = x.prescale, x.divisor, x.multiplied
+            return
+        if not any(quant is v.quant for v in ins):  # a quantizing step: its codes start here
+            src = first
+            origin = src.prescale if src.prescale is not None else src.actual
+            divisor, multiplied = src.divisor, src.multiplied
+            if src.quant is not None and src.qid is not None:  # round, then cast to int8: the same chain
+                origin, divisor = self.quantizers[src.qid][0], self.quantizers[src.qid][2]
+                multiplied = self.multiplied[src.qid]
+            self.quantizers.append((origin, out.actual, divisor))
+            self.multiplied.append(multiplied)
+            out.qid, out.live = len(self.quantizers) - 1, True
+            out.axis_map = tuple(range(len(getattr(eqn.outvars[0].aval, "shape", ()))))
+            return
+        carrier = next((v for v in ins if quant is v.quant), first)
+        if carrier.qid is None:
+            return
+        out.qid = carrier.qid
+        out.axis_map = _axis_map(eqn, carrier.axis_map)
+        if carrier.live and name in ("mul", "div"):
+            out.live = False  # codes times their scale: dequantized
+        elif carrier.live:
+            out.live = True
+            if name in ("clamp", "max", "min", "round", "floor", "ceil"):
+                # Saturation of the codes themselves: the quantizer's codes are these.
+                if out.axis_map == tuple(range(len(out.axis_map))):
+                    o, _, d = self.quantizers[carrier.qid]
+                    self.quantizers[carrier.qid] = (o, out.actual, d)
 
     @staticmethod
     def align(ins: list[_Val], invars: Sequence[Any]) -> list[_Val]:
         if len(ins) == len(invars):
-            return [_Val(v.quant, v.const, v.scale, grad=v.grad, casts=v.casts) for v in ins]
-        grad = any(v.grad for v in ins)
-        return [_Val(grad=grad) for _ in invars]
+            return [_Val(v.quant, v.const, v.scale, grad=v.grad, casts=v.casts, data=v.data) for v in ins]
+        grad, data = any(v.grad for v in ins), any(v.data for v in ins)
+        return [_Val(grad=grad, data=data) for _ in invars]
 
     @staticmethod
     def scale_like(eqn: jcore.JaxprEqn, ins: list[_Val]) -> bool:
@@ -305,7 +484,15 @@ class Walker:
             stack=where.stack,
             opaque=opaque,
             no_error=reason,
+            lhs_role=_role(lhs),
+            rhs_role=_role(rhs),
         ))
+        if out is not None and not opaque:
+            contracting = _contracting(eqn)
+            for side, v, axes in (("lhs", lhs, contracting[0]), ("rhs", rhs, contracting[1])):
+                if v.qid is not None and axes is not None:
+                    mapped = tuple(v.axis_map[a] if a < len(v.axis_map) else None for a in axes)
+                    self.operands.append((len(self.records) - 1, side, v.qid, mapped))
         if reason is not None:
             return
         a, b = lhs.shadow, rhs.shadow
@@ -340,8 +527,9 @@ class Walker:
                 saved = len(self.records)
                 # Gradient dependence is not iterated to a fixed point: any input's taints the whole body.
                 grad = any(v.grad for v in ins)
-                body_ins = [_Val(v.quant, v.const, v.scale, grad=grad) for v in consts]
-                body_ins += [_Val(q, grad=grad) for q in carry_q] + [_Val(v.quant, grad=grad) for v in xs]
+                body_ins = [_Val(v.quant, v.const, v.scale, grad=grad, data=v.data) for v in consts]
+                body_ins += [_Val(q, grad=grad, data=v.data) for q, v in zip(carry_q, carry)]
+                body_ins += [_Val(v.quant, grad=grad, data=v.data) for v in xs]
                 outs = self.run(body.jaxpr, body.consts, body_ins, where, values=False)
                 new_q = [q if q == o.quant else None for q, o in zip(carry_q, outs[:n_carry])]
                 if new_q == carry_q:
@@ -353,8 +541,9 @@ class Walker:
                 quants = carry_q
         actual = _eval_eqn(eqn, [v.actual for v in ins]) if values else None
         grad = any(v.grad for v in ins)
+        data = any(v.data for v in ins)
         return [_Val(q, False, False, None if actual is None else actual[i], None if actual is None else actual[i],
-                     grad=grad) for i, q in enumerate(quants)]
+                     grad=grad, data=data) for i, q in enumerate(quants)]
 
     @staticmethod
     def agree(quants: list[OperandQuant | None]) -> OperandQuant | None:

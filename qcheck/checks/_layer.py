@@ -29,6 +29,8 @@ from flax import linen, nnx
 
 from qcheck.checks._tracks import assert_tracks, rel_norm
 from qcheck._coverage import MatmulRecord, SkipArg, as_skips, assert_quantized, warmed_up
+from qcheck._coverage._declared import Declaration, as_declaration, mixed_formats
+from qcheck._coverage._readers import read_declaration
 
 __all__ = ["DEFAULT_MAX_GRAD_REL_NORM", "INPUT_GRAD", "LayerFigures", "check_layer", "copy_params_into"]
 
@@ -78,6 +80,9 @@ class LayerFigures:
     grad_rel_norms: Mapping[str, float]
     coverage: tuple[MatmulRecord, ...]
     rel_norms: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    #: The declaration every site was held to (given, or read from the layer: its ``source`` says
+    #: which); None where nothing declared and only "quantized somehow" and one format per role held.
+    declared: Declaration | None = None
 
     @property
     def worst_grad(self) -> tuple[str, float]:
@@ -340,6 +345,7 @@ def check_layer(
     skip: SkipArg = None,
     skip_grads: Collection[str] = (),
     machinery: Collection[str] = (),
+    declared: Any = None,
 ) -> LayerFigures:
     """Check a quantized ``layer`` against its unquantized twin ``reference`` on input ``x``.
 
@@ -371,7 +377,17 @@ def check_layer(
       within ``max_grad_rel_norm`` of the twin's at the same path, but those
       named in ``skip_grads``;
     * determinism: a second call, from the state the first left (RNG counts
-      advanced, fp8 statistics as the call left them), gives the same bits.
+      advanced, fp8 statistics as the call left them), gives the same bits;
+    * declared quantization: with ``declared`` (a recipe name, a
+      ``qcheck.Recipe``, or a mapping of roles to formats,
+      ``{"weights": "int8", "activations": None}``), or where the layer's
+      library states one (qcheck's layers, MaxText's ``config.quantization``:
+      ``qcheck._coverage._readers.READERS``), each matmul is held to it site by
+      site: the types its operands are cast to, and their codes bitwise against
+      the referee's codes of the quantizer's input at the declared granularity
+      (:func:`qcheck.assert_quantized`'s ``declared``); with nothing declared,
+      operands of one role cast to different narrow types fail, naming the
+      odd site.
 
     Fails with one ``AssertionError`` listing every failed check and its
     figure; returns the :class:`LayerFigures` when all pass. Usage errors are
@@ -388,6 +404,8 @@ def check_layer(
     """
     __tracebackhide__ = True
     x, skip_grads = _check_args(layer, reference, x, max_rel_norm, max_grad_rel_norm, skip, skip_grads, output)
+    declaration = (as_declaration(declared, "check_layer: declared") if declared is not None
+                   else read_declaration(layer))
     form = _traceable("layer", lambda: _form(layer, x))
     twin = _traceable("reference", lambda: _form(reference, x))
     paths = {p for f in (form, twin) for p in f.param_leaves(f.params)}
@@ -411,9 +429,12 @@ def check_layer(
     records: list[MatmulRecord] = []
     try:
         records = _traceable("layer", lambda: assert_quantized(form.probe, x, skip=skip, control=twin.probe,
-                                                                machinery=tuple(machinery)), "assert_quantized")
+                                                                machinery=tuple(machinery), declared=declaration),
+                             "assert_quantized")
     except AssertionError as e:
         failures.append(f"coverage: {e}")
+    if declaration is None and records:
+        failures += [f"formats: {line}" for line in mixed_formats(records)]
 
     figures: dict[str, float] = {}
     for name, out in run.out.items():
@@ -450,7 +471,7 @@ def check_layer(
         raise AssertionError(f"check_layer: {len(failures)} check(s) failed:\n" +
                              "\n".join("  " + f.replace("\n", "\n  ") for f in failures))
     return LayerFigures(max(figures.values()), types.MappingProxyType(grad_figures), tuple(records),
-                        types.MappingProxyType(figures))
+                        types.MappingProxyType(figures), declaration)
 
 
 # -- the twin ---------------------------------------------------------------------

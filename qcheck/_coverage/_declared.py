@@ -1,0 +1,343 @@
+"""Declared quantization: what a layer says each matmul operand is, and each site held to it.
+
+A declaration names, per operand role, a number format of :mod:`qcheck.formats`
+(or None: full precision): ``{"weights": "int8", "activations": None}`` is a
+weight-only int8 scheme. Roles come from the program's data flow
+(:attr:`MatmulRecord.lhs_role`): an operand that derives from the layer's
+parameters and state only is a weight, one that derives from the call's inputs
+an activation, one that derives from the output gradient a gradient. ``lhs``
+and ``rhs`` name operands by position instead. A role's value may be
+``{"format": NAME, "per": AXES}``: the axes of the quantizer's input that keep
+their own scale (every other axis shares one), for a library whose
+granularity is not the format's own rule (one scale per index of every axis
+but the matmul's contraction axes).
+
+Each declared operand of a site is held to its format three ways, each a line
+of :attr:`MatmulRecord.findings` when it fails:
+
+* its type: a narrow type it was cast to that the format does not use
+  (``float8_e4m3fnuz`` where ``e4m3fn`` is declared);
+* its codes, bitwise: the codes the layer's quantizer produced equal the
+  referee's (:func:`qcheck.referees.reference_quantize`, numpy and ml_dtypes)
+  codes of the quantizer's own input (divided by the scale the layer holds,
+  for the fp8 formats at scale 1), scaled at the declared granularity; a
+  mismatch names the first differing element and what the codes match instead
+  (the other fp8 flavour, one scale shared across an axis, fewer levels);
+* full precision where a format is declared, and a quantized operand where
+  full precision is declared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from qcheck import formats, referees
+from qcheck._choices import require_choice
+from qcheck._coverage._records import MatmulRecord
+
+__all__ = ["ROLES", "Declaration", "RoleFormat", "as_declaration", "judge", "mixed_formats"]
+
+#: The keys a declaration takes: roles by data flow, or operands by position.
+ROLES = ("weights", "activations", "grads", "lhs", "rhs")
+_ROLE_OF = {"weight": "weights", "activation": "activations", "grad": "grads"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleFormat:
+    """One role's declared format, and the axes that keep their own scale (None: the format's own rule)."""
+
+    format: str
+    per: tuple[int, ...] | None = None
+
+    def __str__(self) -> str:
+        return self.format if self.per is None else f"{self.format} per axes {self.per}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Declaration:
+    """What a layer declares each operand role to be; ``source`` says where it was read."""
+
+    roles: Mapping[str, RoleFormat | None]
+    source: str = "given"
+
+    def for_operand(self, side: str, role: str) -> tuple[bool, RoleFormat | None]:
+        """``(declared, format)`` for an operand at ``side`` ("lhs"/"rhs") with data-flow ``role``."""
+        for key in (side, _ROLE_OF.get(role, role)):
+            if key in self.roles:
+                return True, self.roles[key]
+        return False, None
+
+    def __str__(self) -> str:
+        parts = [f"{k} {'full precision' if v is None else v}" for k, v in self.roles.items()]
+        return f"{', '.join(parts)} ({self.source})"
+
+
+def _choice(what: str, kind: str, value: Any, valid: Sequence[str]) -> str:
+    try:
+        return require_choice(kind, value, valid)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+
+
+def _role_format(key: str, value: Any, what: str) -> RoleFormat | None:
+    if value is None:
+        return None
+    if isinstance(value, RoleFormat):
+        return value
+    if isinstance(value, str):
+        return RoleFormat(_choice(what, f"{key} format", value, formats.format_names()))
+    if isinstance(value, Mapping):
+        extra = set(value) - {"format", "per"}
+        if extra or "format" not in value:
+            raise ValueError(f"{what}: {key} must be a format name, None, or {{'format': NAME, 'per': AXES}}; "
+                             f"got keys {sorted(map(str, value))}")
+        per = value.get("per")
+        if per is not None:
+            per = (per,) if isinstance(per, int) and not isinstance(per, bool) else per
+            if not (isinstance(per, Sequence) and all(isinstance(a, int) and not isinstance(a, bool) for a in per)):
+                raise ValueError(f"{what}: {key}'s per must be a tuple of axes (ints), got {value.get('per')!r}")
+            per = tuple(per)
+        return RoleFormat(_choice(what, f"{key} format", value["format"], formats.format_names()), per)
+    raise ValueError(f"{what}: {key} must be a format name, None, or {{'format': NAME, 'per': AXES}}; "
+                     f"got {type(value).__name__}")
+
+
+def as_declaration(spec: Any, what: str = "declared") -> Declaration:
+    """A :class:`Declaration` from a registered recipe's name, a ``qcheck.Recipe``, or a mapping by role.
+
+    A recipe declares its ``lhs`` format for activations, its ``rhs`` format
+    for weights (qcheck's call sites take the activation first) and its
+    ``grad`` format, if any, for gradients.
+    """
+    from qcheck.recipes import Recipe, get_recipe
+
+    if isinstance(spec, Declaration):
+        return spec
+    if isinstance(spec, str):
+        try:
+            spec = get_recipe(spec)
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"{what}: {e.args[0] if e.args else e}") from None
+    if isinstance(spec, Recipe):
+        if not spec.quantized:
+            return Declaration({"weights": None, "activations": None}, f"recipe {spec.name!r}")
+        if spec.lhs is None or spec.rhs is None:
+            raise ValueError(f"{what}: recipe {spec.name!r} declares no lhs/rhs formats; declare the roles "
+                             f"as a mapping, e.g. {{'weights': 'int8', 'activations': 'int8'}}")
+        roles: dict[str, RoleFormat | None] = {"activations": RoleFormat(spec.lhs), "weights": RoleFormat(spec.rhs)}
+        if spec.grad is not None:
+            roles["grads"] = RoleFormat(spec.grad)
+        return Declaration(roles, f"recipe {spec.name!r}")
+    if isinstance(spec, Mapping):
+        if not spec:
+            raise ValueError(f"{what}: the mapping declares no role; keys: {', '.join(ROLES)}")
+        for key in spec:
+            _choice(what, "role", key, ROLES)
+        if {"lhs", "rhs"} & set(spec) and {"weights", "activations"} & set(spec):
+            raise ValueError(f"{what}: declare operands by role (weights, activations, grads) or by position "
+                             f"(lhs, rhs), not both")
+        return Declaration({k: _role_format(k, v, what) for k, v in spec.items()})
+    raise ValueError(f"{what} must be a recipe name, a qcheck.Recipe or a mapping of roles ({', '.join(ROLES)}) "
+                     f"to format names; got {type(spec).__name__}")
+
+
+# -- what a format's codes are -------------------------------------------------------
+
+@functools.cache
+def _element_types(fmt: str) -> frozenset[str]:
+    """The narrow types a site in ``fmt`` casts to: its codes' type and its scales' narrow types."""
+    q = formats.quantize(np.ones((2, 32), np.float32), fmt, axis=-1)
+    names = {str(np.dtype(q.codes.dtype))}
+    names |= {str(np.dtype(s.dtype)) for s in q.scales.values() if np.dtype(s.dtype).itemsize == 1}
+    return frozenset(names)
+
+
+_FP8_DIVIDED = frozenset({"e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz"})  # scaled by the layer's own scale
+_NARROW_FLOATS = frozenset({"float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float4_e2m1fn",
+                            "float8_e8m0fnu", "float8_e4m3b11fnuz", "float8_e4m3", "float8_e3m4"})
+
+
+def _as_f32(codes: np.ndarray) -> np.ndarray:
+    return np.asarray(codes).astype(np.float32)
+
+
+def _codes_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Where two code arrays hold other codes: exact values, NaN equal to NaN, -0 the same code as 0."""
+    a, b = _as_f32(a), _as_f32(b)
+    return ~((a == b) | (np.isnan(a) & np.isnan(b)))
+
+
+def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    return np.shape(a) == np.shape(b) and not np.any(_codes_differ(a, b))
+
+
+def _reference_codes(x: np.ndarray, fmt: str, axes: tuple[int, ...], xla_reciprocal: bool) -> np.ndarray | None:
+    ftz = jax.default_backend() == "cpu"  # XLA's CPU backend flushes float32 subnormals
+    try:
+        codes, _ = referees.reference_quantize(x, fmt, axis=axes or tuple(range(x.ndim)), ftz=ftz,
+                                               xla_reciprocal=xla_reciprocal)
+    except ValueError:  # not a whole number of blocks along these axes
+        return None
+    return codes
+
+
+def _matches(x: np.ndarray, codes: np.ndarray, fmt: str, axes: tuple[int, ...]) -> bool:
+    return any(_bits_equal(codes, r) for rec in (False, True)
+               if (r := _reference_codes(x, fmt, axes, rec)) is not None)
+
+
+def _stochastic_ok(x: np.ndarray, codes: np.ndarray, fmt: str, axes: tuple[int, ...]) -> bool:
+    """nvfp4 with stochastic rounding: every code one grid step at most from round-to-nearest's."""
+    ref = _reference_codes(x, fmt, axes, False)
+    if ref is None or np.dtype(np.asarray(codes).dtype) != np.dtype(ml_dtypes.float4_e2m1fn):
+        return False
+    def signed(c):
+        b = np.asarray(c).view(np.uint8).astype(np.int16)
+        return np.where(b & 0x8, -(b & 0x7), b & 0x7)
+    return bool(np.all(np.abs(signed(codes) - signed(ref)) <= 1))
+
+
+def _describe_first(x: np.ndarray, codes: np.ndarray, ref: np.ndarray) -> str:
+    a, b = _as_f32(codes), _as_f32(ref)
+    differ = _codes_differ(a, b)
+    idx = tuple(int(i) for i in np.argwhere(differ)[0])
+    return (f"{int(differ.sum())} of {a.size} codes differ from the referee's; first at {list(idx)}: "
+            f"{a[idx]:g} where the referee gives {b[idx]:g} (input {float(x[idx]):.6g})")
+
+
+def _diagnose(x: np.ndarray, codes: np.ndarray, fmt: str, axes: tuple[int, ...]) -> str:
+    """What the layer's codes match instead of the declared ones."""
+    if fmt in formats.FP8_SIBLINGS and _matches(x, codes, formats.FP8_SIBLINGS[fmt], axes):
+        return f"they are {formats.FP8_SIBLINGS[fmt]}'s codes, the other fp8 flavour"
+    kept = [a for a in range(x.ndim) if a not in axes]
+    if fmt in formats.AXIS_FORMATS or fmt.endswith("_current"):
+        if kept and _matches(x, codes, fmt, tuple(range(x.ndim))):
+            return "they match one scale for the whole tensor"
+        for k in kept:
+            if _matches(x, codes, fmt, tuple(sorted(axes + (k,)))):
+                return f"they match one scale shared across axis {k} (size {x.shape[k]})"
+    c = _as_f32(codes)
+    if np.issubdtype(np.asarray(codes).dtype, np.integer) or fmt.startswith("int8"):
+        levels = int(np.unique(c).size)
+        top = float(np.max(np.abs(c))) if c.size else 0.0
+        if top < 64:
+            return f"the codes reach only ±{top:g} ({levels} distinct levels): fewer bits than int8's ±127"
+    return "they match no other format or granularity qcheck tries"
+
+
+def _judge_codes(x: np.ndarray, codes: np.ndarray, divisor: Any, fmt: RoleFormat,
+                 axes: tuple[int | None, ...]) -> str | None:
+    """A finding for codes that are not the declared format's codes of ``x``; None when they are."""
+    x = np.asarray(x, np.float32)
+    if x.shape != np.shape(codes):
+        return None
+    if fmt.format in _FP8_DIVIDED and divisor is not None:
+        scale, multiplied = divisor
+        scale = np.asarray(scale, np.float32)
+        x = (x * scale if multiplied else x / scale).astype(np.float32)
+    if fmt.per is not None:
+        keep = {a % x.ndim for a in fmt.per}
+        red = tuple(a for a in range(x.ndim) if a not in keep)
+    elif fmt.format in formats.AXIS_FORMATS:
+        if any(a is None for a in axes):
+            return None  # contraction axes not traceable to the quantizer: the type check alone
+        red = tuple(sorted(set(axes)))
+    else:
+        red = tuple(range(x.ndim))
+    if _matches(x, codes, fmt.format, red):
+        return None
+    if fmt.format == "nvfp4" and _stochastic_ok(x, codes, fmt.format, red):
+        return None
+    ref = _reference_codes(x, fmt.format, red, False)
+    if ref is None:
+        return f"its codes cannot be laid out in {fmt} blocks along axes {red} of the quantizer's input {x.shape}"
+    if ref.shape != np.shape(codes):
+        return None
+    return f"codes are not {fmt}'s: {_describe_first(x, codes, ref)}; {_diagnose(x, codes, fmt.format, red)}"
+
+
+def judge(records: Sequence[MatmulRecord], declaration: Declaration, quantizers: Sequence[tuple[Any, Any, Any]],
+          operands: Sequence[tuple[int, str, int, tuple[int | None, ...]]]) -> list[MatmulRecord]:
+    """``records`` with each operand's declared format and the site's findings against ``declaration``.
+
+    ``quantizers`` and ``operands`` are the walk's evidence (numpy values):
+    each quantizer's input, codes and divisor, and which matmul operand reached
+    which quantizer with which contraction axes.
+    """
+    evidence = {(i, side): (q, axes) for i, side, q, axes in operands}
+    out = []
+    for i, r in enumerate(records):
+        found: list[str] = []
+        declared: dict[str, str | None] = {}
+        for side in ("lhs", "rhs"):
+            role = getattr(r, f"{side}_role")
+            known, fmt = declaration.for_operand(side, role)
+            declared[side] = None if not known else ("full precision" if fmt is None else str(fmt))
+            if not known or r.opaque:
+                continue
+            quant = getattr(r, side)
+            label = f"{side} ({role})"
+            if fmt is None:
+                if quant.quantized:
+                    found.append(f"{label} is quantized ({quant}) but declared full precision")
+                continue
+            if not quant.quantized:
+                found.append(f"{label} reaches the matmul in full precision; declared {fmt}")
+                continue
+            want = _element_types(fmt.format)
+            narrow = {c for c in getattr(r, f"{side}_casts") if c in _NARROW_FLOATS or c in ("int8", "uint8", "int4")}
+            stray = sorted(narrow - want)
+            if stray:
+                found.append(f"{label} is cast to {', '.join(stray)}; declared {fmt}, whose codes and scales are "
+                             f"{', '.join(sorted(want))}")
+                continue
+            if (i, side) in evidence:
+                q, axes = evidence[i, side]
+                x, codes, divisor = quantizers[q]
+                if (msg := _judge_codes(x, codes, divisor, fmt, axes)) is not None:
+                    found.append(f"{label}: {msg}")
+        out.append(dataclasses.replace(r, lhs_declared=declared["lhs"], rhs_declared=declared["rhs"],
+                                       findings=tuple(found)))
+    return out
+
+
+def mixed_formats(records: Sequence[MatmulRecord]) -> list[str]:
+    """With nothing declared: the sites whose operands of one role are cast to a minority narrow type.
+
+    A layer whose weights are e4m3fnuz at every site but one, e4m3fn there,
+    mixes formats within a role; the odd site is named.
+    """
+    by_role: dict[str, list[tuple[MatmulRecord, str]]] = {}
+    for r in records:
+        if r.backward or r.opaque:
+            continue
+        for side in ("lhs", "rhs"):
+            q = getattr(r, side)
+            if q.kind == "cast" and q.dtype in _NARROW_FLOATS:
+                by_role.setdefault(getattr(r, f"{side}_role"), []).append((r, q.dtype))
+    problems = []
+    for role, seen in by_role.items():
+        counts: dict[str, int] = {}
+        for _, d in seen:
+            counts[d] = counts.get(d, 0) + 1
+        if len(counts) < 2:
+            continue
+        top = max(counts.values())
+        common = [d for d, n in counts.items() if n == top]
+        if len(common) > 1:  # no majority to hold the others to: every site, with its type
+            problems.append(f"{role} operands of one layer are cast to {', '.join(sorted(counts))}: " + "; ".join(
+                f"{d} at {r.location} ({r.function})" for r, d in seen) + ": formats mixed within one role")
+            continue
+        for r, d in seen:
+            if d != common[0]:
+                problems.append(f"{r.primitive} at {r.location} ({r.function}): its {role} operand is {d} where "
+                                f"{top} other {role} operands are {common[0]}: formats mixed within one role")
+    return problems
