@@ -207,6 +207,18 @@ def test_declaration_usage_errors_name_the_argument(declared, match):
         as_declaration(declared, "declared")
 
 
+def test_check_layer_reads_the_declaration_of_qcheck_layers():
+    layer = qcheck.build_moe("mixtral", "nanoo_fp8", path="dense")
+    twin = qcheck.build_moe("mixtral", "none", path="dense")
+    x = jax.random.normal(jax.random.key(1), (2, 32, layer.config.emb))
+    from qcheck.layers.moe import UNQUANTIZED_BY_DESIGN
+    skip = qcheck.skip_functions(*UNQUANTIZED_BY_DESIGN)
+    figures = qcheck.check_layer(layer, twin, x, skip=skip, declared=True)
+    assert figures.declared.source == "the layer's recipe 'nanoo_fp8'"
+    with pytest.raises(AssertionError, match=r"is cast to float8_e4m3fnuz; declared e4m3fn"):
+        qcheck.check_layer(layer, twin, x, skip=skip, declared="fp8")
+
+
 def test_check_layer_declared_usage_error_is_one_line():
     with pytest.raises(ValueError, match=r"^check_layer: declared: unknown weights format 'e4m3'; valid weights formats: int8, "):
         qcheck.check_layer(fp8_matmul, lambda x: x @ W, X, declared={"weights": "e4m3"})
@@ -234,7 +246,7 @@ def _twin(n):
 
 
 def test_check_layer_one_format_per_role_should_pass():
-    figures = qcheck.check_layer(_sites(E4M3FN, E4M3FN, E4M3FN), _twin(3), X)
+    figures = qcheck.check_layer(_sites(E4M3FN, E4M3FN, E4M3FN), _twin(3), X, declared=True)
     assert figures.declared is None
 
 
@@ -242,10 +254,11 @@ def test_check_layer_mixed_formats_within_a_role_should_fail():
     with pytest.raises(AssertionError, match=r"formats: dot_general at .*test_declared_quantization.py:\d+ .*: its "
                                              r"weight operand is float8_e4m3fnuz where 2 other weight operands are "
                                              r"float8_e4m3fn: formats mixed within one role"):
-        qcheck.check_layer(_sites(E4M3FN, E4M3FNUZ, E4M3FN), _twin(3), X)
+        qcheck.check_layer(_sites(E4M3FN, E4M3FNUZ, E4M3FN), _twin(3), X, declared=True)
     with pytest.raises(AssertionError, match=r"weight operands of one layer are cast to float8_e4m3fn, "
                                              r"float8_e4m3fnuz: float8_e4m3fn at .*; float8_e4m3fnuz at "):
-        qcheck.check_layer(_sites(E4M3FN, E4M3FNUZ), _twin(2), X)
+        qcheck.check_layer(_sites(E4M3FN, E4M3FNUZ), _twin(2), X, declared=True)
+    qcheck.check_layer(_sites(E4M3FN, E4M3FNUZ), _twin(2), X)  # nothing asked: "quantized somehow" alone
 
 
 def test_check_layer_declared_fails_naming_the_site():

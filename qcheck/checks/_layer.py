@@ -380,14 +380,14 @@ def check_layer(
       advanced, fp8 statistics as the call left them), gives the same bits;
     * declared quantization: with ``declared`` (a recipe name, a
       ``qcheck.Recipe``, or a mapping of roles to formats,
-      ``{"weights": "int8", "activations": None}``), or where the layer's
-      library states one (qcheck's layers, MaxText's ``config.quantization``:
-      ``qcheck._coverage._readers.READERS``), each matmul is held to it site by
-      site: the types its operands are cast to, and their codes bitwise against
-      the referee's codes of the quantizer's input at the declared granularity
-      (:func:`qcheck.assert_quantized`'s ``declared``); with nothing declared,
-      operands of one role cast to different narrow types fail, naming the
-      odd site.
+      ``{"weights": "int8", "activations": None}``; ``True``: what the layer's
+      library states on it, for qcheck's layers and MaxText's
+      ``config.quantization``: ``qcheck._coverage._readers.READERS``), each
+      matmul is held to it site by site: the types its operands are cast to,
+      and their codes bitwise against the referee's codes of the quantizer's
+      input at the declared granularity (:func:`qcheck.assert_quantized`'s
+      ``declared``). With ``True`` and nothing read from the layer, operands
+      of one role cast to different narrow types fail, naming the odd site.
 
     Fails with one ``AssertionError`` listing every failed check and its
     figure; returns the :class:`LayerFigures` when all pass. Usage errors are
@@ -404,8 +404,12 @@ def check_layer(
     """
     __tracebackhide__ = True
     x, skip_grads = _check_args(layer, reference, x, max_rel_norm, max_grad_rel_norm, skip, skip_grads, output)
-    declaration = (as_declaration(declared, "check_layer: declared") if declared is not None
-                   else read_declaration(layer))
+    from_layer = declared is True
+    if isinstance(declared, bool) and not from_layer:
+        raise ValueError("check_layer: declared must be True (read it from the layer), a recipe name, a "
+                         "qcheck.Recipe or a mapping of roles to formats; got False")
+    declaration = (read_declaration(layer) if from_layer
+                   else None if declared is None else as_declaration(declared, "check_layer: declared"))
     form = _traceable("layer", lambda: _form(layer, x))
     twin = _traceable("reference", lambda: _form(reference, x))
     paths = {p for f in (form, twin) for p in f.param_leaves(f.params)}
@@ -433,7 +437,7 @@ def check_layer(
                              "assert_quantized")
     except AssertionError as e:
         failures.append(f"coverage: {e}")
-    if declaration is None and records:
+    if from_layer and declaration is None and records:
         failures += [f"formats: {line}" for line in mixed_formats(records)]
 
     figures: dict[str, float] = {}
