@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import qcheck
+from qcheck import formats
 from qcheck._coverage._declared import as_declaration
 from qcheck.recipes import get_recipe, recipe_names
 
@@ -129,6 +130,26 @@ def test_int4_codes_where_int8_is_declared_should_fail():
            match=r"rhs \(weight\): codes are not int8's: .*the codes reach only ±7 \(15 distinct levels\)")
 
 
+def _aqt_after_a_literal_factor(weight_axes):
+    # haliax multiplies each weight by its reparametrisation's literal scale (weight * 1.0 under
+    # LinearStandardParam, a 1/sqrt(fan) under muP) before AQT's int8 quantizes it.
+    def fn(x):
+        qx, qw = formats.quantize(x, "int8_aqt", axis=1), formats.quantize(W * 0.5, "int8_aqt", axis=weight_axes)
+        return (qx.codes.astype(jnp.float32) * qx.scales["slice"]) @ (qw.codes.astype(jnp.float32) * qw.scales["slice"])
+    return fn
+
+
+def test_int8_after_a_literal_factor_should_pass():
+    # The literal factor is the layer's arithmetic, not the quantizer's scale: the codes are int8_aqt's of W * 0.5.
+    (r,) = qcheck.assert_quantized(_aqt_after_a_literal_factor(0), X, declared="aqt_int8")
+    assert r.rhs_role == "weight" and r.rhs_declared == "int8_aqt"
+
+
+def test_int8_after_a_literal_factor_shared_scale_should_fail():
+    _fails(_aqt_after_a_literal_factor((0, 1)), X, declared="aqt_int8",
+           match=r"rhs \(weight\): codes are not int8_aqt's: .*they match one scale for the whole tensor")
+
+
 # -- weight-only schemes and straight-through estimators ------------------------------------
 
 def _gemma_int8(kernel, axis):
@@ -156,6 +177,24 @@ def test_straight_through_weight_only_should_pass():
 def test_straight_through_other_granularity_should_fail():
     _fails(_qat(lambda w: _gemma_int8(w, axis=1)), X, declared=WEIGHT_ONLY,
            match=r"rhs \(weight\): codes are not int8 per axes \(-1,\)'s")
+
+
+#: Weight-only int8 at the format's own rule: one scale per output channel, along the contraction.
+WEIGHT_ONLY_OWN_RULE = {"weights": "int8", "activations": None}
+
+
+def test_straight_through_at_the_formats_own_rule_should_pass():
+    # W (32, 24) contracts its axis 0: one scale per output column (reduced over axis 0) is int8's own rule.
+    (r,) = qcheck.assert_quantized(_qat(lambda w: _gemma_int8(w, axis=0)), X, declared=WEIGHT_ONLY_OWN_RULE)
+    assert r.rhs.quantized and r.rhs_declared == "int8"
+
+
+def test_straight_through_scale_per_contraction_index_should_fail():
+    # One scale per input row (reduced over the output axis 1): the stop_gradient of the straight-through
+    # estimator must keep the codes' axes, or the contraction axis is lost and only the type is checked.
+    _fails(_qat(lambda w: _gemma_int8(w, axis=1)), X, declared=WEIGHT_ONLY_OWN_RULE,
+           match=r"rhs \(weight\): codes are not int8's: .*they match scales reduced over axes \(1,\) instead: "
+                 r"one scale per index of axes \(0,\)")
 
 
 def test_straight_through_add_back_form_is_read_as_quantized():

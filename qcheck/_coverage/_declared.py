@@ -224,6 +224,8 @@ def _diagnose(x: np.ndarray, codes: np.ndarray, fmt: str, axes: tuple[int, ...])
         for k in kept:
             if _matches(x, codes, fmt, tuple(sorted(axes + (k,)))):
                 return f"they match one scale shared across axis {k} (size {x.shape[k]})"
+        if kept and axes and _matches(x, codes, fmt, tuple(kept)):  # the scales run along the other axes
+            return f"they match scales reduced over axes {tuple(kept)} instead: one scale per index of axes {axes}"
     c = _as_f32(codes)
     if np.issubdtype(np.asarray(codes).dtype, np.integer) or fmt.startswith("int8"):
         levels = int(np.unique(c).size)

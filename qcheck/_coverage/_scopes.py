@@ -19,12 +19,15 @@ import jax.extend.core as jcore
 #: outside the standard library and qcheck's plumbing). JAX, Flax (its fp8 ops
 #: and its Linen/NNX bridge), AQT and qwix, and MaxText's own copies of that
 #: plumbing (its ``ToNNX`` bridge and its quantization wrappers), so a MaxText
-#: matmul points at the MaxText layer line that asked for it. Pass more as
+#: matmul points at the MaxText layer line that asked for it; Equinox (its
+#: ``filter_jit`` wrapper would otherwise be the innermost frame of every
+#: matmul haliax's ``hax.dot`` traces) and haliax's fp8/int8 dot ops, so a
+#: haliax matmul points at the ``Linear`` line that called its op. Pass more as
 #: ``machinery=`` to :func:`coverage` and the checks built on it (a team's
 #: own quantization library, say). A dotted module counts once its package is
 #: imported (looking it up never imports it).
 MACHINERY: tuple[str, ...] = ("jax", "jaxlib", "flax", "aqt", "qwix", "maxtext.layers.nnx_wrappers",
-                              "maxtext.layers.quantizations")
+                              "maxtext.layers.quantizations", "equinox", "haliax.quantization", "haliax._src.fp8")
 
 
 def _prefix_of(package: str) -> str | None:

@@ -74,10 +74,11 @@ def input_val(aval: Any, value: Any = None, const: bool = False, data: bool = Fa
 
 
 #: Layout ops whose output axes can be traced back to their operand's (the rest lose the map).
+#: stop_gradient too: a straight-through estimator's codes reach the matmul through it.
 _AXIS_OPS = frozenset({"transpose", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "slice", "rev",
                        "dynamic_slice", "copy", "copy_p", "sharding_constraint", "optimization_barrier",
-                       "convert_element_type", "reduce_precision", "neg", "abs", "clamp", "max", "min", "mul",
-                       "div"})
+                       "stop_gradient", "convert_element_type", "reduce_precision", "neg", "abs", "clamp", "max",
+                       "min", "mul", "div"})
 
 
 def _reshape_map(old: tuple[int, ...], new: tuple[int, ...]) -> list[int | None]:
@@ -331,7 +332,9 @@ class Walker:
                         if v.scale or v.const or getattr(var.aval, "size", 0) < getattr(eqn.outvars[0].aval, "size", 0)]
             if name in ("div", "mul") and len(ins) == 2 and len(scale_at) == 1 and (name == "mul" or scale_at == [1]):
                 x = ins[1 - scale_at[0]]
-                if x.divisor is None:
+                # A literal factor (haliax's weight * 1.0 reparametrisation) is the layer's arithmetic, not a
+                # quantizer's scale: the value after it is what a later scale divides, so it starts afresh.
+                if x.divisor is None and not ins[scale_at[0]].const:
                     out.prescale = x.prescale if x.prescale is not None else x.actual
                     out.divisor, out.multiplied = ins[scale_at[0]].actual, name == "mul"
             elif name in ("clamp", "max", "min", "convert_element_type", "stop_gradient", "copy", "copy_p"):
