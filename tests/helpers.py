@@ -28,6 +28,10 @@ EXTRAS = {
     "qwix": ("qwix", "pip install 'qcheck[qwix]'"),
     # MaxText is no extra of qcheck's: it lives in its own environment (tox, a stage of .ci/run).
     "maxtext": ("maxtext", "pip install maxtext==0.2.5 in its own environment: .ci/maxtext.sh env VENV (docs/checking-your-layer.md)"),
+    # Levanter neither: it pins jax<0.12 and a stack of its own.
+    "levanter": ("levanter", "pip install marin-levanter==0.2.227.dev40316220070 in its own environment: .ci/levanter.sh env VENV (tox -e levanter)"),
+    # gemma 4.0.1 neither: `pip install gemma` does not resolve (kauldron's dependencies); .ci/gemma.sh installs it.
+    "gemma": ("gemma", "gemma 4.0.1 in its own environment: .ci/gemma.sh env VENV (`pip install gemma` alone does not resolve; tox -e gemma)"),
 }
 
 

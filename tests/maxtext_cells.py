@@ -51,8 +51,12 @@ def config(quantization: str = "", sparse_matmul: bool = False):
     )
 
 
-def build(quantization: str = "", sparse_matmul: bool = False, seed: int = 0) -> moe.RoutedMoE:
-    """``RoutedMoE`` as MaxText's Mixtral decoder layer builds it (models/mixtral.py)."""
+def build(quantization: str = "", sparse_matmul: bool = False, seed: int = 0, quant=None) -> moe.RoutedMoE:
+    """``RoutedMoE`` as MaxText's Mixtral decoder layer builds it (models/mixtral.py).
+
+    ``quant``: the quantization object the block gets in place of the one its config
+    makes (a user's own, or a planted bug), while ``config.quantization`` still declares.
+    """
     import jax
     from flax import nnx
     from maxtext.layers import initializers, moe, quantizations
@@ -65,7 +69,7 @@ def build(quantization: str = "", sparse_matmul: bool = False, seed: int = 0) ->
         config=cfg, num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok, mesh=mesh,
         kernel_init=initializers.nd_dense_init(1.0, "fan_in", "truncated_normal"), kernel_axes=("embed", None),
         intermediate_dim=cfg.moe_mlp_dim, dtype=cfg.dtype, weight_dtype=cfg.weight_dtype,
-        quant=quantizations.configure_quantization(cfg), rngs=nnx.Rngs(seed),
+        quant=quant or quantizations.configure_quantization(cfg), rngs=nnx.Rngs(seed),
     )
 
 

@@ -33,15 +33,19 @@ def test_the_extras_name_their_install_command():
     assert helpers.extra_skip_reason("qwix") == "needs the qwix extra: pip install 'qcheck[qwix]'"
     assert helpers.extra_skip_reason("aqt") == "needs the aqt extra: pip install 'qcheck[aqt]'"
     assert helpers.extra_skip_reason("maxtext").startswith("needs the maxtext extra: pip install maxtext")
+    assert helpers.extra_skip_reason("gemma").startswith("needs the gemma extra: gemma 4.0.1 in its own environment: "
+                                                         ".ci/gemma.sh env VENV")
 
 
 def test_an_unknown_extra_lists_the_known_ones():
-    with pytest.raises(ValueError, match=r"^extra: unknown extra 'aqtp'; known: aqt, maxtext, qwix$"):
+    known = ", ".join(sorted(helpers.EXTRAS))
+    assert {"aqt", "gemma", "maxtext", "qwix"} <= set(helpers.EXTRAS)
+    with pytest.raises(ValueError, match=rf"^extra: unknown extra 'aqtp'; known: {re.escape(known)}$"):
         helpers.requires_extra("aqtp")
 
 
 def test_tests_skip_for_an_extra_only_through_the_helpers():
     """pytest.importorskip's own reason names a module, not the extra to install; the helpers name the extra."""
-    direct = re.compile(r"importorskip\(\s*[\"'](aqt|qwix|maxtext|MaxText)")
+    direct = re.compile(r"importorskip\(\s*[\"'](aqt|qwix|maxtext|MaxText|gemma)")
     found = [p.name for p in TESTS.rglob("*.py") if p.name != "helpers.py" and direct.search(p.read_text())]
     assert found == [], f"use tests.helpers.import_extra / requires_extra in {found}"

@@ -136,12 +136,69 @@ def test_coverage_with_errors_runs_on_every_cell(cells, x, quantization, path):
 
 @pytest.mark.parametrize("quantization", maxtext_cells.QUANTIZATIONS)
 def test_check_layer_passes_maxtext_dense_path(cells, x, quantization):
+    # Held to the declaration read from MaxText's config: the flavour of every fp8 cast, and the codes
+    # bitwise against the referee's (fp8 at a fresh layer's scale 1; int8 as AQT's absmax/127.5 codes).
     layer, twin = cells(quantization, "dense")
     before = _params(layer), _params(twin)
-    figures = qcheck.check_layer(layer, twin, x, output=0, skip=qcheck.skip_modules(COMBINE_SCOPE))
+    figures = qcheck.check_layer(layer, twin, x, output=0, skip=qcheck.skip_modules(COMBINE_SCOPE), declared=True)
     assert 0 < figures.rel_norm <= 0.22
+    assert figures.declared.source == f"MaxText config.quantization={quantization!r}"
+    held = [r for r in figures.coverage if not r.skipped_by]
+    assert len(held) == 4 and all(r.lhs_declared and r.rhs_declared and not r.findings for r in held), (
+        qcheck.format_coverage(figures.coverage))
     after = _params(layer), _params(twin)
     assert all(np.array_equal(a[k], b[k]) for a, b in zip(before, after) for k in a), "check_layer changed a module"
+
+
+#: Each fp8 quantization and the other family's, whose einsum a user's code may wire in by mistake.
+OTHER_FP8 = {"fp8": ("NANOOFp8Quantization", "float8_e4m3fnuz", "e4m3fn"),
+             "nanoo_fp8": ("Fp8Quantization", "float8_e4m3fn", "e4m3fnuz")}
+
+
+@pytest.mark.parametrize("quantization", sorted(OTHER_FP8))
+def test_check_layer_declared_names_an_einsum_wired_from_the_other_fp8_family(x, quantization):
+    """The ``wo`` einsum built by the other fp8 quantization (MaxText's own ``create_fp8_einsum``): the
+    output still tracks (an MI300 layer computing e4m3fn passes every other check), only the declaration
+    read from ``config.quantization`` sees the flavour, and names the site."""
+    from flax import nnx
+    from maxtext.layers import quantizations
+
+    other, cast, declared = OTHER_FP8[quantization]
+    layer, twin = maxtext_cells.cell(quantization, False)
+    layer.quant_einsums["wo"] = quantizations.create_fp8_einsum(getattr(quantizations, other)(), layer.dtype,
+                                                                nnx.Rngs(0))
+    skip = qcheck.skip_modules(COMBINE_SCOPE)
+    qcheck.check_layer(layer, twin, x, output=0, skip=skip)  # the control: undeclared, the plant passes
+    with pytest.raises(AssertionError) as failure:
+        qcheck.check_layer(layer, twin, x, output=0, skip=skip, declared=True)
+    message = str(failure.value)
+    assert message.startswith("check_layer: 1 check(s) failed:\n  coverage: ") and "1 of 5 matmuls differ" in message
+    site = message.split("differ from the declared quantization", 1)[1]
+    assert " in wo/" in site and f"is cast to {cast}; declared {declared}" in site, message
+
+
+def test_check_layer_declared_names_fewer_bits_than_config_declares(x):
+    """A user's AQT config at 4 bits (one config object shared with another layer, say) under a config
+    that declares int8: the records read int4 at every site, and the declaration names each."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    from aqt.jax.v2 import config as aqt_config
+    from maxtext.layers import quantizations
+
+    cfg = maxtext_cells.config("int8", False)
+    int4 = aqt_config.config_v3(
+        fwd_bits=4, dlhs_bits=8, drhs_bits=8, rng_type="jax.uniform", dlhs_local_aqt=None,
+        drhs_local_aqt=aqt_config.LocalAqt(contraction_axis_shard_count=1), fwd_accumulator_dtype=jnp.int32,
+        dlhs_accumulator_dtype=jnp.int32, drhs_accumulator_dtype=jnp.int32)
+    quant = dataclasses.replace(quantizations.configure_quantization(cfg), quant_dg=int4)
+    layer = maxtext_cells.build("int8", False, quant=quant)
+    twin = qcheck.copy_params_into(layer, maxtext_cells.build("", False))
+    with pytest.raises(AssertionError) as failure:
+        qcheck.check_layer(layer, twin, x, output=0, skip=qcheck.skip_modules(COMBINE_SCOPE), declared=True)
+    coverage = str(failure.value).split("  coverage: ", 1)[1].split("\n  tracks", 1)[0]
+    assert "4 of 5 matmuls differ from the declared quantization" in coverage
+    assert coverage.count("is cast to int4; declared int8_aqt") == 8, coverage
 
 
 @pytest.mark.parametrize("quantization", maxtext_cells.QUANTIZATIONS)
@@ -227,7 +284,7 @@ def test_guide_environment_is_what_ci_builds():
 
 def test_guide_runs_on_maxtext_routed_moe(capsys):
     blocks = _guide_blocks()
-    assert list(blocks) == ["environment", "build", "coverage", "check", "sparse"]
+    assert list(blocks) == ["environment", "build", "coverage", "check", "declared", "sparse"]
     namespace = {"__name__": "checking_your_layer"}
 
     def run(label: str) -> str:
@@ -242,12 +299,20 @@ def test_guide_runs_on_maxtext_routed_moe(capsys):
     assert len(namespace["records"]) == 5 and [r.quantized for r in namespace["records"]] == [True] * 4 + [False]
     # Each located in MaxText, never inside AQT or Flax's fp8 ops.
     assert all("maxtext/layers/" in _location(r) for r in namespace["records"]), shown
-    assert re.fullmatch(r"forward 0\.\d{3}, worst gradient .+\n", run("check"))
+    checked = run("check")
+    assert re.fullmatch(r"forward 0\.\d{3}, worst gradient .+\nheld to .+\n", checked)
+    # The declaration the prose quotes is the one the block prints.
+    assert f"held to {namespace['figures'].declared}" in GUIDE.replace("\n", " "), checked
     # The figures the prose quotes are the ones the block prints.
     ((forward, param, grad),) = re.findall(
         r"fp8 prints `forward (0\.\d+), worst gradient \('([\w/]+)', (0\.\d+)\)`", GUIDE)
     figures = namespace["figures"]
     assert (f"{figures.rel_norm:.3f}", figures.worst_grad[0], f"{figures.worst_grad[1]:.3f}") == (forward, param, grad)
+    planted = run("declared")
+    quoted = GUIDE.split("<!-- maxtext: declared -->", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    # The failure the guide shows is the block's, line by line (the site's scope and path shortened).
+    for line in quoted.splitlines():
+        assert all(piece in planted for piece in line.split(" in wo/", 1)[0].split(".../")), (line, planted)
     failure = run("sparse")
     assert failure.count(_ragged_dot_line()) == 3, failure
     # The line the prose names is the line MaxText's source has.

@@ -7,8 +7,11 @@ caller gives none, and says in its figures what it read.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from qcheck._coverage._declared import Declaration, RoleFormat, as_declaration
 
@@ -39,6 +42,7 @@ def _maxtext(layer: Any) -> Declaration | None:
         return None
     config = getattr(layer, "config", None)
     quantization = getattr(config, "quantization", None)
+    quantization = getattr(quantization, "value", quantization)  # MaxText's QuantizationType is a str enum
     if not isinstance(quantization, str) or getattr(config, "use_qwix_quantization", False):
         return None
     if quantization == "":
@@ -50,10 +54,90 @@ def _maxtext(layer: Any) -> Declaration | None:
                        f"MaxText config.quantization={quantization!r}")
 
 
+#: gemma 4.0.1's ``gm.nn.QuantizationAwareWrapper(method=...)``: weight-only QAT, a straight-through
+#: estimator around ``peft.simulate_quantize(kernel, method)``; INT8 scales by 127 · (1/absmax) with absmax
+#: over every axis of the kernel but the last (gemma/peft/_quantization.py:316-331, 398-451). Activations
+#: stay float.
+GEMMA_QAT = {
+    "INT8": {"weights": RoleFormat("int8", per=(-1,)), "activations": None},
+    "NONE": {"weights": None, "activations": None},
+}
+
+
+def _gemma(layer: Any) -> Declaration | None:
+    # check_layer takes a Linen module as a (module, variables) pair; gemma is imported by the layer, never here.
+    module = layer[0] if isinstance(layer, tuple) and len(layer) == 2 else layer
+    if type(module).__name__ != "QuantizationAwareWrapper" or not type(module).__module__.startswith("gemma."):
+        return None
+    method = getattr(module, "method", None)
+    name = str(getattr(method, "name", method)).upper()
+    roles = GEMMA_QAT.get(name)
+    if roles is None:
+        return None
+    return Declaration(dict(roles), f"gemma QuantizationAwareWrapper(method={name})")
+
+
+#: haliax's dot ops (haliax/quantization.py), which ``quantize_linear_layers`` (Levanter's
+#: ``TrainerConfig.quantization``) sets on every ``hnn.Linear``: ``Fp8DotGeneralOp`` casts both operands to
+#: its ``fwd_dtype`` and the output gradient to its ``rev_dtype`` (e4m3fn / e5m2: delayed scaling, scale 1 on
+#: a fresh op); ``Int8DotGeneralOp`` is AQT v2 ``config_v3()``, int8 forward on both operands, scale
+#: absmax / 127.5 per index of every axis but the contraction's: qcheck's ``int8_aqt``.
+HALIAX_FP8 = {"float8_e4m3fn": "e4m3fn", "float8_e4m3fnuz": "e4m3fnuz", "float8_e5m2": "e5m2",
+              "float8_e5m2fnuz": "e5m2fnuz"}
+_HALIAX_OPS = ("Fp8DotGeneralOp", "Int8DotGeneralOp")
+
+
+def _haliax_op(node: Any) -> str | None:
+    return next((c.__name__ for c in type(node).__mro__
+                 if c.__module__ == "haliax.quantization" and c.__name__ in _HALIAX_OPS), None)
+
+
+def _aqt_int8(numerics: Any) -> str | None:
+    if type(numerics).__name__ != "IntSymmetric" or getattr(numerics, "bits", None) != 8:
+        return None
+    return "int8" if getattr(numerics, "preserve_max_val", False) else "int8_aqt"  # absmax/127 or /127.5
+
+
+def _haliax_roles(op: Any) -> tuple[tuple[str, str], ...] | None:
+    if _haliax_op(op) == "Fp8DotGeneralOp":
+        fwd, rev = (HALIAX_FP8.get(str(np.dtype(d))) for d in (op.fwd_dtype, op.rev_dtype))
+        if fwd is None or rev is None:
+            return None
+        return (("activations", fwd), ("weights", fwd), ("grads", rev))
+    quantizer = getattr(getattr(getattr(op, "cfg", None), "fwd", None), "dg_quantizer", None)
+    lhs, rhs = (_aqt_int8(getattr(getattr(quantizer, side, None), "numerics", None)) for side in ("lhs", "rhs"))
+    if lhs is None or rhs is None:
+        return None
+    return (("activations", lhs), ("weights", rhs))  # haliax's Linear puts the input on the lhs
+
+
+def _haliax(layer: Any) -> Declaration | None:
+    # An Equinox module (or any pytree: a jax.tree_util.Partial of a function and the block) holding the ops;
+    # a plain function holds nothing to read. haliax is never imported here: a layer using it has imported it.
+    if "haliax" not in sys.modules or isinstance(layer, type):
+        return None
+    import jax
+
+    ops = [leaf for leaf in jax.tree_util.tree_leaves(layer, is_leaf=lambda n: _haliax_op(n) is not None)
+           if _haliax_op(leaf) is not None]
+    if not ops:
+        return None
+    kinds = {(_haliax_op(op), _haliax_roles(op)) for op in ops}
+    if len(kinds) != 1 or (kind := kinds.pop())[1] is None:
+        return None  # ops of several kinds or formats: no one declaration (one format per role is then checked)
+    name, roles = kind
+    return Declaration({k: RoleFormat(v) for k, v in roles},
+                       f"haliax {name} on {len(ops)} Linear layer(s): {', '.join(f'{k} {v}' for k, v in roles)}")
+
+
 #: (library, what is read, reader): the first reader that returns a declaration wins.
 READERS: tuple[tuple[str, str, Callable[[Any], Declaration | None]], ...] = (
     ("qcheck", "MoE.recipe_name: the recipe the layer was built with", _qcheck_moe),
     ("MaxText", "config.quantization (int8, fp8, nanoo_fp8) with use_qwix_quantization off", _maxtext),
+    ("gemma", "QuantizationAwareWrapper.method (INT8, NONE): weight-only, one scale per index of the kernel's "
+              "last axis", _gemma),
+    ("haliax", "Fp8DotGeneralOp's fwd/rev dtypes and Int8DotGeneralOp's AQT config, as quantize_linear_layers "
+               "sets them on the layer's Linears (a pytree: an Equinox module, or a Partial holding it)", _haliax),
 )
 
 

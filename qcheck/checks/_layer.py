@@ -381,8 +381,9 @@ def check_layer(
     * declared quantization: with ``declared`` (a recipe name, a
       ``qcheck.Recipe``, or a mapping of roles to formats,
       ``{"weights": "int8", "activations": None}``; ``True``: what the layer's
-      library states on it, for qcheck's layers and MaxText's
-      ``config.quantization``: ``qcheck._coverage._readers.READERS``), each
+      library states on it, for qcheck's layers, MaxText's
+      ``config.quantization`` and gemma's ``QuantizationAwareWrapper``:
+      ``qcheck._coverage._readers.READERS``), each
       matmul is held to it site by site: the types its operands are cast to,
       and their codes bitwise against the referee's codes of the quantizer's
       input at the declared granularity (:func:`qcheck.assert_quantized`'s

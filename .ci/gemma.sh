@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# gemma 4.0.1 as a pinned client of qcheck, in its own environment (Python 3.12; it must not touch the
+# suite's environments).
+#
+#   .ci/gemma.sh env VENV          create VENV from nothing, or bring it up to date (idempotent)
+#   .ci/gemma.sh deps PYTHON       gemma and what it needs into the environment of PYTHON (tox uses this)
+#   .ci/gemma.sh run PYTHON CMD..  CMD with PYTHON's bin first on PATH, on the CPU
+#
+# `pip install gemma` does not resolve (its resolver backtracks through kauldron -> xmanager ->
+# google-cloud-aiplatform for hours). gemma and kauldron go in without their dependencies, then the few
+# that `from gemma import gm, peft` and Gemma 4's modules import: about 30 s. kauldron's unmet
+# requirements (tensorflow, xmanager, clu, ...) are left out; pip lists them as conflicts.
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+GEMMA_VERSION=4.0.1
+KAULDRON_VERSION=1.4.4
+PYTHON312=${PYTHON312:-python3.12}
+
+deps() {
+  local py=$1
+  "$py" -m pip install -q jax==0.12.0.1 jaxlib==0.12.0.1 flax==0.12.12 numpy ml-dtypes
+  "$py" -m pip install -q --no-deps "gemma==$GEMMA_VERSION" "kauldron==$KAULDRON_VERSION"
+  "$py" -m pip install -q --no-deps einops lark ml_collections immutabledict typeguard jaxtyping wadler_lindig
+  "$py" -m pip install -q "etils[edc,enp,epath,epy,etree,etqdm]" tqdm
+}
+
+env_() {
+  local venv=$1 stamp
+  stamp="$venv/.qcheck-gemma-$GEMMA_VERSION"
+  if [ ! -x "$venv/bin/python" ]; then
+    # A pyenv shim named python3.12 may exist without that version selected: try it, then pyenv's 3.12.
+    if "$PYTHON312" -c '' 2> /dev/null; then "$PYTHON312" -m venv "$venv"
+    else PYENV_VERSION=${PYENV_312:-3.12.1} pyenv exec python -m venv "$venv"; fi
+  fi
+  if [ ! -f "$stamp" ]; then  # gemma's stack once; qcheck itself every time (editable, cheap)
+    deps "$venv/bin/python"
+    touch "$stamp"
+  fi
+  "$venv/bin/python" -m pip install -q -e "$repo[test]"
+}
+
+run() {
+  local py=$1; shift
+  PATH="$(dirname "$py"):$PATH" JAX_PLATFORMS=cpu "$@"
+}
+
+case "${1:-}" in
+  env) env_ "$2" ;;
+  deps) deps "$2" ;;
+  run) run "${@:2}" ;;
+  *) echo "usage: .ci/gemma.sh env VENV | deps PYTHON | run PYTHON CMD..." >&2; exit 2 ;;
+esac

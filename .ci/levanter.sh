@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Levanter (marin-levanter, with haliax) as a pinned client of qcheck, in its own environment
+# (Levanter pins jax<0.12 and a stack of its own; it must not touch the suite's environments).
+#
+#   .ci/levanter.sh env VENV          create VENV from nothing, or bring it up to date (idempotent)
+#   .ci/levanter.sh run PYTHON CMD..  CMD with PYTHON's bin first on PATH and the variables Levanter needs on CPU
+#
+# `pip install marin-levanter` on Python 3.12 resolves in about 4 minutes (jax 0.11.2, flax 0.12.12,
+# aqtp 0.9.0); the pins below keep what tests/test_levanter.py was checked on.
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+LEVANTER_VERSION=0.2.227.dev40316220070
+HALIAX_VERSION=0.2.227.dev40316220070
+PYTHON312=${PYTHON312:-python3.12}
+
+env_() {
+  local venv=$1 stamp
+  stamp="$venv/.qcheck-levanter-$LEVANTER_VERSION-haliax-$HALIAX_VERSION"
+  if [ ! -x "$venv/bin/python" ]; then
+    # A pyenv shim named python3.12 may exist without that version selected: try it, then pyenv's 3.12.
+    if "$PYTHON312" -c '' 2> /dev/null; then "$PYTHON312" -m venv "$venv"
+    else PYENV_VERSION=${PYENV_312:-3.12.1} pyenv exec python -m venv "$venv"; fi
+  fi
+  if [ ! -f "$stamp" ]; then  # Levanter's stack once; qcheck itself every time (editable, cheap)
+    "$venv/bin/python" -m pip install -q "marin-levanter==$LEVANTER_VERSION" "marin-haliax==$HALIAX_VERSION"
+    touch "$stamp"
+  fi
+  "$venv/bin/python" -m pip install -q -e "$repo[test]"
+  # qcheck must not move Levanter's jax (it supports jax 0.11.2).
+  "$venv/bin/python" -c 'import jax, sys; sys.exit(0 if jax.__version__.startswith("0.11.") else
+    f".ci/levanter.sh: jax {jax.__version__} in the Levanter environment; Levanter {sys.argv[1]} pins jax<0.12")' \
+    "$LEVANTER_VERSION"
+}
+
+run() {
+  local py=$1; shift
+  PATH="$(dirname "$py"):$PATH" JAX_PLATFORMS=cpu "$@"
+}
+
+case "${1:-}" in
+  env) env_ "$2" ;;
+  run) run "${@:2}" ;;
+  *) echo "usage: .ci/levanter.sh env VENV | run PYTHON CMD..." >&2; exit 2 ;;
+esac

@@ -1,0 +1,399 @@
+"""Levanter's real ``MixtralSparseMoeBlock`` (haliax underneath) as a pinned client of qcheck.
+
+Runs in Levanter's own environment (.ci/levanter.sh, ``tox -e levanter``, the
+Levanter stage of .ci/run); skipped where Levanter is not installed. The block,
+tiny and on one CPU device, quantized as Levanter's ``TrainerConfig.quantization``
+does it (``haliax.quantization.quantize_linear_layers``, fp8 or int8), against
+its unquantized twin (the same block, same key, same weights). Checked on
+marin-levanter 0.2.227.dev40316220070 with marin-haliax 0.2.227.dev40316220070:
+
+* the router (``hnn.Linear`` with haliax's ``Fp8DotGeneralOp`` / ``Int8DotGeneralOp``)
+  passes its declaration bitwise: e4m3fn codes at scale 1, AQT int8 codes (qcheck's ``int8_aqt``);
+* a known defect of that version: haliax's ``MoELinear`` has no quantized path (its
+  ``dot_general`` field is a TODO, haliax/nn/linear.py), so the three expert
+  ``ragged_dot_general``s stay float32 x float32 under fp8 and int8 alike, and
+  ``check_layer`` with the declaration fails naming that line; asserted with the
+  version checked, so a new Levanter makes these tests say "recheck";
+* a wrong fp8 flavour planted in user code (haliax's quantize monkeypatched to cast
+  to e4m3fnuz where e4m3fn is asked) fails the declaration at the router, naming
+  the flavour, where check_layer without a declaration passes it;
+* ``declared=True`` reads the declaration from haliax's dot ops in the layer.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import inspect
+import os
+import re
+
+import numpy as np
+import pytest
+
+import qcheck
+from tests.helpers import import_extra
+
+#: The versions the known defect and the figures were checked on.
+LEVANTER_VERSION = "0.2.227.dev40316220070"
+HALIAX_VERSION = "0.2.227.dev40316220070"
+#: haliax's int8 (``Int8DotGeneralOp``) is AQT v2 ``config_v3()``: 8 bits on both forward operands,
+#: ``IntSymmetric(preserve_max_val=False)`` with ``AbsMaxCalibration`` over the contraction axes, so a scale
+#: absmax / 127.5 per index of every other axis: qcheck's ``int8_aqt`` at its own granularity.
+INT8 = {"activations": "int8_aqt", "weights": "int8_aqt"}
+DECLARED = {"fp8": "fp8", "int8": INT8}
+QUANTIZATIONS = tuple(DECLARED)
+#: The named scope of the combine (``out_repeat_unflat.dot(combine_weights, axis=TopExperts)``), a plain
+#: full-precision ``hax.dot`` of the expert outputs and the routing weights: meant to stay so.
+COMBINE_SCOPE = "contract top_experts -> token, embed"
+#: The named scope haliax's ``named_call`` gives the experts' ``MoELinear`` calls.
+EXPERTS_SCOPE = "MoELinear"
+X_SHAPE = (2, 8, 32)  # (batch, position, embed)
+
+pytestmark = [
+    # aqtp 0.9.0 passes arrays to jnp.promote_types (docs/libraries.md): haliax's int8 op calls AQT.
+    pytest.mark.filterwarnings("ignore:Implicit conversion of an array to a dtype:DeprecationWarning"),
+    # haliax.partitioning imports jax.interpreters.pxla.thread_resources, which jax 0.11 deprecates.
+    pytest.mark.filterwarnings("ignore:jax.interpreters.pxla.thread_resources is deprecated:DeprecationWarning"),
+]
+
+
+@pytest.fixture(scope="module")
+def lev():
+    """The modules the tests use, once: skipped, naming how to install Levanter, where it is absent."""
+    import_extra("levanter")
+    import haliax as hax
+    import jax
+    from haliax import quantization
+    from levanter.models import mixtral
+
+    return type("Levanter", (), {"hax": hax, "jax": jax, "quantization": quantization, "mixtral": mixtral})
+
+
+@pytest.fixture(scope="module")
+def config(lev):
+    return lev.mixtral.MixtralConfig(max_seq_len=8, hidden_dim=32, intermediate_dim=64, num_layers=1, num_heads=4,
+                                     num_kv_heads=2, n_routed_experts=4, num_experts_per_tok=2)
+
+
+@pytest.fixture(autouse=True)
+def _mesh(request):
+    """The block runs its routing in ``shard_map``: every test runs under a 1 x 1 mesh."""
+    if "lev" not in request.fixturenames:
+        yield
+        return
+    lev = request.getfixturevalue("lev")
+    mesh = lev.jax.sharding.Mesh(np.asarray(lev.jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    with lev.hax.partitioning.set_mesh(mesh):
+        yield
+
+
+def _build(lev, config, quantization: str | None, seed: int = 0):
+    block = lev.mixtral.MixtralSparseMoeBlock.init(config, key=lev.jax.random.key(seed))
+    if quantization is None:
+        return block
+    cfg = lev.quantization.QuantizationConfig(**{quantization: True})
+    return lev.quantization.quantize_linear_layers(block, cfg)
+
+
+@pytest.fixture(scope="module")
+def blocks(lev, config):
+    """Each block built once (same key: the same weights); no check changes one."""
+    built = {}
+
+    def get(quantization: str | None):
+        if quantization not in built:
+            built[quantization] = _build(lev, config, quantization)
+        return built[quantization]
+
+    return get
+
+
+def _apply(block, x):
+    """The block as a function of an array: named axes in, the output's array out (the extras dropped)."""
+    import haliax as hax
+
+    out, _extras = block(hax.named(x, ("batch", block.config.max_Pos.name, "embed")))
+    return out.array
+
+
+def as_layer(block):
+    """The block as check_layer's layer: a function of x that is a pytree holding the block (so
+    ``declared=True`` can read haliax's dot ops in it)."""
+    import jax
+
+    return jax.tree_util.Partial(_apply, block)
+
+
+@pytest.fixture(scope="module")
+def x():
+    return np.random.default_rng(0).normal(size=X_SHAPE).astype(np.float32)
+
+
+def _pinned() -> None:
+    installed = {d: importlib.metadata.version(d) for d in ("marin-levanter", "marin-haliax")}
+    if installed != {"marin-levanter": LEVANTER_VERSION, "marin-haliax": HALIAX_VERSION}:
+        pytest.fail(f"{installed} is installed; this known defect was checked on marin-levanter {LEVANTER_VERSION}, "
+                    f"marin-haliax {HALIAX_VERSION}: recheck it, then update this test and the Levanter row of "
+                    f"docs/libraries.md")
+
+
+def _source_line(fn, needle: str) -> str:
+    """``haliax/...py:LINE`` of the one line of ``fn``'s source holding ``needle``, read from the installed source."""
+    fn = inspect.unwrap(fn)  # haliax's named_call wraps the method
+    lines, start = inspect.getsourcelines(fn)
+    (offset,) = [i for i, line in enumerate(lines) if needle in line]
+    path = inspect.getsourcefile(fn).replace(os.sep, "/")
+    return f"{path[path.rindex('/haliax/') + 1:]}:{start + offset}"
+
+
+def _ragged_dot_line() -> str:
+    """``haliax/nn/linear.py:LINE`` of ``MoELinear.__call__``'s float ``jax.lax.ragged_dot_general`` call."""
+    from haliax.nn.linear import MoELinear
+
+    return _source_line(MoELinear.__call__, "= jax.lax.ragged_dot_general(")
+
+
+def _location(record) -> str:
+    return record.location.replace(os.sep, "/")
+
+
+def _router(records):
+    (router,) = [r for r in records if r.primitive == "dot_general" and COMBINE_SCOPE not in r.scope]
+    return router
+
+
+def _params(block) -> dict[str, np.ndarray]:
+    import jax
+
+    flat = jax.tree_util.tree_flatten_with_path(block)[0]  # the weights, not the dot ops' fp8 state or flags
+    return {jax.tree_util.keystr(p).split("[")[0]: np.asarray(v) for p, v in flat
+            if isinstance(v, jax.Array) and "dot_general" not in jax.tree_util.keystr(p)}
+
+
+# -- the twin -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+def test_twin_holds_the_layers_weights(blocks, quantization):
+    mine, theirs = _params(blocks(quantization)), _params(blocks(None))
+    assert sorted(mine) == [".experts.w1.weight", ".experts.w2.weight", ".experts.w3.weight", ".gate.weight"]
+    assert sorted(mine) == sorted(theirs) and len(mine) == 4, sorted(mine)
+    assert all(np.array_equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_twin_with_another_key_has_other_weights(lev, config, blocks):
+    # Should-fail of the one above: the weights really come from the key.
+    other = _params(_build(lev, config, None, seed=1))
+    assert not any(np.array_equal(a, other[k]) for k, a in _params(blocks(None)).items())
+
+
+# -- the router passes its declaration; the experts are the known defect -----------------------------
+
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+def test_router_passes_its_declaration_should_pass(blocks, x, quantization):
+    records = qcheck.coverage(as_layer(blocks(quantization)), x, declared=DECLARED[quantization])
+    router = _router(records)
+    assert router.quantized and (router.lhs_role, router.rhs_role) == ("activation", "weight")
+    assert router.findings == (), qcheck.format_coverage(records)
+    # The same line in the layer and the twin: the Linear's, never inside haliax's dot ops or Equinox's jit.
+    assert _location(router) == _location(_router(qcheck.coverage(as_layer(blocks(None)), x)))
+    assert not any(re.search(r"/(equinox/|haliax/quantization\.py|haliax/_src/fp8\.py)", _location(r))
+                   for r in records), qcheck.format_coverage(records)
+
+
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+def test_twin_router_fails_the_declaration(blocks, x, quantization):
+    # Control: the unquantized twin's router does not satisfy the declaration the layer's passes.
+    router = _router(qcheck.coverage(as_layer(blocks(None)), x, declared=DECLARED[quantization]))
+    assert any("reaches the matmul in full precision" in f for f in router.findings), router.findings
+
+
+def test_int8_router_fails_a_declaration_of_other_int8_codes(blocks, x):
+    # Control: the int8 router's pass is bitwise. Declared qcheck's int8 (absmax / 127, AQT's
+    # preserve_max_val=True), haliax's codes (absmax / 127.5) differ.
+    router = _router(qcheck.coverage(as_layer(blocks("int8")), x, declared={"activations": "int8", "weights": "int8"}))
+    assert any(re.match(r"(lhs|rhs) \(\w+\): codes are not int8's: \d+ of \d+ codes differ", f)
+               for f in router.findings), router.findings
+
+
+def test_location_is_equinox_jit_without_it_among_machinery(blocks, x, monkeypatch):
+    # Control of the location check above: hax.dot is an Equinox filter_jit, and the traceback JAX keeps inside
+    # a jit ends at Equinox's wrapper; were Equinox not machinery, the combine would be located there.
+    from qcheck._coverage import _scopes
+
+    monkeypatch.setattr(_scopes, "MACHINERY", tuple(m for m in _scopes.MACHINERY if m != "equinox"))
+    records = qcheck.coverage(as_layer(blocks(None)), x)
+    (combine,) = [r for r in records if COMBINE_SCOPE in r.scope]
+    assert "/equinox/" in _location(combine), _location(combine)
+
+
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+def test_haliax_moe_linear_has_no_quantized_path(blocks, x, quantization):
+    """marin-haliax 0.2.227.dev40316220070 (marin-levanter 0.2.227.dev40316220070): ``MoELinear`` has no quantized path.
+
+    ``quantize_linear_layers`` (what Levanter's ``TrainerConfig.quantization``
+    applies) sets an fp8 or int8 dot op on every ``hnn.Linear``; ``MoELinear``
+    has no ``dot_general`` (a TODO in haliax/nn/linear.py) and calls
+    ``jax.lax.ragged_dot_general`` on the float32 activations and expert weights,
+    so Mixtral's (and Qwen3-MoE's) three expert matmuls stay full precision and
+    only the router is quantized.
+    """
+    _pinned()
+    with pytest.raises(AssertionError) as failure:
+        qcheck.check_layer(as_layer(blocks(quantization)), as_layer(blocks(None)), x,
+                           skip=qcheck.skip_modules(COMBINE_SCOPE), declared=DECLARED[quantization])
+    message = str(failure.value).replace(os.sep, "/")
+    assert message.startswith("check_layer: 1 check(s) failed:\n  coverage: "), message
+    assert "3 of 5 matmuls differ from the declared quantization" in message, message
+    assert message.count("ragged_dot_general at ") == message.count(_ragged_dot_line()) == 3, message
+    assert message.count("reaches the matmul in full precision") == 6, message  # both operands of each
+
+
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+def test_rest_of_the_block_passes_with_the_experts_spared_should_pass(blocks, x, quantization):
+    # The pass beside the defect: with the experts spared, the router passes its declaration, the output
+    # tracks the twin within the fp8-class bound, gradients are close, the bits repeat.
+    figures = qcheck.check_layer(as_layer(blocks(quantization)), as_layer(blocks(None)), x,
+                                 skip=[qcheck.skip_modules(COMBINE_SCOPE), qcheck.skip_modules(EXPERTS_SCOPE)],
+                                 declared=DECLARED[quantization])
+    assert 0 < figures.rel_norm <= 0.22
+    print(f"{quantization}: forward {figures.rel_norm:.4f}, worst gradient {figures.worst_grad}")
+
+
+# -- a wrong fp8 flavour planted in user code ---------------------------------------------------------
+
+def _fnuz_quantize(real):
+    import jax.numpy as jnp
+
+    def quantize(x, q_dtype, scale, compute_dtype):
+        if q_dtype != jnp.float8_e4m3fn:
+            return real(x, q_dtype, scale, compute_dtype)
+        scaled = x / jnp.broadcast_to(scale.astype(compute_dtype), x.shape)
+        return jnp.clip(scaled, -448.0, 448.0).astype(jnp.float8_e4m3fnuz)  # the bug: the other flavour
+
+    return quantize
+
+
+def _unsaturated_quantize(real):
+    import jax.numpy as jnp
+
+    def quantize(x, q_dtype, scale, compute_dtype):
+        if q_dtype != jnp.float8_e4m3fn:
+            return real(x, q_dtype, scale, compute_dtype)
+        return (x / jnp.broadcast_to(scale.astype(compute_dtype), x.shape)).astype(q_dtype)  # the bug: no clip
+
+    return quantize
+
+
+@pytest.fixture
+def plant(lev, monkeypatch):
+    """Replace haliax's fp8 quantize from outside (site-packages untouched) with ``make(real_quantize)``.
+
+    ``hax.dot`` is an Equinox filter_jit whose traces JAX caches: the caches are
+    cleared before (so the plant is traced) and after (so no later test sees it).
+    """
+    from haliax._src import fp8
+
+    def planted(make):
+        lev.jax.clear_caches()
+        monkeypatch.setattr(fp8, "quantize", make(fp8.quantize))
+
+    yield planted
+    monkeypatch.undo()
+    lev.jax.clear_caches()
+
+
+@pytest.fixture
+def planted_fnuz(plant):
+    """haliax's fp8 quantize casting to e4m3fnuz where e4m3fn is asked."""
+    plant(_fnuz_quantize)
+
+
+SPARE = ("combine and experts", lambda: [qcheck.skip_modules(COMBINE_SCOPE), qcheck.skip_modules(EXPERTS_SCOPE)])
+
+
+@pytest.mark.parametrize("declared", ["fp8", True], ids=["given", "read"])
+def test_planted_fnuz_router_fails_the_declaration_should_fail(lev, config, x, planted_fnuz, declared):
+    layer = _build(lev, config, "fp8")  # a fresh block, traced with the plant in place
+    with pytest.raises(AssertionError) as failure:
+        qcheck.check_layer(as_layer(layer), as_layer(_build(lev, config, None)), x, skip=SPARE[1](),
+                           declared=declared)
+    message = str(failure.value)
+    assert message.startswith("check_layer: 1 check(s) failed:\n  coverage: "), message
+    assert "1 of 5 matmuls differ from the declared quantization" in message, message
+    assert re.search(r"lhs \(activation\) is cast to float8_e4m3fnuz; declared e4m3fn", message), message
+    assert re.search(r"rhs \(weight\) is cast to float8_e4m3fnuz; declared e4m3fn", message), message
+
+
+def test_planted_fnuz_passes_check_layer_without_a_declaration(lev, config, x, planted_fnuz):
+    # Why the declaration: without it the plant passes every check (the router is "quantized somehow").
+    layer = _build(lev, config, "fp8")
+    figures = qcheck.check_layer(as_layer(layer), as_layer(_build(lev, config, None)), x, skip=SPARE[1]())
+    assert 0 < figures.rel_norm <= 0.22 and "float8_e4m3fnuz" in _router(figures.coverage).lhs.dtype
+
+
+def test_fp8_router_saturates_as_declared_should_pass(blocks, x):
+    # Inputs beyond e4m3fn's 448: haliax clips, as the referee does.
+    router = _router(qcheck.coverage(as_layer(blocks("fp8")), x * 1000, declared="fp8"))
+    assert router.findings == (), router.findings
+
+
+def test_planted_unsaturated_cast_fails_bitwise_should_fail(lev, config, x, plant):
+    # Control of the pass above, and proof that the fp8 router is held bitwise (its type is right): a cast
+    # without the clip gives NaN where the referee saturates.
+    plant(_unsaturated_quantize)
+    router = _router(qcheck.coverage(as_layer(_build(lev, config, "fp8")), x * 1000, declared="fp8"))
+    assert any(re.match(r"lhs \(activation\): codes are not e4m3fn's: \d+ of 512 codes differ", f)
+               for f in router.findings), router.findings
+
+
+# -- declared=True: the declaration read from haliax's dot ops --------------------------------------
+
+@pytest.mark.parametrize("quantization, roles", [
+    ("fp8", {"activations": "e4m3fn", "weights": "e4m3fn", "grads": "e5m2"}),
+    ("int8", INT8),
+])
+def test_declaration_is_read_from_haliax_dot_ops(blocks, x, quantization, roles):
+    figures = qcheck.check_layer(as_layer(blocks(quantization)), as_layer(blocks(None)), x, skip=SPARE[1](),
+                                 declared=True)
+    decl = figures.declared
+    assert {k: str(v) for k, v in decl.roles.items()} == roles
+    op = {"fp8": "Fp8DotGeneralOp", "int8": "Int8DotGeneralOp"}[quantization]
+    assert decl.source.startswith(f"haliax {op} on 1 Linear layer(s)"), decl.source
+    assert _router(figures.coverage).findings == ()
+
+
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+def test_read_declaration_fails_the_experts(blocks, x, quantization):
+    # The defect seen through the declaration read from the layer, not given.
+    with pytest.raises(AssertionError) as failure:
+        qcheck.check_layer(as_layer(blocks(quantization)), as_layer(blocks(None)), x,
+                           skip=qcheck.skip_modules(COMBINE_SCOPE), declared=True)
+    assert str(failure.value).replace(os.sep, "/").count(_ragged_dot_line()) == 3, str(failure.value)
+
+
+def test_nothing_is_read_from_a_plain_function_or_the_unquantized_block(blocks):
+    # Controls of the reader: a function closing over the block holds nothing to read (declared=True then
+    # holds each role to one format), nor does the block without quantize_linear_layers.
+    from qcheck._coverage._readers import read_declaration
+
+    fp8 = blocks("fp8")
+    assert read_declaration(as_layer(fp8)) is not None
+    assert read_declaration(fp8) is not None  # the Equinox module itself
+    assert read_declaration(lambda x: _apply(fp8, x)) is None
+    assert read_declaration(as_layer(blocks(None))) is None
+
+
+# -- docs/libraries.md ----------------------------------------------------------------------------
+
+def test_docs_row_names_the_lines_haliax_has(lev):
+    from pathlib import Path
+
+    from haliax.nn.linear import MoELinear
+
+    doc = (Path(__file__).parent.parent / "docs" / "libraries.md").read_text()
+    (row,) = [line for line in doc.splitlines() if "`test_haliax_moe_linear_has_no_quantized_path`" in line]
+    todo = _source_line(MoELinear, "TODO: support quantization for ragged_dot")
+    for line in (todo, _ragged_dot_line()):  # linear.py:LINE, as haliax's source has it
+        assert line.rsplit("/", 1)[1] in row, (line, row)
+    assert f"marin-levanter {LEVANTER_VERSION}, marin-haliax {HALIAX_VERSION}" in row
