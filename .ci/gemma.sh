@@ -14,7 +14,7 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 GEMMA_VERSION=4.0.1
 KAULDRON_VERSION=1.4.4
-PYTHON312=${PYTHON312:-python3.12}
+. "$repo/.ci/client_env.sh"
 
 deps() {
   local py=$1
@@ -27,11 +27,7 @@ deps() {
 env_() {
   local venv=$1 stamp
   stamp="$venv/.qcheck-gemma-$GEMMA_VERSION"
-  if [ ! -x "$venv/bin/python" ]; then
-    # A pyenv shim named python3.12 may exist without that version selected: try it, then pyenv's 3.12.
-    if "$PYTHON312" -c '' 2> /dev/null; then "$PYTHON312" -m venv "$venv"
-    else PYENV_VERSION=${PYENV_312:-3.12.1} pyenv exec python -m venv "$venv"; fi
-  fi
+  venv312 "$venv"
   if [ ! -f "$stamp" ]; then  # gemma's stack once; qcheck itself every time (editable, cheap)
     deps "$venv/bin/python"
     touch "$stamp"

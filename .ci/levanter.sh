@@ -11,16 +11,12 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 LEVANTER_VERSION=0.2.227.dev40316220070
 HALIAX_VERSION=0.2.227.dev40316220070
-PYTHON312=${PYTHON312:-python3.12}
+. "$repo/.ci/client_env.sh"
 
 env_() {
   local venv=$1 stamp
   stamp="$venv/.qcheck-levanter-$LEVANTER_VERSION-haliax-$HALIAX_VERSION"
-  if [ ! -x "$venv/bin/python" ]; then
-    # A pyenv shim named python3.12 may exist without that version selected: try it, then pyenv's 3.12.
-    if "$PYTHON312" -c '' 2> /dev/null; then "$PYTHON312" -m venv "$venv"
-    else PYENV_VERSION=${PYENV_312:-3.12.1} pyenv exec python -m venv "$venv"; fi
-  fi
+  venv312 "$venv"
   if [ ! -f "$stamp" ]; then  # Levanter's stack once; qcheck itself every time (editable, cheap)
     "$venv/bin/python" -m pip install -q "marin-levanter==$LEVANTER_VERSION" "marin-haliax==$HALIAX_VERSION"
     touch "$stamp"

@@ -13,7 +13,7 @@
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 MAXTEXT_VERSION=0.2.5
-PYTHON312=${PYTHON312:-python3.12}
+. "$repo/.ci/client_env.sh"
 
 site_packages() { "$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
 
@@ -30,11 +30,7 @@ deps() {
 env_() {
   local venv=$1 stamp
   stamp="$venv/.qcheck-maxtext-$MAXTEXT_VERSION"
-  if [ ! -x "$venv/bin/python" ]; then
-    # A pyenv shim named python3.12 may exist without that version selected: try it, then pyenv's 3.12.
-    if "$PYTHON312" -c '' 2> /dev/null; then "$PYTHON312" -m venv "$venv"
-    else PYENV_VERSION=${PYENV_312:-3.12.1} pyenv exec python -m venv "$venv"; fi
-  fi
+  venv312 "$venv"
   if [ ! -f "$stamp" ]; then  # the 2 GB of requirements once; qcheck itself every time (editable, cheap)
     "$venv/bin/python" -m pip install -q "maxtext==$MAXTEXT_VERSION"
     deps "$venv/bin/python"
