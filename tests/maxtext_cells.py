@@ -88,3 +88,58 @@ def cell(quantization: str, sparse_matmul: bool) -> tuple[moe.RoutedMoE, moe.Rou
 
 def inputs(seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).normal(size=X_SHAPE).astype(np.float32)
+
+
+#: The qwix path's tiny model: a 1-layer Mixtral (4 query heads of 8, 2 KV heads), the block's dims above.
+QWIX_LAYERS, QWIX_HEADS, QWIX_KV_HEADS, QWIX_HEAD_DIM, QWIX_VOCAB, QWIX_SEQUENCE = 1, 4, 2, 8, 128, 8
+
+
+@functools.cache
+def qwix_model(quantization: str):
+    """(forward, inputs, model): a whole tiny Mixtral as MaxText builds it with ``use_qwix_quantization=True``.
+
+    ``model_creation_utils.from_config`` -> ``create_model`` -> ``quantizations.maybe_quantize_model``, which
+    hands the model to ``qwix.quantize_model`` with MaxText's rules (MaxText's own path, on one device).
+    ``forward``: an NNX module holding ``model`` that calls it with ``enable_dropout=False`` (a static
+    argument ``coverage`` would otherwise trace) and rank promotion allowed (MaxText's RoPE needs it);
+    ``inputs``: (tokens, positions, segment ids). Built once per process (about 12 s on CPU).
+    """
+    import warnings
+
+    import jax
+    import maxtext
+    from flax import nnx
+    from maxtext.configs import pyconfig
+
+    with warnings.catch_warnings():
+        # model_creation_utils imports transformers, and through it sympy, whose mpmath import is deprecated.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from maxtext.utils import maxtext_utils_nnx, model_creation_utils
+
+    base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
+    cfg = pyconfig.initialize(
+        [None, base], run_name="qcheck", enable_checkpointing=False, decoder_block="mixtral",
+        base_num_decoder_layers=QWIX_LAYERS, base_emb_dim=EMB, base_num_query_heads=QWIX_HEADS,
+        base_num_kv_heads=QWIX_KV_HEADS, head_dim=QWIX_HEAD_DIM, base_mlp_dim=MLP, base_moe_mlp_dim=MLP,
+        num_experts=EXPERTS, num_experts_per_tok=TOP_K, vocab_size=QWIX_VOCAB, max_target_length=QWIX_SEQUENCE,
+        per_device_batch_size=1, mlp_activations=["silu", "linear"], logits_via_embedding=False,
+        sparse_matmul=False, megablox=False, capacity_factor=-1.0, scan_layers=False, attention="dot_product",
+        enable_dropout=False, dtype="float32", weight_dtype="float32",
+        quantization=quantization, use_qwix_quantization=True, quantization_local_shard_count=1,
+    )
+    # MaxText's rotary embedding broadcasts ranks (embeddings.py:295), which qcheck's test settings refuse.
+    with jax.numpy_rank_promotion("allow"):
+        model = model_creation_utils.from_config(cfg, jax.devices()[:1], rngs=maxtext_utils_nnx.create_nnx_rngs(cfg))
+
+    class Forward(nnx.Module):
+        def __init__(self, model):
+            self.model = model
+
+        def __call__(self, tokens, positions, segments):
+            with jax.numpy_rank_promotion("allow"):
+                return self.model(tokens, positions, segments, enable_dropout=False)
+
+    shape = (cfg.micro_batch_size_to_train_on, cfg.max_target_length)
+    tokens = (np.arange(np.prod(shape)) % QWIX_VOCAB).reshape(shape).astype(np.int32)
+    positions = np.broadcast_to(np.arange(shape[1], dtype=np.int32), shape).copy()
+    return Forward(model), (tokens, positions, np.ones(shape, np.int32)), model

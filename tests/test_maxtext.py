@@ -23,7 +23,7 @@ import pytest
 
 import qcheck
 from tests import maxtext_cells
-from tests.helpers import import_extra
+from tests.helpers import QWIX_WARNS, import_extra
 
 pytestmark = [
     # aqtp 0.9.0 passes arrays to jnp.promote_types (docs/libraries.md), and MaxText's int8 router calls AQT
@@ -240,6 +240,137 @@ def test_check_layer_control_fails_a_skip_hiding_maxtext_dense_experts_in_the_tw
     hidden = str(failure.value).split("would pass unseen:", 1)[1]
     assert [scope for scope in ("wi_0/", "wi_1/", "wo/") if f" in {scope}" in hidden] == ["wi_0/", "wi_1/", "wo/"]
 
+
+
+# -- the qwix path (use_qwix_quantization=True) -------------------------------------------------
+
+#: MaxText's qwix quantizations the qwix-path tests build, and the format each one's rule declares
+#: (qcheck's reader, ``MAXTEXT_QWIX``, reads the same from the model's config).
+QWIX_DECLARED = {"fp8": "e4m3fn", "int8": "int8_qwix"}
+#: What MaxText's qwix path leaves in full precision by design: the norms' scale einsums, attention's
+#: activation x activation products, the combine, and the logits head (outside the rule's "decoder/.*layers.*").
+QWIX_FULL_PRECISION_FUNCTIONS = ("RMSNorm.__call__", "AttentionOp.qk_product", "AttentionOp.wv_product")
+QWIX_FULL_PRECISION_MODULES = (COMBINE_SCOPE, "logits_dense")
+#: The functions on the stack of the matmuls MaxText's qwix rule does quantize: the router and attention's projections.
+QWIX_QUANTIZED = ("GateLogit.__call__", "Attention.query_projection", "Attention.kv_projection",
+                  "Attention.out_projection")
+
+
+#: What qwix 0.1.8 and flax 0.12.12 warn while MaxText's qwix path builds and runs (deprecated flax APIs).
+QWIX_PATH_WARNS = [*QWIX_WARNS,
+                   pytest.mark.filterwarnings("ignore:'sharding' is deprecated, use 'out_sharding':DeprecationWarning"),
+                   pytest.mark.filterwarnings("ignore:`flax.nnx.State` will be deprecated:DeprecationWarning")]
+
+
+def _qwix_path(test):
+    for mark in QWIX_PATH_WARNS:
+        test = mark(test)
+    return pytest.mark.parametrize("quantization", sorted(QWIX_DECLARED))(test)
+
+
+def _expert_einsum_lines() -> dict[str, str]:
+    """``file:line`` of the wi_0, wi_1 and wo einsum calls of ``RoutedMoE.dense_matmul``'s dropless branch
+    (``capacity_factor=-1``: the last call of each in the function), read from MaxText's source."""
+    from maxtext.layers import moe
+
+    lines, start = inspect.getsourcelines(moe.RoutedMoE.dense_matmul)
+    found = {}
+    for name in ("WI_0", "WI_1", "WO"):
+        *_, offset = [i for i, line in enumerate(lines) if f"einsum_name={name})(" in line]
+        found[name.lower()] = f"maxtext/layers/moe.py:{start + offset}"
+    return found
+
+
+def _functions(record) -> set[str]:
+    return {function for _, function in record.stack}
+
+
+def _qwix_declared(quantization: str) -> dict[str, str]:
+    return {"weights": QWIX_DECLARED[quantization], "activations": QWIX_DECLARED[quantization]}
+
+
+def _qwix_skips():
+    return [qcheck.skip_functions(*QWIX_FULL_PRECISION_FUNCTIONS), qcheck.skip_modules(*QWIX_FULL_PRECISION_MODULES)]
+
+
+@_qwix_path
+def test_maxtext_qwix_path_leaves_moe_expert_einsums_unquantized(quantization):
+    """maxtext 0.2.5, ``use_qwix_quantization=True`` (the path MaxText's deprecation warning for AQT points to):
+    the MoE expert einsums wi_0, wi_1 and wo run float32 x float32 under fp8 and int8.
+
+    MaxText's qwix rules carry ``op_names=("dot_general",)`` (quantizations.py:1165-1181); ``RoutedMoE``
+    multiplies its experts by ``jnp.einsum``, which qwix intercepts as its own op "einsum" (no rule matches)
+    and inside which it switches interception off, so the einsum's dot_general is never quantized. The
+    router and attention's projections (``DenseGeneral``'s dot_general) are. A whole 1-layer Mixtral built
+    as MaxText builds it (``from_config`` -> ``create_model`` -> ``maybe_quantize_model``).
+    """
+    _pinned()
+    forward, inputs, _ = maxtext_cells.qwix_model(quantization)
+    declared = _qwix_declared(quantization)
+    records = qcheck.coverage(forward, *inputs, declared=declared)
+    shown = qcheck.format_coverage(records)
+    spared = [r for r in records if _functions(r) & set(QWIX_FULL_PRECISION_FUNCTIONS)
+              or any(m in r.scope.split("/") for m in QWIX_FULL_PRECISION_MODULES)]
+    held = [r for r in records if r not in spared]
+    failing = [r for r in held if r.findings]
+    experts = _expert_einsum_lines()
+    # Exactly the three expert einsums fail, each with both operands in full precision, in MaxText's order.
+    assert [_location(r).rsplit("site-packages/", 1)[-1] for r in failing] == list(experts.values()), shown
+    assert [r.scope.rsplit("/", 2)[-2] for r in failing] == list(experts), shown
+    assert all(not r.quantized and {r.lhs_dtype, r.rhs_dtype} == {"float32"} and len(r.findings) == 2
+               and all("reaches the matmul in full precision" in f for f in r.findings) for r in failing), shown
+    # The router and the four attention projections pass the declaration (the rest of `held`).
+    passing = [r for r in held if not r.findings]
+    assert sorted(next(f for f in QWIX_QUANTIZED if f in _functions(r)) for r in passing) == sorted(
+        ["GateLogit.__call__", "Attention.query_projection", "Attention.kv_projection", "Attention.kv_projection",
+         "Attention.out_projection"]), shown
+    # assert_quantized, skipping what MaxText keeps in full precision by design, names the three sites, and no other.
+    with pytest.raises(AssertionError) as failure:
+        qcheck.assert_quantized(forward, *inputs, declared=declared, skip=_qwix_skips())
+    message = str(failure.value).replace(os.sep, "/")
+    assert f"3 of {len(records)} matmuls differ from the declared quantization" in message, message
+    assert all(message.count(line) == 1 for line in experts.values()), message
+    assert message.count("moe.py:") == 3 and "linears.py" not in message, message
+
+
+@_qwix_path
+def test_maxtext_qwix_path_router_is_quantized_as_declared(quantization):
+    """The control of the test above: on the same model the router's matmul is quantized, both operands cast
+    to the rule's type (e4m3fn; int8 on qwix's grid, codes bitwise), so the check measures something; held to
+    the other fp8 flavour (e4m3fnuz) or to AQT's int8 grid instead, the same site fails."""
+    forward, inputs, _ = maxtext_cells.qwix_model(quantization)
+    records = qcheck.coverage(forward, *inputs, declared=_qwix_declared(quantization))
+    (router,) = [r for r in records if "GateLogit.__call__" in _functions(r)]
+    cast = {"fp8": "float8_e4m3fn", "int8": "int8"}[quantization]
+    assert router.quantized and router.lhs_casts == router.rhs_casts == frozenset({cast}), (
+        qcheck.format_coverage(records))
+    assert router.lhs_declared == router.rhs_declared == QWIX_DECLARED[quantization] and not router.findings
+    assert router.rhs_shape == (maxtext_cells.EMB, maxtext_cells.EXPERTS) and router.rhs_role == "weight"
+    other = {"fp8": "e4m3fnuz", "int8": "int8_aqt"}[quantization]
+    records = qcheck.coverage(forward, *inputs, declared={"weights": other, "activations": other})
+    (router,) = [r for r in records if "GateLogit.__call__" in _functions(r)]
+    assert router.findings and all(other in f for f in router.findings), router.findings
+
+
+@_qwix_path
+def test_maxtext_qwix_declaration_is_read_from_the_config(quantization):
+    """``declared=True``'s reader on the qwix path: the rule's format, from ``config.quantization`` with
+    ``use_qwix_quantization`` on, on the model ``qwix.quantize_model`` hands back (a subclass it makes).
+    Should pass: the router and attention's projections hold to it. Should fail: the expert einsums."""
+    from qcheck._coverage._readers import read_declaration
+
+    forward, inputs, model = maxtext_cells.qwix_model(quantization)
+    assert type(model).__module__ != "maxtext.models.models"  # qwix's subclass: what the reader must see through
+    declaration = read_declaration(model)
+    fmt = QWIX_DECLARED[quantization]
+    assert declaration is not None and declaration.source == (
+        f"MaxText config.quantization={quantization!r}, use_qwix_quantization (qwix rule: {fmt})")
+    assert {k: v.format for k, v in declaration.roles.items()} == {"activations": fmt, "weights": fmt}
+    records = qcheck.coverage(forward, *inputs, declared=declaration)
+    by_function = {f: [r for r in records if f in _functions(r)] for f in QWIX_QUANTIZED + ("RoutedMoE.dense_matmul",)}
+    assert all(not r.findings for f in QWIX_QUANTIZED for r in by_function[f])  # should pass
+    expert = [r for r in by_function["RoutedMoE.dense_matmul"] if COMBINE_SCOPE not in r.scope]
+    assert len(expert) == 3 and all(r.findings for r in expert)  # should fail
 
 
 #: The guide's skip table, row by row, on fp8: (path, the rules, what check_layer's failure then says).

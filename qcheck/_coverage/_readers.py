@@ -37,16 +37,39 @@ def _qcheck_moe(layer: Any) -> Declaration | None:
     return None
 
 
+#: MaxText 0.2.5's ``config.quantization`` on its qwix path (``use_qwix_quantization=True``, applied by
+#: ``maybe_quantize_model``): the dtype of its rules' ``weight_qtype``/``act_qtype``
+#: (maxtext/layers/quantizations.py:1162-1204; ``fp8_full``'s rule, 1109-1159, is e4m3fn too). qwix's int8 is
+#: qcheck's ``int8_qwix`` (absmax / 127.5, codes -128..127). ``fp8_nanoo`` is the MI300 configuration: its
+#: provider (``NANOOFp8Provider``) casts ``dot_general`` sites to e4m3fnuz (Flax's NANOO op), which is what it
+#: declares here; its rule's e4m3fn would reach only the einsums qwix's own einsum casts, the latent defect a
+#: declaration of e4m3fnuz names. int4 and fp4 have no qcheck format: nothing is read.
+MAXTEXT_QWIX = {
+    "int8": "int8_qwix",
+    **dict.fromkeys(("fp8", "fp8_e4m3", "fp8_gpu", "fp8_full"), "e4m3fn"),
+    "fp8_nanoo": "e4m3fnuz",
+    "fp8_e5m2": "e5m2",
+}
+
+
 def _maxtext(layer: Any) -> Declaration | None:
-    if not type(layer).__module__.startswith("maxtext."):
+    # qwix's quantize_model hands back an instance of a subclass it makes (module "abc"): any MaxText class counts.
+    if not any(c.__module__.startswith("maxtext.") for c in type(layer).__mro__):
         return None
     config = getattr(layer, "config", None)
     quantization = getattr(config, "quantization", None)
     quantization = getattr(quantization, "value", quantization)  # MaxText's QuantizationType is a str enum
-    if not isinstance(quantization, str) or getattr(config, "use_qwix_quantization", False):
+    if not isinstance(quantization, str):
         return None
+    qwix = bool(getattr(config, "use_qwix_quantization", False))
     if quantization == "":
         return Declaration({"weights": None, "activations": None}, "MaxText config.quantization=''")
+    if qwix:
+        fmt = MAXTEXT_QWIX.get(quantization)
+        if fmt is None:
+            return None
+        return Declaration({"activations": RoleFormat(fmt), "weights": RoleFormat(fmt)},
+                           f"MaxText config.quantization={quantization!r}, use_qwix_quantization (qwix rule: {fmt})")
     roles = MAXTEXT_AQT.get(quantization)
     if roles is None:
         return None
@@ -133,7 +156,9 @@ def _haliax(layer: Any) -> Declaration | None:
 #: (library, what is read, reader): the first reader that returns a declaration wins.
 READERS: tuple[tuple[str, str, Callable[[Any], Declaration | None]], ...] = (
     ("qcheck", "MoE.recipe_name: the recipe the layer was built with", _qcheck_moe),
-    ("MaxText", "config.quantization (int8, fp8, nanoo_fp8) with use_qwix_quantization off", _maxtext),
+    ("MaxText", "config.quantization: int8, fp8, nanoo_fp8 with use_qwix_quantization off (AQT, Flax's fp8 ops); "
+                "with it on, its qwix rule's dtype (int8, fp8, fp8_e4m3, fp8_e5m2, fp8_gpu, fp8_nanoo, fp8_full)",
+     _maxtext),
     ("gemma", "QuantizationAwareWrapper.method (INT8, NONE): weight-only, one scale per index of the kernel's "
               "last axis", _gemma),
     ("haliax", "Fp8DotGeneralOp's fwd/rev dtypes and Int8DotGeneralOp's AQT config, as quantize_linear_layers "
