@@ -30,6 +30,8 @@ W = jnp.asarray(RNG.normal(size=(32, 24)).astype(np.float32))
 WE = jnp.asarray((RNG.normal(size=(4, 32, 24)) * np.array([1, 3, 10, 30])[:, None, None]).astype(np.float32))
 GROUPS = jnp.asarray([4, 4, 4, 4], jnp.int32)
 FP8_BOTH = {"activations": "e4m3fn", "weights": "e4m3fn"}
+# AQT's codes as a format of qcheck's own: the aqt_int8 recipe needs the aqt extra, and [test] alone runs these.
+INT8_AQT_BOTH = {"activations": "int8_aqt", "weights": "int8_aqt"}
 
 
 def _fp8(v, dtype=E4M3FN):
@@ -141,12 +143,12 @@ def _aqt_after_a_literal_factor(weight_axes):
 
 def test_int8_after_a_literal_factor_should_pass():
     # The literal factor is the layer's arithmetic, not the quantizer's scale: the codes are int8_aqt's of W * 0.5.
-    (r,) = qcheck.assert_quantized(_aqt_after_a_literal_factor(0), X, declared="aqt_int8")
+    (r,) = qcheck.assert_quantized(_aqt_after_a_literal_factor(0), X, declared=INT8_AQT_BOTH)
     assert r.rhs_role == "weight" and r.rhs_declared == "int8_aqt"
 
 
 def test_int8_after_a_literal_factor_shared_scale_should_fail():
-    _fails(_aqt_after_a_literal_factor((0, 1)), X, declared="aqt_int8",
+    _fails(_aqt_after_a_literal_factor((0, 1)), X, declared=INT8_AQT_BOTH,
            match=r"rhs \(weight\): codes are not int8_aqt's: .*they match one scale for the whole tensor")
 
 
