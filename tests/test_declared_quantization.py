@@ -48,7 +48,7 @@ def _findings(fn, *args, declared):
     return [f for r in qcheck.coverage(fn, *args, declared=declared) for f in r.findings]
 
 
-def _fails(fn, *args, declared, match):
+def _assert_fails(fn, *args, declared, match):
     with pytest.raises(AssertionError, match=match):
         qcheck.assert_quantized(fn, *args, declared=declared)
 
@@ -71,13 +71,13 @@ def test_fp8_site_as_declared_should_pass():
 
 
 def test_fp8_site_other_flavour_should_fail():
-    _fails(fp8_wrong_flavour_on_weights, X, declared=FP8_BOTH,
+    _assert_fails(fp8_wrong_flavour_on_weights, X, declared=FP8_BOTH,
            match=r"rhs \(weight\) is cast to float8_e4m3fnuz; declared e4m3fn")
 
 
 def test_fp8_site_declared_fnuz_fails_on_e4m3fn_codes():
     # The control of the pair above: the same correct site under the other flavour's declaration.
-    _fails(fp8_matmul, X, declared={"activations": "e4m3fnuz", "weights": "e4m3fnuz"},
+    _assert_fails(fp8_matmul, X, declared={"activations": "e4m3fnuz", "weights": "e4m3fnuz"},
            match=r"lhs \(activation\) is cast to float8_e4m3fn; declared e4m3fnuz")
 
 
@@ -88,7 +88,7 @@ def test_fp8_site_without_saturation_should_fail_bitwise():
         return x.astype(E4M3FN).astype(jnp.float32) @ _fp8(W)
 
     assert not _findings(fp8_matmul, big, declared=FP8_BOTH)
-    _fails(unsaturated, big, declared=FP8_BOTH,
+    _assert_fails(unsaturated, big, declared=FP8_BOTH,
            match=r"lhs \(activation\): codes are not e4m3fn's: \d+ of 512 codes differ from the referee's; first at")
 
 
@@ -123,12 +123,12 @@ def test_int8_per_expert_scale_should_pass():
 
 
 def test_int8_scale_shared_across_experts_should_fail():
-    _fails(_ragged(weight_axes=(0, 1)), X, declared="int8",
+    _assert_fails(_ragged(weight_axes=(0, 1)), X, declared="int8",
            match=r"rhs \(weight\): codes are not int8's: .*they match one scale shared across axis 0 \(size 4\)")
 
 
 def test_int4_codes_where_int8_is_declared_should_fail():
-    _fails(_ragged(weight_axes=1, levels=7), X, declared="int8",
+    _assert_fails(_ragged(weight_axes=1, levels=7), X, declared="int8",
            match=r"rhs \(weight\): codes are not int8's: .*the codes reach only ±7 \(15 distinct levels\)")
 
 
@@ -148,7 +148,7 @@ def test_int8_after_a_literal_factor_should_pass():
 
 
 def test_int8_after_a_literal_factor_shared_scale_should_fail():
-    _fails(_aqt_after_a_literal_factor((0, 1)), X, declared=INT8_AQT_BOTH,
+    _assert_fails(_aqt_after_a_literal_factor((0, 1)), X, declared=INT8_AQT_BOTH,
            match=r"rhs \(weight\): codes are not int8_aqt's: .*they match one scale for the whole tensor")
 
 
@@ -177,7 +177,7 @@ def test_straight_through_weight_only_should_pass():
 
 
 def test_straight_through_other_granularity_should_fail():
-    _fails(_qat(lambda w: _gemma_int8(w, axis=1)), X, declared=WEIGHT_ONLY,
+    _assert_fails(_qat(lambda w: _gemma_int8(w, axis=1)), X, declared=WEIGHT_ONLY,
            match=r"rhs \(weight\): codes are not int8 per axes \(-1,\)'s")
 
 
@@ -194,7 +194,7 @@ def test_straight_through_at_the_formats_own_rule_should_pass():
 def test_straight_through_scale_per_contraction_index_should_fail():
     # One scale per input row (reduced over the output axis 1): the stop_gradient of the straight-through
     # estimator must keep the codes' axes, or the contraction axis is lost and only the type is checked.
-    _fails(_qat(lambda w: _gemma_int8(w, axis=1)), X, declared=WEIGHT_ONLY_OWN_RULE,
+    _assert_fails(_qat(lambda w: _gemma_int8(w, axis=1)), X, declared=WEIGHT_ONLY_OWN_RULE,
            match=r"rhs \(weight\): codes are not int8's: .*they match scales reduced over axes \(1,\) instead: "
                  r"one scale per index of axes \(0,\)")
 
@@ -210,12 +210,12 @@ def test_straight_through_add_back_form_is_read_as_quantized():
 
 
 def test_declared_full_precision_role_quantized_should_fail():
-    _fails(fp8_matmul, X, declared={"weights": "e4m3fn", "activations": None},
+    _assert_fails(fp8_matmul, X, declared={"weights": "e4m3fn", "activations": None},
            match=r"lhs \(activation\) is quantized \(float8_e4m3fn\) but declared full precision")
 
 
 def test_declared_format_on_full_precision_operand_should_fail():
-    _fails(lambda x: x @ _fp8(W), X, declared=FP8_BOTH,
+    _assert_fails(lambda x: x @ _fp8(W), X, declared=FP8_BOTH,
            match=r"lhs \(activation\) reaches the matmul in full precision; declared e4m3fn")
     assert not _findings(lambda x: x @ _fp8(W), X, declared={"weights": "e4m3fn"})  # a role left out: unchecked
 
