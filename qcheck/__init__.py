@@ -27,6 +27,7 @@ __all__ = [
     "Reference",
     "Skip",
     "Unsupported",
+    "UserCodeError",
     "assert_amax_histories_follow_operands",
     "assert_format_matches_referee",
     "assert_fp8_dtypes_native",
@@ -106,6 +107,7 @@ _WHERE = {
     "skip_where": "qcheck._coverage",
     "Skip": "qcheck._coverage",
     "warmed_up": "qcheck._coverage",
+    "UserCodeError": "qcheck._errors",
     "LayerFigures": "qcheck.checks._layer",
     "check_layer": "qcheck.checks._layer",
     "copy_params_into": "qcheck.checks._layer",
@@ -124,6 +126,7 @@ if TYPE_CHECKING:
     from qcheck._coverage import (MatmulRecord, Skip, coverage, format_coverage, skip_at,
                                   skip_functions, skip_modules, skip_where, warmed_up)
     from qcheck.checks._fp8_state import fp8_state
+    from qcheck._errors import UserCodeError
     from qcheck.layers._train import train
     from qcheck.layers.bridge import QuantSite
     from qcheck.layers.decoder import build_decoder

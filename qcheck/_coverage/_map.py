@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qcheck._errors import user_code
 from qcheck._coverage._declared import as_declaration, judge, mixed_formats
 from qcheck._coverage._records import MatmulRecord
 from qcheck._coverage._scopes import ModuleScopes
@@ -83,8 +84,6 @@ def _pure(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Callable[.
                 return module(*args, **kwargs)
 
         return call, (state, args, kwargs), fn
-    if not callable(fn):
-        raise TypeError(f"coverage: fn must be callable or an flax.nnx.Module, got {type(fn).__name__}")
     return (lambda args, kwargs: fn(*args, **kwargs)), (args, kwargs), None
 
 
@@ -125,6 +124,12 @@ def _with_backward(pure: Callable[..., Any], inputs: tuple) -> tuple[Callable[..
     return both, (diff, held, np.float32(1.0)), len(jax.tree.leaves((diff, held))), order
 
 
+def _machinery(machinery: Any, entry: str) -> tuple[str, ...]:
+    if isinstance(machinery, str) or not all(isinstance(m, str) and m for m in machinery):
+        raise ValueError(f"{entry}: machinery must be a sequence of package names or paths, got {machinery!r}")
+    return tuple(machinery)
+
+
 def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward: bool = False,
              machinery: Sequence[str] = (), declared: Any = None, **kwargs: Any) -> list[MatmulRecord]:
     """One :class:`MatmulRecord` per matrix multiplication ``fn(*args, **kwargs)`` performs, in program order.
@@ -147,6 +152,9 @@ def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward:
     A module whose first call creates submodules is traced after a warm-up
     call on a copy (:func:`warmed_up`).
 
+    An exception of ``fn``'s own code, tracing or running, is one
+    :class:`qcheck.UserCodeError` (a ``ValueError``), the original chained.
+
     ``declared``: what the matmuls' operands are meant to be (a recipe name, a
     ``qcheck.Recipe``, or a mapping of roles to formats: see
     :mod:`qcheck._coverage._declared`); each record then carries its operands'
@@ -155,27 +163,36 @@ def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward:
     where values are available; inside ``scan``/``while``/``cond`` and
     ``shard_map`` bodies, and with ``backward=True``, the types alone).
     """
-    if isinstance(machinery, str) or not all(isinstance(m, str) and m for m in machinery):
-        raise ValueError(f"coverage: machinery must be a sequence of package names or paths, got {machinery!r}")
-    machinery = tuple(machinery)
+    machinery = _machinery(machinery, "coverage")
     if backward and errors:
         raise ValueError("coverage: errors=True needs values, which the backward trace does not compute; "
                          "pass errors=False with backward=True")
     declaration = None if declared is None else as_declaration(declared, "coverage: declared")
-    pure, inputs, module = _pure(fn, args, kwargs)
+    return _coverage(fn, args, kwargs, errors=errors, backward=backward, machinery=machinery,
+                     declaration=declaration, entry="coverage", what="fn")
+
+
+def _coverage(fn: Callable[..., Any], args: tuple, kwargs: dict, *, errors: bool, backward: bool,
+              machinery: tuple[str, ...], declaration: Any, entry: str, what: str) -> list[MatmulRecord]:
+    """:func:`coverage` for the public call ``entry``: an error of ``fn`` (named ``what``) is a UserCodeError."""
+    if not callable(fn):
+        raise ValueError(f"{entry}: {what} must be callable or an flax.nnx.Module, got {type(fn).__name__}")
+    with user_code(entry, what):
+        pure, inputs, module = _pure(fn, args, kwargs)
     before = _state_bits(module) if module is not None else None
     data = _data_mask(inputs, module)
     seed_at = None
     if backward:
         pure, inputs, seed_at, order = _with_backward(pure, inputs)
         data = [data[i] for i in order]
-    closed = jax.make_jaxpr(pure)(*inputs)
+    with user_code(entry, what):
+        closed = jax.make_jaxpr(pure)(*inputs)
     if module is not None:
         after = _state_bits(module)
         if len(before) != len(after) or not all(
             a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes() for a, b in zip(before, after)
         ):
-            raise RuntimeError("coverage: tracing changed the module's state; it must not mutate its inputs")
+            raise RuntimeError(f"{entry}: tracing changed the module's state ({what}); it must not mutate its inputs")
     outer = Where(no_values=None if errors else "not computed (errors=False)")
     ins = [input_val(v.aval, data=d) for v, d in zip(closed.jaxpr.invars, data + [False] * len(closed.jaxpr.invars))]
     for v in ins:
@@ -196,7 +213,8 @@ def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward:
         walker.run(closed.jaxpr, closed.consts, vals, outer, values=True)
         return [e for _, e in walker.errors], walker.quantizers if declaration is not None else []
 
-    figures, quantizers = jax.jit(evaluate)(jax.tree.leaves(inputs))
+    with user_code(entry, what):
+        figures, quantizers = jax.jit(evaluate)(jax.tree.leaves(inputs))
     records = list(walker.records)
     if errors:
         for (i, _), e in zip(walker.errors, figures):
@@ -312,7 +330,9 @@ def assert_quantized(
     __tracebackhide__ = True
     rules = as_skips(skip, "assert_quantized")
     declaration = None if declared is None else as_declaration(declared, "assert_quantized: declared")
-    records = coverage(fn, *args, machinery=machinery, declared=declaration, **kwargs)
+    machinery = _machinery(machinery, "assert_quantized")
+    records = _coverage(fn, args, kwargs, errors=False, backward=False, machinery=machinery,
+                        declaration=declaration, entry="assert_quantized", what="fn")
     for i, r in enumerate(records):
         if not r.quantized:
             rule = next((rule for rule in rules if rule(r)), None)
@@ -336,7 +356,8 @@ def assert_quantized(
                             f"({'it matches only quantized ones' if matched else 'it matches none'}): "
                             f"drop it or fix it")
     if control is not None:
-        twin = coverage(control, *args, machinery=machinery, **kwargs)
+        twin = _coverage(control, args, kwargs, errors=False, backward=False, machinery=machinery,
+                         declaration=None, entry="assert_quantized", what="control")
         if declaration is not None and not _declaration_bites(twin, declaration, rules):
             problems.append(f"the declaration ({declaration}) holds on the unquantized control as well: it "
                             f"declares no quantized format for any operand of its matmuls, so it checks nothing")

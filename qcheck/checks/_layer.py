@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen, nnx
 
+from qcheck._errors import user_code
 from qcheck.checks._tracks import assert_tracks, rel_norm
 from qcheck._coverage import MatmulRecord, SkipArg, as_skips, assert_quantized, warmed_up
 from qcheck._coverage._declared import Declaration, as_declaration, mixed_formats
@@ -245,11 +246,12 @@ class _Run:
 def _run(what: str, form: _Form, x: jax.Array, output: Any, *, twice: bool) -> _Run:
     names = []
     try:
-        out, _ = jax.eval_shape(form.apply, form.params, form.rest, x)
-        names = [n for n, _ in _select(out, output)]
-        program = _program(form, output)
-        leaves, g_params, g_x, after = program(form.params, form.rest, x)
-        again = program(form.params, after, x)[0] if twice else None
+        with user_code("check_layer", what, passthrough=(_NoOutput,)):
+            out, _ = jax.eval_shape(form.apply, form.params, form.rest, x)
+            names = [n for n, _ in _select(out, output)]
+            program = _program(form, output)
+            leaves, g_params, g_x, after = program(form.params, form.rest, x)
+            again = program(form.params, after, x)[0] if twice else None
     except _NoOutput as e:
         raise ValueError(f"check_layer: {what}'s {e}") from None
     grads = {p: np.asarray(v) for p, v in form.param_leaves(g_params).items()}
@@ -295,26 +297,10 @@ def _check_args(layer: Any, reference: Any, x: Any, max_rel_norm: float, max_gra
     return jnp.asarray(x), frozenset(skip_grads)
 
 
-def _traceable(what: str, fn: Callable[[], Any], check: str | None = None) -> Any:
-    """``fn()``, with a failure of the layer's own code (not of a check) as one line naming the argument.
-
-    ``check``: the prefix of the assertion ``fn`` makes; any other ``AssertionError``
-    is the library's own (AQT asserts its shapes), not a failed check.
-    """
-    try:
+def _traceable(what: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``, the layer's own code: any error of it is one UserCodeError naming the argument."""
+    with user_code("check_layer", what):
         return fn()
-    except AssertionError as e:
-        if check is not None and str(e).startswith(check):
-            raise
-        first = str(e).strip().splitlines()[0] if str(e).strip() else "(no message)"
-        raise ValueError(f"check_layer: {what} could not be traced and run on {jax.default_backend()}: "
-                         f"AssertionError: {first}") from e
-    except (ValueError, _NoOutput):
-        raise
-    except Exception as e:  # noqa: BLE001 - any error of the user's code, reported once, chained
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ValueError(f"check_layer: {what} could not be traced and run on {jax.default_backend()}: "
-                         f"{type(e).__name__}: {first}") from e
 
 
 def _compare_params(run: _Run, ref: _Run, skip_grads: frozenset[str]) -> None:
@@ -394,7 +380,9 @@ def check_layer(
     figure; returns the :class:`LayerFigures` when all pass. Usage errors are
     one ``ValueError`` naming the argument: a twin whose parameters have other
     paths or other values than the layer's, outputs of another structure, an
-    ``output`` that selects nothing, a layer that cannot be traced.
+    ``output`` that selects nothing. An exception of the layer's or the twin's own
+    code is one :class:`qcheck.UserCodeError` (a ``ValueError``) naming which,
+    the original chained: never an ``AssertionError`` that reads as a failed check.
 
     Why the gradient bound is looser than the forward one: the gradients of a
     quantized layer pass through quantized matmuls twice (forward residuals and
@@ -418,8 +406,8 @@ def check_layer(
         raise ValueError(f"check_layer: skip_grads names {sorted(unknown)}, which are not parameters; "
                          f"parameter paths: {', '.join(sorted(paths)) or '(none)'}")
 
-    run = _traceable("layer", lambda: _run("layer", form, x, output, twice=True))
-    ref = _traceable("reference", lambda: _run("reference", twin, x, output, twice=False))
+    run = _run("layer", form, x, output, twice=True)
+    ref = _run("reference", twin, x, output, twice=False)
     _compare_params(run, ref, skip_grads)
     if list(run.out) != list(ref.out):
         leaves = [", ".join(k or "the output" for k in r.out) for r in (run, ref)]
@@ -433,9 +421,8 @@ def check_layer(
     failures: list[str] = []
     records: list[MatmulRecord] = []
     try:
-        records = _traceable("layer", lambda: assert_quantized(form.probe, x, skip=skip, control=twin.probe,
-                                                                machinery=tuple(machinery), declared=declaration),
-                             "assert_quantized")
+        records = assert_quantized(form.probe, x, skip=skip, control=twin.probe, machinery=tuple(machinery),
+                                   declared=declaration)
     except AssertionError as e:
         failures.append(f"coverage: {e}")
     if from_layer and declaration is None and records:
