@@ -136,6 +136,10 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str):
+    if name in _WHERE or name in ("checks", "formats", "native", "referees"):
+        from qcheck._versions import require_supported
+
+        require_supported()
     if name in ("checks", "formats", "native", "referees"):
         return importlib.import_module(f"qcheck.{name}")
     if name in _WHERE:

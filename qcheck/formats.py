@@ -21,12 +21,16 @@ import functools
 import math
 from collections.abc import Callable
 
-import jax
-import jax.numpy as jnp
-import ml_dtypes
-import numpy as np
-from jax import Array
-from jax.typing import ArrayLike
+from qcheck._versions import require_supported
+
+require_supported()  # before JAX's own import errors can read as qcheck's
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import Array  # noqa: E402
+from jax.typing import ArrayLike  # noqa: E402
 
 __all__ = [
     "CURRENT_MAX_SCALE",

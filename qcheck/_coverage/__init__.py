@@ -5,6 +5,10 @@ Its public names are offered as ``qcheck.*`` and ``qcheck.checks.*``.
 
 from __future__ import annotations
 
+from qcheck._versions import require_supported
+
+require_supported()  # the walk reads jaxpr internals that older JAX lacks
+
 from qcheck._coverage._records import MATMUL_PRIMITIVES, VALUE_PRESERVING, MatmulRecord, OperandQuant
 from qcheck._coverage._map import assert_quantized, coverage, format_coverage, warmed_up
 from qcheck._coverage._scopes import MACHINERY
