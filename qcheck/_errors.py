@@ -21,6 +21,15 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else "(no message)"
 
 
+def _mesh_hint(e: BaseException) -> str:
+    """Where the code needs a mesh (a ``shard_map`` taking the context's) and the caller entered none: say so."""
+    import jax
+
+    if "mesh" not in str(e).lower() or not jax.sharding.get_abstract_mesh().empty:
+        return ""
+    return " (no mesh is entered and the code needs one: call qcheck inside `with jax.set_mesh(mesh):`)"
+
+
 @contextlib.contextmanager
 def user_code(entry: str, what: str, *, passthrough: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
     """Run the code under check: any exception it raises becomes one :class:`UserCodeError`.
@@ -40,4 +49,4 @@ def user_code(entry: str, what: str, *, passthrough: tuple[type[BaseException], 
         import jax  # not at import time: ``import qcheck`` stays free of JAX
 
         raise UserCodeError(f"{entry}: {what} could not be traced and run on {jax.default_backend()}: "
-                            f"{type(e).__name__}: {_first_line(e)}") from e
+                            f"{type(e).__name__}: {_first_line(e)}{_mesh_hint(e)}") from e

@@ -76,6 +76,11 @@ VALUE_PRESERVING: dict[str, tuple[str, tuple[int, ...] | slice, str]] = {
         "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "slice", "rev",
         "dynamic_slice", "gather", "copy", "copy_p", "sharding_constraint", "optimization_barrier",
         "stop_gradient")},
+    # Collectives and casts between shardings that move values (an FSDP all-gather of fp8 weights), and
+    # shard_map's marking of a replicated value as varying over manual axes.
+    **{p: ("first", (0,), "collective or sharding cast: moves values") for p in (
+        "pvary", "pbroadcast", "all_gather", "all_gather_invariant", "all_to_all", "ppermute", "reshard",
+        "mesh_cast")},
     "neg": ("first", (0,), "the grids are symmetric"),
     "abs": ("first", (0,), "the grids are symmetric"),
     "convert_element_type": ("first", (0,), "to a float (or back from codes): no narrowing"),

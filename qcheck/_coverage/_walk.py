@@ -78,7 +78,7 @@ def input_val(aval: Any, value: Any = None, const: bool = False, data: bool = Fa
 _AXIS_OPS = frozenset({"transpose", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "slice", "rev",
                        "dynamic_slice", "copy", "copy_p", "sharding_constraint", "optimization_barrier",
                        "stop_gradient", "convert_element_type", "reduce_precision", "neg", "abs", "clamp", "max",
-                       "min", "mul", "div"})
+                       "min", "mul", "div", "pvary", "pbroadcast", "reshard", "mesh_cast"})
 
 
 def _reshape_map(old: tuple[int, ...], new: tuple[int, ...]) -> list[int | None]:
