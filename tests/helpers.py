@@ -1,6 +1,7 @@
 """Helpers shared by several test modules."""
 
 import functools
+import io
 import importlib.util
 
 import jax
@@ -204,3 +205,10 @@ class WrongAxesNVFP4(NVFP4):
 
     def site_module(self, name):
         return _WrongAxesNVFP4Site(quantizer=name)
+
+
+class Terminal(io.StringIO):
+    """A stderr that is a terminal: where long commands show their progress (qcheck.suite.progress)."""
+
+    def isatty(self) -> bool:
+        return True

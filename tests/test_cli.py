@@ -1,5 +1,6 @@
 """``python -m qcheck``: the matrix the seeds tabulate by hand."""
 
+import io
 import json
 import re
 import subprocess
@@ -10,6 +11,8 @@ import pytest
 from qcheck import get_recipe
 from qcheck.suite import invariants
 from qcheck.suite.cli import main
+from qcheck.suite.progress import Progress
+from tests.helpers import Terminal
 
 
 
@@ -19,10 +22,16 @@ def cells(header: str, line: str) -> dict[str, str]:
     return {header[a:b].strip(): line[a:b].strip() for a, b in zip(starts, starts[1:])}
 
 
-def test_matrix_prints_every_case_of_a_recipe_and_passes(capsys):
+def test_matrix_prints_every_case_of_a_recipe_and_passes(capsys, monkeypatch):
     # The same layers the invariant tests use, so this costs little beyond them.
+    monkeypatch.setattr(sys, "stderr", terminal := Terminal())
     assert main(["--recipe", "nanoo_fp8", "--model", "mixtral", "--path", "sparse", "--jobs", "1"]) == 0
     out = capsys.readouterr().out
+    # Progress on the terminal, rewritten in place and cleared; none of it in the table.
+    shown = [line for line in terminal.getvalue().split("\r\033[K") if line]
+    assert re.fullmatch(r"qcheck: 0/1 cases, \d+ s: running nanoo_fp8-mixtral-sparse", shown[0]), shown
+    assert re.fullmatch(r"qcheck: 1/1 cases, \d+ s: done nanoo_fp8-mixtral-sparse", shown[-1]), shown
+    assert terminal.getvalue().endswith("\r\033[K") and "\033" not in out
     header = out.splitlines()[0]
     assert header.split() == ["recipe", "model", "path", *(inv.name for inv in invariants.INVARIANTS)]
     (row,) = [cells(header, line) for line in out.splitlines() if line.startswith("nanoo_fp8")]
@@ -33,8 +42,10 @@ def test_matrix_prints_every_case_of_a_recipe_and_passes(capsys):
     assert "all 1 cases pass" in out
 
 
-def test_matrix_json_has_each_cell_with_its_figure(capsys):
+def test_matrix_json_has_each_cell_with_its_figure(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stderr", terminal := Terminal())
     assert main(["matrix", "--recipe", "int8", "--model", "mixtral", "--path", "dense", "--json", "--jobs", "1"]) == 0
+    assert terminal.getvalue() == ""  # no progress under --json, even on a terminal
     cells = json.loads(capsys.readouterr().out)
     assert set(cells) == {"int8-mixtral-dense", "int8-mixtral-dense-drop"}
     assert cells["int8-mixtral-dense"]["exact"]["status"] == "pass"  # int8 declares its formats
@@ -145,3 +156,14 @@ def test_dense_sparse_rows_report_a_failure(capsys, monkeypatch):
     monkeypatch.setattr(invariants, "check_paths_agree", broken)
     assert cli.paths_agree_failures(("gemma",)) == ["none-gemma", "none-gemma-drop"]
     assert "dense == sparse  none-gemma         FAIL none-gemma: dense and sparse differ" in capsys.readouterr().out
+
+
+def test_progress_stays_quiet_where_stderr_is_piped():
+    piped = io.StringIO()
+    with Progress(3, stream=piped) as progress:
+        progress.start("fp8-mixtral-dense")
+        progress.advance("fp8-mixtral-dense")
+    assert piped.getvalue() == ""
+    with Progress(3, stream=Terminal(), enabled=False) as progress:  # --json
+        progress.advance("fp8-mixtral-dense")
+        assert progress.stream.getvalue() == ""

@@ -5,7 +5,9 @@ The drift and hand-edit twins live in test_catalogue.py with the other bugs.
 
 import json
 import os
+import re
 import shutil
+import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -13,7 +15,7 @@ import numpy as np
 import pytest
 
 from qcheck.suite import golden
-from tests.helpers import INNER
+from tests.helpers import INNER, Terminal
 
 CASE = golden.GoldenCase("int8", "mixtral", "dense")
 
@@ -265,7 +267,8 @@ def probe_root(probe_written, tmp_path) -> Path:
     return tmp_path / "golden"
 
 
-def test_cli_add_writes_every_case_then_refuses_and_check_reports_a_bad_one(probe_module, probe_root, capsys):
+def test_cli_add_writes_every_case_then_refuses_and_check_reports_a_bad_one(probe_module, probe_root, capsys,
+                                                                             monkeypatch):
     from qcheck.suite.cli import main
 
     assert sorted(p.name for p in (probe_root / "probe_int8").iterdir()) == PROBE_FILES
@@ -275,12 +278,17 @@ def test_cli_add_writes_every_case_then_refuses_and_check_reports_a_bad_one(prob
     assert main(["golden", "add", "fp9", *args]) == 2
     assert "unknown recipe 'fp9'" in capsys.readouterr().err
     _truncate(probe_root / "probe_int8" / "gemma-sparse.json")
+    monkeypatch.setattr(sys, "stderr", terminal := Terminal())
     assert main(["golden", "check", *args]) == 1  # the module's recipes by default: not the built-ins
     captured = capsys.readouterr()
     assert captured.out.splitlines() == ["ok   probe_int8-mixtral-dense", "ok   probe_int8-mixtral-dense-drop",
                                          "ok   probe_int8-mixtral-sparse", "ok   probe_int8-gemma-dense",
                                          "FAIL probe_int8-gemma-sparse"]
-    assert "is not valid JSON" in captured.err
+    assert "is not valid JSON" in terminal.getvalue()
+    # Progress on the terminal, each case's line cleared before its verdict is printed.
+    shown = [line for line in terminal.getvalue().split("\r\033[K") if line.startswith("qcheck: ")]
+    assert re.fullmatch(r"qcheck: 4/5 cases, \d+ s: running probe_int8-gemma-sparse", shown[-2]), shown
+    assert re.fullmatch(r"qcheck: 5/5 cases, \d+ s: done probe_int8-gemma-sparse", shown[-1]), shown
 
 
 def fail_the_nth_write(monkeypatch, n: int, error: OSError) -> list:

@@ -7,6 +7,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from qcheck.suite.progress import Progress
+
 _MATRIX_HELP = """\
 Every case (recipe x model x path, and Mixtral's dense layer with token
 dropping) against every invariant that applies to it, then the dense == sparse
@@ -170,14 +172,20 @@ def _golden(args: argparse.Namespace, module_recipes: tuple[str, ...]) -> int:
         user = golden.user_root(args.golden_dir, must_exist=True)
         found = golden.collect(user, names)
         failed = []
+        progress = Progress(len(found.cases))
         for case, root in found.cases:
+            progress.start(case.id)
             try:
                 golden.check_case(case, root)
             except (AssertionError, ValueError) as e:
                 failed.append(str(e))
+                progress.close()
                 print(f"FAIL {case.id}")
             else:
+                progress.close()
                 print(f"ok   {case.id}")
+            progress.advance(case.id)
+        progress.close()
         _report_others(found)
         for text in failed:
             print(f"\n{text}", file=sys.stderr)
@@ -190,8 +198,10 @@ def _golden(args: argparse.Namespace, module_recipes: tuple[str, ...]) -> int:
             raise UsageError(
                 f"{name} is one of qcheck's own recipes: its golden cases ship with qcheck "
                 f"({golden.builtin_root()}) and are rewritten only from qcheck's own checkout")
+    chosen = golden.golden_cases(names)
     try:
-        lines = golden.write_cases(golden.golden_cases(names), user, overwrite=args.golden_command == "update")
+        with Progress(len(chosen)) as progress:
+            lines = golden.write_cases(chosen, user, overwrite=args.golden_command == "update", progress=progress)
     except FileExistsError as e:
         print(f"qcheck: error: {e}", file=sys.stderr)
         return 1
@@ -262,8 +272,9 @@ def _matrix(args: argparse.Namespace, module_recipes: tuple[str, ...]) -> int:
     jobs = matrix.default_jobs() if args.jobs == "auto" else args.jobs
     tasks = len(selected) + (4 if with_paths else 0)
     with matrix.worker_pool(min(jobs, tasks), tuple(args.recipe_modules or ())) as pool:
-        rows = matrix.run_matrix(recipes, models=as_tuple(args.models), paths=as_tuple(args.paths),
-                                 executor=pool, env=env)
+        with Progress(len(selected), enabled=not args.json) as progress:
+            rows = matrix.run_matrix(recipes, models=as_tuple(args.models), paths=as_tuple(args.paths),
+                                     executor=pool, env=env, progress=progress)
         print(matrix.to_json(rows) if args.json else matrix.format_table(rows), flush=True)
         failed = [r.case.id for r in rows if not r.ok]
         if with_paths:

@@ -29,9 +29,10 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
-from concurrent.futures import Executor, ProcessPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
 
 from qcheck.suite import _process
+from qcheck.suite.progress import Progress
 from qcheck.suite import invariants
 from qcheck.suite.cases import Case, cases
 from qcheck.recipes import get_recipe
@@ -105,16 +106,30 @@ def run_matrix(
     paths: tuple[str, ...] | None = None,
     executor: Executor | None = None,
     env: invariants.RunEnv = invariants.RunEnv(),
+    progress: Progress | None = None,
 ) -> list[Row]:
-    """A row per case, in table order; computed in ``executor``'s workers when given."""
+    """A row per case, in table order; computed in ``executor``'s workers when given.
+
+    ``progress`` hears of each case as it starts (in this process) or ends.
+    """
     selected = cases(recipes, models=models, paths=paths)
+    progress = progress or Progress(len(selected), enabled=False)
     if executor is None:
-        return [_row(c, env) for c in selected]
+        rows = []
+        for c in selected:
+            progress.start(c.id)
+            rows.append(_row(c, env))
+            progress.advance(c.id)
+        return rows
     # The costliest cases (the RNG invariant's decoder stacks) first, so no
     # worker is left with one at the end while the others idle.
     rng = next(inv for inv in invariants.INVARIANTS if inv.name == "rng")
     order = sorted(selected, key=lambda c: not rng.applies(get_recipe(c.recipe), c.variant))
-    done = dict(zip(order, executor.map(_row, order, [env] * len(order))))
+    futures = {executor.submit(_row, c, env): c for c in order}
+    done = {}
+    for future in as_completed(futures):
+        done[futures[future]] = future.result()
+        progress.advance(futures[future].id)
     return [done[c] for c in selected]
 
 

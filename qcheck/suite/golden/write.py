@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from qcheck.recipes import get_recipe
+from qcheck.suite.progress import Progress
 from qcheck.suite.golden.compare import bitwise_same, differences, moved_within_tolerance
 from qcheck.suite.golden.record import measure
 from qcheck.suite.golden.store import (GoldenCase, GoldenFileError, check_writable, read_case, render, root_for,
@@ -27,7 +28,8 @@ def summarize(lines: list[str]) -> str:
     return ", ".join(f"{n} {k}" for k, n in counts.items())
 
 
-def write_cases(cases: list[GoldenCase], user: Path, *, overwrite: bool) -> list[str]:
+def write_cases(cases: list[GoldenCase], user: Path, *, overwrite: bool,
+                progress: Progress | None = None) -> list[str]:
     """Measure every case, then write all of their files or none; returns a summary line per case.
 
     Each case goes to :func:`~qcheck.suite.golden.store.root_for` its recipe.
@@ -35,7 +37,7 @@ def write_cases(cases: list[GoldenCase], user: Path, *, overwrite: bool) -> list
     is measured. Nothing is written until every case is measured, and a failure
     while writing restores whatever had been written already
     (:func:`~qcheck.suite.golden.store.write_files`), so a recipe never ends up
-    half-recorded.
+    half-recorded. ``progress`` hears of each case as it is measured.
     """
     targets = [(c, root_for(c.recipe, user)) for c in cases]
     if not overwrite and (taken := [str(c.file(r)) for c, r in targets if c.file(r).exists()]):
@@ -44,7 +46,12 @@ def write_cases(cases: list[GoldenCase], user: Path, *, overwrite: bool) -> list
             f"`{update_command(cases[0].recipe, targets[0][1])}`")
     for directory in {r for _, r in targets}:
         check_writable(directory)
-    planned = [(c.file(r), *_plan(c, r, overwrite=overwrite)) for c, r in targets]
+    progress = progress or Progress(len(targets), enabled=False)
+    planned = []
+    for c, r in targets:
+        progress.start(c.id)
+        planned.append((c.file(r), *_plan(c, r, overwrite=overwrite)))
+        progress.advance(c.id)
     write_files([(path, text) for path, text, _ in planned if text is not None])
     return [line for _, _, line in planned]
 
