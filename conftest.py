@@ -1,16 +1,26 @@
-"""Root conftest: strict settings for the whole suite. The fixtures come from qcheck's pytest plugin."""
+"""Root conftest: strict settings for qcheck's own test runs. The fixtures come from qcheck's pytest plugin.
+
+Only for sessions rooted here: with an editable install, a user's session that
+runs the invariant suite (``--qcheck-recipes``) collects the suite's modules
+from this checkout, and pytest then loads this file too, late. The user's
+process keeps its own settings (pytester, which the plugin's own tests need,
+is enabled by ``addopts`` in pyproject.toml, read only in qcheck's own runs).
+"""
 
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
 from qcheck.suite import _process
 
-_process.configure()  # before anything starts a JAX backend (the xdist workers inherit it)
+_HERE = Path(__file__).resolve().parent
 
-pytest_plugins = ("pytester",)  # the plugin's own tests run pytest inside pytest
+
+def _own_session(config: pytest.Config) -> bool:
+    return Path(config.rootpath).resolve() == _HERE
 
 # Local runs keep JAX's compilation cache across runs in a per-user directory
 # (qcheck.suite._process.persistent_cache_dir; docs/performance.md says what it buys).
@@ -61,6 +71,9 @@ def _configure_test_process() -> None:
 
 
 def pytest_configure(config):
+    if not _own_session(config):
+        return
+    _process.configure()  # before anything starts a JAX backend (the xdist workers, started later, inherit it)
     if _runs_tests(config):
         _configure_test_process()
     elif _process.persistent_cache_dir() is None:

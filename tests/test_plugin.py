@@ -1,5 +1,10 @@
 """The pytest plugin: hardware markers skip with a reason, --require-hardware turns that into failure."""
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from qcheck import hardware
@@ -136,3 +141,23 @@ def test_a_user_test_over_the_case_table_gets_readable_ids(pytester):
     result = pytester.runpytest("--collect-only", "-q", *INNER, "--qcheck-recipe=fp8")
     result.stdout.fnmatch_lines(["*test_mine[[]fp8-mixtral-dense[]]", "*test_mine[[]fp8-gemma-sparse[]]"])
     assert "nanoo_fp8" not in result.stdout.str()
+
+
+def test_a_users_session_keeps_its_own_settings_when_qcheck_is_installed_from_a_checkout(tmp_path):
+    # An editable install: the suite's modules are collected from this checkout, and pytest loads its root
+    # conftest.py with them, late. It must neither break the session (pytest refuses `pytest_plugins` in a
+    # conftest that is not at the rootdir) nor apply qcheck's own strict settings to the user's process.
+    import qcheck
+
+    checkout = Path(__file__).resolve().parents[1]
+    if Path(qcheck.__file__).resolve().parents[1] != checkout or not (checkout / "conftest.py").exists():
+        pytest.skip("qcheck is not installed from this checkout (a wheel holds no conftest.py)")
+    (tmp_path / "my_recipes.py").write_text(
+        'import qcheck\nqcheck.register_recipe(qcheck.Recipe("my_e5m2", lhs="e5m2_current", rhs="e5m2_current"))\n')
+    (tmp_path / "test_mine.py").write_text(
+        "import jax\n\ndef test_mine():\n    assert jax.config.jax_numpy_rank_promotion == 'allow'\n")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_mine",
+                           "--qcheck-recipes=my_recipes.py"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert re.search(r"1 passed, \d+ deselected", done.stdout), done.stdout[-2000:]
