@@ -17,6 +17,7 @@ __all__ = [
     "ApplyRngs",
     "Expect",
     "InterceptRecipe",
+    "KernelRoles",
     "KnownDefect",
     "LayerFigures",
     "MatmulRecord",
@@ -34,8 +35,10 @@ __all__ = [
     "assert_fp8_state_matches",
     "assert_fresh_cast_exact",
     "assert_layer_sites_exact",
+    "assert_moe_matches_referee",
     "assert_native_matches_emulation",
     "assert_no_recompiles",
+    "assert_no_uninitialized_reads",
     "assert_quantized",
     "assert_ragged_groups_independent",
     "assert_recipe_fp8_native",
@@ -72,8 +75,10 @@ _WHERE = {
     "assert_format_matches_referee": "qcheck.checks",
     "assert_fresh_cast_exact": "qcheck.checks",
     "assert_layer_sites_exact": "qcheck.checks",
+    "assert_moe_matches_referee": "qcheck.checks",
     "assert_native_matches_emulation": "qcheck.checks",
     "assert_no_recompiles": "qcheck.checks",
+    "assert_no_uninitialized_reads": "qcheck.checks",
     "assert_quantized": "qcheck.checks",
     "assert_ragged_groups_independent": "qcheck.checks",
     "assert_recipe_fp8_native": "qcheck.checks",
@@ -99,6 +104,7 @@ _WHERE = {
     "register_recipe": "qcheck.recipes",
     "registered": "qcheck.recipes",
     "MatmulRecord": "qcheck._coverage",
+    "KernelRoles": "qcheck._coverage",
     "coverage": "qcheck._coverage",
     "format_coverage": "qcheck._coverage",
     "skip_functions": "qcheck._coverage",
@@ -118,12 +124,13 @@ _WHERE = {
 if TYPE_CHECKING:
     from qcheck.checks import (assert_amax_histories_follow_operands, assert_fp8_dtypes_native,
                                assert_fp8_state_matches, assert_format_matches_referee, assert_fresh_cast_exact,
-                               assert_layer_sites_exact, assert_native_matches_emulation, assert_no_recompiles,
-                               assert_quantized, assert_ragged_groups_independent, assert_recipe_fp8_native,
-                               assert_site_backward_exact, assert_site_exact, assert_tracks)
+                               assert_layer_sites_exact, assert_moe_matches_referee, assert_native_matches_emulation,
+                               assert_no_recompiles, assert_no_uninitialized_reads, assert_quantized,
+                               assert_ragged_groups_independent, assert_recipe_fp8_native, assert_site_backward_exact,
+                               assert_site_exact, assert_tracks)
     from qcheck import checks, formats, native, referees
     from qcheck.checks._layer import LayerFigures, check_layer, copy_params_into
-    from qcheck._coverage import (MatmulRecord, Skip, coverage, format_coverage, skip_at,
+    from qcheck._coverage import (KernelRoles, MatmulRecord, Skip, coverage, format_coverage, skip_at,
                                   skip_functions, skip_modules, skip_where, warmed_up)
     from qcheck.checks._fp8_state import fp8_state
     from qcheck._errors import UserCodeError

@@ -27,6 +27,8 @@ EQN = "bd,de->be"
 EXTRAS = {
     "aqt": ("aqt.jax.v2", "pip install 'qcheck[aqt]'"),
     "qwix": ("qwix", "pip install 'qcheck[qwix]'"),
+    # Equinox is no extra of qcheck's: qcheck checks Equinox modules without depending on it.
+    "equinox": ("equinox", "pip install equinox, or run them in the Levanter environment: .ci/levanter.sh env VENV"),
     # MaxText is no extra of qcheck's: it lives in its own environment (tox, a stage of .ci/run).
     "maxtext": ("maxtext", "pip install maxtext==0.2.5 in its own environment: .ci/maxtext.sh env VENV (docs/checking-your-layer.md)"),
     # Levanter neither: it pins jax<0.12 and a stack of its own.
@@ -173,6 +175,50 @@ class NaNBackwardMoE(qcheck.MoE):
 
     def __call__(self, x):
         return _nan_backward(super().__call__(x))
+
+
+def unpermute_into_empty(rows: jax.Array, order: jax.Array, per_seq: int, written: int) -> jax.Array:
+    """``rows`` (sorted by expert) back in token order, copied into a ``jax.lax.empty`` buffer (maxtext#4905's shape).
+
+    Only each sequence's first ``written`` of its ``per_seq`` rows are copied:
+    with ``written < per_seq`` its last rows stay unwritten, zeros on CPU.
+    """
+    buffer = jax.lax.empty(rows.shape, rows.dtype)
+    to = jnp.where(order % per_seq < written, order, rows.shape[0])  # past the end: dropped
+    return buffer.at[to].set(rows, mode="drop")
+
+
+class UnpermuteIntoEmpty(qcheck.MoE):
+    """qcheck's sparse path unpermuting into ``jax.lax.empty``, leaving each sequence's last ``unwritten`` rows."""
+
+    unwritten = 1
+    unpermute = staticmethod(unpermute_into_empty)
+
+    def _sparse(self, x, weights, idx):
+        wi_0, wi_1, wo = self._weights()
+        s = self.sites
+        b, sq, m = x.shape
+        k, e = self.config.top_k, self.config.num_experts
+        flat = idx.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        xs = x.reshape(b * sq, m)[order // k]
+        sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+        h = self._act(s["wi_0"].ragged_dot(xs, wi_0, sizes), s["wi_1"].ragged_dot(xs, wi_1, sizes))
+        out = self.unpermute(s["wo"].ragged_dot(h, wo, sizes), order, sq * k, (sq - self.unwritten) * k)
+        y = self.combine("TKM,TK->TM", out.reshape(b * sq, k, m), weights.reshape(b * sq, k))
+        return y.reshape(b, sq, m)
+
+
+def unpermute_moe(recipe: str, *, unwritten: int = 1, nested_jit: bool = False) -> qcheck.MoE:
+    """:class:`UnpermuteIntoEmpty`'s sparse Mixtral layer under ``recipe`` (seed 0).
+
+    ``nested_jit``: its unpermute is a ``jax.jit`` function of its own.
+    """
+    cls = type("UnpermuteIntoEmpty", (UnpermuteIntoEmpty,), {
+        "unwritten": unwritten,
+        "unpermute": staticmethod(jax.jit(unpermute_into_empty, static_argnums=(2, 3)) if nested_jit
+                                  else unpermute_into_empty)})
+    return cls(qcheck.MODELS["mixtral"], qcheck.get_recipe(recipe), path="sparse", rngs=nnx.Rngs(0))
 
 
 class _SkipGradSite(DelayedScalingFp8Site):

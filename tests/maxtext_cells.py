@@ -31,11 +31,21 @@ X_SHAPE = (2, 8, EMB)
 #: What .ci/maxtext.sh sets before MaxText is imported: the wheel otherwise looks
 #: for its assets in a source tree and for Google Cloud clients it does not ship.
 ENVIRONMENT = ("JAX_PLATFORMS", "DECOUPLE_GCLOUD", "MAXTEXT_ASSETS_ROOT")
+#: With megablox: every ``*_tile_*`` key of MaxText's config (forward, dlhs, drhs; the eval ones too) shrunk
+#: to the tiny block's (batch_seq, embed_dim, mlp_dim), so the Pallas kernels tile 32 routed rows (padded
+#: to 64), an embedding of 32 and an MLP of 64 (its defaults, 512/1024/1024, do not divide them).
+MEGABLOX_TILES = {"batch_seq": 64, "embed_dim": EMB, "mlp_dim": MLP}
+
+
+def _megablox_tiles() -> dict[str, int]:
+    return {f"{prefix}{w}_tile_{kind}_{dim}": size for w in ("wi", "wo") for kind in ("fwd", "dlhs", "drhs")
+            for prefix in ("", "eval_") if prefix == "" or kind == "fwd" for dim, size in MEGABLOX_TILES.items()}
 
 
 @functools.cache
-def config(quantization: str = "", sparse_matmul: bool = False):
-    """MaxText's config for a tiny Mixtral-like MoE (float32 throughout, dropless, megablox off)."""
+def config(quantization: str = "", sparse_matmul: bool = False, megablox: bool = False):
+    """MaxText's config for a tiny Mixtral-like MoE (float32 throughout, dropless; megablox off unless asked,
+    and then on the sparse path, its Pallas kernels interpreted on CPU, with tiles the block's size)."""
     import maxtext
     from maxtext.configs import pyconfig
 
@@ -43,7 +53,8 @@ def config(quantization: str = "", sparse_matmul: bool = False):
     return pyconfig.initialize(
         [None, base], run_name="qcheck", enable_checkpointing=False,
         base_emb_dim=EMB, base_mlp_dim=MLP, base_moe_mlp_dim=MLP, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
-        sparse_matmul=sparse_matmul, megablox=False, capacity_factor=-1.0,
+        sparse_matmul=sparse_matmul or megablox, megablox=megablox, capacity_factor=-1.0,
+        **(_megablox_tiles() if megablox else {}),
         quantization=quantization, dtype="float32", weight_dtype="float32",
         # One device: AQT's range finding unsharded. MaxText's default (-1) takes jax.local_device_count(),
         # eight in qcheck's test processes, and AQT's int8 backward then asserts 8 divides a contraction of 2.
@@ -51,7 +62,8 @@ def config(quantization: str = "", sparse_matmul: bool = False):
     )
 
 
-def build(quantization: str = "", sparse_matmul: bool = False, seed: int = 0, quant=None) -> moe.RoutedMoE:
+def build(quantization: str = "", sparse_matmul: bool = False, seed: int = 0, quant=None,
+          megablox: bool = False) -> moe.RoutedMoE:
     """``RoutedMoE`` as MaxText's Mixtral decoder layer builds it (models/mixtral.py).
 
     ``quant``: the quantization object the block gets in place of the one its config
@@ -61,7 +73,7 @@ def build(quantization: str = "", sparse_matmul: bool = False, seed: int = 0, qu
     from flax import nnx
     from maxtext.layers import initializers, moe, quantizations
 
-    cfg = config(quantization, sparse_matmul)
+    cfg = config(quantization, sparse_matmul, megablox)
     # One device, every MaxText mesh axis of size 1: the block as on one accelerator (qcheck's test
     # processes have eight host devices, which MaxText's own mesh would shard the tiny batch over).
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape([1] * len(cfg.mesh_axes)), cfg.mesh_axes)
@@ -73,7 +85,7 @@ def build(quantization: str = "", sparse_matmul: bool = False, seed: int = 0, qu
     )
 
 
-def cell(quantization: str, sparse_matmul: bool) -> tuple[moe.RoutedMoE, moe.RoutedMoE]:
+def cell(quantization: str, sparse_matmul: bool, megablox: bool = False) -> tuple[moe.RoutedMoE, moe.RoutedMoE]:
     """(layer, twin): the quantized block and the unquantized one, with the layer's weights.
 
     The same seed is not enough: MaxText's quantizers draw from the block's
@@ -82,8 +94,8 @@ def cell(quantization: str, sparse_matmul: bool) -> tuple[moe.RoutedMoE, moe.Rou
     """
     import qcheck
 
-    layer = build(quantization, sparse_matmul)
-    return layer, qcheck.copy_params_into(layer, build("", sparse_matmul))
+    layer = build(quantization, sparse_matmul, megablox=megablox)
+    return layer, qcheck.copy_params_into(layer, build("", sparse_matmul, megablox=megablox))
 
 
 def inputs(seed: int = 0) -> np.ndarray:
@@ -143,3 +155,68 @@ def qwix_model(quantization: str):
     tokens = (np.arange(np.prod(shape)) % QWIX_VOCAB).reshape(shape).astype(np.int32)
     positions = np.broadcast_to(np.arange(shape[1], dtype=np.int32), shape).copy()
     return Forward(model), (tokens, positions, np.ones(shape, np.int32)), model
+
+
+#: The scanned decoder: two Mixtral decoder layers (the qwix model's attention dims), stacked and applied
+#: by MaxText's own ``nnx_scan.create_scanned_layers`` / ``apply_scanned_layers``.
+SCANNED_LAYERS = 2
+
+
+@functools.cache
+def scanned_config(quantization: str = ""):
+    """MaxText's config for the scanned decoder layers (float32, dropless, megablox off, ``scan_layers``)."""
+    import maxtext
+    from maxtext.configs import pyconfig
+
+    base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
+    return pyconfig.initialize(
+        [None, base], run_name="qcheck", enable_checkpointing=False, decoder_block="mixtral",
+        base_num_decoder_layers=SCANNED_LAYERS, base_emb_dim=EMB, base_num_query_heads=QWIX_HEADS,
+        base_num_kv_heads=QWIX_KV_HEADS, head_dim=QWIX_HEAD_DIM, base_mlp_dim=MLP, base_moe_mlp_dim=MLP,
+        num_experts=EXPERTS, num_experts_per_tok=TOP_K, vocab_size=QWIX_VOCAB, max_target_length=X_SHAPE[1],
+        per_device_batch_size=1, mlp_activations=["silu", "linear"], sparse_matmul=False, megablox=False,
+        capacity_factor=-1.0, scan_layers=True, attention="dot_product", enable_dropout=False, dtype="float32",
+        weight_dtype="float32", quantization=quantization, quantization_local_shard_count=1,
+    )
+
+
+def scanned(quantization: str = "", seed: int = 0):
+    """Two ``MixtralDecoderLayer``s stacked by ``nnx_scan.create_scanned_layers``; called on hidden states
+    ``[1, sequence, emb]`` it runs them by ``nnx_scan.apply_scanned_layers`` (a ``jax.lax.scan`` whose body
+    ``nnx.merge``s each layer from its slice of the stacked state), positions and segments fixed."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from maxtext.layers import nnx_scan, quantizations
+    from maxtext.models import mixtral
+
+    cfg = scanned_config(quantization)
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape([1] * len(cfg.mesh_axes)), cfg.mesh_axes)
+    quant = quantizations.configure_quantization(cfg)
+
+    class ScannedDecoder(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.layers = nnx_scan.create_scanned_layers(
+                lambda rngs: mixtral.MixtralDecoderLayer(config=cfg, mesh=mesh, model_mode="train", quant=quant,
+                                                         rngs=rngs),
+                length=SCANNED_LAYERS, param_scan_axis=cfg.param_scan_axis, metadata_axis_name="layers", rngs=rngs)
+
+        def __call__(self, x):
+            batch, length = x.shape[:2]
+            segments = jnp.ones((batch, length), jnp.int32)
+            positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+
+            def apply(layer, carry):
+                # MaxText's rotary embedding broadcasts ranks (embeddings.py:295), which qcheck's tests refuse.
+                with jax.numpy_rank_promotion("allow"):
+                    return layer(carry, segments, positions, True, "train")[0]
+
+            return nnx_scan.apply_scanned_layers(self.layers, x, length=SCANNED_LAYERS,
+                                                 param_scan_axis=cfg.param_scan_axis, apply_fn=apply)
+
+    with jax.numpy_rank_promotion("allow"):
+        return ScannedDecoder(nnx.Rngs(seed))
+
+
+def scanned_inputs(seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(1, *X_SHAPE[1:])).astype(np.float32)

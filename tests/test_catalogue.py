@@ -42,7 +42,7 @@ from qcheck.recipes._fp8 import DelayedScalingFp8Site
 from qcheck.recipes._sites import FormatSite, SiteOps
 from qcheck.suite import cases, golden, invariants
 from tests.helpers import (CHECK_LAYER_X, MOE_FULL_PRECISION, NaNBackwardMoE, SkipGradFp8, WrongAxesNVFP4,
-                           assert_quantizers_draw_their_own_bits, nvfp4_dgrad, sparse_moe)
+                           assert_quantizers_draw_their_own_bits, nvfp4_dgrad, sparse_moe, unpermute_moe)
 
 E4M3FN, E4M3FNUZ = jnp.float8_e4m3fn, jnp.float8_e4m3fnuz
 X = cases.layer_input("mixtral")
@@ -411,6 +411,32 @@ class DropsExpertScale(MoE):
         return w / jnp.sum(w, axis=-1, keepdims=True), idx
 
 
+class SoftmaxBeforeTopK(MoE):
+    """Mixtral's router taking the softmax over all experts, then the top k of it, not renormalised."""
+
+    def route(self, x):
+        logits = jnp.einsum("BSM,ME->BSE", x.astype(jnp.float32), self.gate[...])
+        return jax.lax.top_k(jax.nn.softmax(logits, axis=-1), self.config.top_k)
+
+
+class UnrenormalizedGemma(MoE):
+    """Gemma's router without the renormalisation of the chosen k probabilities."""
+
+    def route(self, x):
+        logits = jnp.einsum("BSM,ME->BSE", x.astype(jnp.float32), self.gate[...])
+        _, idx = jax.lax.top_k(logits, self.config.top_k)
+        w = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), idx, axis=-1)
+        return w * self.per_expert_scale[...][idx], idx
+
+
+class SwappedActivation(MoE):
+    """GELU where the config says SiLU, SiLU where it says GELU."""
+
+    def _act(self, h0, h1):
+        act = jax.nn.silu if self.config.activation == "gelu" else functools.partial(jax.nn.gelu, approximate=True)
+        return act(h0) * h1
+
+
 # -- how each bug is planted (rows share these; each returns what the row's checks are called on) ----------
 
 
@@ -570,6 +596,11 @@ def mesh_only_reassembly(p: Planting) -> Callable:
     return lambda mesh: MeshOnlyReassembly(MODELS["mixtral"], get_recipe("int8"), rngs=nnx.Rngs(cases.SEED), mesh=mesh)
 
 
+def planted_layer(cls: type[MoE], model: str) -> Callable[[Planting], MoE]:
+    """The unquantized layer of ``model`` with the bug ``cls`` plants in the layer code every recipe runs."""
+    return lambda p: cls(MODELS[model], get_recipe("none"), rngs=nnx.Rngs(cases.SEED))
+
+
 def unsharded_twin(p: Planting) -> Callable:
     # The twin ignores the mesh; only its input lands on it.
     return lambda mesh: MoE(MODELS["mixtral"], get_recipe("int8"), rngs=nnx.Rngs(cases.SEED))
@@ -622,6 +653,12 @@ def layer_alone_is_healthy(build) -> None:
     assert np.array_equal(np.asarray(healthy_alone), cases.layer_output(SHARDED_CASE))  # the bug needs the mesh
 
 
+def tracking_alone_misses_unwritten_rows(pair) -> None:
+    # On CPU the unwritten rows are zeros in the layer and in its twin alike: the comparison passes.
+    layer_out, twin_out = (np.asarray(nnx.clone(m)(CHECK_LAYER_X)) for m in pair)
+    assert 0 < checks.assert_tracks(layer_out, twin_out, max_rel_norm=0.22) <= 0.22
+
+
 def outputs_alone_are_blind(build) -> None:
     # Its output is the single-device layer's, bitwise, so comparing outputs alone passes at 0.0.
     placed = jax.device_put(X, jax.sharding.NamedSharding(cases.mesh(), jax.sharding.PartitionSpec("data")))
@@ -633,6 +670,13 @@ def each_site_and_the_forward_healthy(broken: MoE) -> None:
     invariants.assert_sites_backward_exact(broken, get_recipe("fp8"), "probes")  # each site alone is fine
     assert_layer_sites_exact(broken, X, "fp8", label="forward")  # and so is the forward
     assert_layer_sites_backward_exact(layer("fp8", path="sparse"), X, "fp8", label="healthy")
+
+
+def quantized_tracks_its_twin(broken: MoE) -> None:
+    # The bug is in code the quantized layer and its twin share: int8 tracks the planted twin, as check_layer sees.
+    x = cases.layer_input(broken.config.model)
+    int8 = type(broken)(broken.config, get_recipe("int8"), rngs=nnx.Rngs(cases.SEED))
+    assert checks.assert_tracks(step.apply(int8, x)[0], step.apply(broken, x)[0], max_rel_norm=0.22) < 0.22
 
 
 def fed_e4m3_codes(planted: dict) -> None:
@@ -725,6 +769,25 @@ def golden_check(message: str, case=None, error: type[Exception] = AssertionErro
                                                      else planted["root"]), message, error=error)
 
 
+def referee(message: str) -> Catch:
+    """The ``referee`` invariant's check (at the case table's tolerance) and the public check, on the planted layer."""
+    rtol, atol = DENSE.referee_tolerance
+    return Catch(invariants.assert_layer_matches_referee,
+                 lambda broken: (broken, np.asarray(cases.layer_input(broken.config.model)), "bug"),
+                 r"^bug: token \(\d+, \d+\) differs from the float64 referee by [\d.]+ of its norm .*; worst at "
+                 r"output\[\d+, \d+, \d+\]: .*" + message, {"rtol": rtol, "atol": atol})
+
+
+def moe_referee(model: str, message: str) -> Catch:
+    """:func:`qcheck.assert_moe_matches_referee` on the planted layer, its parameters mapped as a user would."""
+    roles = {"gate": "router", "wi_0": "gate", "wi_1": "up", "wo": "down"}
+    if MODELS[model].router == "gemma":
+        roles["per_expert_scale"] = "expert_scale"
+    return Catch(checks.assert_moe_matches_referee, lambda broken: (broken, cases.layer_input(model), roles),
+                 r"^assert_moe_matches_referee: token \(\d+, \d+\) differs from the float64 referee .*" + message,
+                 {"style": MODELS[model].router, "top_k": MODELS[model].top_k})
+
+
 def loops_state(p: Planting):
     return _loop_state()
 
@@ -738,6 +801,11 @@ def fell_back_grads(p: Planting) -> tuple:
     return invariants.grad_leaves(step.train_step(fp8_fallen_back(), X).grads), invariants.grad_leaves(twin.grads)
 
 
+#: What the referee's message says of the layer's output at the first differing token.
+SAME_EXPERTS = (r"The referee \(\w+\) routes it to experts \[[\d, ]+\] with weights .*; the layer's output there is "
+                r"the referee's experts \[[\d, ]+\] mixed with weights .*: the same experts, other weights$")
+NO_MIX = (r"the layer's output there is no mix of the referee's expert outputs \(the best leaves [\d.e-]+ of its "
+          r"norm\): its experts compute otherwise")
 NANOO_E4M3FN = cases.Case("nanoo_fp8_e4m3fn", DENSE)
 HALVES, TWICE, UNROLLED = (cases.Case(name, DENSE) for name in ("fp8_halves", "fp8_twice", "fp8_unrolled"))
 
@@ -816,7 +884,7 @@ CATALOGUE = [
     Bug("coverage_catches_a_layer_that_quantizes_nothing_listing_every_expert_matmul",
         "a layer that quantizes nothing: every expert matmul listed with its line", "`coverage`",
         lambda p: cases.layer(cases.Case("none", cases.Variant("mixtral", "dense", True))),
-        (layer_quantized(r"5 of 9 matmuls reach full precision"),), then=lists_every_expert_matmul_in_order),
+        (layer_quantized(r"5 of 8 matmuls reach full precision"),), then=lists_every_expert_matmul_in_order),
     # The forward pass is bitwise unchanged, so exact, tracks and golden all pass.
     Bug("backward_catches_fp8_output_gradients_cast_to_e4m3_not_e5m2",
         "fp8 output gradients cast to e4m3 instead of e5m2 (the forward pass unchanged)", "`backward`",
@@ -857,6 +925,18 @@ CATALOGUE = [
         (Catch(check_layer, lambda broken: (broken, sparse_moe("none"), CHECK_LAYER_X),
                r"^check_layer: 5 check\(s\) failed:\n", {"skip": MOE_FULL_PRECISION}),),
         then=names_every_gradient_nan),
+    Bug("check_layer_catches_rows_of_lax_empty_that_layer_and_twin_never_write",
+        "an unpermute into `jax.lax.empty` leaving each sequence's last row unwritten, in code layer and twin share "
+        "(zeros on CPU, garbage on GPU: maxtext#4905)",
+        "`check_layer`: uninitialized (`assert_no_uninitialized_reads`)",
+        lambda p: (unpermute_moe("fp8"), unpermute_moe("none")),
+        (Catch(check_layer, lambda pair: (*pair, CHECK_LAYER_X),
+               r"^check_layer: 2 check\(s\) failed:\n  uninitialized \(layer\): output reads memory the layer never "
+               r"wrote, the buffer of jax\.lax\.empty float32\[128, 32\] at \S*helpers\.py:\d+ \(unpermute_into_empty\)"
+               r": filled with NaN, then with a large finite value, it changes output in 64 and 64 of its 2048 values"
+               r".*\n  uninitialized \(reference\): output reads memory the layer never wrote",
+               {"skip": MOE_FULL_PRECISION}),),
+        control=tracking_alone_misses_unwritten_rows),
     Bug("grads_catches_nan_gradients_from_an_unguarded_empty_amax_history",
         "NaN gradients from an unguarded delayed scale (empty amax history)", "`grads` (finite)",
         planted_grads("empty_history"),
@@ -963,6 +1043,20 @@ CATALOGUE = [
         "a sparse router that forgets to renormalize", "dense == sparse", dropping_twin,
         (Catch(invariants.assert_paths_agree, lambda out: (out["dense"], out["sparse"], "bug"),
                "dense and sparse differ by up to"),)),
+    # Bugs in the layer code a quantized layer and its twin share: tracks, check_layer and dense == sparse cannot see
+    # them; before the referee only the golden files of the unquantized layer could.
+    Bug("referee_catches_a_mixtral_router_taking_the_softmax_over_all_experts_before_top_k",
+        "Mixtral's router taking the softmax over all experts before top-k (the chosen weights not renormalised)",
+        "`referee`, `assert_moe_matches_referee`", planted_layer(SoftmaxBeforeTopK, "mixtral"),
+        (referee(SAME_EXPERTS), moe_referee("mixtral", SAME_EXPERTS)), control=quantized_tracks_its_twin),
+    Bug("referee_catches_a_gemma_router_that_does_not_renormalise",
+        "Gemma's router without the renormalisation of the chosen experts' probabilities",
+        "`referee`, `assert_moe_matches_referee`", planted_layer(UnrenormalizedGemma, "gemma"),
+        (referee(SAME_EXPERTS), moe_referee("gemma", SAME_EXPERTS)), control=quantized_tracks_its_twin),
+    Bug("referee_catches_the_activation_swapped_silu_for_gelu",
+        "the experts' activation swapped (GELU in Mixtral, where SiLU belongs)",
+        "`referee`, `assert_moe_matches_referee`", planted_layer(SwappedActivation, "mixtral"),
+        (referee(NO_MIX), moe_referee("mixtral", NO_MIX)), control=quantized_tracks_its_twin),
     # The seed's bug: every wrapper keeps its fork, so the step's RNG state grows per layer.
     Bug("rng_catches_a_forked_stream_per_layer",
         "a forked RNG stream per wrapper per layer under SHARED", "`rng`",

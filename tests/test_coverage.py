@@ -205,6 +205,7 @@ def _np_fp8(x: np.ndarray) -> np.ndarray:
     (fp8_cast, _np_fp8, _np_fp8, 1e-3),
     (int8_chain, _np_int8, lambda b: _np_int8(b.T).T, 1e-4),
     (custom_vjp, _np_fp8, _np_fp8, 1e-3),
+    (in_a_while, _np_fp8, _np_fp8, 1e-3),  # its body's matmul, the same in both iterations
 ])
 def test_error_is_the_rel_norm_against_the_unquantized_product(fn, lhs_ref, rhs_ref, rtol):
     (record,) = coverage(fn, A, B, errors=True)
@@ -214,7 +215,7 @@ def test_error_is_the_rel_norm_against_the_unquantized_product(fn, lhs_ref, rhs_
     np.testing.assert_allclose(record.error, expected, rtol=rtol)
 
 
-@pytest.mark.parametrize("fn", [widening_only, scanned, in_a_while])
+@pytest.mark.parametrize("fn", [widening_only])
 def test_error_is_none_without_quantized_operands_or_values(fn):
     (record,) = coverage(fn, A, B, errors=True)
     assert record.error is None

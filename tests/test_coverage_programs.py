@@ -120,17 +120,22 @@ def _pallas(quantized: bool):
     return f
 
 
+#: The roles of ``_kernel``: its inputs are lhs and rhs in that order (tests/test_kernel_roles.py: the rest).
+ROLES = qcheck.KernelRoles("_kernel", lhs=0, rhs=1)
+
+
 def test_an_opaque_kernel_is_one_record_at_its_call_should_pass_on_quantized_operands():
-    (record,) = coverage(_pallas(True), A, B, errors=True)
+    (record,) = coverage(_pallas(True), A, B, errors=True, kernels=ROLES)
     assert (record.primitive, record.opaque, record.quantized) == ("pallas_call", True, True)
+    assert (record.kernel, record.kernel_roles) == ("_kernel", "declared")
     assert record.location.startswith("tests/test_coverage_programs.py:")
     assert record.no_error == "an opaque kernel (pallas_call): its body is not walked"
 
 
 def test_an_opaque_kernel_should_fail_on_full_precision_operands():
     with pytest.raises(AssertionError, match=r"pallas_call at tests/test_coverage_programs.py:\d+ .* lhs and rhs "
-                                             r"unquantized \(an opaque kernel: its operands\)"):
-        assert_quantized(_pallas(False), A, B)
+                                             r"unquantized \(opaque kernel _kernel; roles: declared\)"):
+        assert_quantized(_pallas(False), A, B, kernels=ROLES)
 
 
 # -- module paths, stacks and skip rules -------------------------------------------------

@@ -102,7 +102,7 @@ def test_matrix_names_the_refusal_and_the_defect_in_notes():
     cells = {n: c.status for n, c in row.cells.items()}
     assert cells == {"sites": "pass", "coverage": "pass", "exact": "known", "backward": "unsupported",
                      "tracks": "pass", "grads": "unsupported", "state": "n/a", "train": "n/a", "rng": "n/a",
-                     "sharded": "pass", "golden": "pass"}, cells
+                     "sharded": "pass", "referee": "n/a", "golden": "pass"}, cells
     assert row.ok
     table = matrix.format_table([row])
     assert "known defect [1]" in table and "not supported [2]" in table and "not supported [3]" in table

@@ -246,7 +246,8 @@ def _asserts(x):
      r"check_layer: layer's output=1 selects no floating-point array of the output \(\[0\] float32\[32, 16\], "
      r"\[1\] None\)"),
     (lambda: check_layer(_fp8_matmul, "none", X[0]), r"check_layer: reference must be an flax.nnx.Module, a "
-                                                      r"\(linen.Module, variables\) pair or a function of x, got str"),
+                                                      r"\(linen.Module, variables\) pair, an equinox.Module or a "
+                                                      r"function of x, got str"),
     (lambda: check_layer(_fp8_matmul, _matmul, X[0], max_grad_rel_norm=0), r"check_layer: max_grad_rel_norm must "
                                                                              r"be a positive number, got 0"),
     (lambda: check_layer(*_maxtext_pair(), X, skip_grads=["router"]), r"check_layer: skip_grads names \['router'\], "
@@ -309,7 +310,7 @@ class _WithBias(maxtext_like.MoeBlock):
     (lambda: _WithBias(maxtext_like.Config(), quant="fp8", rngs=nnx.Rngs(0)), lambda: _maxtext(None),
      r"copy_params_into: layer parameter bias has no counterpart in reference"),
     (lambda: _maxtext("fp8"), lambda: _matmul,
-     r"copy_params_into: reference must be an flax.nnx.Module, got function"),
+     r"copy_params_into: reference must be an flax.nnx.Module or an equinox.Module, got function"),
 ])
 def test_copy_params_into_should_fail_naming_the_first_leaf(layer, reference, error):
     with pytest.raises(ValueError, match=error):
@@ -414,3 +415,51 @@ def test_check_layer_should_fail_on_a_linen_module_that_is_not_quantized():
     variables = _LinenBlock(False).init(jax.random.key(0), X[0])
     with pytest.raises(AssertionError, match=r"tracks: assert_tracks: .*bitwise equal"):
         check_layer((_LinenBlock(False), variables), (_LinenBlock(False), variables), X[0])
+
+
+# -- call=: a module that is not called as module(x) -----------------------------------------------
+
+def _first(module, x):
+    return module(x)[0]
+
+
+def test_call_on_an_nnx_module_should_pass_with_its_parameter_paths():
+    layer, twin = _real_world_pair()
+    before = _bits(layer), _bits(twin)
+    figures = check_layer(layer, twin, X[0], call=_first)
+    assert set(figures.rel_norms) == {""} and 0 < figures.rel_norm <= 0.22  # the one array call returns
+    assert set(figures.grad_rel_norms) == {INPUT_GRAD, "kernel", "proj/kernel"}
+    # Coverage calls it through call too, under the module's class name (as Linen's scopes read).
+    assert [r.scope.split("/")[:2] for r in figures.coverage] == [["_RealWorldBlock", "proj"],
+                                                                   ["_RealWorldBlock", "out"]]
+    assert (_bits(layer), _bits(twin)) == before and not hasattr(layer, "out")  # the warm-up ran on a copy
+
+
+def test_call_on_an_nnx_module_should_fail_where_its_lazy_part_falls_back():
+    # The warm-up calls the module through call as well: the submodule its first call creates is checked.
+    layer, twin = _real_world_pair()
+    layer.quant = None
+    with pytest.raises(AssertionError, match=r"coverage: assert_quantized: 1 of 2 matmuls reach full precision:\n"
+                                             r".*lhs and rhs unquantized, in _RealWorldBlock/out"):
+        check_layer(layer, twin, X[0], call=_first)
+
+
+def test_call_on_a_linen_module_is_its_apply_method():
+    layer = _LinenBlock(True)
+    variables = layer.init(jax.random.key(0), X[0])
+    figures = check_layer((layer, variables), (_LinenBlock(False), {"params": variables["params"]}), X[0],
+                          call=lambda m, x: m(x[:8]))
+    assert set(figures.grad_rel_norms) == {INPUT_GRAD, "Dense_0/kernel", "Dense_1/kernel"}
+    assert [r.lhs_shape[0] for r in figures.coverage] == [8, 8]  # the rows call picked
+
+
+@pytest.mark.parametrize("call, error", [
+    (lambda: check_layer(_fp8_matmul, _matmul, X[0], call=_first), r"check_layer: call is how a module is called "
+                                                                    r"on x, and neither layer nor reference is a "
+                                                                    r"module"),
+    (lambda: check_layer(*_real_world_pair(), X[0], call="__call__"), r"check_layer: call must be a function "
+                                                                       r"\(module, x\) -> output, got str"),
+])
+def test_call_bad_input_names_the_argument(call, error):
+    with pytest.raises(ValueError, match=error):
+        call()

@@ -17,7 +17,11 @@ marin-levanter 0.2.227.dev40316220070 with marin-haliax 0.2.227.dev40316220070:
 * a wrong fp8 flavour planted in user code (haliax's quantize monkeypatched to cast
   to e4m3fnuz where e4m3fn is asked) fails the declaration at the router, naming
   the flavour, where check_layer without a declaration passes it;
-* ``declared=True`` reads the declaration from haliax's dot ops in the layer.
+* ``declared=True`` reads the declaration from haliax's dot ops in the layer;
+* the block checked as an Equinox module (``check_layer(block, twin, x, call=...)``): each parameter's
+  gradient compared by its path (``gate/weight``, ``experts/w1/weight``), on tokens whose routing the
+  quantization cannot change; a kernel gradient dropped in haliax's fp8 VJP (planted) fails naming
+  ``gate/weight``, and on a token the fp8 router reroutes, the router's gradient moves past the bound.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import numpy as np
 import pytest
 
 import qcheck
+from qcheck.checks._layer import DEFAULT_MAX_GRAD_REL_NORM, INPUT_GRAD
 from tests.helpers import import_extra
 
 #: The versions the known defect and the figures were checked on.
@@ -258,6 +263,123 @@ def test_rest_of_the_block_passes_with_the_experts_spared_should_pass(blocks, x,
                                  declared=DECLARED[quantization])
     assert 0 < figures.rel_norm <= 0.22
     print(f"{quantization}: forward {figures.rel_norm:.4f}, worst gradient {figures.worst_grad}")
+
+
+# -- the block as an Equinox module: each parameter's gradient, by path ---------------------------------------
+
+#: The block's parameters as check_layer names them: field paths, a NamedArray by its field (not ``.array``);
+#: the fp8 dot op's scales and amax histories are state (haliax overwrites them), not parameters.
+PARAMS = {"gate/weight", "experts/w1/weight", "experts/w2/weight", "experts/w3/weight"}
+
+
+def _top_k(logits: np.ndarray, k: int) -> list[frozenset[int]]:
+    return [frozenset(np.argsort(-row)[:k].tolist()) for row in logits]
+
+
+@pytest.fixture(scope="module")
+def routed_x(blocks, config):
+    """Tokens whose experts no rounding of the router's operands to e4m3fn (at haliax's initial scale 1) or to
+    AQT's int8 can change, so the gradients are compared through one routing.
+
+    A token's top-k set stands while the gap between its k-th and (k+1)-th logits exceeds twice the largest
+    error either rounding can put on one logit, bounded from the operands (numpy, float64): e4m3fn's relative
+    rounding 2**-4 per operand and absolute 2**-10 below its normal range; int8's absmax / 255 per element,
+    the scale taken per token and per expert row, as AQT's ``config_v3`` takes it over the contraction axis.
+    """
+    k, w = config.num_experts_per_tok, np.asarray(blocks(None).gate.weight.array, np.float64)
+    pool = np.random.default_rng(1).normal(size=(64 * 16, X_SHAPE[-1]))
+    ax, aw, eps = np.abs(pool), np.abs(w), 2.0 ** -4
+    fp8 = ((2 * eps + eps ** 2) * ax @ aw.T + 2.0 ** -10 * (1 + eps) * (ax.sum(1, keepdims=True) + aw.sum(1))
+           + 2.0 ** -20 * X_SHAPE[-1])
+    ex, ew = ax.max(1, keepdims=True) / 255, aw.max(1) / 255
+    int8 = ex * aw.sum(1) + ew * ax.sum(1, keepdims=True) + X_SHAPE[-1] * ex * ew
+    logits = -np.sort(-(pool @ w.T), axis=1)
+    clear = pool[logits[:, k - 1] - logits[:, k] > 2 * (fp8 + int8).max(1)]
+    assert len(clear) >= 16, len(clear)
+    return clear[:16].reshape(X_SHAPE).astype(np.float32)
+
+
+def _named_call(block, x):
+    """How check_layer calls the block: named axes in, its (NamedArray, extras) out."""
+    import haliax as hax
+
+    return block(hax.named(x, ("batch", block.config.max_Pos.name, "embed")))
+
+
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+def test_block_as_a_module_compares_each_parameters_gradient_should_pass(lev, config, blocks, routed_x,
+                                                                         quantization):
+    layer = blocks(quantization)
+    twin = qcheck.copy_params_into(layer, _build(lev, config, None, seed=1))  # the layer's weights, copied
+    figures = qcheck.check_layer(layer, twin, routed_x, call=_named_call, output=0, skip=SPARE[1](),
+                                 declared=DECLARED[quantization])
+    assert set(figures.rel_norms) == {"[0]"}  # the block's output, a NamedArray, compared as its array
+    assert set(figures.grad_rel_norms) == {INPUT_GRAD, *PARAMS}, sorted(figures.grad_rel_norms)
+    assert all(0 < f <= DEFAULT_MAX_GRAD_REL_NORM for f in figures.grad_rel_norms.values())
+    # The known defect stays as pinned above: the experts' matmuls are spared, full precision, and their
+    # weights' gradients differ from the twin's through the quantized router alone.
+    spared = figures.spared[f"skip_modules({EXPERTS_SCOPE!r})"]
+    assert [r.primitive for r in spared] == ["ragged_dot_general"] * 3 and not any(r.quantized for r in spared)
+    print(f"{quantization}: forward {figures.rel_norm:.4f}, "
+          + ", ".join(f"{p} {f:.4f}" for p, f in sorted(figures.grad_rel_norms.items())))
+
+
+def test_block_with_its_own_weights_is_no_twin_should_fail(lev, config, blocks, routed_x):
+    # Control of the copy above: built with another key, the twin's weights are not the layer's.
+    with pytest.raises(ValueError, match=r"^check_layer: reference's weights differ from layer's: experts/w1/weight "
+                                         r"\(float32\[4, 32, 64\]\) differs in \d+ of 8192 values"):
+        qcheck.check_layer(blocks("fp8"), _build(lev, config, None, seed=1), routed_x, call=_apply, skip=SPARE[1]())
+
+
+def _kernel_gradient_dropped(fp8):
+    """haliax's fp8 matmul with the bug: its custom VJP sends back zeros for the kernel (the Linear's weight)."""
+    import jax
+    import jax.numpy as jnp
+
+    def bwd(*args):
+        grads = fp8.quantized_dot_bwd(*args)
+        return (*grads[:3], jnp.zeros_like(grads[3]), *grads[4:])
+
+    planted = jax.custom_vjp(fp8.quantized_dot.fun, nondiff_argnums=(8, 9, 10))
+    planted.defvjp(fp8.quantized_dot_fwd, bwd)
+    return planted
+
+
+def test_planted_lost_router_gradient_fails_naming_its_path_should_fail(lev, config, blocks, routed_x, monkeypatch):
+    from haliax._src import fp8
+
+    lev.jax.clear_caches()  # hax.dot's traces, and check_layer's program of a block like this one
+    monkeypatch.setattr(fp8, "quantized_dot", _kernel_gradient_dropped(fp8))
+    try:
+        with pytest.raises(AssertionError, match=r"^check_layer: 1 check\(s\) failed:\n  gradients: gate/weight "
+                                                 r"\(float32\) has relative norm 1\.0000 against the reference's, "
+                                                 r"above the bound 0\.5$"):
+            qcheck.check_layer(_build(lev, config, "fp8"), blocks(None), routed_x, call=_apply, skip=SPARE[1]())
+    finally:
+        monkeypatch.undo()
+        lev.jax.clear_caches()
+
+
+def test_fp8_router_that_reroutes_a_token_moves_its_own_gradient_furthest(blocks, x, config):
+    """Why the checks above take clearly routed tokens: on ``x``, e4m3fn rounding of the router's operands
+    (scale 1: haliax's delayed scaling before any amax history) gives a token other experts (ml_dtypes); the
+    router's gradient, a difference of expert outputs, follows the other routing past the bound, while the
+    output, the input's gradient and the experts' stay within theirs."""
+    import ml_dtypes
+
+    def e4m3(a):
+        return np.asarray(a, np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+
+    w = np.asarray(blocks(None).gate.weight.array)
+    tokens = x.reshape(-1, X_SHAPE[-1])
+    k = config.num_experts_per_tok
+    rerouted = [a != b for a, b in zip(_top_k(tokens.astype(np.float64) @ w.T.astype(np.float64), k),
+                                       _top_k(e4m3(tokens) @ e4m3(w).T, k))]
+    assert any(rerouted), "no token rerouted: this input no longer shows the effect"
+    with pytest.raises(AssertionError, match=r"^check_layer: 1 check\(s\) failed:\n  gradients: gate/weight "
+                                             r"\(float32\) has relative norm \d\.\d+ against the reference's, "
+                                             r"above the bound 0\.5$"):
+        qcheck.check_layer(blocks("fp8"), blocks(None), x, call=_apply, skip=SPARE[1](), declared="fp8")
 
 
 # -- a wrong fp8 flavour planted in user code ---------------------------------------------------------

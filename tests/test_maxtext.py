@@ -7,6 +7,8 @@ error figures runs; ``check_layer`` passes on the dense path and fails on the
 sparse one (megablox off), naming MaxText's ``jax.lax.ragged_dot`` line: a known
 defect of maxtext 0.2.5 (docs/libraries.md), asserted with the version checked,
 so a new MaxText makes these tests say "recheck" rather than pass or fail silently.
+With megablox on (fp8, int8; its tiles shrunk to the block), the expert matmuls are
+Pallas kernels, read by their roles from qcheck's table, and ``check_layer`` passes.
 """
 
 from __future__ import annotations
@@ -242,14 +244,92 @@ def test_check_layer_control_fails_a_skip_hiding_maxtext_dense_experts_in_the_tw
 
 
 
+# -- megablox: the sparse path through MaxText's Pallas grouped matmul -----------------------------
+
+#: The quantizations whose megablox path the tests run: each quantizes the kernels' lhs and rhs (MaxText
+#: hands megablox a qwix rule of its dtype: per-row absmax codes and float32 scales).
+MEGABLOX = {"fp8": "float8_e4m3fn", "int8": "int8"}
+
+
+@pytest.fixture(scope="module")
+def megablox_cells():
+    built = {}
+
+    def get(quantization: str):
+        if quantization not in built:
+            built[quantization] = maxtext_cells.cell(quantization, True, megablox=True)
+        return built[quantization]
+
+    return get
+
+
+def _gmm_line() -> str:
+    """``file:line`` of the ``call_gmm(`` call in megablox's ``backend.gmm``, read from MaxText's source."""
+    from maxtext.kernels.megablox import backend
+
+    lines, start = inspect.getsourcelines(inspect.unwrap(backend.gmm))
+    (offset,) = [i for i, line in enumerate(lines) if "= call_gmm(" in line]
+    return f"maxtext/kernels/megablox/backend.py:{start + offset}"
+
+
+@pytest.mark.parametrize("quantization", sorted(MEGABLOX))
+def test_coverage_reads_maxtext_megablox_kernels_by_their_roles(megablox_cells, x, quantization):
+    """The three expert matmuls are ``pallas_call``s whose first operands are scalar-prefetch metadata (the
+    dynamic grid bound and group offsets, int32): read by their roles (lhs, rhs, each a QArray's codes and
+    scale), they are quantized in the layer, and full precision in the unquantized twin."""
+    layer, twin = megablox_cells(quantization)
+    records = qcheck.coverage(layer, x)
+    shown = qcheck.format_coverage(records)
+    kernels = [r for r in records if r.opaque]
+    assert len(records) == 5 and len(kernels) == 3, shown
+    assert all(_location(r).endswith(_gmm_line()) and r.function == "gmm" for r in kernels), shown
+    assert all((r.kernel, r.kernel_roles) == ("gmm", "MaxText megablox") for r in kernels), shown
+    cast = MEGABLOX[quantization]
+    assert all(r.quantized and (r.lhs.dtype, r.rhs.dtype) == (cast, cast) for r in kernels), shown
+    assert all((r.lhs_role, r.rhs_role) == ("activation", "weight") for r in kernels), shown
+    # The metadata is no operand: only the codes and their float32 scales are data.
+    assert all([o.split(" [")[0].rsplit(" ", 1)[1] for o in r.operands] == [cast, "float32"] * 2 for r in kernels)
+    # The control: the twin's kernels, the same pallas_calls on float32 operands, read full precision.
+    plain = [r for r in qcheck.coverage(twin, x) if r.opaque]
+    assert len(plain) == 3 and all(r.kernel_roles == "MaxText megablox" and not r.lhs.quantized
+                                   and not r.rhs.quantized and (r.lhs_dtype, r.rhs_dtype) == ("float32", "float32")
+                                   for r in plain), qcheck.format_coverage(plain)
+
+
+@pytest.mark.parametrize("quantization", sorted(MEGABLOX))
+def test_check_layer_passes_maxtext_megablox_path(megablox_cells, x, quantization):
+    # The kernels held to the declaration read from the config by type (the kernel's codes are not
+    # visible to qcheck): e4m3fn, and int8 codes where int8_aqt is declared.
+    layer, twin = megablox_cells(quantization)
+    figures = qcheck.check_layer(layer, twin, x, output=0, skip=qcheck.skip_modules(COMBINE_SCOPE), declared=True)
+    assert 0 < figures.rel_norm <= 0.22
+    assert figures.declared.source == f"MaxText config.quantization={quantization!r}"
+    held = [r for r in figures.coverage if not r.skipped_by]
+    assert len(held) == 4 and sum(r.opaque for r in held) == 3, qcheck.format_coverage(figures.coverage)
+    assert all(r.lhs_declared and r.rhs_declared and not r.findings for r in held), (
+        qcheck.format_coverage(figures.coverage))
+
+
+def test_assert_quantized_names_maxtext_megablox_kernels_of_the_unquantized_twin(megablox_cells, x):
+    # Should-fail of the pass above: the twin checked as the layer, its kernels named by line and role.
+    _, twin = megablox_cells("fp8")
+    with pytest.raises(AssertionError) as failure:
+        qcheck.assert_quantized(twin, x, skip=qcheck.skip_modules(COMBINE_SCOPE))
+    message = str(failure.value).replace(os.sep, "/")
+    assert "4 of 5 matmuls reach full precision" in message, message
+    assert message.count(f"{_gmm_line()} (gmm): lhs ") == 3, message
+    assert message.count("lhs and rhs unquantized (opaque kernel gmm; roles: MaxText megablox)") == 3, message
+
+
 # -- the qwix path (use_qwix_quantization=True) -------------------------------------------------
 
 #: MaxText's qwix quantizations the qwix-path tests build, and the format each one's rule declares
 #: (qcheck's reader, ``MAXTEXT_QWIX``, reads the same from the model's config).
 QWIX_DECLARED = {"fp8": "e4m3fn", "int8": "int8_qwix"}
-#: What MaxText's qwix path leaves in full precision by design: the norms' scale einsums, attention's
-#: activation x activation products, the combine, and the logits head (outside the rule's "decoder/.*layers.*").
-QWIX_FULL_PRECISION_FUNCTIONS = ("RMSNorm.__call__", "AttentionOp.qk_product", "AttentionOp.wv_product")
+#: What MaxText's qwix path leaves in full precision by design: attention's activation x activation products,
+#: the combine, and the logits head (outside the rule's "decoder/.*layers.*"). The norms' scale einsums
+#: (``RMSNorm``'s ``...k,k->...k``, normalizations.py:129) multiply elementwise: no matmul, nothing to spare.
+QWIX_FULL_PRECISION_FUNCTIONS = ("AttentionOp.qk_product", "AttentionOp.wv_product")
 QWIX_FULL_PRECISION_MODULES = (COMBINE_SCOPE, "logits_dense")
 #: The functions on the stack of the matmuls MaxText's qwix rule does quantize: the router and attention's projections.
 QWIX_QUANTIZED = ("GateLogit.__call__", "Attention.query_projection", "Attention.kv_projection",
@@ -448,3 +528,102 @@ def test_guide_runs_on_maxtext_routed_moe(capsys):
     assert failure.count(_ragged_dot_line()) == 3, failure
     # The line the prose names is the line MaxText's source has.
     assert f"(moe.py:{_ragged_dot_line().rsplit(':', 1)[1]})" in GUIDE
+
+
+# -- MaxText's scanned decoder layers (nnx_scan) ------------------------------------------------------
+
+#: The full-precision matmuls of a scanned Mixtral layer, by module path: attention's two einsums (its
+#: ``AttentionOp``) and the MoE block's combine.
+SCANNED_SKIPS = ("self_attention/attention_op", f"MoeBlock_0/{COMBINE_SCOPE}")
+#: Each matmul of one Mixtral decoder layer, in MaxText's order, by the first three parts of its scope.
+SCANNED_MODULES = ["layers/self_attention/query", "layers/self_attention/key", "layers/self_attention/value",
+                   "layers/self_attention/attention_op", "layers/self_attention/attention_op",
+                   "layers/self_attention/out", "layers/MoeBlock_0/gate", "layers/MoeBlock_0/wi_0",
+                   "layers/MoeBlock_0/wi_1", "layers/MoeBlock_0/wo", f"layers/MoeBlock_0/{COMBINE_SCOPE}"]
+
+
+#: What flax 0.12.12 deprecates in MaxText's nnx_scan (Rngs.fork(split=...), Variable.value, sharding_names)
+#: and in its Attention (sharding=...), while the layers are built, stacked and applied.
+SCANNED_WARNS = [pytest.mark.filterwarnings(f"ignore:{message}:DeprecationWarning") for message in (
+    "The 'split' argument of 'fork' is deprecated", "'.value' access is now deprecated",
+    "'sharding_names' is deprecated, use 'out_sharding'", "'sharding' is deprecated, use 'out_sharding'")]
+
+
+def _scanned_path(test):
+    for mark in SCANNED_WARNS:
+        test = mark(test)
+    return test
+
+
+@pytest.fixture(scope="module")
+def scanned_fp8():
+    """(layer, twin): fp8 scanned decoder layers and unquantized ones holding their weights (about 20 s)."""
+    layer = maxtext_cells.scanned("fp8")
+    return layer, qcheck.copy_params_into(layer, maxtext_cells.scanned(""))
+
+
+def _module(record) -> str:
+    return "/".join(record.scope.split("/")[:3])
+
+
+@_scanned_path
+def test_maxtext_scanned_decoder_records_carry_module_paths_and_error_figures(scanned_fp8):
+    """Inside ``apply_scanned_layers``' scan the layer is ``nnx.merge``d anew each trace, no module of the
+    stack's graph: its matmuls still carry the stacked module's path, one record per matmul of the body
+    (not one per layer), and with ``errors=True`` each quantized one its worst figure over the layers."""
+    layer, _ = scanned_fp8
+    records = qcheck.coverage(layer, maxtext_cells.scanned_inputs(), errors=True)
+    shown = qcheck.format_coverage(records)
+    assert [_module(r) for r in records] == SCANNED_MODULES, shown
+    full = [r for r in records if not r.quantized]
+    assert [_module(r) for r in full] == SCANNED_MODULES[3:5] + SCANNED_MODULES[-1:], shown
+    # Both operands rounded onto e4m3's 3 mantissa bits (a relative error of at most 2^-4 each).
+    assert all(r.no_error is None and 0 < r.error < 2 * 2 ** -4 for r in records if r.quantized), shown
+    assert all(r.error is None and r.no_error == "full-precision operands" for r in full), shown
+
+
+@_scanned_path
+def test_maxtext_scanned_decoder_skip_modules_spares_attention_and_the_combine(scanned_fp8):
+    layer, twin = scanned_fp8
+    x = maxtext_cells.scanned_inputs()
+    records = qcheck.assert_quantized(layer, x, skip=qcheck.skip_modules(*SCANNED_SKIPS), control=twin)
+    assert [_module(r) for r in records if r.skipped_by] == SCANNED_MODULES[3:5] + SCANNED_MODULES[-1:]
+    # Should fail: without the attention rule its two einsums are named, each by its module path.
+    with pytest.raises(AssertionError) as failure:
+        qcheck.assert_quantized(layer, x, skip=qcheck.skip_modules(SCANNED_SKIPS[1]))
+    message = str(failure.value)
+    assert f"2 of {len(SCANNED_MODULES)} matmuls reach full precision" in message, message
+    assert message.count(", in layers/self_attention/attention_op/") == 2, message
+    # Should fail: the whole attention module spares its projections in the unquantized twin too.
+    with pytest.raises(AssertionError, match=r"skip rule skip_modules\('self_attention', 'MoeBlock_0/weight_sum'\) "
+                                             r"spares 4 more matmul\(s\) in the unquantized control"):
+        qcheck.assert_quantized(layer, x, skip=qcheck.skip_modules("self_attention", SCANNED_SKIPS[1]), control=twin)
+
+
+@_scanned_path
+def test_check_layer_passes_on_maxtext_scanned_decoder_with_per_parameter_gradients(scanned_fp8):
+    layer, twin = scanned_fp8
+    figures = qcheck.check_layer(layer, twin, maxtext_cells.scanned_inputs(), skip=qcheck.skip_modules(*SCANNED_SKIPS))
+    assert 0 < figures.rel_norm < 0.22
+    # One figure per stacked parameter (both layers' slices together), by its module path.
+    assert {"layers/MoeBlock_0/gate/kernel", "layers/MoeBlock_0/wi_0", "layers/MoeBlock_0/wo",
+            "layers/self_attention/query/kernel"} <= set(figures.grad_rel_norms), figures.grad_rel_norms
+
+
+@_scanned_path
+def test_maxtext_apply_scanned_layers_cannot_run_int8_decoder_layers(scanned_fp8):
+    """maxtext 0.2.5: ``nnx_scan.apply_scanned_layers`` over int8 ``MixtralDecoderLayer``s raises on the
+    layers' own call (no qcheck): AQT's einsums are bridged into NNX on a layer's first call
+    (``quantizations.apply_einsum_in_nnx`` sets ``quant_einsum_wi_0`` on the ``RoutedMoE``), here inside the
+    scan's body, and the ``nnx.update`` that writes the body's state back onto the stacked layers cannot
+    set that new attribute (NNX takes it for a static one). MaxText's own decoder (``scan_layers=True``,
+    built by ``from_config``) runs int8; a stack built from layers called once before stacking runs too.
+    ``check_layer`` reports it as the layer's own error."""
+    _pinned()
+    layer = maxtext_cells.scanned("int8")
+    x = maxtext_cells.scanned_inputs()
+    with pytest.raises(ValueError, match=r"assigned to static attribute 'quant_einsum_wi_0'"):
+        layer(x)
+    with pytest.raises(qcheck.UserCodeError, match=r"^check_layer: layer could not be traced and run on cpu: "
+                                                   r"ValueError: .* static attribute 'quant_einsum_wi_0'"):
+        qcheck.check_layer(layer, scanned_fp8[1], x)

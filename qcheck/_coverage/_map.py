@@ -12,10 +12,11 @@ import numpy as np
 
 from qcheck._errors import user_code
 from qcheck._coverage._declared import as_declaration, judge, mixed_formats
+from qcheck._coverage._kernels import KernelRoles, as_kernel_roles
 from qcheck._coverage._records import MatmulRecord
 from qcheck._coverage._scopes import ModuleScopes
 from qcheck._coverage._skips import Skip, SkipArg, as_skips
-from qcheck._coverage._walk import Walker, Where, input_val
+from qcheck._coverage._walk import NOT_RUN, Walker, Where, input_val
 
 
 def _state_bits(module: Any) -> list[np.ndarray]:
@@ -131,7 +132,8 @@ def _machinery(machinery: Any, entry: str) -> tuple[str, ...]:
 
 
 def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward: bool = False,
-             machinery: Sequence[str] = (), declared: Any = None, **kwargs: Any) -> list[MatmulRecord]:
+             machinery: Sequence[str] = (), declared: Any = None,
+             kernels: KernelRoles | Sequence[KernelRoles] | None = None, **kwargs: Any) -> list[MatmulRecord]:
     """One :class:`MatmulRecord` per matrix multiplication ``fn(*args, **kwargs)`` performs, in program order.
 
     ``fn`` is a function of arrays (pytrees) or an ``flax.nnx.Module``, which is
@@ -141,6 +143,11 @@ def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward:
     program that also computes each quantized matmul's ``error`` (see
     :class:`MatmulRecord` for where it is None). Python scalars and other
     non-array arguments are traced as arrays; close over static ones.
+    A matmul inside a ``scan`` or ``while`` body is one record whatever the
+    trip count, its ``error`` the worst over the iterations (NaN if any is);
+    inside a ``cond``, each branch's matmuls are records, the taken branch's
+    with figures; ``no_error`` names a branch not taken or a loop that ran no
+    iteration. Inside ``shard_map`` bodies there are no figures.
 
     ``backward``: trace a vjp of ``fn`` too (with respect to every inexact
     input, an NNX module's state included, of its inexact outputs), still
@@ -162,6 +169,12 @@ def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward:
     that also hands back each quantizer's input and codes (bitwise checks
     where values are available; inside ``scan``/``while``/``cond`` and
     ``shard_map`` bodies, and with ``backward=True``, the types alone).
+
+    ``kernels``: the roles of opaque kernels (``pallas_call``, FFI calls) by
+    name, one :class:`qcheck.KernelRoles` or a list: which of a kernel's inputs
+    are its lhs, its rhs and their scales. Kernels qcheck knows (MaxText's
+    megablox ``gmm``/``tgmm``: :data:`qcheck._coverage._kernels.KNOWN_KERNELS`)
+    need none; any other kernel is recorded with its roles unknown.
     """
     machinery = _machinery(machinery, "coverage")
     if backward and errors:
@@ -169,11 +182,13 @@ def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward:
                          "pass errors=False with backward=True")
     declaration = None if declared is None else as_declaration(declared, "coverage: declared")
     return _coverage(fn, args, kwargs, errors=errors, backward=backward, machinery=machinery,
-                     declaration=declaration, entry="coverage", what="fn")
+                     declaration=declaration, entry="coverage", what="fn",
+                     kernels=as_kernel_roles(kernels, "coverage"))
 
 
 def _coverage(fn: Callable[..., Any], args: tuple, kwargs: dict, *, errors: bool, backward: bool,
-              machinery: tuple[str, ...], declaration: Any, entry: str, what: str) -> list[MatmulRecord]:
+              machinery: tuple[str, ...], declaration: Any, entry: str, what: str,
+              kernels: dict[str, KernelRoles] | None = None) -> list[MatmulRecord]:
     """:func:`coverage` for the public call ``entry``: an error of ``fn`` (named ``what``) is a UserCodeError."""
     if not callable(fn):
         raise ValueError(f"{entry}: {what} must be callable or an flax.nnx.Module, got {type(fn).__name__}")
@@ -200,13 +215,14 @@ def _coverage(fn: Callable[..., Any], args: tuple, kwargs: dict, *, errors: bool
     if seed_at is not None:
         ins[seed_at].grad = True
     if not errors and (declaration is None or backward):
-        walker = Walker(machinery)
+        walker = Walker(machinery, kernels)
         walker.run(closed.jaxpr, closed.consts, ins, outer, values=False)
+        _misdeclared(walker, entry)
         if declaration is None:
             return walker.records
         return judge(walker.records, declaration, [], [])
 
-    walker = Walker(machinery)
+    walker = Walker(machinery, kernels)
 
     def evaluate(flat):
         vals = [dataclasses.replace(v, actual=x, shadow=x) for v, x in zip(ins, flat)]
@@ -215,10 +231,13 @@ def _coverage(fn: Callable[..., Any], args: tuple, kwargs: dict, *, errors: bool
 
     with user_code(entry, what):
         figures, quantizers = jax.jit(evaluate)(jax.tree.leaves(inputs))
+    _misdeclared(walker, entry)
     records = list(walker.records)
     if errors:
         for (i, _), e in zip(walker.errors, figures):
-            records[i] = dataclasses.replace(records[i], error=float(e))
+            e = float(e)
+            records[i] = dataclasses.replace(records[i], error=e) if e not in NOT_RUN else (
+                dataclasses.replace(records[i], no_error=NOT_RUN[e]))
     if declaration is None:
         return records
     quantizers = [(np.asarray(x), np.asarray(c), None if d is None else (np.asarray(d), mul))
@@ -226,14 +245,21 @@ def _coverage(fn: Callable[..., Any], args: tuple, kwargs: dict, *, errors: bool
     return judge(records, declaration, quantizers, walker.operands)
 
 
+def _misdeclared(walker: Walker, entry: str) -> None:
+    if walker.misdeclared:
+        raise ValueError(f"{entry}: kernels: {walker.misdeclared[0]}")
+
+
 def format_coverage(records: Sequence[MatmulRecord], *, stack: bool = False) -> str:
     """A table of the records, one line per matmul.
 
-    Columns: primitive, location, function, the scope (module path and named
-    scopes) when any record has one, both operands, quantized (``skipped``
-    where a skip rule spared a full-precision matmul, ``opaque`` for a kernel
-    the walk cannot enter), the error figure, and a ``pass`` column when any
-    record is from a backward pass. ``stack``: under each row, the user's
+    Columns: primitive (an opaque kernel's name beside it), location,
+    function, the scope (module path and named scopes) when any record has
+    one, both operands, quantized (``skipped`` where a skip rule spared a
+    full-precision matmul, ``opaque`` for a kernel the walk cannot enter,
+    ``roles unknown`` for one whose roles qcheck cannot read: its data
+    operands then fill the operand columns), the error figure, and a
+    ``pass`` column when any record is from a backward pass. ``stack``: under each row, the user's
     frames of its call, innermost first.
     """
     with_scope = any(r.scope for r in records)
@@ -245,13 +271,20 @@ def format_coverage(records: Sequence[MatmulRecord], *, stack: bool = False) -> 
             return "yes (opaque)" if r.opaque else "yes"
         if r.skipped_by:
             return f"skipped: {r.skipped_by}"
+        if r.roles_unknown:
+            return "NO (opaque, roles unknown)"
         return "NO (opaque)" if r.opaque else "NO"
 
+    def operands(r: MatmulRecord) -> tuple[str, str]:
+        if r.roles_unknown:
+            return "roles unknown", "data: " + (", ".join(r.operands) or "(none)")
+        return (f"{r.lhs_shape} {r.lhs_dtype} {r.lhs}" + (f" {r.lhs_block}" if r.lhs_block else ""),
+                f"{r.rhs_shape} {r.rhs_dtype} {r.rhs}" + (f" {r.rhs_block}" if r.rhs_block else ""))
+
     rows = [header] + [
-        (r.primitive, r.location, r.function, *((r.scope or "-",) if with_scope else ()),
-         f"{r.lhs_shape} {r.lhs_dtype} {r.lhs}" + (f" {r.lhs_block}" if r.lhs_block else ""),
-         f"{r.rhs_shape} {r.rhs_dtype} {r.rhs}" + (f" {r.rhs_block}" if r.rhs_block else ""),
-         state(r), "-" if r.error is None else f"{r.error:.4g}")
+        (r.primitive + (f" {r.kernel}" if r.kernel else ""), r.location, r.function,
+         *((r.scope or "-",) if with_scope else ()), *operands(r), state(r),
+         "-" if r.error is None else f"{r.error:.4g}")
         for r in records
     ]
     if any(r.backward for r in records):
@@ -269,9 +302,15 @@ def format_coverage(records: Sequence[MatmulRecord], *, stack: bool = False) -> 
 def _unquantized_line(r: MatmulRecord) -> str:
     which = " and ".join(side for side, q in (("lhs", r.lhs), ("rhs", r.rhs)) if not q.quantized)
     scope = f", in {r.scope}" if r.scope else ""
-    kind = " (an opaque kernel: its operands)" if r.opaque else ""
+    kind = f" (opaque kernel {r.kernel}; roles: {r.kernel_roles})" if r.opaque else ""
     return (f"  {r.primitive} at {r.location} ({r.function}): lhs {r.lhs_shape} {r.lhs_dtype} [{r.lhs}], "
             f"rhs {r.rhs_shape} {r.rhs_dtype} [{r.rhs}]: {which} unquantized{kind}{scope}")
+
+
+def _unreadable_line(r: MatmulRecord) -> str:
+    scope = f", in {r.scope}" if r.scope else ""
+    return (f"  {r.primitive} at {r.location} ({r.function}), kernel {r.kernel}{scope}: data operands "
+            f"{', '.join(r.operands) or '(none)'}")
 
 
 def _declared_lines(r: MatmulRecord) -> str:
@@ -299,6 +338,7 @@ def assert_quantized(
     control: Callable[..., Any] | None = None,
     machinery: Sequence[str] = (),
     declared: Any = None,
+    kernels: KernelRoles | Sequence[KernelRoles] | None = None,
     **kwargs: Any,
 ) -> list[MatmulRecord]:
     """Assert every matmul of ``fn(*args, **kwargs)`` multiplies quantized operands; return the records.
@@ -323,6 +363,11 @@ def assert_quantized(
     out is not checked, and one declared full precision may stay so. Its
     control: the ``control`` twin must not satisfy the declaration.
 
+    ``kernels``: the roles of opaque kernels (:func:`coverage`'s ``kernels``).
+    A kernel whose roles qcheck cannot read never passes: it fails, listed
+    with its data operands, until its roles are declared or a skip rule
+    spares it; a declared kernel name that matches no kernel fails (stale).
+
     Fails with one ``AssertionError`` listing each offending matmul with its
     primitive, location, shapes and the operand that arrives unquantized, and
     each failed rule.
@@ -331,21 +376,29 @@ def assert_quantized(
     rules = as_skips(skip, "assert_quantized")
     declaration = None if declared is None else as_declaration(declared, "assert_quantized: declared")
     machinery = _machinery(machinery, "assert_quantized")
+    declared_kernels = as_kernel_roles(kernels, "assert_quantized")
     records = _coverage(fn, args, kwargs, errors=False, backward=False, machinery=machinery,
-                        declaration=declaration, entry="assert_quantized", what="fn")
+                        declaration=declaration, entry="assert_quantized", what="fn", kernels=declared_kernels)
     for i, r in enumerate(records):
         if not r.quantized:
             rule = next((rule for rule in rules if rule(r)), None)
             if rule is not None:
                 records[i] = dataclasses.replace(r, skipped_by=rule.name)
     problems: list[str] = []
+    unreadable = [r for r in records if r.roles_unknown and r.skipped_by is None]
+    if unreadable:
+        names = sorted({r.kernel for r in unreadable})
+        problems.append(
+            f"{len(unreadable)} opaque kernel(s) whose roles qcheck cannot read (roles unknown): declare which "
+            f"inputs are lhs, rhs and their scales (kernels=qcheck.KernelRoles({names[0]!r}, lhs=..., rhs=...)) "
+            f"or spare them with a skip rule:\n" + "\n".join(_unreadable_line(r) for r in unreadable))
     if declaration is None:
-        bad = [r for r in records if not r.quantized and r.skipped_by is None]
+        bad = [r for r in records if not r.quantized and r.skipped_by is None and not r.roles_unknown]
         if bad:
             problems.append(f"{len(bad)} of {len(records)} matmuls reach full precision:\n" +
                             "\n".join(_unquantized_line(r) for r in bad))
     else:
-        bad = [r for r in records if r.findings and r.skipped_by is None]
+        bad = [r for r in records if r.findings and r.skipped_by is None and not r.roles_unknown]
         if bad:
             problems.append(f"{len(bad)} of {len(records)} matmuls differ from the declared quantization "
                             f"({declaration}):\n" + "\n".join(_declared_lines(r) for r in bad))
@@ -355,9 +408,14 @@ def assert_quantized(
             problems.append(f"skip rule {rule.name} spares none of the {len(records)} matmuls "
                             f"({'it matches only quantized ones' if matched else 'it matches none'}): "
                             f"drop it or fix it")
+    seen = {r.kernel for r in records if r.kernel_roles == "declared"}
+    for name in sorted(set(declared_kernels) - seen):
+        kernels_here = sorted({r.kernel for r in records if r.opaque})
+        problems.append(f"kernels: KernelRoles({name!r}) names no kernel of fn (its opaque kernels: "
+                        f"{', '.join(kernels_here) or 'none'}): drop it or fix its name")
     if control is not None:
         twin = _coverage(control, args, kwargs, errors=False, backward=False, machinery=machinery,
-                         declaration=None, entry="assert_quantized", what="control")
+                         declaration=None, entry="assert_quantized", what="control", kernels=declared_kernels)
         if declaration is not None and not _declaration_bites(twin, declaration, rules):
             problems.append(f"the declaration ({declaration}) holds on the unquantized control as well: it "
                             f"declares no quantized format for any operand of its matmuls, so it checks nothing")

@@ -36,7 +36,14 @@ Every higher-order primitive a program JAX runs may hold is walked: calls
 custom_partitioning), ``shard_map`` (its body per shard), ``scan``/``while``/
 ``cond``, and any other primitive carrying a jaxpr. Opaque kernels (a
 ``pallas_call``, an FFI or custom call) are reported as one record each, a
-region that may multiply, with the quantization of its first two operands.
+region that may multiply, read by their operands' roles (:mod:`._kernels`):
+the inputs a declaration (``qcheck.KernelRoles``) or qcheck's table of known
+kernels names as lhs, rhs and their scales, never a scalar-prefetch or index
+operand; a kernel neither names is recorded with its roles unknown.
+
+Only contractions are matmuls: a ``dot_general`` with no contracting
+dimension (``jnp.einsum("...k,k->...k")``, RMSNorm's scale) multiplies
+elementwise, is not recorded, and yields full precision like any other op.
 """
 from __future__ import annotations
 
@@ -60,7 +67,7 @@ ERROR_PRIMITIVES = frozenset({"dot_general", "ragged_dot", "ragged_dot_general"}
 ROUNDING = frozenset({"round", "floor", "ceil"})
 BLOCK_SCALED = frozenset({"scaled_matmul_wrapper", "scaled_matmul", "scaled_dot"})
 
-#: Kernels whose bodies are not JAX ops the walk can follow: each is one record.
+#: Kernels whose bodies are not JAX ops the walk can follow: each is one record, read by its operands' roles.
 OPAQUE = frozenset({"pallas_call", "ffi_call", "custom_call", "tpu_custom_call", "mosaic_gpu_call",
                      "triton_kernel_call"})
 
@@ -109,26 +116,29 @@ class OperandQuant:
     """How one matmul operand was quantized.
 
     ``kind``: "cast" (a narrowing cast to ``dtype``), "emulated" (rounded onto a
-    grid by ``step`` with no narrow type), or "full" (full precision).
+    grid by ``step`` with no narrow type), "full" (full precision), or
+    "unknown" (an opaque kernel whose roles qcheck cannot read: which of its
+    operands this one is, is unknown; never counted as quantized).
     """
 
-    kind: Literal["cast", "emulated", "full"]
+    kind: Literal["cast", "emulated", "full", "unknown"]
     dtype: str | None = None
     step: str | None = None
 
     @property
     def quantized(self) -> bool:
-        return self.kind != "full"
+        return self.kind in ("cast", "emulated")
 
     def __str__(self) -> str:
         if self.kind == "cast":
             return self.dtype if self.step != "input" else f"{self.dtype} input"
         if self.kind == "emulated":
             return f"emulated({self.step})"
-        return "full precision"
+        return "roles unknown" if self.kind == "unknown" else "full precision"
 
 
 FULL = OperandQuant("full")
+UNKNOWN = OperandQuant("unknown")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +165,8 @@ class MatmulRecord:
     was cast to (or arrived in), its scales' included (NVFP4's e4m3fn block
     scales beside its emulated e2m1 codes), where ``lhs``/``rhs`` report one.
     ``opaque``: a kernel the walk cannot look into (``pallas_call``, a custom
-    call), reported as one record with its first two operands. ``skipped_by``:
+    call), reported as one record with the operands its roles name (``kernel``,
+    ``kernel_roles``, ``operands``). ``skipped_by``:
     the skip rule that spared this full-precision matmul in
     :func:`assert_quantized`, else None.
     """
@@ -191,17 +202,34 @@ class MatmulRecord:
     lhs_declared: str | None = None
     rhs_declared: str | None = None
     findings: tuple[str, ...] = ()
+    #: An opaque kernel's name (what ``qcheck.KernelRoles`` matches), where its roles came from ("declared",
+    #: or the library of the row of qcheck's table of known kernels; None: roles unknown, and ``lhs``/``rhs``
+    #: are ``OperandQuant("unknown")``), and each of its data operands, ``"(shape) dtype [quantization]"``
+    #: (its scalar-prefetch and index operands left out).
+    kernel: str | None = None
+    kernel_roles: str | None = None
+    operands: tuple[str, ...] = ()
 
     @property
     def quantized(self) -> bool:
-        """Both operands reach the matmul quantized."""
+        """Both operands reach the matmul quantized (never for a kernel whose roles are unknown)."""
         return self.lhs.quantized and self.rhs.quantized
 
+    @property
+    def roles_unknown(self) -> bool:
+        """An opaque kernel qcheck cannot read: neither declared nor in its table of known kernels."""
+        return self.opaque and self.kernel_roles is None
+
     def describe(self) -> str:
-        """One line: primitive, location, function, scope and both operands."""
+        """One line: primitive, location, function, kernel, scope, both operands (or an unreadable kernel's data)."""
         scope = f" in {self.scope}" if self.scope else ""
-        return (f"{self.primitive} at {self.location} ({self.function}){scope}: lhs {self.lhs_shape} "
-                f"{self.lhs_dtype} [{self.lhs}], rhs {self.rhs_shape} {self.rhs_dtype} [{self.rhs}]")
+        head = f"{self.primitive} at {self.location} ({self.function})"
+        if self.kernel:
+            head += f", kernel {self.kernel}"
+        if self.roles_unknown:
+            return f"{head}{scope}: roles unknown; data operands {', '.join(self.operands) or '(none)'}"
+        return (f"{head}{scope}: lhs {self.lhs_shape} {self.lhs_dtype} [{self.lhs}], rhs {self.rhs_shape} "
+                f"{self.rhs_dtype} [{self.rhs}]")
 
 #: Block formats by (codes, scales, block size), as OCP MX and NVIDIA name them.
 _BLOCK_FORMAT_NAMES = {

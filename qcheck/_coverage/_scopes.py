@@ -92,6 +92,61 @@ def scope_names(eqn: jcore.JaxprEqn) -> tuple[str, ...]:
 
 # -- NNX module paths as named scopes ---------------------------------------------
 
+def _shape(variable: Any) -> tuple[int, ...] | None:
+    value = variable.get_value() if hasattr(variable, "get_value") else getattr(variable, "value", None)
+    shape = getattr(value, "shape", None)
+    return tuple(shape) if shape is not None else None
+
+
+def _skeleton(module: Any) -> tuple[dict, dict]:
+    """A module's submodules (relative path -> class) and variables (relative path -> (class, shape))."""
+    from flax import nnx
+
+    modules, variables = {}, {}
+    for path, node in nnx.iter_graph(module):
+        key = tuple(str(k) for k in path)
+        if isinstance(node, nnx.Module):
+            modules[key] = type(node)
+        elif isinstance(node, nnx.Variable):
+            variables[key] = (type(node), _shape(node))
+    return modules, variables
+
+
+def _one_axis_fewer(stacked: tuple[int, ...], sliced: tuple[int, ...]) -> bool:
+    return len(stacked) == len(sliced) + 1 and any(
+        stacked[:i] + stacked[i + 1:] == sliced for i in range(len(stacked)))
+
+
+def _same_layer(copy: tuple[dict, dict], original: tuple[dict, dict]) -> bool:
+    """Whether ``copy`` is ``original`` rebuilt: the same submodules and variables, each variable's shape
+    the original's or one slice of it along some axis (a layer of a stacked, scanned module)."""
+    if copy[0] != original[0] or copy[1].keys() != original[1].keys():
+        return False
+    for key, (cls, shape) in copy[1].items():
+        ocls, oshape = original[1][key]
+        if cls is not ocls:
+            return False
+        if shape is not None and oshape is not None and shape != oshape and not _one_axis_fewer(oshape, shape):
+            return False
+    return True
+
+
+def _referenced(frame: Any) -> list[Any]:
+    """The objects a frame's locals hold, and those inside a tuple, list or dict among them (one level)."""
+    try:
+        values = list(frame.f_locals.values())
+    except Exception:  # a frame whose locals cannot be read
+        return []
+    out = []
+    for v in values:
+        out.append(v)
+        if isinstance(v, (tuple, list)):
+            out.extend(v)
+        elif isinstance(v, dict):
+            out.extend(v.values())
+    return out
+
+
 class ModuleScopes:
     """While tracing an NNX module, open a ``jax.named_scope`` named by each submodule's path as its methods run.
 
@@ -99,6 +154,18 @@ class ModuleScopes:
     graph whose ``self`` is one of the graph's modules opens the scope of that
     module's path (relative to the module whose method is running), and closes
     it when the method returns. Tracing only: nothing of JAX is patched.
+
+    A transform rebuilds modules: ``nnx.merge`` inside a ``jax.lax.scan`` or
+    ``jax.checkpoint`` body (MaxText's scanned decoder layers), ``nnx.scan``,
+    ``nnx.vmap``, ``nnx.remat`` and ``nnx.jit`` all call the body with new
+    module objects, which the graph does not hold. Such a module is matched,
+    the first time one of its methods runs, to the graph's module it was
+    rebuilt from: the one of its class with the same submodules and variables
+    (each variable's shape the same, or one layer of a stacked module's);
+    where several match (identical layers), the one the Python stack holds
+    nearest (the transform's caller passed it in), or the only one under the
+    module the stack holds. Its submodules then take its path. A module that
+    matches none keeps its own submodules' paths under the running module's.
     """
 
     def __init__(self, module: Any):
@@ -106,10 +173,12 @@ class ModuleScopes:
 
         self.paths: dict[int, tuple[str, ...]] = {}
         self.codes: set[Any] = set()
+        self.by_class: dict[type, list[Any]] = {}
         base = set(nnx.Module.__mro__)  # the module machinery itself: getattr, setattr, graph methods
         for path, node in nnx.iter_graph(module):
             if isinstance(node, nnx.Module) and id(node) not in self.paths:
                 self.paths[id(node)] = tuple(str(k) for k in path)
+                self.by_class.setdefault(type(node), []).append(node)
                 for cls in type(node).__mro__:
                     if cls in base:
                         continue
@@ -117,11 +186,61 @@ class ModuleScopes:
                         fn = getattr(value, "__func__", value)
                         if hasattr(fn, "__code__"):
                             self.codes.add(fn.__code__)
+        self.skeletons: dict[int, tuple[dict, dict]] = {}
+        # Rebuilt modules met during the trace, held so that their ids stay theirs until the trace ends.
+        self.rebuilt: list[Any] = []
         self.active: list[tuple[Any, tuple[str, ...], Any]] = []
         self.previous: Any = None
 
+    def skeleton(self, node: Any) -> tuple[dict, dict]:
+        if id(node) not in self.skeletons:
+            self.skeletons[id(node)] = _skeleton(node)
+        return self.skeletons[id(node)]
+
+    def origin(self, node: Any, frame: Any) -> tuple[str, ...] | None:
+        """The path of the graph's module ``node`` was rebuilt from; None where none or several match."""
+        mine = self.skeleton(node)
+        matches = [m for m in self.by_class.get(type(node), ()) if _same_layer(mine, self.skeleton(m))]
+        paths = {self.paths[id(m)] for m in matches}
+        if len(paths) <= 1:
+            return next(iter(paths), None)
+        # Every module with a path is alive (the graph's, or held in self.rebuilt): an id among them is theirs.
+        f = frame.f_back
+        while f is not None:
+            held = {self.paths[id(v)] for v in _referenced(f) if id(v) in self.paths}
+            found = held & paths
+            if len(found) == 1:
+                return found.pop()
+            under = {p for p in paths if any(p[:len(a)] == a and len(p) > len(a) for a in held)}
+            if len(under) == 1:
+                return under.pop()
+            f = f.f_back
+        return None
+
+    def adopt(self, node: Any, frame: Any) -> tuple[str, ...] | None:
+        """Give a module the graph does not hold (a transform rebuilt it) and its submodules their paths."""
+        from flax import nnx
+
+        if not isinstance(node, nnx.Module) or frame.f_code.co_name == "__init__":
+            return None  # a module being built has no graph yet
+        try:
+            root = self.origin(node, frame)
+            if root is None:
+                root = self.active[-1][1] if self.active else ()
+            for path, sub in nnx.iter_graph(node):
+                if isinstance(sub, nnx.Module) and id(sub) not in self.paths:
+                    self.paths[id(sub)] = root + tuple(str(k) for k in path)
+                    self.rebuilt.append(sub)
+        except Exception:  # noqa: BLE001 -- a scope is a label: never let finding one break the trace
+            self.paths[id(node)] = self.active[-1][1] if self.active else ()
+            self.rebuilt.append(node)
+        return self.paths.get(id(node))
+
     def enter(self, frame: Any) -> None:
-        path = self.paths.get(id(frame.f_locals.get("self")))
+        me = frame.f_locals.get("self")
+        path = self.paths.get(id(me))
+        if path is None and me is not None:
+            path = self.adopt(me, frame)
         top = self.active[-1][1] if self.active else ()
         if path is not None and path != top:
             rel = path[len(top):] if path[:len(top)] == top else path

@@ -11,7 +11,8 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 
-from qcheck._coverage._records import BLOCK_SCALED, CALLS, ERROR_PRIMITIVES, FULL, MATMUL_PRIMITIVES, MatmulRecord, OPAQUE, OperandQuant, ROUNDING, VALUE_PRESERVING, block_format
+from qcheck._coverage._kernels import KernelRead, KernelRoles, read_kernel
+from qcheck._coverage._records import BLOCK_SCALED, CALLS, ERROR_PRIMITIVES, FULL, MATMUL_PRIMITIVES, MatmulRecord, OPAQUE, OperandQuant, ROUNDING, UNKNOWN, VALUE_PRESERVING, block_format
 from qcheck._coverage._scopes import machinery_prefixes, scope_names, user_frames
 
 
@@ -130,6 +131,13 @@ def _scan_operands(params: dict, ins: list) -> tuple[list, list, list]:
     return consts, carry, xs
 
 
+#: Error figures that stand for none: a matmul in a cond branch the inputs do not take, or in a loop body no
+#: iteration of which ran. Worst-of over iterations (``max``) keeps a real figure over either.
+NOT_RUN_COND, NOT_RUN_LOOP = -1.0, -2.0
+NOT_RUN = {NOT_RUN_COND: "in a cond branch these inputs do not take",
+           NOT_RUN_LOOP: "in a loop body these inputs run no iteration of"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Where:
     """Where the walk is: the user's frames, the named scopes, and why values are unavailable (if they are)."""
@@ -171,12 +179,18 @@ def _contracting(eqn: jcore.JaxprEqn) -> tuple[tuple[int, ...] | None, tuple[int
     return None, None
 
 
+def _contracts(eqn: jcore.JaxprEqn) -> bool:
+    """Whether a matmul primitive contracts a dimension: with none (``...k,k->...k``) it multiplies elementwise."""
+    lhs, _ = _contracting(eqn)
+    return lhs is None or len(lhs) > 0
+
+
 #: Ops whose output is their operand's value itself (for telling ``x - stop_gradient(x)`` from other subtractions).
 _SAME_VALUE = frozenset({"stop_gradient", "copy", "copy_p", "optimization_barrier", "sharding_constraint"})
 
 
 class Walker:
-    def __init__(self, machinery: tuple[str, ...] = ()):
+    def __init__(self, machinery: tuple[str, ...] = (), kernels: dict[str, KernelRoles] | None = None):
         self.records: list[MatmulRecord] = []
         self.errors: list[tuple[int, Any]] = []  # (record index, traced error)
         # With values: each quantizer's (input before scaling, codes, divisor or None), and each matmul
@@ -186,6 +200,8 @@ class Walker:
         self.operands: list[tuple[int, str, int, tuple[int | None, ...]]] = []
         self.multiplied: list[bool] = []  # per quantizer: its scale was multiplied in
         self.machinery = machinery_prefixes(machinery)
+        self.kernels = kernels or {}  # declared roles of opaque kernels, by kernel name
+        self.misdeclared: list[str] = []  # declared roles that do not fit their kernel (the caller raises)
 
     def read(self, env: dict, v: Any) -> _Val:
         if isinstance(v, jcore.Literal):
@@ -223,9 +239,7 @@ class Walker:
             if len(jaxpr.invars) == len(ins) and len(jaxpr.outvars) == len(eqn.outvars):
                 return self.run(jaxpr, consts, ins, where, values=values)
         if name in ("scan", "while", "cond"):
-            return self.control(eqn, ins, dataclasses.replace(
-                where, no_values=where.no_values or f"inside {name}: its body is walked for quantization only"),
-                values=values)
+            return self.control(eqn, ins, where, values=values)
         actual = None
         subs = list(jcore.jaxprs_in_params(eqn.params))
         if values:
@@ -234,10 +248,14 @@ class Walker:
             else:
                 actual = eqn.primitive.bind(*[v.actual for v in ins], **eqn.params)
                 actual = list(actual) if eqn.primitive.multiple_results else [actual]
-        if name in MATMUL_PRIMITIVES:
+        if name in MATMUL_PRIMITIVES and _contracts(eqn):
             self.matmul(eqn, ins, where, actual[0] if values else None)
         elif name in OPAQUE:
-            self.matmul(eqn, ins, where, None, opaque=True)
+            caller, location = where.stack[0][1] if where.stack else "", where.stack[0][0] if where.stack else "?"
+            kernel = read_kernel(eqn, self.kernels, caller, location)
+            if kernel.misfit is not None:  # raised by coverage after the walk, not as an error of the traced code
+                self.misdeclared.append(kernel.misfit)
+            self.matmul(eqn, ins, where, None, kernel=kernel)
         elif subs:
             # shard_map's body (per shard) and any other higher-order primitive: walked for quantization
             # only; where a body maps the eqn's operands to its results, their quantization carries over.
@@ -371,9 +389,10 @@ class Walker:
     @staticmethod
     def align(ins: list[_Val], invars: Sequence[Any]) -> list[_Val]:
         if len(ins) == len(invars):
-            return [_Val(v.quant, v.const, v.scale, grad=v.grad, casts=v.casts, data=v.data) for v in ins]
+            return [_Val(v.quant, v.const, v.scale, grad=v.grad, casts=v.casts, data=v.data, ident=v.ident or object())
+                    for v in ins]
         grad, data = any(v.grad for v in ins), any(v.data for v in ins)
-        return [_Val(grad=grad, data=data) for _ in invars]
+        return [_Val(grad=grad, data=data, ident=object()) for _ in invars]
 
     @staticmethod
     def scale_like(eqn: jcore.JaxprEqn, ins: list[_Val]) -> bool:
@@ -440,9 +459,9 @@ class Walker:
         return eqn.primitive.bind(*vals, **eqn.params)
 
     def matmul(self, eqn: jcore.JaxprEqn, ins: list[_Val], where: Where, out: Any, *,
-               opaque: bool = False) -> None:
-        arrays = [(v, var) for v, var in zip(ins, eqn.invars) if hasattr(var.aval, "shape")]
-        (lhs, lhs_var), (rhs, rhs_var) = (arrays + [(_Val(), None)] * 2)[:2]
+               kernel: KernelRead | None = None) -> None:
+        """Record one matmul; an opaque ``kernel`` by its roles (:mod:`._kernels`), its operands as they name."""
+        opaque = kernel is not None
 
         def shape(var: Any) -> tuple[int, ...]:
             return tuple(var.aval.shape) if var is not None else ()
@@ -450,11 +469,24 @@ class Walker:
         def dtype(var: Any) -> str:
             return str(np.dtype(var.aval.dtype)) if var is not None and hasattr(var.aval, "dtype") else "-"
 
-        reason = None
-        if not (lhs.quant and rhs.quant):
-            reason = "full-precision operands"
+        scales, blocks = (frozenset(), frozenset()), (None, None)
+        unknown = opaque and kernel.source is None
+        if unknown:  # which operand is which is unknown: neither side may count as quantized
+            (lhs, lhs_var), (rhs, rhs_var) = (_Val(UNKNOWN), None), (_Val(UNKNOWN), None)
         elif opaque:
+            (lhs, lhs_var), (rhs, rhs_var) = ((ins[i], eqn.invars[i]) for i in (kernel.lhs, kernel.rhs))
+            # A narrow scale's type is part of the operand's format (as for the block-scaled matmuls below).
+            scales = tuple(frozenset() if i is None else ins[i].casts | (
+                {dtype(eqn.invars[i])} if _narrow_bits(eqn.invars[i].aval.dtype) else set())
+                for i in (kernel.lhs_scale, kernel.rhs_scale))
+        else:
+            (lhs, lhs_var), (rhs, rhs_var) = zip(ins[:2], eqn.invars[:2])
+
+        reason = None
+        if opaque and (unknown or (lhs.quant and rhs.quant)):
             reason = f"an opaque kernel ({eqn.primitive.name}): its body is not walked"
+        elif not (lhs.quant and rhs.quant):
+            reason = "full-precision operands"
         elif eqn.primitive.name not in ERROR_PRIMITIVES:
             reason = "a scaled matmul: codes and scales enter separately"
         elif out is None:
@@ -462,7 +494,6 @@ class Walker:
         elif lhs.shadow is lhs.actual and rhs.shadow is rhs.actual:
             reason = "operands narrow from the start: no value before quantization"
         location, function = where.stack[0] if where.stack else ("<unknown>", "<unknown>")
-        scales, blocks = (frozenset(), frozenset()), (None, None)
         if eqn.primitive.name in BLOCK_SCALED and len(eqn.invars) >= 4:
             # Codes and their scales are separate operands: the scales' type is part of the operand's format.
             sv = eqn.invars[2:4]
@@ -489,6 +520,10 @@ class Walker:
             no_error=reason,
             lhs_role=_role(lhs),
             rhs_role=_role(rhs),
+            kernel=kernel.name if opaque else None,
+            kernel_roles=kernel.source if opaque else None,
+            operands=tuple(f"{shape(eqn.invars[i])} {dtype(eqn.invars[i])} [{ins[i].quant or FULL}]"
+                           for i in kernel.data) if opaque else (),
         ))
         if out is not None and not opaque:
             contracting = _contracting(eqn)
@@ -509,17 +544,33 @@ class Walker:
         self.errors.append((len(self.records) - 1, err))
 
     def control(self, eqn: jcore.JaxprEqn, ins: list[_Val], where: Where, *, values: bool) -> list[_Val]:
-        """scan / while / cond: the bodies are walked for quantization only (no values, so no errors)."""
+        """scan / while / cond: the bodies walked for quantization and, with values, evaluated.
+
+        With values (``errors=True``), a loop's body is walked with them inside
+        a loop of its own (``lax.scan`` / ``lax.while_loop`` on the same
+        trip count): one record per matmul of the body, its error the worst
+        over the iterations (:data:`NOT_RUN` where none ran). A cond's
+        branches are walked inside a ``lax.switch`` on its index: the taken
+        branch's matmuls get figures, the others :data:`NOT_RUN`'s reason.
+        """
         name, p = eqn.primitive.name, eqn.params
+        evaluate = values and where.no_values is None
+        walk = dataclasses.replace(
+            where, no_values=where.no_values or f"inside {name}: its body is walked for quantization only")
+        start = len(self.records)
         if name == "cond":
-            outs_per_branch = [self.run(b.jaxpr, b.consts, self.align(ins[1:], b.jaxpr.invars), where, values=False)
-                               for b in p["branches"]]
+            outs_per_branch, counts = [], []
+            for b in p["branches"]:
+                before = len(self.records)
+                outs_per_branch.append(self.run(b.jaxpr, b.consts, self.align(ins[1:], b.jaxpr.invars), walk,
+                                                values=False))
+                counts.append(len(self.records) - before)
             quants = [self.agree([o[i].quant for o in outs_per_branch]) for i in range(len(eqn.outvars))]
         else:
             if name == "scan":
                 body = p["jaxpr"]
                 consts, carry, xs = _scan_operands(p, ins)
-                n_consts, n_carry = len(consts), len(carry)
+                n_carry = len(carry)
             else:
                 body, n_consts = p["body_jaxpr"], p["body_nconsts"]
                 consts, carry, xs = ins[p["cond_nconsts"]:p["cond_nconsts"] + n_consts], ins[p["cond_nconsts"] + n_consts:], []
@@ -528,12 +579,8 @@ class Walker:
             # A carry is quantized only if every iteration leaves it so: iterate to a fixed point.
             for _ in range(len(carry_q) + 1):
                 saved = len(self.records)
-                # Gradient dependence is not iterated to a fixed point: any input's taints the whole body.
-                grad = any(v.grad for v in ins)
-                body_ins = [_Val(v.quant, v.const, v.scale, grad=grad, data=v.data) for v in consts]
-                body_ins += [_Val(q, grad=grad, data=v.data) for q, v in zip(carry_q, carry)]
-                body_ins += [_Val(v.quant, grad=grad, data=v.data) for v in xs]
-                outs = self.run(body.jaxpr, body.consts, body_ins, where, values=False)
+                body_ins = self.body_ins(ins, consts, carry_q, carry, xs)
+                outs = self.run(body.jaxpr, body.consts, body_ins, walk, values=False)
                 new_q = [q if q == o.quant else None for q, o in zip(carry_q, outs[:n_carry])]
                 if new_q == carry_q:
                     break
@@ -542,11 +589,153 @@ class Walker:
             quants = carry_q + [o.quant for o in outs[n_carry:]]
             if name == "while":
                 quants = carry_q
-        actual = _eval_eqn(eqn, [v.actual for v in ins]) if values else None
         grad = any(v.grad for v in ins)
         data = any(v.data for v in ins)
+        if evaluate:
+            # The walk above settled each output's quantization; the same body walked again, with values, gives
+            # the same records (one per matmul eqn) with their figures.
+            count = len(self.records) - start
+            del self.records[start:]
+            if name == "cond":
+                actual, shadow = self.cond_values(eqn, ins, counts, where)
+            else:
+                actual, shadow = self.loop_values(eqn, ins, carry_q, count, where)
+            return [_Val(q, False, False, a, s, grad=grad, data=data) for q, a, s in zip(quants, actual, shadow)]
+        actual = _eval_eqn(eqn, [v.actual for v in ins]) if values else None
         return [_Val(q, False, False, None if actual is None else actual[i], None if actual is None else actual[i],
                      grad=grad, data=data) for i, q in enumerate(quants)]
+
+    @staticmethod
+    def body_ins(ins: list[_Val], consts: list[_Val], carry_q: list[OperandQuant | None], carry: list[_Val],
+                 xs: list[_Val]) -> list[_Val]:
+        """A loop body's inputs as the walk sees them (no values): the loop's consts, carry and xs."""
+        # Gradient dependence is not iterated to a fixed point: any input's taints the whole body.
+        grad = any(v.grad for v in ins)
+        # Each input is a value of its own (a straight-through estimator x + stop_gradient(q - x) inside the
+        # body tells x by it); a const is the loop's operand itself.
+        return ([_Val(v.quant, v.const, v.scale, grad=grad, data=v.data, ident=v.ident or object()) for v in consts]
+                + [_Val(q, grad=grad, data=v.data, ident=object()) for q, v in zip(carry_q, carry)]
+                + [_Val(v.quant, grad=grad, data=v.data, ident=object()) for v in xs])
+
+    def evaluated(self, jaxpr: jcore.Jaxpr, consts: Sequence[Any], ins: list[_Val],
+                  where: Where) -> tuple[list[_Val], list[MatmulRecord], list[tuple[int, Any]]]:
+        """Walk a body with values, taking its records and figures (by index in its records) out of the walker.
+
+        The caller, tracing the body inside a loop or a branch of its own, puts
+        them back with :meth:`put` once its figures are out of that trace. The
+        declared-quantization check reads a body's operands by type alone: the
+        quantizers found inside hold one iteration's values, and are dropped.
+        """
+        start, n_errors, n_quantizers, n_operands = (len(self.records), len(self.errors), len(self.quantizers),
+                                                     len(self.operands))
+        outs = self.run(jaxpr, consts, ins, where, values=True)
+        records = self.records[start:]
+        errors = [(i - start, e) for i, e in self.errors[n_errors:]]
+        del self.records[start:], self.errors[n_errors:], self.quantizers[n_quantizers:]
+        del self.multiplied[n_quantizers:], self.operands[n_operands:]
+        return outs, records, errors
+
+    def put(self, records: list[MatmulRecord], figures: list[tuple[int, Any]]) -> None:
+        start = len(self.records)
+        self.records.extend(records)
+        self.errors.extend((start + i, e) for i, e in figures)
+
+    def loop_values(self, eqn: jcore.JaxprEqn, ins: list[_Val], carry_q: list[OperandQuant | None], count: int,
+                    where: Where) -> tuple[list[Any], list[Any]]:
+        """A scan or while loop run again with the body walked with values; its outputs' values and shadows.
+
+        Each of the body's ``count`` records keeps the worst figure over the
+        iterations (``jnp.maximum``: a NaN in any iteration stays); a record
+        no iteration reached keeps :data:`NOT_RUN`'s loop sentinel.
+        """
+        name, p = eqn.primitive.name, eqn.params
+        if name == "scan":
+            body = p["jaxpr"]
+            consts, carry, xs = _scan_operands(p, ins)
+        else:
+            body, cn, bn = p["body_jaxpr"], p["cond_nconsts"], p["body_nconsts"]
+            consts, carry, xs = ins[cn:cn + bn], ins[cn + bn:], []
+        n_carry = len(carry)
+        # A quantized carry's value before quantization travels beside it (in its own type) where it has one.
+        track = [q is not None and v.shadow is not v.actual for q, v in zip(carry_q, carry)]
+        track_x = [v.shadow is not v.actual for v in xs]
+        template = self.body_ins(ins, consts, carry_q, carry, xs)
+        const_ins = [dataclasses.replace(t, actual=v.actual, shadow=v.shadow) for t, v in zip(template, consts)]
+        kept: dict[str, Any] = {}
+
+        def step(state, x):
+            c_act, c_sh, worst = state
+            x_act, x_sh = x
+            sh, shx = iter(c_sh), iter(x_sh)
+            body_ins = const_ins + [
+                dataclasses.replace(t, actual=a, shadow=next(sh) if k else a)
+                for t, a, k in zip(template[len(consts):len(consts) + n_carry], c_act, track)] + [
+                dataclasses.replace(t, actual=a, shadow=next(shx) if k else a)
+                for t, a, k in zip(template[len(consts) + n_carry:], x_act, track_x)]
+            outs, records, figures = self.evaluated(body.jaxpr, body.consts, body_ins, where)
+            figures = [(i, e) for i, e in figures if i < count]
+            kept["records"], kept["at"] = records, [i for i, _ in figures]
+            worst = list(worst)
+            for i, e in figures:
+                worst[i] = jnp.maximum(worst[i], e.astype(jnp.float32))
+            new_sh = [o.shadow.astype(v.shadow.dtype) for o, v, k in zip(outs[:n_carry], carry, track) if k]
+            ys = outs[n_carry:]
+            kept["track_y"] = [o.shadow is not o.actual for o in ys]
+            return (([o.actual for o in outs[:n_carry]], new_sh, worst),
+                    ([o.actual for o in ys], [o.shadow for o in ys if o.shadow is not o.actual]))
+
+        init = ([v.actual for v in carry], [v.shadow for v, k in zip(carry, track) if k],
+                [jnp.float32(NOT_RUN_LOOP)] * count)
+        if name == "scan":
+            (c_act, c_sh, worst), (ys, ys_sh) = jax.lax.scan(
+                step, init, ([v.actual for v in xs], [v.shadow for v, k in zip(xs, track_x) if k]),
+                length=p["length"], reverse=p["reverse"])
+        else:
+            cond, cond_consts = p["cond_jaxpr"], [v.actual for v in ins[:p["cond_nconsts"]]]
+
+            def test(state):
+                return jcore.jaxpr_as_fun(cond)(*cond_consts, *state[0])[0]
+
+            c_act, c_sh, worst = jax.lax.while_loop(test, lambda state: step(state, ([], []))[0], init)
+            ys, ys_sh = [], []
+        self.put(kept["records"], [(i, worst[i]) for i in kept["at"]])
+        sh, shy = iter(c_sh), iter(ys_sh)
+        shadows = [next(sh) if k else a for a, k in zip(c_act, track)]
+        shadows += [next(shy) if k else a for a, k in zip(ys, kept["track_y"])]
+        return list(c_act) + list(ys), shadows
+
+    def cond_values(self, eqn: jcore.JaxprEqn, ins: list[_Val], counts: list[int],
+                    where: Where) -> tuple[list[Any], list[Any]]:
+        """A cond run again with each branch walked with values inside ``lax.switch``; its outputs' values.
+
+        Records of branches the index does not take keep :data:`NOT_RUN`'s
+        cond sentinel. Outputs carry no value before quantization (the
+        branches need not agree on one).
+        """
+        branches, ops = eqn.params["branches"], ins[1:]
+        offsets = [sum(counts[:i]) for i in range(len(counts))]
+        track = [v.shadow is not v.actual for v in ops]
+        kept: dict[int, tuple[list[MatmulRecord], list[int]]] = {}
+
+        def branch(i: int, b: jcore.ClosedJaxpr):
+            def run(act, sh):
+                shi = iter(sh)
+                body_ins = [dataclasses.replace(t, actual=a, shadow=next(shi) if k else a)
+                            for t, a, k in zip(self.align(ops, b.jaxpr.invars), act, track)]
+                outs, records, figures = self.evaluated(b.jaxpr, b.consts, body_ins, where)
+                figures = [(j, e) for j, e in figures if j < counts[i]]
+                kept[i] = records, [offsets[i] + j for j, _ in figures]
+                figure = [jnp.float32(NOT_RUN_COND)] * sum(counts)
+                for j, e in figures:
+                    figure[offsets[i] + j] = e.astype(jnp.float32)
+                return [o.actual for o in outs], figure
+            return run
+
+        actual, figure = jax.lax.switch(ins[0].actual, [branch(i, b) for i, b in enumerate(branches)],
+                                        [v.actual for v in ops], [v.shadow for v, k in zip(ops, track) if k])
+        records = [r for i in range(len(branches)) for r in kept[i][0]]
+        self.put(records, [(j, figure[j]) for i in range(len(branches)) for j in kept[i][1]])
+        return list(actual), list(actual)
 
     @staticmethod
     def agree(quants: list[OperandQuant | None]) -> OperandQuant | None:

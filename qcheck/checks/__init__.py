@@ -22,6 +22,7 @@ from qcheck.checks._fp8_native import assert_fp8_dtypes_native, assert_recipe_fp
 from qcheck.checks._fp8_state import assert_fp8_state_matches, fp8_state
 from qcheck.checks._fresh import assert_fresh_cast_exact, cast_reference
 from qcheck.checks._matmul import Einsum, Matmul, Ragged
+from qcheck.checks._moe_referee import assert_moe_matches_referee
 from qcheck.checks._native_gemm import NATIVE_GEMM_TOL, assert_native_matches_emulation
 from qcheck.checks._probes import probe_operands
 from qcheck.checks._programs import assert_no_recompiles, entry_params, lowered_entry_params
@@ -29,6 +30,7 @@ from qcheck.checks._ragged_groups import assert_ragged_groups_independent
 from qcheck.checks._referee import assert_format_matches_referee
 from qcheck.checks._site import assert_layer_sites_exact, assert_site_exact
 from qcheck.checks._tracks import assert_tracks, rel_norm
+from qcheck.checks._uninitialized import assert_no_uninitialized_reads
 
 __all__ = [
     "Einsum",
@@ -42,7 +44,9 @@ __all__ = [
     "assert_format_matches_referee",
     "assert_fresh_cast_exact",
     "assert_layer_sites_exact",
+    "assert_moe_matches_referee",
     "assert_native_matches_emulation",
+    "assert_no_uninitialized_reads",
     "assert_no_recompiles",
     "assert_quantized",
     "assert_ragged_groups_independent",

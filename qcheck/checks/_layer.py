@@ -4,22 +4,29 @@
 (coverage, tracks, gradients, determinism) on a layer it did not build: an NNX
 module as its library builds it (unhashable configs, Linen modules bridged by
 ``ToNNX``, state that changes when called, submodules created on the first
-call, tuple outputs), a Linen module with its variables, or a plain function
-of ``x``. :func:`copy_params_into` makes the twin from the user's own
-unquantized constructor, so both compute with the same weights.
+call, tuple outputs), a Linen module with its variables, an Equinox module
+(haliax's named arrays, through ``call=``), or a plain function of ``x``.
+:func:`copy_params_into` makes the twin from the user's own
+unquantized constructor, so both compute with the same weights. It also runs
+both programs with their unwritten ``jax.lax.empty`` buffers filled, which a
+comparison of the two cannot see (:mod:`qcheck.checks._uninitialized`).
 
 Each layer costs one compiled program (plain ``jax.jit``): the forward output,
 the gradients and the state after the call come out of one
 ``jax.value_and_grad``, cached on the module's graph definition where it
 hashes, so a second check of a layer of the same structure compiles nothing.
+A program holding a ``jax.lax.empty`` buffer costs one more: its filled copies.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+import hashlib
+import sys
 import types
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -29,7 +36,9 @@ from flax import linen, nnx
 
 from qcheck._errors import user_code
 from qcheck.checks._tracks import assert_tracks, rel_norm
-from qcheck._coverage import MatmulRecord, SkipArg, as_skips, assert_quantized, warmed_up
+from qcheck.checks._uninitialized import uninitialized_reads, unspecified_buffers
+from qcheck._coverage import KernelRoles, MatmulRecord, SkipArg, as_skips, assert_quantized, warmed_up
+from qcheck._coverage._kernels import as_kernel_roles
 from qcheck._coverage._declared import Declaration, as_declaration, mixed_formats
 from qcheck._coverage._readers import read_declaration
 
@@ -128,6 +137,8 @@ class _Form:
     def param_leaves(self, tree: Any) -> dict[str, Any]:
         if self.kind == "nnx":
             return {_path(p): v[...] for p, v in nnx.to_flat_state(tree)}
+        if self.kind == "equinox":
+            return _equinox_params(tree)
         return {_path(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
@@ -144,18 +155,93 @@ def _is_linen_pair(layer: Any) -> bool:
             and isinstance(layer[1], Mapping))
 
 
-def _form(layer: Any, x: jax.Array) -> _Form:
+def _equinox(layer: Any) -> Any:
+    """The ``equinox`` package where ``layer`` is an Equinox module, else None.
+
+    Never imports it: Equinox is no dependency of qcheck's, and an Equinox
+    module exists only once its package is loaded.
+    """
+    eqx = sys.modules.get("equinox")
+    return eqx if eqx is not None and isinstance(layer, eqx.Module) else None
+
+
+def _named_array_type() -> Any:
+    """haliax's ``NamedArray`` (a pytree around its ``.array``), or a type nothing is, where haliax is not loaded."""
+    haliax = sys.modules.get("haliax")
+    return getattr(haliax, "NamedArray", _NoType)
+
+
+class _NoType:
+    pass
+
+
+def _overwritten_state_types() -> tuple[type, ...]:
+    """haliax's quantized dot ops: fp8 scales and amax histories, inexact arrays that are state, not parameters.
+
+    Levanter's train step overwrites them with their "gradient" instead of
+    training them (``haliax.quantization.partition_for_grad_overwrite``), as
+    NNX keeps fp8 state out of ``nnx.Param``; the twin has none of them.
+    """
+    quantization = sys.modules.get("haliax.quantization")
+    found = (getattr(quantization, n, None) for n in ("CustomGradientAccumulation", "OverwriteWithGradient"))
+    return tuple(t for t in found if isinstance(t, type))
+
+
+def _equinox_split(eqx: Any, module: Any) -> tuple[Any, Any]:
+    """An Equinox module as ``(parameters, the rest)``: its inexact-array leaves but haliax's quantization state."""
+    overwritten = _overwritten_state_types()
+    return eqx.partition(module, lambda v: not isinstance(v, overwritten) and eqx.is_inexact_array(v),
+                         is_leaf=lambda v: isinstance(v, overwritten))
+
+
+def _equinox_params(params: Any) -> dict[str, Any]:
+    """The leaves of ``_equinox_split``'s parameters by path; a NamedArray named as its field, not its ``.array``."""
+    named = _named_array_type()
+    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda v: isinstance(v, named))[0]
+    leaves = ((p, v.array if isinstance(v, named) else v) for p, v in flat)
+    return {_path(p): v for p, v in leaves if v is not None}
+
+
+def _call(module: Any, x: jax.Array) -> Any:
+    return module(x)
+
+
+class _Called(nnx.Module):
+    """An NNX module called as ``call(module, x)``: what the warm-up and coverage call.
+
+    The module sits under its class's name, so that coverage scopes read as a
+    Linen module's and an Equinox module's do (``Block/proj``).
+    """
+
+    def __init__(self, module: nnx.Module, call: Callable[[Any, jax.Array], Any]):
+        self.called = type(module).__name__ + ("_" if type(module).__name__ in ("called", "fn", "module") else "")
+        self.fn = call
+        setattr(self, self.called, module)
+
+    @property
+    def module(self) -> nnx.Module:
+        return getattr(self, self.called)
+
+    def __call__(self, x: jax.Array) -> Any:
+        return self.fn(self.module, x)
+
+
+def _form(layer: Any, x: jax.Array, call: Callable[[Any, jax.Array], Any] | None = None) -> _Form:
+    """``layer`` as pure functions; ``call(module, x)`` calls a module (NNX, Linen, Equinox), not a function of x."""
     if isinstance(layer, nnx.Module):
-        module = warmed_up(layer, x)  # a copy when its first call creates submodules
+        # A copy when its first call creates submodules.
+        module = warmed_up(layer, x) if call is None else warmed_up(_Called(layer, call), x).module
         graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+        fn = call or _call
 
         def apply(params, rest, x):
             m = nnx.merge(graphdef, params, rest, copy=True)
-            out = m(x)
+            out = fn(m, x)
             _, _, after = nnx.split(m, nnx.Param, ...)
             return out, after
 
-        return _Form("nnx", params, rest, apply, _hashable(("nnx", graphdef)), module)
+        return _Form("nnx", params, rest, apply, _hashable(("nnx", graphdef, fn)),
+                     module if call is None else _Called(module, call))
     if _is_linen_pair(layer):
         module, variables = layer
         params = variables.get("params", {})
@@ -163,12 +249,22 @@ def _form(layer: Any, x: jax.Array) -> _Form:
         mutable = sorted(rest) or False
 
         def apply(params, rest, x):
-            result = module.apply({"params": params, **rest}, x, mutable=mutable)
+            result = module.apply({"params": params, **rest}, x, mutable=mutable, method=call)
             out, after = result if mutable else (result, {})
             return out, {**rest, **after}
 
-        return _Form("linen", params, rest, apply, _hashable(("linen", module)),
+        return _Form("linen", params, rest, apply, _hashable(("linen", module, call)),
                      lambda x: apply(params, rest, x)[0])
+    if (eqx := _equinox(layer)) is not None:
+        params, rest = _equinox_split(eqx, layer)
+        arrays, static = eqx.partition(rest, eqx.is_array)  # jit's arguments hold arrays only
+        fn = call or _call
+
+        def apply(params, arrays, x):
+            return fn(eqx.combine(params, arrays, static), x), arrays
+
+        key = ("equinox", jax.tree_util.tree_structure(static), tuple(jax.tree_util.tree_leaves(static)), fn)
+        return _Form("equinox", params, arrays, apply, _hashable(key), functools.partial(fn, layer))
 
     def apply_fn(params, rest, x):
         return layer(x), rest
@@ -192,7 +288,10 @@ def _select(out: Any, output: Any) -> list[tuple[str, jax.Array]]:
         except (KeyError, IndexError, TypeError) as e:
             raise _NoOutput(f"output={output!r} does not index the output ({type(e).__name__}: {e})") from None
         prefix = (jax.tree_util.SequenceKey(output) if isinstance(output, int) else jax.tree_util.DictKey(output),)
-    leaves = [(_leaf_name(prefix + tuple(p)), v) for p, v in jax.tree_util.tree_flatten_with_path(picked)[0]
+    named = _named_array_type()  # a haliax NamedArray: its array, named by its place in the output
+    flat = jax.tree_util.tree_flatten_with_path(picked, is_leaf=lambda v: isinstance(v, named))[0]
+    leaves = [(_leaf_name(prefix + tuple(p)), v) for p, v in ((p, v.array if isinstance(v, named) else v)
+                                                              for p, v in flat)
               if hasattr(v, "shape") and hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.floating)]
     if not leaves:
         raise _NoOutput(f"output={output!r} selects no floating-point array of the output ({_describe(out)})")
@@ -214,25 +313,67 @@ def _loss(leaves: list[jax.Array]) -> jax.Array:
 _PROGRAMS: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 
 
-def _program(form: _Form, output: Any) -> Any:
+def _step(form: _Form, output: Any, names: list[str]) -> Callable[..., Any]:
+    """The layer's forward and backward pass as one function; tracing it fills ``names`` with the output's leaves."""
+
     def step(params, rest, x):
         def loss(params, x):
             out, after = form.apply(params, rest, x)
+            # Selected on the output's shapes first, as on its values nothing fails: a tracer's index clamps.
+            shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype) if hasattr(v, "shape") else v, out)
+            names[:] = [n for n, _ in _select(shapes, output)]
             leaves = _select(out, output)
-            return _loss([v for _, v in leaves]), ([v for _, v in leaves], [n for n, _ in leaves], after)
+            return _loss([v for _, v in leaves]), ([v for _, v in leaves], after)
 
-        (_, (leaves, _names, after)), (g_params, g_x) = jax.value_and_grad(
-            loss, argnums=(0, 1), has_aux=True)(params, x)
+        (_, (leaves, after)), (g_params, g_x) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
         return leaves, g_params, g_x, after
 
-    key = (form.key, _hashable(output)) if form.key is not None and _hashable(output) is not None else None
+    return step
+
+
+def _consts(jaxpr: Any) -> list[Any]:
+    """Every constant of a traced program, its inner programs' included (their values are not in its text)."""
+    found = list(getattr(jaxpr, "consts", ()) or ())
+    for eqn in getattr(getattr(jaxpr, "jaxpr", jaxpr), "eqns", ()):
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if hasattr(sub, "eqns") or hasattr(sub, "consts"):
+                    found += _consts(sub)
+    return found
+
+
+def _fingerprint(jaxpr: Any) -> str:
+    """What the traced program computes: its text and its constants' bits."""
+    digest = hashlib.blake2b(str(jaxpr).encode(), digest_size=16)
+    for c in _consts(jaxpr):
+        a = np.asarray(jax.random.key_data(c) if jnp.issubdtype(getattr(c, "dtype", np.float32), jax.dtypes.prng_key)
+                       else c)
+        digest.update(f"{a.dtype}{a.shape}".encode())
+        digest.update(np.ascontiguousarray(a).tobytes())
+    return digest.hexdigest()
+
+
+def _program(form: _Form, output: Any, args: tuple[Any, Any, jax.Array]) -> tuple[Any, list[str]]:
+    """The compiled step for ``args`` and the output's leaf names.
+
+    The step is traced on every call (a trace costs little beside a compile),
+    and a compiled program is reused only for an equal form and an equal
+    traced program: code changed between two checks (a monkeypatched helper,
+    a rebuilt module) is never served the program of the old code.
+    """
+    names: list[str] = []
+    jitted = jax.jit(_step(form, output, names))
+    traced = jitted.trace(*args)
+    # output=None (every leaf) is a key like any other: _hashable's None means "not hashable" only for a form's key.
+    key = _hashable((form.key, output)) if form.key is not None else None
     if key is None:
-        return jax.jit(step)
+        return jitted, names
+    key = (key, _fingerprint(traced.jaxpr))
     if key not in _PROGRAMS:
-        _PROGRAMS[key] = jax.jit(step)
+        _PROGRAMS[key] = jitted
         while len(_PROGRAMS) > 64:
             _PROGRAMS.popitem(last=False)
-    return _PROGRAMS[key]
+    return _PROGRAMS[key], names
 
 
 @dataclasses.dataclass
@@ -241,15 +382,14 @@ class _Run:
     grads: dict[str, np.ndarray]  # parameter path -> gradient; INPUT_GRAD -> the input's
     params: dict[str, np.ndarray]
     again: dict[str, np.ndarray] | None = None  # a second call, from the state the first left
+    program: Any = None  # the jitted step: the uninitialized check reads its traced program
 
 
 def _run(what: str, form: _Form, x: jax.Array, output: Any, *, twice: bool) -> _Run:
     names = []
     try:
         with user_code("check_layer", what, passthrough=(_NoOutput,)):
-            out, _ = jax.eval_shape(form.apply, form.params, form.rest, x)
-            names = [n for n, _ in _select(out, output)]
-            program = _program(form, output)
+            program, names = _program(form, output, (form.params, form.rest, x))
             leaves, g_params, g_x, after = program(form.params, form.rest, x)
             again = program(form.params, after, x)[0] if twice else None
     except _NoOutput as e:
@@ -258,7 +398,7 @@ def _run(what: str, form: _Form, x: jax.Array, output: Any, *, twice: bool) -> _
     grads[INPUT_GRAD] = np.asarray(g_x)
     params = {p: np.asarray(v) for p, v in form.param_leaves(form.params).items()}
     return _Run(dict(zip(names, map(np.asarray, leaves))), grads, params,
-                None if again is None else dict(zip(names, map(np.asarray, again))))
+                None if again is None else dict(zip(names, map(np.asarray, again))), program)
 
 
 # -- the check -------------------------------------------------------------------
@@ -273,12 +413,27 @@ def _grad_rel_norm(g: np.ndarray, ref: np.ndarray) -> float:
     return rel_norm(g, ref)
 
 
+def _is_module(layer: Any) -> bool:
+    return isinstance(layer, nnx.Module) or _is_linen_pair(layer) or _equinox(layer) is not None
+
+
+def _check_call(layer: Any, reference: Any, call: Any) -> None:
+    if call is None:
+        return
+    if not callable(call) or isinstance(call, type):
+        raise ValueError(f"check_layer: call must be a function (module, x) -> output, got {type(call).__name__}")
+    if not (_is_module(layer) or _is_module(reference)):
+        raise ValueError("check_layer: call is how a module is called on x, and neither layer nor reference is a "
+                         "module (an flax.nnx.Module, a (linen.Module, variables) pair or an equinox.Module): "
+                         "a function of x is called as it is")
+
+
 def _check_args(layer: Any, reference: Any, x: Any, max_rel_norm: float, max_grad_rel_norm: float,
                 skip: Any, skip_grads: Any, output: Any) -> tuple[jax.Array, frozenset[str]]:
     for name, fn in (("layer", layer), ("reference", reference)):
-        if not (isinstance(fn, nnx.Module) or _is_linen_pair(fn) or (callable(fn) and not isinstance(fn, type))):
-            raise ValueError(f"check_layer: {name} must be an flax.nnx.Module, a (linen.Module, variables) pair "
-                             f"or a function of x, got {type(fn).__name__}")
+        if not (_is_module(fn) or (callable(fn) and not isinstance(fn, type))):
+            raise ValueError(f"check_layer: {name} must be an flax.nnx.Module, a (linen.Module, variables) pair, "
+                             f"an equinox.Module or a function of x, got {type(fn).__name__}")
     if not isinstance(x, (np.ndarray, jax.Array)) or not jnp.issubdtype(x.dtype, jnp.floating):
         what = f"{type(x).__name__} of {x.dtype}" if hasattr(x, "dtype") else type(x).__name__
         raise ValueError(f"check_layer: x must be a floating-point numpy or JAX array, got {what}")
@@ -332,11 +487,19 @@ def check_layer(
     skip_grads: Collection[str] = (),
     machinery: Collection[str] = (),
     declared: Any = None,
+    call: Callable[[Any, jax.Array], Any] | None = None,
+    kernels: KernelRoles | Sequence[KernelRoles] | None = None,
 ) -> LayerFigures:
     """Check a quantized ``layer`` against its unquantized twin ``reference`` on input ``x``.
 
-    Each is an NNX module, a ``(linen_module, variables)`` pair, or a plain
-    function of ``x``; make an NNX twin with :func:`copy_params_into`. Neither
+    Each is an NNX module, a ``(linen_module, variables)`` pair, an Equinox
+    module, or a plain function of ``x``; make an NNX or Equinox twin with
+    :func:`copy_params_into`. ``call``: how a module is called on ``x``, a
+    function ``(module, x) -> output`` (default ``module(x)``; a Linen module's
+    ``method``): where the module takes other arguments, or named arrays
+    (haliax: ``lambda m, x: m(hax.named(x, axes))``; a ``NamedArray`` in the
+    output is compared as its array). A plain function of ``x`` is called as
+    it is. Neither
     is changed: each runs on a copy of its state, as ``nnx.jit`` would, and a
     module whose first call creates submodules (MaxText's lazily built AQT
     einsums) is checked as it runs after that call, on a copy warmed up by one
@@ -355,15 +518,28 @@ def check_layer(
       twin as its control, must not spare more of the twin's matmuls than of
       the layer's (a rule that would hide a fallen-back site fails, naming it);
       ``machinery``: more packages whose frames are not the user's call site;
+      ``kernels``: the roles of the layer's opaque kernels (``pallas_call``),
+      :class:`qcheck.KernelRoles`; a kernel whose roles qcheck cannot read
+      fails this check until declared or spared;
     * tracks: each compared output leaf is within ``max_rel_norm`` of the
       twin's and not bitwise equal to it (:func:`qcheck.checks.assert_tracks`);
     * gradients: one backward pass of the sum of ``mean(leaf ** 2)``; every
       gradient is finite, and each parameter's gradient (``nnx.Param`` leaves
-      by path, a Linen module's ``params`` collection) and the input's is
+      by path, a Linen module's ``params`` collection, an Equinox module's
+      inexact-array leaves by field path, ``experts/w1/weight``, a haliax
+      ``NamedArray`` named as its field; haliax's fp8 scales and amax
+      histories are state, not parameters) and the input's is
       within ``max_grad_rel_norm`` of the twin's at the same path, but those
       named in ``skip_grads``;
     * determinism: a second call, from the state the first left (RNG counts
       advanced, fp8 statistics as the call left them), gives the same bits;
+    * uninitialized, on the layer and on the twin alike (the bug is in code
+      both run): where the compiled program holds a buffer whose contents JAX
+      leaves unspecified (``jax.lax.empty``: zeros on CPU, whatever the memory
+      held on GPU and TPU), it runs again with each filled with NaN and with a
+      large finite value, and every output, gradient and state must keep its
+      bits (:func:`qcheck.checks.assert_no_uninitialized_reads`); a program
+      without one is not run again;
     * declared quantization: with ``declared`` (a recipe name, a
       ``qcheck.Recipe``, or a mapping of roles to formats,
       ``{"weights": "int8", "activations": None}``; ``True``: what the layer's
@@ -393,14 +569,16 @@ def check_layer(
     """
     __tracebackhide__ = True
     x, skip_grads = _check_args(layer, reference, x, max_rel_norm, max_grad_rel_norm, skip, skip_grads, output)
+    _check_call(layer, reference, call)
+    as_kernel_roles(kernels, "check_layer")  # a misuse is check_layer's ValueError, before anything runs
     from_layer = declared is True
     if isinstance(declared, bool) and not from_layer:
         raise ValueError("check_layer: declared must be True (read it from the layer), a recipe name, a "
                          "qcheck.Recipe or a mapping of roles to formats; got False")
     declaration = (read_declaration(layer) if from_layer
                    else None if declared is None else as_declaration(declared, "check_layer: declared"))
-    form = _traceable("layer", lambda: _form(layer, x))
-    twin = _traceable("reference", lambda: _form(reference, x))
+    form = _traceable("layer", lambda: _form(layer, x, call))
+    twin = _traceable("reference", lambda: _form(reference, x, call))
     paths = {p for f in (form, twin) for p in f.param_leaves(f.params)}
     if unknown := skip_grads - paths:
         raise ValueError(f"check_layer: skip_grads names {sorted(unknown)}, which are not parameters; "
@@ -422,7 +600,7 @@ def check_layer(
     records: list[MatmulRecord] = []
     try:
         records = assert_quantized(form.probe, x, skip=skip, control=twin.probe, machinery=tuple(machinery),
-                                   declared=declaration)
+                                   declared=declaration, kernels=kernels)
     except AssertionError as e:
         failures.append(f"coverage: {e}")
     if from_layer and declaration is None and records:
@@ -459,6 +637,9 @@ def check_layer(
             failures.append(f"determinism: a second call on the same input changed {differ} of {out.size} "
                             f"output values{f' of {name}' if name else ''} ({out.dtype}; worst by "
                             f"{float(np.max(np.abs(again.astype(np.float64) - out))):.3g})")
+    for who, f, r in (("layer", form, run), ("reference", twin, ref)):
+        if (read := _uninitialized(who, f, r, x, machinery)) is not None:
+            failures.append(f"uninitialized ({who}): {read}")
     if failures:
         raise AssertionError(f"check_layer: {len(failures)} check(s) failed:\n" +
                              "\n".join("  " + f.replace("\n", "\n  ") for f in failures))
@@ -466,9 +647,32 @@ def check_layer(
                         types.MappingProxyType(figures), declaration)
 
 
+def _uninitialized(what: str, form: _Form, run: _Run, x: jax.Array, machinery: Collection[str]) -> str | None:
+    """Whether the program ``run`` compiled reads memory it never wrote (``jax.lax.empty``'s); None if not.
+
+    The jaxpr is the one its ``jax.jit`` traced (a cache hit); only a program
+    holding such a buffer is compiled again, with its filled copies.
+    """
+    args = (form.params, form.rest, x)
+    with user_code("check_layer", what):
+        closed, returned = jax.make_jaxpr(run.program, return_shape=True)(*args)
+        if not (buffers := unspecified_buffers(closed, machinery)):
+            return None
+        out_names = [f"output{f' {n}' if n else ''}" for n in run.out]
+
+        def name(path: tuple[Any, ...]) -> str:  # (leaves, parameter gradients, input gradient, state after)
+            at = _path(path[1:]).removesuffix("/value")  # an NNX Variable's array
+            if path[0].idx == 0:
+                return out_names[path[1].idx]
+            return {1: f"gradient of {at}", 2: "gradient of the input x"}.get(path[0].idx, f"state after the call {at}")
+
+        names = [name(p) for p, _ in jax.tree_util.tree_flatten_with_path(returned)[0]]
+        return uninitialized_reads(closed, jax.tree_util.tree_leaves(args), names, buffers)
+
+
 # -- the twin ---------------------------------------------------------------------
 
-def copy_params_into(layer: nnx.Module, reference: nnx.Module) -> nnx.Module:
+def copy_params_into(layer: Any, reference: Any) -> Any:
     """Copy every ``nnx.Param`` of ``layer`` into ``reference`` at the same path; return ``reference``.
 
     ``reference`` is the unquantized twin the user built with their own
@@ -478,30 +682,62 @@ def copy_params_into(layer: nnx.Module, reference: nnx.Module) -> nnx.Module:
     reference lacks. Every Param path of either module must exist in the other
     with the same shape and dtype, else a ``ValueError`` names the first that
     does not (in sorted path order) and lists both modules' Param paths.
+
+    Two Equinox modules: the parameters are those :func:`check_layer`
+    compares (inexact-array leaves by path, not haliax's quantization state),
+    and, Equinox modules being immutable, a copy of ``reference`` holding
+    them is returned.
     """
+    kinds = []
     for name, m in (("layer", layer), ("reference", reference)):
-        if not isinstance(m, nnx.Module):
-            raise ValueError(f"copy_params_into: {name} must be an flax.nnx.Module, got {type(m).__name__}")
-    src = {_path(p): v for p, v in nnx.to_flat_state(nnx.state(layer, nnx.Param))}
-    dst_state = nnx.state(reference, nnx.Param)
-    dst = {_path(p): v for p, v in nnx.to_flat_state(dst_state)}
+        kinds.append("nnx" if isinstance(m, nnx.Module) else "equinox" if _equinox(m) is not None else None)
+        if kinds[-1] is None:
+            raise ValueError(f"copy_params_into: {name} must be an flax.nnx.Module or an equinox.Module, "
+                             f"got {type(m).__name__}")
+    if kinds[0] != kinds[1]:
+        raise ValueError(f"copy_params_into: layer and reference must both be NNX modules or both Equinox modules, "
+                         f"got {type(layer).__name__} ({kinds[0]}) and {type(reference).__name__} ({kinds[1]})")
+    if kinds[0] == "nnx":
+        src = {_path(p): v[...] for p, v in nnx.to_flat_state(nnx.state(layer, nnx.Param))}
+        dst_state = nnx.state(reference, nnx.Param)
+        dst = {_path(p): v[...] for p, v in nnx.to_flat_state(dst_state)}
+        word = "Params"
+    else:
+        eqx = _equinox(reference)
+        src = _equinox_params(_equinox_split(eqx, layer)[0])
+        dst_params, dst_rest = _equinox_split(eqx, reference)
+        dst = _equinox_params(dst_params)
+        word = "parameters"
 
     def listing() -> str:
-        return f"layer Params: {', '.join(src) or '(none)'}; reference Params: {', '.join(dst) or '(none)'}"
+        return f"layer {word}: {', '.join(src) or '(none)'}; reference {word}: {', '.join(dst) or '(none)'}"
 
     for path in sorted(set(src) | set(dst)):
         if path not in dst:
             raise ValueError(f"copy_params_into: layer parameter {path} has no counterpart in reference ({listing()})")
         if path not in src:
             raise ValueError(f"copy_params_into: reference parameter {path} has no counterpart in layer ({listing()})")
-        a, b = src[path][...], dst[path][...]
+        a, b = src[path], dst[path]
         if a.shape != b.shape or a.dtype != b.dtype:
             raise ValueError(f"copy_params_into: parameter {path} is {a.dtype}{list(a.shape)} in layer but "
                              f"{b.dtype}{list(b.shape)} in reference ({listing()})")
-    for p, v in nnx.to_flat_state(dst_state):
-        old, new = v[...], src[_path(p)][...]
+
+    def copied(old: Any, new: Any) -> Any:
         # device_put copies a numpy leaf (one changed in place later must not reach the twin) and keeps
         # the twin's own sharding.
-        v.set_value(jax.device_put(new, old.sharding) if isinstance(old, jax.Array) else np.array(new))
+        return jax.device_put(new, old.sharding) if isinstance(old, jax.Array) else np.array(new)
+
+    if kinds[0] == "equinox":
+        named = _named_array_type()
+
+        def put(path: Any, v: Any) -> Any:
+            if isinstance(v, named):  # the NamedArray keeps its axes, its array is the layer's
+                return v if v.array is None else jax.tree_util.tree_map(lambda old: copied(old, src[_path(path)]), v)
+            return copied(v, src[_path(path)])
+
+        params = jax.tree_util.tree_map_with_path(put, dst_params, is_leaf=lambda v: isinstance(v, named))
+        return eqx.combine(params, dst_rest)
+    for p, v in nnx.to_flat_state(dst_state):
+        v.set_value(copied(v[...], src[_path(p)]))
     nnx.update(reference, dst_state)
     return reference

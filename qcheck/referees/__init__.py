@@ -2,7 +2,9 @@
 
 The formats' quantizers (:func:`reference_quantize`, :func:`reference_dequantize`,
 :func:`reference_qdq`), the integer matmuls the int8 libraries compute exactly,
-and the rules each library follows under a format's name. Every value is
+the rules each library follows under a format's name, and the routed MoE
+layers people ship, in float64 (:func:`reference_moe`: Mixtral, Gemma-4 and
+DeepSeek styles, with token dropping). Every value is
 computed by numpy and ml_dtypes, never by the code it referees, so a bug cannot
 be copied from one side to the other (the integer matmuls ask JAX, by tracing,
 only which operand ``jnp.einsum`` hands ``dot_general`` first).
@@ -12,5 +14,9 @@ from __future__ import annotations
 
 from qcheck.referees._formats import referee_format_names, reference_dequantize, reference_qdq, reference_quantize
 from qcheck.referees._integer import MATMUL_MODES
+from qcheck.referees._moe import (MOE_ACTIVATIONS, MOE_STYLES, MoEReference, reference_activation, reference_capacity,
+                                  reference_experts, reference_moe)
 
-__all__ = ["MATMUL_MODES", "referee_format_names", "reference_dequantize", "reference_qdq", "reference_quantize"]
+__all__ = ["MATMUL_MODES", "MOE_ACTIVATIONS", "MOE_STYLES", "MoEReference", "referee_format_names",
+           "reference_activation", "reference_capacity", "reference_dequantize", "reference_experts", "reference_moe",
+           "reference_qdq", "reference_quantize"]

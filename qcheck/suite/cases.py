@@ -28,6 +28,8 @@ __all__ = [
     "BATCH",
     "DROP_CAPACITY_FACTOR",
     "DROP_MODELS",
+    "REFEREE_ATOL",
+    "REFEREE_RTOL",
     "SEED",
     "SEQ",
     "VARIANTS",
@@ -54,6 +56,11 @@ BATCH, SEQ = 2, 32
 #: Capacity factor of the token-dropping variants: tight enough that uneven
 #: routing drops tokens on both models at the default seed.
 DROP_CAPACITY_FACTOR = 1.0
+#: The unquantized layer against the float64 referee (the ``referee`` invariant), per token:
+#: ||layer - referee|| <= atol + rtol ||referee|| over its output vector. Measured (jax 0.10.2, CPU,
+#: seed 0) on both models, both paths, with and without dropping: at most 5.0e-7 of a token's norm
+#: (float32 rounding of emb-32, mlp-64 sums); a token whose every expert is dropped is 0 in both.
+REFEREE_RTOL, REFEREE_ATOL = 1e-5, 1e-6
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -71,6 +78,11 @@ class Variant:
     @property
     def id(self) -> str:
         return f"{self.model}-{self.path}" + ("-drop" if self.dropping else "")
+
+    @property
+    def referee_tolerance(self) -> tuple[float, float]:
+        """``(rtol, atol)`` of this shape's unquantized layer against the float64 referee: the same on every row."""
+        return REFEREE_RTOL, REFEREE_ATOL
 
 
 #: Token dropping on the dense path adds the dispatch and combine call sites.

@@ -43,6 +43,9 @@ Columns:
            (recipes that share a stream); the figure is that count
   sharded  the layer on a 2 x 4 mesh of host devices computes the single-device
            output; the figure is the largest difference
+  referee  the unquantized layer computes its model's function: the float64
+           numpy referee's, token by token (recipe none); the figure is the
+           worst difference relative to the token's norm
   golden   the case matches its golden file (codes and entry parameters exactly,
            outputs and gradients within the tolerance stored in the file)
 

@@ -27,6 +27,7 @@ from qcheck.suite import _site_programs, golden
 from qcheck.suite._site_programs import SiteRuns, probe_group_sizes
 from qcheck.suite._sharded import (SHARDED_ATOL, SHARDED_RTOL, assert_layer_sharded,
                                    assert_layer_sharded_matches, assert_sharded_matches)
+from qcheck.suite._referee import assert_layer_matches_referee
 from qcheck.layers.moe import MoE
 from qcheck.recipes import ApplyRngs, Recipe, get_recipe
 
@@ -59,6 +60,8 @@ __all__ = [
     "SHARDED_ATOL",
     "SHARDED_RTOL",
     "check_paths_agree",
+    "check_referee",
+    "assert_layer_matches_referee",
     "check_state",
     "check_train",
     "assert_layer_trains",
@@ -633,6 +636,19 @@ def check_sharded(case: Case) -> float:
         cases_mod.layer_input(case.variant.model), case.id, mesh=cases_mod.mesh())
 
 
+def check_referee(case: Case) -> float:
+    """:func:`assert_layer_matches_referee` on the case's output, within its row's tolerance (``referee_tolerance``).
+
+    The output is :func:`~qcheck.cases.layer_output`, the one every other
+    check reads (for ``none``, the forward pass inside its train step): no
+    program of its own, the referee runs in numpy.
+    """
+    __tracebackhide__ = True
+    rtol, atol = case.variant.referee_tolerance
+    return assert_layer_matches_referee(cases_mod.layer(case), np.asarray(cases_mod.layer_input(case.variant.model)),
+                                        case.id, rtol=rtol, atol=atol, output=cases_mod.layer_output(case))
+
+
 def check_golden(case: Case, golden_root: Path = Path("golden")) -> None:
     """The case matches its golden file (qcheck's own recipes: the package's; others: ``golden_root``'s).
 
@@ -666,6 +682,9 @@ INVARIANTS: tuple[Invariant, ...] = (
     Invariant("rng", _rng_applies, check_rng),
     # Sharded twins exist per model and path, without token dropping; golden cases for every variant.
     Invariant("sharded", lambda r, v: not v.dropping, check_sharded),
+    # The unquantized layers only: a quantized one differs from the referee by its quantization, and runs the
+    # same layer code as its twin, which this holds on every variant.
+    Invariant("referee", lambda r, v: not r.quantized, check_referee),
     # Against the package's golden cases and ./golden; a run binds its own directory (RunEnv).
     Invariant("golden", lambda r, v: True, check_golden),
 )

@@ -2,7 +2,8 @@
 
 A cell is ``pass`` (with its figure where the check measures one: ``tracks``
 the relative norm against ``none``, ``sharded`` the largest difference from the
-single-device output, ``rng`` the u32 entry parameters of the train step),
+single-device output, ``rng`` the u32 entry parameters of the train step,
+``referee`` the worst difference from the float64 referee relative to a token's norm),
 ``-`` (the invariant does not apply to the case) or ``FAIL [n]``, where ``[n]``
 points to the failure's full text below the table (and in ``--json``): the
 diagnosis and the command that fixes it are never cut. A cell its recipe

@@ -63,6 +63,11 @@ def test_sharded_layer_computes_the_same_function(qcheck_case):
     assert invariants.check_sharded(qcheck_case) <= invariants.SHARDED_ATOL
 
 
+@pytest.mark.qcheck_invariant("referee")
+def test_unquantized_layer_matches_the_float64_referee(qcheck_case):
+    assert invariants.check_referee(qcheck_case) <= qcheck_case.variant.referee_tolerance[0]
+
+
 @pytest.mark.qcheck_invariant("grads")
 def test_train_step_gradients_track_unquantized_twin(qcheck_case):
     assert invariants.check_grads(qcheck_case) > 0
