@@ -119,3 +119,10 @@ def test_a_nested_user_code_error_names_the_innermost_call():
 
     with pytest.raises(qcheck.UserCodeError, match="^coverage: fn could not"):
         qcheck.assert_quantized(calls_coverage, X)
+
+
+def test_a_checks_wrapper_names_a_user_code_error_once():
+    with pytest.raises(qcheck.UserCodeError) as info:
+        qcheck.assert_no_uninitialized_reads(static_value_error, X)
+    assert str(info.value).startswith("assert_no_uninitialized_reads: fn could not be traced and run on ")
+    assert str(info.value).count("assert_no_uninitialized_reads") == 1

@@ -3,7 +3,8 @@
 It gives every check the same message prefix, ``"[label: ]assert_name: "``, on
 both ways a check can refuse to pass: ``AssertionError`` (the check ran and
 failed) and ``ValueError``/``TypeError`` (the input makes the check
-meaningless, so it must not pass either). The message body is the check's own,
+meaningless, so it must not pass either); a ``qcheck.UserCodeError`` (the code
+under check raised) keeps its own message, which names the call. The message body is the check's own,
 with its figures. A check called from inside another check is named once, by
 the innermost: the outer one leaves an already named message alone.
 ``__tracebackhide__`` keeps pytest's traceback on the caller's line.
@@ -15,6 +16,8 @@ import functools
 import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from qcheck._errors import UserCodeError
 
 __all__ = ["assertion", "prefix"]
 
@@ -50,7 +53,8 @@ def assertion(fn: F | None = None, *, name: str | None = None) -> F | Callable[[
         try:
             return fn(*args, **kwargs)
         except (AssertionError, ValueError, TypeError) as e:
-            if getattr(e, _NAMED, None) is None:
+            # A UserCodeError already names the call whose code raised (qcheck._errors).
+            if getattr(e, _NAMED, None) is None and not isinstance(e, UserCodeError):
                 label = kwargs.get("label", default_label)
                 message = str(e.args[0]) if e.args else ""
                 e.args = (prefix(check, label if isinstance(label, str) else str(label)) + message, *e.args[1:])

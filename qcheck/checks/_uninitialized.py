@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from qcheck._coverage._scopes import machinery_prefixes, user_frames
-from qcheck._errors import UserCodeError, user_code
-from qcheck.checks._assertion import assertion, prefix
+from qcheck._errors import user_code
+from qcheck.checks._assertion import assertion
 from qcheck.checks._figures import Figures
 
 __all__ = ["UNSPECIFIED", "UnspecifiedBuffer", "assert_no_uninitialized_reads", "uninitialized_reads",
@@ -309,18 +309,9 @@ def _program(fn: Callable[..., Any], args: tuple, grads: bool) -> tuple[Callable
     return program, flat
 
 
-@contextlib.contextmanager
-def _user_code() -> Iterator[None]:
-    """An error of ``fn`` as one UserCodeError; its message leaves the check's name to the wrapper, which adds it."""
-    __tracebackhide__ = True
-    name = prefix("assert_no_uninitialized_reads")
-    try:
-        with user_code(name.removesuffix(": "), "fn", passthrough=(_Meaningless,)):
-            yield
-    except UserCodeError as e:
-        if e.args and isinstance(e.args[0], str):
-            e.args = (e.args[0].removeprefix(name), *e.args[1:])
-        raise
+def _user_code() -> contextlib.AbstractContextManager[None]:
+    """An error of ``fn`` as one UserCodeError naming this check (the wrapper leaves its message alone)."""
+    return user_code("assert_no_uninitialized_reads", "fn", passthrough=(_Meaningless,))
 
 
 @assertion
