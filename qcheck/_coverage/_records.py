@@ -157,8 +157,9 @@ class MatmulRecord:
 
     ``error`` is ``||out - ref|| / ||ref||`` against the same product of the
     operands before quantization; None when not computed, and ``no_error``
-    then says why (full-precision operands, a scaled matmul, a body walked for
-    quantization only, operands narrow from the start, ``errors=False``).
+    then says why (full-precision operands, a scaled matmul, a ``shard_map`` body
+    walked for quantization only, a cond branch or loop body these inputs do
+    not run, operands narrow from the start, ``errors=False``).
     ``backward``: the matmul belongs to the backward pass (it depends on the
     output gradient; only with ``coverage(..., backward=True)``).
     ``lhs_casts``/``rhs_casts``: every narrow type the operand's quantized chain
