@@ -126,3 +126,14 @@ def test_a_checks_wrapper_names_a_user_code_error_once():
         qcheck.assert_no_uninitialized_reads(static_value_error, X)
     assert str(info.value).startswith("assert_no_uninitialized_reads: fn could not be traced and run on ")
     assert str(info.value).count("assert_no_uninitialized_reads") == 1
+
+
+def test_a_bug_in_qcheck_s_own_walk_is_not_blamed_on_the_code_under_check(monkeypatch):
+    def fp8_matmul(x):
+        return x.astype(jnp.float8_e4m3fn).astype(jnp.float32) @ W.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+
+    qcheck.coverage(fp8_matmul, X, errors=True)
+    monkeypatch.setattr("qcheck._coverage._walk._widest", None)  # the walk itself now fails
+    with pytest.raises(TypeError, match="'NoneType' object is not callable") as info:
+        qcheck.coverage(fp8_matmul, X, errors=True)
+    assert not isinstance(info.value, qcheck.UserCodeError)

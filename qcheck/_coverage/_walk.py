@@ -270,7 +270,7 @@ class Walker:
                 grad = any(v.grad for v in ins)
                 return [_Val(o.quant, False, False, actual[i] if values else None, actual[i] if values else None,
                              grad=grad, casts=o.casts, data=o.data) for i, o in enumerate(mapped)]
-        if (ste := self.straight_through(eqn, ins, actual[0] if values else None)) is not None:
+        if (ste := self.straight_through(eqn, ins, actual[0] if values and actual else None)) is not None:
             return [ste]
         quant = self.propagate(eqn, ins)
         const = all(v.const for v in ins)
@@ -456,7 +456,8 @@ class Walker:
             start = 1 if name == "select_n" else 0
             vals = [x.astype(dtype) if dtype and i >= start and jnp.issubdtype(x.dtype, jnp.floating) else x
                     for i, x in enumerate(vals)]
-        return eqn.primitive.bind(*vals, **eqn.params)
+        out = eqn.primitive.bind(*vals, **eqn.params)
+        return out[0] if eqn.primitive.multiple_results else out  # one output, bound as a list (split)
 
     def matmul(self, eqn: jcore.JaxprEqn, ins: list[_Val], where: Where, out: Any, *,
                kernel: KernelRead | None = None) -> None:
