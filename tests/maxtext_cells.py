@@ -4,7 +4,8 @@ The cells tests/test_maxtext.py and docs/checking-your-layer.md check: every
 MaxText quantization recipe qcheck covers (``QUANTIZATIONS``), on the dense
 and the sparse path (``sparse_matmul`` False/True, megablox off, so the sparse
 path is MaxText's own ``jax.lax.ragged_dot``), each with its unquantized twin
-(``quantization=""``) holding the layer's weights (:func:`cell`).
+(``quantization=""``) holding the layer's weights (:func:`cell`); and the DeepSeek
+block's unquantized ``RoutedAndSharedMoE`` (:func:`routed_and_shared`).
 
 Needs MaxText's environment (.ci/maxtext.sh): ``JAX_PLATFORMS=cpu``,
 ``DECOUPLE_GCLOUD=TRUE`` and ``MAXTEXT_ASSETS_ROOT`` set before maxtext is imported.
@@ -43,37 +44,40 @@ def _megablox_tiles() -> dict[str, int]:
 
 
 @functools.cache
-def config(quantization: str = "", sparse_matmul: bool = False, megablox: bool = False):
+def config(quantization: str = "", sparse_matmul: bool = False, megablox: bool = False, **overrides):
     """MaxText's config for a tiny Mixtral-like MoE (float32 throughout, dropless; megablox off unless asked,
-    and then on the sparse path, its Pallas kernels interpreted on CPU, with tiles the block's size)."""
+    and then on the sparse path, its Pallas kernels interpreted on CPU, with tiles the block's size).
+
+    ``overrides``: further config keys, over these (a ``capacity_factor``, a DeepSeek block's keys)."""
     import maxtext
     from maxtext.configs import pyconfig
 
     base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
     return pyconfig.initialize(
-        [None, base], run_name="qcheck", enable_checkpointing=False,
-        base_emb_dim=EMB, base_mlp_dim=MLP, base_moe_mlp_dim=MLP, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
-        sparse_matmul=sparse_matmul or megablox, megablox=megablox, capacity_factor=-1.0,
-        **(_megablox_tiles() if megablox else {}),
-        quantization=quantization, dtype="float32", weight_dtype="float32",
-        # One device: AQT's range finding unsharded. MaxText's default (-1) takes jax.local_device_count(),
-        # eight in qcheck's test processes, and AQT's int8 backward then asserts 8 divides a contraction of 2.
-        quantization_local_shard_count=1,
+        [None, base], run_name="qcheck", enable_checkpointing=False, **{
+            "base_emb_dim": EMB, "base_mlp_dim": MLP, "base_moe_mlp_dim": MLP, "num_experts": EXPERTS,
+            "num_experts_per_tok": TOP_K, "sparse_matmul": sparse_matmul or megablox, "megablox": megablox,
+            "capacity_factor": -1.0, **(_megablox_tiles() if megablox else {}),
+            "quantization": quantization, "dtype": "float32", "weight_dtype": "float32",
+            # One device: AQT's range finding unsharded. MaxText's default (-1) takes jax.local_device_count(),
+            # eight in qcheck's test processes, and AQT's int8 backward then asserts 8 divides a contraction of 2.
+            "quantization_local_shard_count": 1, **overrides},
     )
 
 
 def build(quantization: str = "", sparse_matmul: bool = False, seed: int = 0, quant=None,
-          megablox: bool = False) -> moe.RoutedMoE:
+          megablox: bool = False, **overrides) -> moe.RoutedMoE:
     """``RoutedMoE`` as MaxText's Mixtral decoder layer builds it (models/mixtral.py).
 
     ``quant``: the quantization object the block gets in place of the one its config
     makes (a user's own, or a planted bug), while ``config.quantization`` still declares.
+    ``overrides``: further config keys (:func:`config`).
     """
     import jax
     from flax import nnx
     from maxtext.layers import initializers, moe, quantizations
 
-    cfg = config(quantization, sparse_matmul, megablox)
+    cfg = config(quantization, sparse_matmul, megablox, **overrides)
     # One device, every MaxText mesh axis of size 1: the block as on one accelerator (qcheck's test
     # processes have eight host devices, which MaxText's own mesh would shard the tiny batch over).
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape([1] * len(cfg.mesh_axes)), cfg.mesh_axes)
@@ -220,3 +224,27 @@ def scanned(quantization: str = "", seed: int = 0):
 
 def scanned_inputs(seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).normal(size=(1, *X_SHAPE[1:])).astype(np.float32)
+
+
+#: A DeepSeek-V2-style block (models/deepseek.py): two shared experts beside the routed ones, the router's
+#: softmax over all experts (``routed_score_func``), the chosen k taken as they are, times a routed scaling
+#: factor (DeepSeek-V2 236B's is 16; any value other than 1 shows it is applied).
+DEEPSEEK = {"decoder_block": "deepseek", "shared_experts": 2, "routed_score_func": "softmax",
+            "routed_scaling_factor": 2.5}
+
+
+def routed_and_shared(sparse_matmul: bool = False, megablox: bool = False, seed: int = 0) -> moe.RoutedAndSharedMoE:
+    """MaxText's unquantized ``RoutedAndSharedMoE`` as its DeepSeek decoder layer builds it (models/deepseek.py),
+    with :data:`DEEPSEEK`'s keys over the tiny block's config: the routed experts are a ``RoutedMoE``
+    (``MoeBlock_0``), the shared ones one ``MlpBlock`` of ``shared_experts`` times the experts' width."""
+    import jax
+    from flax import nnx
+    from maxtext.layers import initializers, moe, quantizations
+
+    cfg = config("", sparse_matmul, megablox, **DEEPSEEK)
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape([1] * len(cfg.mesh_axes)), cfg.mesh_axes)
+    return moe.RoutedAndSharedMoE(
+        config=cfg, mesh=mesh, kernel_init=initializers.nd_dense_init(1.0, "fan_in", "truncated_normal"),
+        kernel_axes=("embed", None), dtype=cfg.dtype, weight_dtype=cfg.weight_dtype,
+        quant=quantizations.configure_quantization(cfg), rngs=nnx.Rngs(seed),
+    )

@@ -21,7 +21,10 @@ marin-levanter 0.2.227.dev40316220070 with marin-haliax 0.2.227.dev40316220070:
 * the block checked as an Equinox module (``check_layer(block, twin, x, call=...)``): each parameter's
   gradient compared by its path (``gate/weight``, ``experts/w1/weight``), on tokens whose routing the
   quantization cannot change; a kernel gradient dropped in haliax's fp8 VJP (planted) fails naming
-  ``gate/weight``, and on a token the fp8 router reroutes, the router's gradient moves past the bound.
+  ``gate/weight``, and on a token the fp8 router reroutes, the router's gradient moves past the bound;
+* the unquantized block held to the float64 referee, style ``"mixtral"`` (``assert_moe_matches_referee``
+  with ``call=``): it passes, Levanter's routing being Mixtral's; the block routing top-3 and the
+  referee's gate and up mapped the other way round fail it.
 """
 
 from __future__ import annotations
@@ -519,3 +522,50 @@ def test_docs_row_names_the_lines_haliax_has(lev):
     for line in (todo, _ragged_dot_line()):  # linear.py:LINE, as haliax's source has it
         assert line.rsplit("/", 1)[1] in row, (line, row)
     assert f"marin-levanter {LEVANTER_VERSION}, marin-haliax {HALIAX_VERSION}" in row
+
+
+# -- the unquantized block against the float64 referee: Mixtral's definition -------------------------------
+
+#: The block's parameters by the referee's roles. Levanter routes as Mixtral does (levanter/models/mixtral.py):
+#: the softmax over all experts, ``jax.lax.top_k`` of those probabilities, the chosen renormalised to sum to 1,
+#: SiLU (MixtralConfig's default activation). haliax's ``Linear`` holds the router [experts, embed] (out first);
+#: ``MoELinear`` holds each projection [experts, in, out]; w1 is Mixtral's gate projection, w3 its up, w2 its down.
+REFEREE_ROLES = {"gate/weight": "router.T", "experts/w1/weight": "gate", "experts/w3/weight": "up",
+                 "experts/w2/weight": "down"}
+REFEREE_X_SHAPE = (8, 8, 32)  # 64 tokens over 4 experts, top-2
+
+
+@pytest.fixture(scope="module")
+def referee_x():
+    return np.random.default_rng(2).normal(size=REFEREE_X_SHAPE).astype(np.float32)
+
+
+def test_block_matches_the_mixtral_referee_should_pass(blocks, config, referee_x):
+    figures = qcheck.assert_moe_matches_referee(blocks(None), referee_x, REFEREE_ROLES, style="mixtral",
+                                                top_k=config.num_experts_per_tok, call=_named_call, output=0)
+    assert figures <= 1e-5 and figures["tokens"] + figures["near_ties"] == 64 and figures["tokens"] >= 60, figures
+    print(f"against the referee: {figures['max_rel']:.3g} of a token's norm at worst, {figures['tokens']} tokens, "
+          f"{figures['near_ties']} near-ties left out")
+
+
+def _routing_top_3(block):
+    """The bug: the same block (same weights) built for top-3 routing where its model is top-2."""
+    import dataclasses
+
+    return dataclasses.replace(block, config=dataclasses.replace(block.config, num_experts_per_tok=3))
+
+
+@pytest.mark.parametrize("plant, roles, message", [
+    (_routing_top_3, REFEREE_ROLES,
+     r"routes it to experts \[\d, \d\] .*the layer's output there is the referee's experts \[\d, \d, \d\] mixed "
+     r"with weights .*: other experts: the choice differs$"),
+    (None, {**REFEREE_ROLES, "experts/w1/weight": "up", "experts/w3/weight": "gate"},
+     r"the layer's output there is no mix of the referee's expert outputs"),
+], ids=["block-routes-top-3", "gate-and-up-swapped"])
+def test_block_with_a_plant_fails_the_mixtral_referee_should_fail(blocks, config, referee_x, plant, roles, message):
+    # Controls of the pass above: a wrong top-k in the block itself, and w1 and w3 mapped the other way round.
+    block = blocks(None) if plant is None else plant(blocks(None))
+    with pytest.raises(AssertionError, match=r"^assert_moe_matches_referee: token \(0, 0\) differs from the float64 "
+                                             r"referee .*" + message):
+        qcheck.assert_moe_matches_referee(block, referee_x, roles, style="mixtral", top_k=config.num_experts_per_tok,
+                                          call=_named_call, output=0)

@@ -9,6 +9,8 @@ defect of maxtext 0.2.5 (docs/libraries.md), asserted with the version checked,
 so a new MaxText makes these tests say "recheck" rather than pass or fail silently.
 With megablox on (fp8, int8; its tiles shrunk to the block), the expert matmuls are
 Pallas kernels, read by their roles from qcheck's table, and ``check_layer`` passes.
+The unquantized blocks themselves, ``RoutedMoE`` and the DeepSeek block's
+``RoutedAndSharedMoE``, on every path, are held to the float64 MoE referee.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import inspect
+import json
+import math
 import os
 import re
 from pathlib import Path
@@ -627,3 +631,120 @@ def test_maxtext_apply_scanned_layers_cannot_run_int8_decoder_layers(scanned_fp8
     with pytest.raises(qcheck.UserCodeError, match=r"^check_layer: layer could not be traced and run on cpu: "
                                                    r"ValueError: .* static attribute 'quant_einsum_wi_0'"):
         qcheck.check_layer(layer, scanned_fp8[1], x)
+
+
+# -- the unquantized layers against the float64 referee (assert_moe_matches_referee) -------------------
+# check_layer holds a quantized block to its unquantized twin, so a bug in code both run (the router's
+# softmax, the renormalisation, the activation, the shared experts) is invisible there: the twin itself is
+# held to qcheck.referees.reference_moe, numpy in float64, on its own weights.
+
+#: MaxText's parameter paths by the referee's role: the router's kernel [emb, experts], the stacked experts
+#: (wi_0 gated by the activation, wi_1 linear, ``mlp_activations`` ["silu", "linear"]), all [in, out].
+REFEREE_ROLES = {"gate/kernel": "router", "wi_0": "gate", "wi_1": "up", "wo": "down"}
+#: ``RoutedAndSharedMoE``'s: the routed block's under ``MoeBlock_0``, the shared experts' one ``MlpBlock``
+#: (``shared_experts`` FFNs side by side on its hidden axis: their sum, one FFN to the referee).
+SHARED_ROLES = {**{f"MoeBlock_0/{path}": role for path, role in REFEREE_ROLES.items()},
+                "shared_experts/wi_0/kernel": "shared_gate", "shared_experts/wi_1/kernel": "shared_up",
+                "shared_experts/wo/kernel": "shared_down"}
+#: dense: ``dense_matmul``; sparse: ``sparse_matmul`` through ``jax.lax.ragged_dot`` (megablox off);
+#: megablox: through its Pallas kernels, interpreted on CPU with shrunk tiles.
+REFEREE_PATHS = ("dense", "sparse", "megablox")
+#: The referee's expert output mix a plant leaves at the first failing token (_layer_mix's verdicts).
+OTHER_EXPERTS = r"the layer's output there is the referee's experts \[\d+, \d+\] mixed with weights .*: other experts"
+OTHER_WEIGHTS = (r"the layer's output there is the referee's experts \[\d+, \d+\] mixed with weights .*: the same "
+                 r"experts, other weights$")
+NO_MIX = r"the layer's output there is no mix of the referee's expert outputs"
+
+
+@pytest.fixture(scope="module")
+def unquantized(cells, megablox_cells):
+    """MaxText's unquantized ``RoutedMoE`` on each path: the twins of the fp8 cells above (built once)."""
+    return lambda path: megablox_cells("fp8")[1] if path == "megablox" else cells("fp8", path)[1]
+
+
+@pytest.fixture(scope="module")
+def routed_and_shared():
+    built = {}
+
+    def get(path: str):
+        if path not in built:
+            built[path] = maxtext_cells.routed_and_shared(path != "dense", megablox=path == "megablox")
+        return built[path]
+
+    return get
+
+
+def _routed_options(cfg) -> dict:
+    """The referee's options as the layer's config states them: SiLU-gated experts without biases
+    (``jax.nn.silu``, MaxText's ``mlp_activations[0]``) and its top k."""
+    assert list(cfg.mlp_activations) == ["silu", "linear"] and not cfg.mlp_bias
+    return {"top_k": cfg.num_experts_per_tok, "activation": "silu", "output": 0}
+
+
+@pytest.mark.parametrize("path", REFEREE_PATHS)
+def test_maxtext_routed_moe_matches_the_mixtral_referee(unquantized, x, path):
+    """``RoutedMoE.get_topk`` outside the DeepSeek, Llama 4 and Gemma 4 blocks takes the top k logits and the
+    softmax over those k (the Mixtral decoder block's routing; ``norm_topk_prob``, off, would renormalise
+    weights that already sum to 1): Mixtral's definition, on all three paths. Should fail, on the same layer:
+    the referee asked for the top 1, or for DeepSeek's softmax over all experts, not renormalised."""
+    layer = unquantized(path)
+    options = _routed_options(layer.config)
+    assert not layer.config.norm_topk_prob and layer.config.routed_score_func == "" and layer.config.capacity_factor < 0
+    figures = qcheck.assert_moe_matches_referee(layer, x, REFEREE_ROLES, style="mixtral", **options)
+    assert figures["tokens"] == np.prod(maxtext_cells.X_SHAPE[:-1]) and figures["max_rel"] < 1e-5, dict(figures)
+    with pytest.raises(AssertionError, match=OTHER_EXPERTS):
+        qcheck.assert_moe_matches_referee(layer, x, REFEREE_ROLES, style="mixtral", **{**options, "top_k": 1})
+    with pytest.raises(AssertionError, match=OTHER_WEIGHTS):
+        qcheck.assert_moe_matches_referee(layer, x, REFEREE_ROLES, style="deepseek", **options)
+
+
+def test_maxtext_routed_moe_drops_tokens_as_the_referee_on_the_dense_path(x):
+    """``capacity_factor`` > 0 drops on the dense path only (MaxText's moe_configuration.md: "Effective only
+    when sparse_matmul is False"): ``generate_masks`` counts each expert's assignments in token order, then
+    rank order (a cumsum over the sequence's flattened top-k), and zeroes the weights past capacity, leaving
+    the others as they are. MaxText's slots, ceil(seq * k / experts) * factor = 4 * 0.5, are the referee's
+    ceil(seq * k * factor / experts) = 2 here. Should fail: the same layer held to the dropless referee."""
+    seq, factor = maxtext_cells.X_SHAPE[1], 0.5
+    assert math.ceil(seq * maxtext_cells.TOP_K / maxtext_cells.EXPERTS) * factor == qcheck.referees.reference_capacity(
+        seq, maxtext_cells.TOP_K, maxtext_cells.EXPERTS, factor)
+    layer = maxtext_cells.build("", False, capacity_factor=factor)
+    options = _routed_options(layer.config)
+    figures = qcheck.assert_moe_matches_referee(layer, x, REFEREE_ROLES, style="mixtral", capacity_factor=factor,
+                                                **options)
+    assert figures["dropped"] > 0 and figures["max_rel"] < 1e-5, dict(figures)
+    with pytest.raises(AssertionError, match=r"routes it to experts \[\d+, \d+\] with weights .*; the layer's output "
+                                             r"there is the referee's experts \[\d+\] mixed .*: other experts"):
+        qcheck.assert_moe_matches_referee(layer, x, REFEREE_ROLES, style="mixtral", **options)
+
+
+@pytest.mark.parametrize("path", REFEREE_PATHS)
+# flax 0.12.12 deprecates the ``sharding=`` the shared experts' MlpBlock gives its DenseGeneral kernels.
+@pytest.mark.filterwarnings("ignore:'sharding' is deprecated, use 'out_sharding':DeprecationWarning")
+def test_maxtext_routed_and_shared_moe_matches_the_deepseek_referee(routed_and_shared, x, path):
+    """The DeepSeek block (``decoder_block="deepseek"``, ``routed_score_func="softmax"``, DeepSeek-V2's
+    routing): the gate's softmax over all experts, the top k of it taken as they are, times
+    ``routed_scaling_factor``, plus the shared experts' FFN with weight 1: DeepSeekMoE's definition, on all
+    three paths. Should fail, on the same layer: the shared experts left out of the mapping, or the routed
+    scaling factor left at 1."""
+    layer = routed_and_shared(path)
+    cfg = layer.config
+    assert (cfg.shared_experts, cfg.routed_scaling_factor, cfg.routed_score_func, cfg.routed_bias) == (
+        maxtext_cells.DEEPSEEK["shared_experts"], maxtext_cells.DEEPSEEK["routed_scaling_factor"], "softmax", False)
+    assert cfg.capacity_factor < 0 and cfg.n_routing_groups == -1
+    options = {**_routed_options(cfg), "style": "deepseek", "routed_scaling_factor": cfg.routed_scaling_factor}
+    figures = qcheck.assert_moe_matches_referee(layer, x, SHARED_ROLES, **options)
+    assert figures["tokens"] == np.prod(maxtext_cells.X_SHAPE[:-1]) and figures["max_rel"] < 1e-5, dict(figures)
+    routed_only = {p: r for p, r in SHARED_ROLES.items() if not r.startswith("shared_")}
+    with pytest.raises(AssertionError, match=NO_MIX):
+        qcheck.assert_moe_matches_referee(layer, x, routed_only, **options)
+    with pytest.raises(AssertionError, match=OTHER_WEIGHTS):
+        qcheck.assert_moe_matches_referee(layer, x, SHARED_ROLES, **{**options, "routed_scaling_factor": 1.0})
+
+
+def test_guide_quotes_the_roles_maxtext_passes_the_referee_with():
+    # The referee section's MaxText bullet: the mapping as the tests above pass it, the shared experts' paths
+    # after the first without their "shared_experts/".
+    quoted = " ".join(GUIDE.split())
+    assert f"`{json.dumps(REFEREE_ROLES)}`" in quoted
+    first, *rest = [path for path, role in SHARED_ROLES.items() if role.startswith("shared_")]
+    assert f"`{first}`" in quoted and all(f"`{path.split('/', 1)[1]}`" in quoted for path in rest)

@@ -22,6 +22,7 @@ import qcheck
 from qcheck import referees
 from qcheck.layers.moe import MODELS, PATHS, MoE
 from qcheck.suite import cases, invariants
+from tests.helpers import import_extra, requires_extra
 
 ROLES = {"gate": "router", "wi_0": "gate", "wi_1": "up", "wo": "down"}
 GEMMA_ROLES = {**ROLES, "per_expert_scale": "expert_scale"}
@@ -274,3 +275,84 @@ def test_a_nan_names_its_token():
                                              r"differ.*the layer's output there has 1 non-finite values$"):
         qcheck.assert_moe_matches_referee(lambda x: block(x).at[1, 2, 3].set(jnp.nan), X_SMALL, HF_ROLES,
                                           style="mixtral", top_k=K, weights=weights)
+
+
+# -- modules called through call=: an Equinox block, parameters by field path -----------------------------------
+
+
+def equinox_block(*, renormalise: bool = True):
+    """Mixtral as an Equinox block: the router [out, in], the experts stacked [experts, in, out]; called on a
+    mapping with a keyword, as library blocks are (not a function of x), returning ``(y, aux)``."""
+    eqx = import_extra("equinox")
+    rng = np.random.default_rng(3)
+    stacked = lambda *shape: (rng.normal(size=shape) / np.sqrt(shape[-2])).astype(np.float32)  # noqa: E731
+
+    class Block(eqx.Module):
+        router: jax.Array
+        experts: dict
+        renormalise: bool = eqx.field(static=True)
+
+        def __call__(self, inputs, *, key=None):
+            x = inputs["tokens"]
+            probs = jax.nn.softmax(x @ self.router.T, axis=-1)
+            w, idx = jax.lax.top_k(probs, K)
+            if self.renormalise:
+                w = w / w.sum(-1, keepdims=True)
+            h = jax.nn.silu(jnp.einsum("...m,emh->...eh", x, self.experts["w1"]))
+            h = h * jnp.einsum("...m,emh->...eh", x, self.experts["w3"])
+            out = jnp.einsum("...eh,ehm->...em", h, self.experts["w2"])
+            combine = jnp.sum(jax.nn.one_hot(idx, E) * w[..., None], axis=-2)  # [..., experts]
+            return jnp.einsum("...em,...e->...m", out, combine), jnp.mean(probs)
+
+    return Block(jnp.asarray(stacked(E, M)), {n: jnp.asarray(stacked(E, *s)) for n, s in
+                                              (("w1", (M, H)), ("w3", (M, H)), ("w2", (H, M)))}, renormalise)
+
+
+EQX_ROLES = {"router": "router.T", "experts/w1": "gate", "experts/w3": "up", "experts/w2": "down"}
+
+
+def call_on_tokens(block, x):
+    return block({"tokens": x}, key=None)
+
+
+@requires_extra("equinox")
+def test_equinox_block_through_call_should_pass_and_without_renormalising_should_fail():
+    kwargs = dict(style="mixtral", top_k=K, call=call_on_tokens, output=0)
+    figures = qcheck.assert_moe_matches_referee(equinox_block(), X_SMALL, EQX_ROLES, **kwargs)
+    assert figures <= 1e-5 and figures["tokens"] + figures["near_ties"] == 30
+    with pytest.raises(AssertionError, match=r"^assert_moe_matches_referee: token \(0, 0\) differs .*: the same "
+                                             r"experts, other weights$"):
+        qcheck.assert_moe_matches_referee(equinox_block(renormalise=False), X_SMALL, EQX_ROLES, **kwargs)
+
+
+@requires_extra("equinox")
+def test_equinox_block_parameters_are_its_field_paths_and_its_own():
+    # Its inexact arrays by field path (the static flag is none); weights= belongs to a function of x.
+    with pytest.raises(ValueError, match=r"^assert_moe_matches_referee: params names 'w1', not parameters of the "
+                                         r"layer; its parameter paths: router, experts/w1, experts/w2, experts/w3$"):
+        qcheck.assert_moe_matches_referee(equinox_block(), X_SMALL, {**EQX_ROLES, "w1": "gate"}, style="mixtral",
+                                          top_k=K, call=call_on_tokens, output=0)
+    with pytest.raises(ValueError, match=r"weights is for a layer given as a function of x"):
+        qcheck.assert_moe_matches_referee(equinox_block(), X_SMALL, EQX_ROLES, style="mixtral", top_k=K,
+                                          call=call_on_tokens, output=0, weights={})
+
+
+def test_call_belongs_to_a_module_and_is_a_function():
+    weights = hf_weights()
+    with pytest.raises(ValueError, match=r"^assert_moe_matches_referee: call is how a module is called on x; a layer "
+                                         r"given as a function of x is called as it is$"):
+        qcheck.assert_moe_matches_referee(hf_mixtral(weights), X_SMALL, HF_ROLES, style="mixtral", top_k=K,
+                                          weights=weights, call=lambda m, x: m(x))
+    with pytest.raises(ValueError, match=r"^assert_moe_matches_referee: call must be a function \(module, x\) -> "
+                                         r"output, got str$"):
+        qcheck.assert_moe_matches_referee(qcheck_layer("mixtral"), cases.layer_input("mixtral"), ROLES,
+                                          style="mixtral", top_k=2, call="__call__")
+
+
+def test_nnx_module_through_call_should_pass_and_through_a_wrong_call_should_fail():
+    # call= on an NNX module, as check_layer takes it: the module's own output passes; a call that feeds it
+    # the input reversed along the features gives a layer no referee routing explains.
+    layer = qcheck_layer("mixtral")
+    assert check(layer, "mixtral", call=lambda m, x: m(x)) <= 1e-5
+    with pytest.raises(AssertionError, match=r"token \(0, 0\) differs"):
+        check(layer, "mixtral", call=lambda m, x: m(x[..., ::-1]))

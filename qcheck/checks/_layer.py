@@ -42,7 +42,8 @@ from qcheck._coverage._kernels import as_kernel_roles
 from qcheck._coverage._declared import Declaration, as_declaration, mixed_formats
 from qcheck._coverage._readers import read_declaration
 
-__all__ = ["DEFAULT_MAX_GRAD_REL_NORM", "INPUT_GRAD", "LayerFigures", "check_layer", "copy_params_into"]
+__all__ = ["DEFAULT_MAX_GRAD_REL_NORM", "INPUT_GRAD", "LayerFigures", "call_module", "check_layer", "copy_params_into",
+           "equinox_params"]
 
 #: The key of the gradient with respect to the input ``x`` in :attr:`LayerFigures.grad_rel_norms`.
 INPUT_GRAD = "(input x)"
@@ -270,6 +271,26 @@ def _form(layer: Any, x: jax.Array, call: Callable[[Any, jax.Array], Any] | None
         return layer(x), rest
 
     return _Form("function", {}, {}, apply_fn, _hashable(("function", layer)), layer)
+
+
+def equinox_params(module: Any) -> dict[str, jax.Array] | None:
+    """An Equinox module's parameters by path, as check_layer names them (``experts/w1/weight``: a haliax
+    NamedArray by its field, as its array; haliax's fp8 state left out); None where ``module`` is no Equinox module."""
+    eqx = _equinox(module)
+    return None if eqx is None else _equinox_params(_equinox_split(eqx, module)[0])
+
+
+def call_module(layer: Any, x: jax.Array, call: Callable[[Any, jax.Array], Any] | None = None) -> Any:
+    """A module (NNX, a Linen pair, Equinox) run on ``x`` as check_layer runs it, forward only: ``call(module, x)``
+    (default ``module(x)``) as one jitted program on a copy of its state, the module left as it was.
+
+    Returns the output with each haliax NamedArray as its array.
+    """
+    form = _form(layer, x, call)
+    out = jax.jit(form.apply)(form.params, form.rest, x)[0]
+    named = _named_array_type()
+    return jax.tree_util.tree_map(lambda v: v.array if isinstance(v, named) else v, out,
+                                  is_leaf=lambda v: isinstance(v, named))
 
 
 class _NoOutput(Exception):

@@ -34,6 +34,7 @@ from flax import nnx
 from qcheck._choices import require_choice
 from qcheck.checks._assertion import assertion
 from qcheck.checks._figures import Figures
+from qcheck.checks._layer import call_module, equinox_params
 from qcheck.referees import MOE_STYLES, reference_capacity, reference_experts, reference_moe
 
 __all__ = ["ROLES", "assert_moe_matches_referee", "compare_with_referee", "module_params", "referee_weights"]
@@ -218,13 +219,9 @@ def compare_with_referee(
                    near_ties=int(excluded.sum()), dropped=int((~ref.kept).sum()))
 
 
-def _run(layer: Any, x: jax.Array, output: Any) -> Any:
-    # One program, as check_layer runs a layer; a module on a copy of its state, as nnx.jit would, left as it was.
-    if isinstance(layer, nnx.Module):
-        graphdef, state = nnx.split(layer)
-        out = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))(state, x)
-    else:
-        out = jax.jit(layer)(x)
+def _run(layer: Any, x: jax.Array, output: Any, *, module: bool, call: Any) -> Any:
+    # One program, as check_layer runs a layer; a module on a copy of its state, left as it was.
+    out = call_module(layer, x, call) if module else jax.jit(layer)(x)
     if output is None:
         return out
     return output(out) if callable(output) else out[output]
@@ -232,12 +229,13 @@ def _run(layer: Any, x: jax.Array, output: Any) -> Any:
 
 @assertion
 def assert_moe_matches_referee(
-    layer: nnx.Module | Callable[[jax.Array], Any],
+    layer: Any,
     x: Any,
     params: Mapping[str, str],
     *,
     style: str,
     top_k: int,
+    call: Callable[[Any, jax.Array], Any] | None = None,
     activation: str | None = None,
     capacity_factor: float | None = None,
     capacity: int | None = None,
@@ -252,10 +250,13 @@ def assert_moe_matches_referee(
 ) -> Figures:
     """A routed MoE layer, run in float32, computes its style's function: the float64 numpy referee's.
 
-    ``layer``: an NNX module (run jitted on a copy of its state) or a function
-    of ``x`` (jitted; ``x`` [..., emb], [batch, seq, emb] with dropping), whose
-    parameters are then ``weights`` (any pytree). ``params`` maps the layer's parameter
-    paths (``"experts/0/w1/kernel"``) to the referee's roles (:data:`ROLES`):
+    ``layer``: an NNX or Equinox module (run jitted on a copy of its state,
+    as ``check_layer`` runs it; ``call(module, x)`` calls it where ``module(x)``
+    does not, e.g. haliax's named arrays in, its NamedArray read as its array)
+    or a function of ``x`` (jitted; ``x`` [..., emb], [batch, seq, emb] with
+    dropping), whose parameters are then ``weights`` (any pytree). ``params``
+    maps the layer's parameter paths (``"experts/0/w1/kernel"``; an Equinox
+    module's field paths, ``"experts/w1/weight"``) to the referee's roles (:data:`ROLES`):
     ``{"gate": "router", "wi_0": "gate", "wi_1": "up", "wo": "down"}`` for
     stacked experts, ``"gate[0]"`` per expert, ``"router.T"`` for a weight
     stored [out, in]. ``style``: ``"mixtral"``, ``"gemma"`` (needs an
@@ -278,17 +279,24 @@ def assert_moe_matches_referee(
     :mod:`qcheck.referees` (``reference_moe``) for each style's definition.
     """
     require_choice("style", style, MOE_STYLES)
-    if isinstance(layer, nnx.Module):
+    if call is not None and (not callable(call) or isinstance(call, type)):
+        raise ValueError(f"call must be a function (module, x) -> output, got {type(call).__name__}")
+    eqx_found = equinox_params(layer)
+    module = isinstance(layer, nnx.Module) or eqx_found is not None
+    if module:
         if weights is not None:
             raise ValueError("weights is for a layer given as a function of x; a module's parameters are its own")
-        found = module_params(layer)
+        found = module_params(layer) if eqx_found is None else {p: np.asarray(v) for p, v in eqx_found.items()}
     elif callable(layer) and not isinstance(layer, type):
+        if call is not None:
+            raise ValueError("call is how a module is called on x; a layer given as a function of x is called as it is")
         if weights is None:
             raise ValueError("a layer given as a function of x takes its parameters from weights= (a pytree; "
                              "params names paths into it), which is missing")
         found = {_path(p): np.asarray(v) for p, v in jax.tree_util.tree_flatten_with_path(weights)[0]}
     else:
-        raise ValueError(f"layer must be an flax.nnx.Module or a function of x, got {type(layer).__name__}")
+        raise ValueError(f"layer must be an flax.nnx.Module, an equinox.Module or a function of x, "
+                         f"got {type(layer).__name__}")
     if not isinstance(params, Mapping) or not params:
         raise ValueError(f"params must map the layer's parameter paths to roles; its parameter paths: "
                          f"{', '.join(found) or '(none: pass weights= for a function)'}")
@@ -303,7 +311,7 @@ def assert_moe_matches_referee(
         if x.ndim != 3:
             raise ValueError(f"with token dropping x must be [batch, seq, emb], got shape {x.shape}")
         capacity = reference_capacity(x.shape[1], top_k, w["router"].shape[-1], capacity_factor)
-    got = _run(layer, x, output)
+    got = _run(layer, x, output, module=module, call=call)
     return compare_with_referee(got, x, w, style=style, top_k=top_k, activation=activation, capacity=capacity,
                                 norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor,
                                 rtol=rtol, atol=atol, tie_rtol=tie_rtol)
