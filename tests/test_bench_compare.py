@@ -225,11 +225,16 @@ def test_a_kept_env_is_reused_without_running_pip(tmp_path):
 # -- bench/tally.py: the per-file tally ---------------------------------------------------------
 
 
-def _load_tally():
-    spec = importlib.util.spec_from_file_location("bench_tally", _BENCH / "tally.py")
+def _load_bench(name: str):
+    """A bench/ script as a module (bench/ is no package: its scripts run as files)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", _BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _load_tally():
+    return _load_bench("tally")
 
 
 def test_tally_lists_every_test_file_of_the_suite():
@@ -253,3 +258,22 @@ def test_tally_table_takes_medians_and_flags_a_failed_file():
 def test_tally_names_a_missing_file():
     with pytest.raises(SystemExit, match=r"\[tally\] files: not found under .*: tests/test_nothing\.py"):
         _load_tally().main(["tests/test_nothing.py"])
+
+
+# -- bench/check_layer_floor.py: check_layer against the compile floor ---------------------------
+
+
+def _load_floor():
+    return _load_bench("check_layer_floor")
+
+
+def test_floor_ratios_are_per_round_against_that_rounds_floor_and_skip_failed_runs():
+    floor = _load_floor()
+    runs = [("floor", 1, 2.0), ("new", 1, 3.0), ("floor", 2, 4.0), ("new", 2, 5.0), ("floor", 3, 1.0)]
+    records = [dict(side=s, round=n, cell="c", seconds=t, compiles=2, traces=4) for s, n, t in runs]
+    records.append(dict(side="new", round=3, cell="c", error="exit 1: boom"))  # a failed run: no ratio
+    row = floor.summarize(records, "c", ["floor", "new"])
+    assert row["new"]["ratios"] == [1.5, 1.25] and row["new"]["median_ratio"] == 1.375
+    assert row["floor"]["median_s"] == 2.0 and row["new"]["failed"] == 1 and row["floor"]["failed"] == 0
+    line = floor.table([row], ["floor", "new"]).splitlines()[1].split()
+    assert line[:5] == ["c", "2.0", "1.375", "1.50", "1.25"]

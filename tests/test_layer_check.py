@@ -463,3 +463,31 @@ def test_call_on_a_linen_module_is_its_apply_method():
 def test_call_bad_input_names_the_argument(call, error):
     with pytest.raises(ValueError, match=error):
         call()
+
+
+# -- what a check compiles --------------------------------------------------------
+
+class _ConstrainedState(nnx.Module):
+    """A matmul whose call leaves its state under a sharding constraint, as MaxText's blocks leave theirs."""
+
+    def __init__(self, quantized: bool):
+        self.w = nnx.Param(jnp.asarray(W))
+        self.calls = nnx.BatchStat(jnp.zeros((), jnp.float32))
+        self.quantized = quantized
+
+    def __call__(self, x):
+        one = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("one",))
+        replicated = jax.sharding.NamedSharding(one, jax.sharding.PartitionSpec())
+        self.calls.set_value(jax.lax.with_sharding_constraint(self.calls[...] + 1, replicated))
+        w = self.w[...]
+        return _e4m3(x) @ _e4m3(w) if self.quantized else x @ w
+
+
+def test_check_layer_compiles_each_step_once_though_its_state_comes_back_sharded():
+    # The determinism check's second call starts from a state whose sharding the first call set (a
+    # NamedSharding, where the module held a plain array): plain jax.jit would compile the layer's step
+    # again for it, the cost of a second layer. One program per layer, the twin's included.
+    with counting_compilations() as log:
+        figures = check_layer(_ConstrainedState(True), _ConstrainedState(False), X[0])
+    assert figures.rel_norm > 0
+    assert sum(n for k, n in log.items() if k.startswith("jit(step)")) == 2, log

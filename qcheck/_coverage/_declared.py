@@ -154,7 +154,8 @@ def as_declaration(spec: Any, what: str = "declared") -> Declaration:
 @functools.cache
 def _element_types(fmt: str) -> frozenset[str]:
     """The narrow types a site in ``fmt`` casts to: its codes' type and its scales' narrow types."""
-    q = formats.quantize(np.ones((2, 32), np.float32), fmt, axis=-1)
+    # Its types only: traced, never run (run, a format compiles a handful of small programs).
+    q = jax.eval_shape(lambda x: formats.quantize(x, fmt, axis=-1), jax.ShapeDtypeStruct((2, 32), np.float32))
     names = {str(np.dtype(q.codes.dtype))}
     names |= {str(np.dtype(s.dtype)) for s in q.scales.values() if np.dtype(s.dtype).itemsize == 1}
     return frozenset(names)

@@ -30,7 +30,8 @@ def _state_bits(module: Any) -> list[np.ndarray]:
     return [bits(x) for x in jax.tree.leaves(nnx.state(module))]
 
 
-def _graph_paths(module: Any) -> frozenset[tuple[Any, ...]]:
+def graph_paths(module: Any) -> frozenset[tuple[Any, ...]]:
+    """Every node's and variable's path in an NNX module: a call that changes them built something."""
     from flax import nnx
 
     return frozenset(path for path, _ in nnx.iter_graph(module))
@@ -47,37 +48,54 @@ def warmed_up(module: Any, *args: Any, **kwargs: Any) -> Any:
     from flax import nnx
 
     graphdef, state = nnx.split(module)
-    before = _graph_paths(module)
-    grown: list[Any] = []
+    before = graph_paths(module)
+    grown: list[bool] = []
 
     def call(state, args, kwargs):
         m = nnx.merge(graphdef, state)
         m(*args, **kwargs)
-        if _graph_paths(m) != before:
-            grown.append(True)
-        new_graphdef, new_state = nnx.split(m)
-        grown.append(new_graphdef)
-        return new_state
+        grown.append(graph_paths(m) != before)
+        return nnx.split(m)[1]
 
     jax.eval_shape(call, state, args, kwargs)  # tracing only: is the module lazy?
-    if grown[0] is not True:
-        return module
-    new_graphdef = grown[-1]
-    # Traced once more: the values the creating call gives the new variables (their initializers, its RNG draws).
-    new_state = jax.jit(lambda state, args, kwargs: call(state, args, kwargs))(state, args, kwargs)
-    return nnx.merge(new_graphdef, new_state)
+    return after_first_call(module, *args, **kwargs) if grown[0] else module
 
 
-def _pure(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Callable[..., Any], tuple, Any]:
+def after_first_call(module: Any, *args: Any, **kwargs: Any) -> Any:
+    """A copy of the NNX ``module`` as one call on ``args`` leaves it: one compiled program, ``module`` unchanged.
+
+    What :func:`warmed_up` returns for a module it found lazy; for a caller that
+    found it so itself (by tracing it), without tracing it once more to ask.
+    """
+    from flax import nnx
+
+    graphdef, state = nnx.split(module)
+    made: list[Any] = []
+
+    def call(state, args, kwargs):
+        m = nnx.merge(graphdef, state)
+        m(*args, **kwargs)
+        new_graphdef, new_state = nnx.split(m)
+        made.append(new_graphdef)
+        return new_state
+
+    # The values the creating call gives the new variables (their initializers, its RNG draws).
+    new_state = jax.jit(call)(state, args, kwargs)
+    return nnx.merge(made[-1], new_state)
+
+
+def _pure(fn: Callable[..., Any], args: tuple, kwargs: dict, warm: bool = True
+          ) -> tuple[Callable[..., Any], tuple, Any]:
     """A pure function of pytrees and its inputs; an NNX module's state (RNG streams included) is an input.
 
-    An NNX module is traced as it will run (:func:`warmed_up`), each submodule's
-    matmuls under the named scope of its path.
+    An NNX module is traced as it will run (:func:`warmed_up`; ``warm=False``:
+    as it is, its caller having warmed it up), each submodule's matmuls under
+    the named scope of its path.
     """
     from flax import nnx
 
     if isinstance(fn, nnx.Module):
-        graphdef, state = nnx.split(warmed_up(fn, *args, **kwargs))
+        graphdef, state = nnx.split(warmed_up(fn, *args, **kwargs) if warm else fn)
 
         def call(state, args, kwargs):
             module = nnx.merge(graphdef, state)
@@ -188,12 +206,12 @@ def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward:
 
 def _coverage(fn: Callable[..., Any], args: tuple, kwargs: dict, *, errors: bool, backward: bool,
               machinery: tuple[str, ...], declaration: Any, entry: str, what: str,
-              kernels: dict[str, KernelRoles] | None = None) -> list[MatmulRecord]:
+              kernels: dict[str, KernelRoles] | None = None, warm: bool = True) -> list[MatmulRecord]:
     """:func:`coverage` for the public call ``entry``: an error of ``fn`` (named ``what``) is a UserCodeError."""
     if not callable(fn):
         raise ValueError(f"{entry}: {what} must be callable or an flax.nnx.Module, got {type(fn).__name__}")
     with user_code(entry, what):
-        pure, inputs, module = _pure(fn, args, kwargs)
+        pure, inputs, module = _pure(fn, args, kwargs, warm)
     before = _state_bits(module) if module is not None else None
     data = _data_mask(inputs, module)
     seed_at = None
@@ -227,7 +245,8 @@ def _coverage(fn: Callable[..., Any], args: tuple, kwargs: dict, *, errors: bool
     def evaluate(flat):
         vals = [dataclasses.replace(v, actual=x, shadow=x) for v, x in zip(ins, flat)]
         walker.run(closed.jaxpr, closed.consts, vals, outer, values=True)
-        return [e for _, e in walker.errors], walker.quantizers if declaration is not None else []
+        # Only what is asked for: unreturned, the error figures' full-precision shadow computation is not compiled.
+        return ([e for _, e in walker.errors] if errors else []), walker.quantizers if declaration is not None else []
 
     with user_code(entry, what):
         figures, quantizers = jax.jit(evaluate)(jax.tree.leaves(inputs))
@@ -373,12 +392,24 @@ def assert_quantized(
     each failed rule.
     """
     __tracebackhide__ = True
+    return quantized_records(fn, args, kwargs, skip=skip, control=control, machinery=machinery, declared=declared,
+                             kernels=kernels)
+
+
+def quantized_records(fn: Callable[..., Any], args: tuple, kwargs: dict, *, skip: SkipArg = None,
+                      control: Callable[..., Any] | None = None, machinery: Sequence[str] = (), declared: Any = None,
+                      kernels: KernelRoles | Sequence[KernelRoles] | None = None, warm: bool = True
+                      ) -> list[MatmulRecord]:
+    """:func:`assert_quantized` of ``fn(*args, **kwargs)``; ``warm=False``: ``fn`` and ``control``, NNX modules,
+    are traced as they are, their caller having warmed them up (:func:`after_first_call`) where they were lazy."""
+    __tracebackhide__ = True
     rules = as_skips(skip, "assert_quantized")
     declaration = None if declared is None else as_declaration(declared, "assert_quantized: declared")
     machinery = _machinery(machinery, "assert_quantized")
     declared_kernels = as_kernel_roles(kernels, "assert_quantized")
     records = _coverage(fn, args, kwargs, errors=False, backward=False, machinery=machinery,
-                        declaration=declaration, entry="assert_quantized", what="fn", kernels=declared_kernels)
+                        declaration=declaration, entry="assert_quantized", what="fn", kernels=declared_kernels,
+                        warm=warm)
     for i, r in enumerate(records):
         if not r.quantized:
             rule = next((rule for rule in rules if rule(r)), None)
@@ -415,7 +446,8 @@ def assert_quantized(
                         f"{', '.join(kernels_here) or 'none'}): drop it or fix its name")
     if control is not None:
         twin = _coverage(control, args, kwargs, errors=False, backward=False, machinery=machinery,
-                         declaration=None, entry="assert_quantized", what="control", kernels=declared_kernels)
+                         declaration=None, entry="assert_quantized", what="control", kernels=declared_kernels,
+                         warm=warm)
         if declaration is not None and not _declaration_bites(twin, declaration, rules):
             problems.append(f"the declaration ({declaration}) holds on the unquantized control as well: it "
                             f"declares no quantized format for any operand of its matmuls, so it checks nothing")

@@ -11,11 +11,16 @@ unquantized constructor, so both compute with the same weights. It also runs
 both programs with their unwritten ``jax.lax.empty`` buffers filled, which a
 comparison of the two cannot see (:mod:`qcheck.checks._uninitialized`).
 
-Each layer costs one compiled program (plain ``jax.jit``): the forward output,
-the gradients and the state after the call come out of one
-``jax.value_and_grad``, cached on the module's graph definition where it
-hashes, so a second check of a layer of the same structure compiles nothing.
-A program holding a ``jax.lax.empty`` buffer costs one more: its filled copies.
+Each layer costs one trace and one compiled program (plain ``jax.jit``, ahead
+of time from that trace): the forward output, the gradients and the state after
+the call come out of one ``jax.value_and_grad``, and the determinism check's
+second call runs the same program. It is cached on the module's graph
+definition where it hashes and on the traced program, so a second check of a
+layer of the same structure compiles nothing. A program holding a
+``jax.lax.empty`` buffer costs one more: its filled copies. Coverage traces
+each layer's forward pass once more (and, with ``declared``, compiles it with
+its quantizers' values recorded); a lazy NNX module costs one small program
+more, the call that builds it, on a copy.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 from flax import linen, nnx
@@ -37,8 +43,9 @@ from flax import linen, nnx
 from qcheck._errors import user_code
 from qcheck.checks._tracks import assert_tracks, rel_norm
 from qcheck.checks._uninitialized import uninitialized_reads, unspecified_buffers
-from qcheck._coverage import KernelRoles, MatmulRecord, SkipArg, as_skips, assert_quantized, warmed_up
+from qcheck._coverage import KernelRoles, MatmulRecord, SkipArg, as_skips, warmed_up
 from qcheck._coverage._kernels import as_kernel_roles
+from qcheck._coverage._map import after_first_call, graph_paths, quantized_records
 from qcheck._coverage._declared import Declaration, as_declaration, mixed_formats
 from qcheck._coverage._readers import read_declaration
 
@@ -227,17 +234,34 @@ class _Called(nnx.Module):
         return self.fn(self.module, x)
 
 
-def _form(layer: Any, x: jax.Array, call: Callable[[Any, jax.Array], Any] | None = None) -> _Form:
-    """``layer`` as pure functions; ``call(module, x)`` calls a module (NNX, Linen, Equinox), not a function of x."""
+class _Grown(Exception):
+    """Tracing an NNX module's step found that its call creates submodules or variables: it is lazy."""
+
+
+def _form(layer: Any, x: jax.Array, call: Callable[[Any, jax.Array], Any] | None = None,
+          warm: bool | None = None) -> _Form:
+    """``layer`` as pure functions; ``call(module, x)`` calls a module (NNX, Linen, Equinox), not a function of x.
+
+    An NNX module whose first call creates submodules is taken as that call
+    leaves it, on a copy. ``warm``: None asks whether it does by tracing one
+    call (:func:`qcheck.warmed_up`); False takes the module as it is, and its
+    ``apply`` raises ``_Grown`` while being traced if the call builds
+    something (the caller's own trace asks, and nothing is traced twice);
+    True takes the copy after one call.
+    """
     if isinstance(layer, nnx.Module):
-        # A copy when its first call creates submodules.
-        module = warmed_up(layer, x) if call is None else warmed_up(_Called(layer, call), x).module
+        probe = layer if call is None else _Called(layer, call)
+        probe = warmed_up(probe, x) if warm is None else after_first_call(probe, x) if warm else probe
+        module = probe if call is None else probe.module
         graphdef, params, rest = nnx.split(module, nnx.Param, ...)
         fn = call or _call
+        paths = graph_paths(module) if warm is False else None
 
         def apply(params, rest, x):
             m = nnx.merge(graphdef, params, rest, copy=True)
             out = fn(m, x)
+            if paths is not None and graph_paths(m) != paths:
+                raise _Grown
             _, _, after = nnx.split(m, nnx.Param, ...)
             return out, after
 
@@ -374,27 +398,79 @@ def _fingerprint(jaxpr: Any) -> str:
     return digest.hexdigest()
 
 
-def _program(form: _Form, output: Any, args: tuple[Any, Any, jax.Array]) -> tuple[Any, list[str]]:
-    """The compiled step for ``args`` and the output's leaf names.
+@dataclasses.dataclass
+class _Traced:
+    """A layer's step, traced once: the one trace its program, its names and the uninitialized check read."""
 
-    The step is traced on every call (a trace costs little beside a compile),
-    and a compiled program is reused only for an equal form and an equal
-    traced program: code changed between two checks (a monkeypatched helper,
-    a rebuilt module) is never served the program of the old code.
-    """
+    form: _Form
+    closed: Any  # the step as a ClosedJaxpr of the flat (params, rest, x)
+    shapes: Any  # its output (leaves, parameter gradients, input gradient, state after) as ShapeDtypeStructs
+    names: list[str]  # the compared output leaves
+
+
+def _traced_step(what: str, form: _Form, x: jax.Array, output: Any) -> _Traced:
     names: list[str] = []
-    jitted = jax.jit(_step(form, output, names))
-    traced = jitted.trace(*args)
+    try:
+        with user_code("check_layer", what, passthrough=(_NoOutput, _Grown)):
+            closed, shapes = jax.make_jaxpr(_step(form, output, names), return_shape=True)(form.params, form.rest, x)
+    except _NoOutput as e:
+        raise ValueError(f"check_layer: {what}'s {e}") from None
+    return _Traced(form, closed, shapes, names)
+
+
+def _trace(what: str, layer: Any, x: jax.Array, call: Any, output: Any) -> _Traced:
+    """``layer`` as pure functions, its step traced: once, and for a lazy NNX module once more, on a copy after
+    its first call (the first trace is what finds it lazy: nothing traces the layer only to ask)."""
+    form = _traceable(what, lambda: _form(layer, x, call, warm=False))
+    try:
+        return _traced_step(what, form, x, output)
+    except _Grown:
+        form = _traceable(what, lambda: _form(layer, x, call, warm=True))
+        return _traced_step(what, form, x, output)
+
+
+def _program(traced: _Traced, output: Any, flat: list[Any]) -> Any:
+    """The traced step compiled for the flat arguments ``flat`` (``jax.jit``, ahead of time).
+
+    Compiled from the one trace, and run by both calls of a layer whatever
+    sharding the state its first call left comes with (plain ``jax.jit``
+    would compile the step again for it). A compiled program is reused only
+    for an equal form, an equal traced program and the same placement of the
+    arguments: code changed between two checks (a monkeypatched helper, a
+    rebuilt module) is never served the program of the old code.
+    """
     # output=None (every leaf) is a key like any other: _hashable's None means "not hashable" only for a form's key.
-    key = _hashable((form.key, output)) if form.key is not None else None
-    if key is None:
-        return jitted, names
-    key = (key, _fingerprint(traced.jaxpr))
-    if key not in _PROGRAMS:
-        _PROGRAMS[key] = jitted
+    key = _hashable((traced.form.key, output)) if traced.form.key is not None else None
+    if key is not None:  # what jax.jit's own cache would hold apart besides the program: placement, matmul precision
+        key = _hashable((key, _fingerprint(traced.closed), tuple(getattr(v, "sharding", None) for v in flat),
+                         jax.config.jax_default_matmul_precision))
+    if key is not None and key in _PROGRAMS:
+        return _PROGRAMS[key]
+    run = jcore.jaxpr_as_fun(traced.closed)
+
+    def step(*leaves: Any) -> Any:  # the name JAX's compile log shows
+        return run(*leaves)
+
+    program = jax.jit(step).lower(*flat).compile()
+    if key is not None:
+        _PROGRAMS[key] = program
         while len(_PROGRAMS) > 64:
             _PROGRAMS.popitem(last=False)
-    return _PROGRAMS[key], names
+    return program
+
+
+def _fits(traced: _Traced, program: Any, flat: list[Any]) -> list[Any] | None:
+    """``flat`` placed as ``program`` takes its arguments; None where their types are not the traced step's."""
+    avals = traced.closed.in_avals
+    if len(flat) != len(avals) or any((tuple(np.shape(v)), jnp.result_type(v)) != (tuple(a.shape), a.dtype)
+                                      for v, a in zip(flat, avals)):
+        return None
+    shardings = jax.tree.leaves(program.input_shardings[0])
+    if len(shardings) != len(flat):
+        return None
+    # A state the step constrained (MaxText's NamedSharding) is moved only where it differs in fact.
+    return [jax.device_put(v, s) if isinstance(v, jax.Array) and v.committed
+            and not v.sharding.is_equivalent_to(s, v.ndim) else v for v, s in zip(flat, shardings)]
 
 
 @dataclasses.dataclass
@@ -403,23 +479,28 @@ class _Run:
     grads: dict[str, np.ndarray]  # parameter path -> gradient; INPUT_GRAD -> the input's
     params: dict[str, np.ndarray]
     again: dict[str, np.ndarray] | None = None  # a second call, from the state the first left
-    program: Any = None  # the jitted step: the uninitialized check reads its traced program
+    traced: _Traced | None = None  # the step: the uninitialized check reads its traced program
 
 
-def _run(what: str, form: _Form, x: jax.Array, output: Any, *, twice: bool) -> _Run:
-    names = []
-    try:
-        with user_code("check_layer", what, passthrough=(_NoOutput,)):
-            program, names = _program(form, output, (form.params, form.rest, x))
-            leaves, g_params, g_x, after = program(form.params, form.rest, x)
-            again = program(form.params, after, x)[0] if twice else None
-    except _NoOutput as e:
-        raise ValueError(f"check_layer: {what}'s {e}") from None
+def _run(what: str, traced: _Traced, x: jax.Array, output: Any, *, twice: bool) -> _Run:
+    form, names = traced.form, traced.names
+    flat, tree = jax.tree.flatten((form.params, form.rest, x))
+    out_tree = jax.tree.structure(traced.shapes)
+    with user_code("check_layer", what):
+        program = _program(traced, output, flat)
+        leaves, g_params, g_x, after = jax.tree.unflatten(out_tree, program(*flat))
+        again = None
+        if twice:
+            flat_again, tree_again = jax.tree.flatten((form.params, after, x))
+            fitted = _fits(traced, program, flat_again) if tree_again == tree else None
+            # A state of another structure or type than the one the step was traced with: its own program.
+            again = (jax.tree.unflatten(out_tree, program(*fitted))[0] if fitted is not None
+                     else jax.jit(_step(form, output, []))(form.params, after, x)[0])
     grads = {p: np.asarray(v) for p, v in form.param_leaves(g_params).items()}
     grads[INPUT_GRAD] = np.asarray(g_x)
     params = {p: np.asarray(v) for p, v in form.param_leaves(form.params).items()}
     return _Run(dict(zip(names, map(np.asarray, leaves))), grads, params,
-                None if again is None else dict(zip(names, map(np.asarray, again))), program)
+                None if again is None else dict(zip(names, map(np.asarray, again))), traced)
 
 
 # -- the check -------------------------------------------------------------------
@@ -470,7 +551,8 @@ def _check_args(layer: Any, reference: Any, x: Any, max_rel_norm: float, max_gra
     if not (output is None or callable(output) or isinstance(output, (int, str))) or isinstance(output, bool):
         raise ValueError(f"check_layer: output must be None (every floating-point leaf), an index or key, or a "
                          f"function of the output, got {type(output).__name__}")
-    return jnp.asarray(x), frozenset(skip_grads)
+    # device_put, not jnp.asarray: that compiles a program of its own for a numpy array (jax.lax.stage).
+    return (x if isinstance(x, jax.Array) else jax.device_put(x)), frozenset(skip_grads)
 
 
 def _traceable(what: str, fn: Callable[[], Any]) -> Any:
@@ -598,15 +680,15 @@ def check_layer(
                          "qcheck.Recipe or a mapping of roles to formats; got False")
     declaration = (read_declaration(layer) if from_layer
                    else None if declared is None else as_declaration(declared, "check_layer: declared"))
-    form = _traceable("layer", lambda: _form(layer, x, call))
-    twin = _traceable("reference", lambda: _form(reference, x, call))
+    traced, traced_twin = _trace("layer", layer, x, call, output), _trace("reference", reference, x, call, output)
+    form, twin = traced.form, traced_twin.form
     paths = {p for f in (form, twin) for p in f.param_leaves(f.params)}
     if unknown := skip_grads - paths:
         raise ValueError(f"check_layer: skip_grads names {sorted(unknown)}, which are not parameters; "
                          f"parameter paths: {', '.join(sorted(paths)) or '(none)'}")
 
-    run = _run("layer", form, x, output, twice=True)
-    ref = _run("reference", twin, x, output, twice=False)
+    run = _run("layer", traced, x, output, twice=True)
+    ref = _run("reference", traced_twin, x, output, twice=False)
     _compare_params(run, ref, skip_grads)
     if list(run.out) != list(ref.out):
         leaves = [", ".join(k or "the output" for k in r.out) for r in (run, ref)]
@@ -620,8 +702,11 @@ def check_layer(
     failures: list[str] = []
     records: list[MatmulRecord] = []
     try:
-        records = assert_quantized(form.probe, x, skip=skip, control=twin.probe, machinery=tuple(machinery),
-                                   declared=declaration, kernels=kernels)
+        # The probes are as the steps ran: warmed up already where lazy, so coverage does not ask again. The
+        # twin's coverage is the control of skip rules and of a declaration only: without them it is not traced.
+        control = twin.probe if as_skips(skip, "check_layer") or declaration is not None else None
+        records = quantized_records(form.probe, (x,), {}, skip=skip, control=control, machinery=tuple(machinery),
+                                    declared=declaration, kernels=kernels, warm=False)
     except AssertionError as e:
         failures.append(f"coverage: {e}")
     if from_layer and declaration is None and records:
@@ -671,12 +756,12 @@ def check_layer(
 def _uninitialized(what: str, form: _Form, run: _Run, x: jax.Array, machinery: Collection[str]) -> str | None:
     """Whether the program ``run`` compiled reads memory it never wrote (``jax.lax.empty``'s); None if not.
 
-    The jaxpr is the one its ``jax.jit`` traced (a cache hit); only a program
+    The jaxpr is the one trace the program was compiled from; only a program
     holding such a buffer is compiled again, with its filled copies.
     """
     args = (form.params, form.rest, x)
     with user_code("check_layer", what):
-        closed, returned = jax.make_jaxpr(run.program, return_shape=True)(*args)
+        closed, returned = run.traced.closed, run.traced.shapes
         if not (buffers := unspecified_buffers(closed, machinery)):
             return None
         out_names = [f"output{f' {n}' if n else ''}" for n in run.out]
