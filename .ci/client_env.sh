@@ -10,3 +10,9 @@ venv312() {
   if "$PYTHON312" -c '' 2> /dev/null; then "$PYTHON312" -m venv "$venv"
   else PYENV_VERSION=${PYENV_312:-3.12.1} pyenv exec python -m venv "$venv"; fi
 }
+
+# run PYTHON CMD...: CMD with that environment's tools first on PATH, on the CPU (a client's script may add more).
+run() {
+  local py=$1; shift
+  PATH="$(dirname "$py"):$PATH" JAX_PLATFORMS=cpu "$@"
+}

@@ -35,11 +35,6 @@ env_() {
   "$venv/bin/python" -m pip install -q -e "$repo[test]"
 }
 
-run() {
-  local py=$1; shift
-  PATH="$(dirname "$py"):$PATH" JAX_PLATFORMS=cpu "$@"
-}
-
 case "${1:-}" in
   env) env_ "$2" ;;
   deps) deps "$2" ;;

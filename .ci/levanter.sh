@@ -28,11 +28,6 @@ env_() {
     "$LEVANTER_VERSION"
 }
 
-run() {
-  local py=$1; shift
-  PATH="$(dirname "$py"):$PATH" JAX_PLATFORMS=cpu "$@"
-}
-
 case "${1:-}" in
   env) env_ "$2" ;;
   run) run "${@:2}" ;;
