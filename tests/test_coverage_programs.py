@@ -3,6 +3,7 @@ module paths, user stacks, lazy modules, and skip rules with their control."""
 
 from __future__ import annotations
 
+import importlib
 import linecache
 import re
 
@@ -313,11 +314,35 @@ def test_a_flax_fp8_matmul_is_located_at_the_callers_line():
     assert "the caller's line" in _line(record)
 
 
-def test_a_package_named_as_machinery_moves_the_location_to_its_caller():
-    (inner,) = coverage(_in_nested_jit(True), A, B)
-    assert inner.function.endswith("<lambda>")
-    (outer,) = coverage(lambda a, b: _in_nested_jit(True)(a, b), A, B, machinery=[__file__])
-    assert outer.location == "<unknown>" and outer.stack == ()
+_TEAM_LIBRARY = """
+import jax.numpy as jnp
+
+
+def quantized_matmul(a, b):
+    q = lambda t: t.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    return q(a) @ q(b)  # the team library's line
+"""
+
+
+@pytest.mark.parametrize("named_as", ["package", "path"])
+def test_a_package_named_as_machinery_moves_the_location_to_its_caller(tmp_path, monkeypatch, named_as):
+    # A team's own quantization library: its matmul is located at the line of the layer that called it, the
+    # way Flax's and AQT's are, once the library is named as machinery, by package or by path.
+    name = f"team_quant_{named_as}"  # one module per case: a second import would find the first in sys.modules
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "__init__.py").write_text(_TEAM_LIBRARY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    team_quant = importlib.import_module(name)
+
+    def layer(a, b):
+        return team_quant.quantized_matmul(a, b) * 2.0  # the layer's line
+
+    named = name if named_as == "package" else str(tmp_path / name)
+    (outer,) = coverage(layer, A, B, machinery=[named])
+    assert outer.quantized and "the layer's line" in _line(outer), outer.location
+    # The control: without it, the library's own line is where the matmul is.
+    (inner,) = coverage(layer, A, B)
+    assert "the team library's line" in _line(inner), inner.location
 
 
 def test_an_aqt_int8_matmul_is_located_at_the_callers_line():
