@@ -5,6 +5,7 @@
         --json bench/compare.local.json --markdown
     python bench/compare.py --ref HEAD~1 --only suite --pytest-args "tests/test_formats.py"
     python bench/compare.py --ref 17e2bd7 --warm-new                      # the tree with compilation free
+    python bench/compare.py --ref d5f0783 --only userflow --rounds 3       # a user's project, from wheels
 
 This machine's speed drifts by a third within an hour, so two figures taken
 minutes apart say little about a change. This script checks REF out into a
@@ -17,6 +18,12 @@ unset and CI=true, which turns off the per-user compilation cache qcheck's own
 processes otherwise keep; everything else the same for both sides):
   suite   pytest -n auto -p no:cacheprovider -q [--pytest-args]
   matrix  python -m qcheck
+  userflow  a user's project from nothing, as .ci/wheel_flow.sh builds it: each side's
+          wheel installed into its own venv (not editable: an editable checkout puts
+          qcheck's own conftest above the suite it collects), a module registering two
+          plug-in recipes (USER_RECIPES), their golden cases made by that side's
+          `qcheck golden add` (untimed); timed: pytest -n auto -p no:cacheprovider -q
+          --qcheck-recipes=my_recipes.py in that project
 
 Per run: wall time, CPU time of the process tree (getrusage(RUSAGE_CHILDREN)
 deltas), exit status, pytest's summary counts, and the XLA compilations of every
@@ -54,7 +61,14 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-WORKLOADS = ("suite", "matrix")
+WORKLOADS = ("suite", "matrix", "userflow")
+#: The user's project of the userflow workload: two plug-in recipes, as a quantization engineer writes them.
+USER_RECIPES = """import qcheck
+
+qcheck.register_recipe(qcheck.Recipe("my_e5m2", lhs="e5m2_current", rhs="e5m2_current"))
+qcheck.register_recipe(qcheck.Recipe("my_e4m3", lhs="e4m3fn_current", rhs="e4m3fn_current"))
+"""
+USER_RECIPE_NAMES = ("my_e5m2", "my_e4m3")
 SIDES = ("ref", "new")
 COMPILE_DIR_ENV = "QCHECK_BENCH_COMPILE_DIR"
 # Variables that would make one side's runs differ from the other's or warm: the
@@ -104,7 +118,7 @@ def completed(record: dict) -> bool:
     """Whether a run's time means something: it ran to the end (see the module docstring)."""
     if record["exit"] == 0:
         return True
-    return record["workload"] == "suite" and record["exit"] == 1 and record.get("summary") is not None
+    return record["workload"] in ("suite", "userflow") and record["exit"] == 1 and record.get("summary") is not None
 
 
 def summarize(records: list[dict], workload: str) -> dict:
@@ -215,6 +229,43 @@ def ensure_env(venv: Path, tree: Path, python: str, extras: str = "test") -> boo
     return False
 
 
+def ensure_wheel_env(venv: Path, tree: Path, python: str, extras: str = "test") -> bool:
+    """A venv at ``venv`` with ``tree`` installed as users get it, from a wheel; True when the venv was reused.
+
+    qcheck itself is rebuilt and reinstalled on every call (the working tree may have changed since the venv
+    was made); its dependencies are installed once.
+    """
+    ready = venv / ".bench-ready"
+    reused = ready.exists() and (venv / "bin" / "python").exists()
+    if not reused:
+        shutil.rmtree(venv, ignore_errors=True)
+        print(f"[compare] creating {venv} for a wheel of {tree} ...", flush=True)
+        subprocess.run([python, "-m", "venv", str(venv)], check=True)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    for args in ([] if reused else [f"{tree}[{extras}]"], ["--no-deps", "--force-reinstall", str(tree)]):
+        if not args:
+            continue
+        done = subprocess.run([*pip, *args], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"[compare] pip install {shlex.join(args)} failed:\n{done.stderr[-2000:]}")
+    ready.write_text(json.dumps({"tree": str(tree), "python": python, "wheel": True}))
+    return reused
+
+
+def user_project(project: Path, venv: Path) -> None:
+    """The userflow workload's project at ``project``: USER_RECIPES and golden cases made by ``venv``'s qcheck."""
+    shutil.rmtree(project, ignore_errors=True)
+    project.mkdir(parents=True)
+    (project / "my_recipes.py").write_text(USER_RECIPES)
+    env = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENV}
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    for name in USER_RECIPE_NAMES:
+        done = subprocess.run([str(venv / "bin" / "qcheck"), "golden", "add", name, "--recipes", "my_recipes.py"],
+                              cwd=project, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"[compare] qcheck golden add {name} failed in {project}:\n{done.stderr[-2000:]}")
+
+
 def _remove_worktree(root: Path, path: Path) -> None:
     subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=root, capture_output=True)
     shutil.rmtree(path, ignore_errors=True)
@@ -254,6 +305,9 @@ def command(workload: str, venv: Path, pytest_args: list[str]) -> list[str]:
     python = str(venv / "bin" / "python")
     if workload == "suite":
         return [python, "-m", "pytest", "-n", "auto", "-p", "no:cacheprovider", "-q", *pytest_args]
+    if workload == "userflow":
+        return [python, "-m", "pytest", "-n", "auto", "-p", "no:cacheprovider", "-q", "--qcheck-recipes=my_recipes.py",
+                *pytest_args]
     return [python, "-m", "qcheck"]
 
 
@@ -283,7 +337,7 @@ def run_once(workload: str, side: str, rnd: int, tree: Path, venv: Path, site_di
                   compile_s=round(sum(t["compile_s"] for t in tallies), 2),
                   processes=len(tallies), processes_with_jax=sum(t["jax_imported"] for t in tallies))
     text = done.stdout + "\n" + done.stderr
-    if workload == "suite" and (found := parse_pytest_summary(done.stdout)):
+    if workload in ("suite", "userflow") and (found := parse_pytest_summary(done.stdout)):
         record["summary"], record["counts"] = found
     elif workload == "matrix":
         record["summary"] = (done.stdout.strip().splitlines() or [""])[-1][:200]
@@ -371,20 +425,33 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _remove_worktree(root, ref_tree)  # a checkout left by an interrupted run
         _git(root, "worktree", "add", "--detach", str(ref_tree), ref_sha)
-        reused = {side: ensure_env(venvs[side], trees[side], python, args.extras) for side in SIDES}
-        versions = {side: env_versions(venvs[side]) for side in SIDES}
+        # Where each workload runs on each side: a checkout with its editable venv, or a user's project.
+        where: dict[tuple[str, str], tuple[Path, Path]] = {}
+        versions: dict[str, dict] = {}
         for side in SIDES:
-            print(f"[compare] {side}: {trees[side]}, venv {venvs[side]} ({'reused' if reused[side] else 'new'}), "
-                  f"{versions[side]}", flush=True)
+            if set(args.only) - {"userflow"}:
+                reused = ensure_env(venvs[side], trees[side], python, args.extras)
+                versions[side] = env_versions(venvs[side])
+                print(f"[compare] {side}: {trees[side]}, venv {venvs[side]} ({'reused' if reused else 'new'}), "
+                      f"{versions[side]}", flush=True)
+                where.update({(w, side): (trees[side], venvs[side]) for w in args.only if w != "userflow"})
+            if "userflow" in args.only:
+                wheel_venv = venvs[side].with_name("wheel-" + venvs[side].name)
+                reused = ensure_wheel_env(wheel_venv, trees[side], python, args.extras)
+                project = scratch / f"project-{side}"
+                user_project(project, wheel_venv)
+                versions[f"{side} wheel"] = env_versions(wheel_venv)
+                print(f"[compare] {side}: a project at {project}, a wheel of {trees[side]} in {wheel_venv} "
+                      f"({'reused' if reused else 'new'}), {versions[f'{side} wheel']}", flush=True)
+                where["userflow", side] = (project, wheel_venv)
         warm = {"ref": None, "new": scratch / "warm-cache" if args.warm_new else None}
         for workload in args.only if args.warm_new else ():
-            fills.append(run_once(workload, "new", 0, trees["new"], venvs["new"], site_dir, pytest_args,
-                                  warm["new"]))
+            fills.append(run_once(workload, "new", 0, *where[workload, "new"], site_dir, pytest_args, warm["new"]))
             print(_progress(fills[-1]).replace("round 0", "filling the cache,"), flush=True)
         for rnd in range(1, args.rounds + 1):
             for workload in args.only:
                 for side in SIDES:
-                    records.append(run_once(workload, side, rnd, trees[side], venvs[side], site_dir, pytest_args,
+                    records.append(run_once(workload, side, rnd, *where[workload, side], site_dir, pytest_args,
                                             warm[side]))
                     print(_progress(records[-1]), flush=True)
     finally:

@@ -109,7 +109,7 @@ def test_runs_are_cold_unless_warm_new_names_a_cache(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(("argv", "match"), [
-    (["--ref", "main", "--only", "suite,bogus"], r"unknown workload\(s\) \['bogus'\]; valid: suite, matrix"),
+    (["--ref", "main", "--only", "suite,bogus"], r"unknown workload\(s\) \['bogus'\]; valid: suite, matrix, userflow"),
     (["--ref", "main", "--rounds", "0"], r"--rounds takes a positive integer, got '0'"),
 ])
 def test_bad_arguments_are_named(argv, match, capsys):
@@ -212,6 +212,14 @@ def test_a_run_that_cannot_start_is_a_failed_record(tmp_path):
     record = compare.run_once("matrix", "ref", 1, tmp_path, tmp_path / "no-venv", tmp_path, [])
     assert record["exit"] is None and record["error"].startswith("could not start: ")
     assert not compare.completed(record)
+
+
+def test_the_userflow_runs_the_suite_on_the_users_two_recipes_from_their_project(tmp_path):
+    cmd = compare.command("userflow", tmp_path / "venv", ["-x"])
+    assert cmd[:3] == [str(tmp_path / "venv" / "bin" / "python"), "-m", "pytest"] and "-n" in cmd
+    assert "--qcheck-recipes=my_recipes.py" in cmd and cmd[-1] == "-x"
+    registered = re.findall(r'Recipe\("(\w+)"', compare.USER_RECIPES)
+    assert tuple(registered) == compare.USER_RECIPE_NAMES and len(registered) == 2
 
 
 def test_a_kept_env_is_reused_without_running_pip(tmp_path):
