@@ -8,8 +8,6 @@ is enabled by ``addopts`` in pyproject.toml, read only in qcheck's own runs).
 """
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,11 +23,8 @@ def _own_session(config: pytest.Config) -> bool:
 # Local runs keep JAX's compilation cache across runs in a per-user directory
 # (qcheck.suite._process.persistent_cache_dir; docs/performance.md says what it buys).
 # Where it is off (QCHECK_XLA_CACHE=0, or CI=true) runs stay cold, but the xdist
-# workers of one run still share a cache that lives only as long as the run, so
-# a program two workers need (an unquantized twin, an eager op) is compiled
-# once: 144 s -> 110 s of CPU on 2 cores. The controller makes a new directory
-# per run, the workers inherit its path, and it is removed at the end.
-_CACHE_ENV = "QCHECK_RUN_XLA_CACHE"
+# workers of one run still share a cache that lives only as long as the run
+# (qcheck.suite._process.start_run_cache).
 
 
 def _runs_tests(config: pytest.Config) -> bool:
@@ -57,8 +52,7 @@ def _configure_test_process() -> None:
     # On a GPU node only the hardware-marked tests run there, on arrays they put there.
     # The persistent cache, where on, wins over the run's own cache.
     worker = bool(os.environ.get("PYTEST_XDIST_WORKER"))
-    run_cache = os.environ.get(_CACHE_ENV) if worker else None
-    _process.setup(worker=worker, cache_dir=_process.persistent_cache_dir() or run_cache, own=True)
+    _process.setup(worker=worker, cache_dir=_process.persistent_cache_dir() or _process.run_cache_dir(), own=True)
 
     # Derandomized for CI (same examples every run, whatever the worker); no deadline
     # since the first example of a test pays for JIT compilation.
@@ -76,10 +70,9 @@ def pytest_configure(config):
     _process.configure()  # before anything starts a JAX backend (the xdist workers, started later, inherit it)
     if _runs_tests(config):
         _configure_test_process()
-    elif _process.persistent_cache_dir() is None:
-        os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="qcheck-xla-")
+    else:
+        _process.start_run_cache(own=True)
 
 
 def pytest_unconfigure(config):
-    if not os.environ.get("PYTEST_XDIST_WORKER") and (path := os.environ.pop(_CACHE_ENV, None)):
-        shutil.rmtree(path, ignore_errors=True)
+    _process.end_run_cache()

@@ -161,3 +161,33 @@ def test_a_users_session_keeps_its_own_settings_when_qcheck_is_installed_from_a_
                           timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert re.search(r"1 passed, \d+ deselected", done.stdout), done.stdout[-2000:]
+
+
+def _blocks(keys: list) -> list:
+    """``keys`` with each run of equal neighbours collapsed: contiguous groups appear once each."""
+    return [k for i, k in enumerate(keys) if i == 0 or keys[i - 1] != k]
+
+
+def test_the_suites_items_come_case_by_case_and_a_variants_cases_together(pytester):
+    # pytest-xdist hands each worker runs of consecutive items: in this order one worker builds a case's
+    # programs for all of its invariants, and a variant's unquantized twin once for its recipes.
+    pytester.makepyfile(
+        """
+        def test_first():
+            pass
+
+        def test_last():
+            pass
+        """
+    )
+    result = pytester.runpytest("--collect-only", "-q", *INNER, "--qcheck-recipe=fp8", "--qcheck-recipe=nanoo_fp8")
+    ids = [line for line in result.stdout.lines if "::" in line]
+    assert ids[0].endswith("::test_first") and ids[1].endswith("::test_last")  # the user's own items keep places
+    suite = [re.search(r"::(\w+)\[(\w+)-(.*)\]$", line) for line in ids if "[" in line]
+    suite = [m.groups() for m in suite if m]
+    cases = [(recipe, variant) for _, recipe, variant in suite]
+    variants = [variant for _, _, variant in suite]
+    assert len(_blocks(cases)) == len(set(cases)) and len(_blocks(variants)) == len(set(variants)), ids
+    # The control: within a case the test functions change, so pytest's own order (function by function over
+    # every case) would have split each case up.
+    assert len(_blocks([function for function, _, _ in suite])) > len(set(function for function, _, _ in suite))

@@ -1,5 +1,7 @@
 """qcheck's XLA settings: added before JAX starts, never over a flag the user set."""
 
+from pathlib import Path
+
 import pytest
 
 from qcheck.suite import _process
@@ -155,3 +157,37 @@ def test_the_default_cache_fills_in_a_fresh_qcheck_process(tmp_path):
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     cache = done.stdout.strip()
     assert cache.startswith(str(tmp_path)) and os.listdir(cache), done.stderr
+
+
+# -- the run cache: a pytest-xdist controller's, for its workers, where no persistent cache is on ----------------
+
+
+def test_a_controller_makes_a_run_cache_its_workers_read_and_it_removes(tmp_path):
+    env = {"XDG_CACHE_HOME": str(tmp_path), "CI": "true"}
+    _process.start_run_cache(env, own=True)
+    path = env[_process.RUN_CACHE_ENV]
+    assert Path(path).is_dir() and _process.run_cache_dir(env) is None  # the controller compiles nothing
+    assert _process.run_cache_dir({**env, "PYTEST_XDIST_WORKER": "gw0"}) == path
+    _process.end_run_cache(env)
+    assert not Path(path).exists() and _process.RUN_CACHE_ENV not in env
+
+
+def test_a_users_run_gets_a_run_cache_unless_a_persistent_one_is_asked_for(tmp_path):
+    env = {"XDG_CACHE_HOME": str(tmp_path)}  # the plugin in a user's run keeps no persistent cache by default
+    _process.start_run_cache(env)
+    assert Path(env[_process.RUN_CACHE_ENV]).is_dir()
+    _process.end_run_cache(env)
+    asked = {"QCHECK_XLA_CACHE": str(tmp_path / "mine")}
+    _process.start_run_cache(asked)
+    own = {"XDG_CACHE_HOME": str(tmp_path)}  # qcheck's own local runs keep the per-user cache instead
+    _process.start_run_cache(own, own=True)
+    assert _process.RUN_CACHE_ENV not in asked and _process.RUN_CACHE_ENV not in own
+
+
+def test_an_inner_run_leaves_the_outer_runs_cache_alone(tmp_path):
+    outer = tmp_path / "outer"
+    outer.mkdir()
+    env = {"CI": "true", _process.RUN_CACHE_ENV: str(outer)}  # a pytester session inside a run
+    _process.start_run_cache(env)
+    _process.end_run_cache(env)
+    assert env[_process.RUN_CACHE_ENV] == str(outer) and outer.is_dir()

@@ -98,8 +98,9 @@ def _select(config: pytest.Config) -> tuple[str, ...] | None:
 
     if _is_xdist_controller(config):
         _process.configure()  # the workers inherit it; no backend needed here
+        _process.start_run_cache()
     else:
-        _process.setup()  # before a recipe module starts JAX
+        _process.setup(cache_dir=_process.run_cache_dir())  # before a recipe module starts JAX
     from qcheck.recipes import get_recipe, import_recipes, recipe_names
 
     chosen: list[str] = []
@@ -156,8 +157,50 @@ def _check_golden_dir(config: pytest.Config) -> None:
         raise pytest.UsageError(f"golden directory {named} ({source}) {what}")
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    from qcheck.suite import _process
+
+    _process.end_run_cache()
+
+
+def _case_key(item: pytest.Item) -> tuple[tuple, str] | None:
+    """(variant, recipe) of an item over one of qcheck's cases; ``None`` for any other item."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    case = params.get("qcheck_case") or params.get("qcheck_declared", (None,))[0]
+    if case is not None:
+        return (case.variant.model, case.variant.path, case.variant.dropping), case.recipe
+    golden = params.get("qcheck_golden", (None,))[0]
+    if hasattr(golden, "recipe"):
+        return (golden.model, golden.path, golden.dropping), golden.recipe
+    return None
+
+
+def order_by_case(items: list[pytest.Item]) -> None:
+    """Put the suite's items over one case next to each other, and a variant's cases next to each other.
+
+    A case's invariants read the same cached programs (its layer's site
+    program, its train step) and the cases of one variant share their
+    unquantized twin; pytest-xdist hands each worker runs of consecutive
+    items, so in this order a worker compiles a case's programs for all of
+    its checks, not each worker for some. Other items keep their places.
+    """
+    slots = [i for i, item in enumerate(items) if _case_key(item) is not None]
+    variants: dict[tuple, int] = {}
+    for i in slots:
+        variants.setdefault(_case_key(items[i])[0], len(variants))
+
+    def key(item: pytest.Item) -> tuple[int, str]:
+        variant, recipe = _case_key(item)
+        return variants[variant], recipe
+
+    for i, item in zip(slots, sorted((items[i] for i in slots), key=key)):
+        items[i] = item
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A test whose hardware this host lacks is skipped at its own line, with its marker in the reason."""
+    """The suite's items in case order (:func:`order_by_case`); a test whose hardware this host lacks is skipped at
+    its own line, with its marker in the reason."""
+    order_by_case(items)
     required = required_hardware(config)
     for item in items:
         for marker in item.iter_markers():
