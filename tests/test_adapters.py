@@ -95,15 +95,16 @@ def _assert_sites_cast_exact(layer, cast_dtype) -> None:
     for i, (name, spec) in enumerate(layer.site_specs(BATCH, SEQ).items()):
         lhs, rhs = checks.probe_operands(i, spec.lhs_shape, spec.rhs_shape)
         graphdef, state = nnx.split(layer.get_einsum(name))
+        matmul = spec.matmul if isinstance(spec.matmul, checks.Einsum) else checks.Ragged(
+            _group_sizes(lhs.shape[0], rhs.shape[0], i))
+        if isinstance(matmul, checks.Einsum):
+            def op(eqn, a, b):
+                return _site_einsum(graphdef, eqn, state, a, b)
+        else:
+            def op(a, b, gs):
+                return _site_ragged_dot(graphdef, state, a, b, gs)
         try:
-            if spec.eqn is not None:
-                checks.assert_fresh_cast_exact(
-                    lambda eqn, a, b: _site_einsum(graphdef, eqn, state, a, b), spec.eqn, lhs, rhs,
-                    cast_dtype=cast_dtype)
-            else:
-                checks.assert_fresh_cast_exact(
-                    lambda a, b, gs: _site_ragged_dot(graphdef, state, a, b, gs),
-                    checks.Ragged(_group_sizes(lhs.shape[0], rhs.shape[0], i)), lhs, rhs, cast_dtype=cast_dtype)
+            checks.assert_fresh_cast_exact(op, matmul, lhs, rhs, cast_dtype=cast_dtype)
         except AssertionError as e:
             raise AssertionError(f"site {name!r}: {e}") from e
 

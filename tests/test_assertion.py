@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from qcheck import checks, formats, referees
-from qcheck.checks._assertion import assertion
+from qcheck.checks._assertion import assertion, judged_as
 
 # Every public assertion of qcheck.checks but assert_quantized: it forwards every other keyword to the
 # function it traces (a label would be taken from that function), and lives below qcheck.checks.
@@ -62,6 +62,21 @@ def test_a_check_inside_a_check_is_named_once():
 
     with pytest.raises(AssertionError, match=r"^assert_inner: figure 3$"):
         assert_outer(label="x")
+
+
+def test_a_judgement_run_on_values_computed_elsewhere_speaks_as_its_check():
+    # The suite's one program per case computes every site's result; each check's judgement of them is named
+    # as the check a user calls, with the suite's label.
+    def judge(got, *, want):
+        if got != want:
+            raise AssertionError(f"got {got}, expected {want}")
+        return got
+
+    assert judged_as(checks.assert_site_exact, judge, 1, want=1) == 1
+    with pytest.raises(AssertionError, match=r"^case: assert_site_exact: got 2, expected 1$"):
+        judged_as(checks.assert_site_exact, judge, 2, want=1, label="case")
+    with pytest.raises(TypeError, match=r"^judged_as: 'test_.*<locals>.judge' is not a check made by @assertion"):
+        judged_as(judge, judge, 2, want=1)
 
 
 def test_the_wrapper_refuses_a_check_without_a_keyword_only_label():

@@ -139,7 +139,7 @@ def test_fresh_cast_exact_refuses_operands_blind_to_the_flavour():
     # Both e4m3 flavours have 3 mantissa bits at this magnitude: 1 + 2^-5 rounds to
     # 1.0 in each, so their references agree and a wrong flavour would pass.
     x = np.full((2, 2), 1.0 + 2.0**-5, np.float32)
-    with pytest.raises(ValueError, match="references are bitwise equal"):
+    with pytest.raises(ValueError, match="float8_e4m3fn-cast reference equals the float8_e4m3fnuz-cast reference bitwise"):
         checks.assert_fresh_cast_exact(jnp.einsum, EQN, x, x, cast_dtype=E4M3FN)
 
 

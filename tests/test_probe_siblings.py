@@ -46,8 +46,9 @@ def _specs(ragged: bool):
         for variant in (v for v in cases.VARIANTS if v.model == model):
             layer = MoE(MODELS[model], qcheck.get_recipe("none"), path=variant.path,
                         capacity_factor=variant.capacity_factor, rngs=nnx.Rngs(0))
-            out |= {(s.eqn, s.lhs_shape, s.rhs_shape) for s in layer.site_specs(cases.BATCH, cases.SEQ).values()
-                    if (s.eqn is None) == ragged}
+            out |= {(getattr(s.matmul, "eqn", None), s.lhs_shape, s.rhs_shape)
+                    for s in layer.site_specs(cases.BATCH, cases.SEQ).values()
+                    if isinstance(s.matmul, checks.Ragged) == ragged}
     return sorted(out, key=repr)
 
 
@@ -209,7 +210,7 @@ def test_fresh_cast_exact_should_pass_on_the_e5m2_flavour_and_fail_on_its_siblin
 
 def test_fresh_cast_exact_refuses_the_plain_probes_for_e5m2_and_probe_operands_asks_for_contract():
     lhs, rhs = checks.probe_operands(0, (8, 32), (32, 16))
-    with pytest.raises(ValueError, match=r"float8_e5m2 and float8_e5m2fnuz references are bitwise equal.*contract="):
+    with pytest.raises(ValueError, match=r"float8_e5m2-cast reference equals the float8_e5m2fnuz-cast reference bitwise.*contract="):
         checks.assert_fresh_cast_exact(_cast_einsum(E5M2), "tm,mh->th", lhs, rhs, cast_dtype=E5M2)
     with pytest.raises(ValueError, match=r"probe_operands: cast_dtype float8_e5m2 .* give contract=, one tuple of "
                        r"contraction axes per shape \(2\), got None"):

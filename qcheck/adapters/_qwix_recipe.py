@@ -145,13 +145,8 @@ class QwixRecipe(InterceptRecipe):
         specs = layer.site_specs(batch, seq)
         with _quiet():
             for name, spec in specs.items():
-                lhs = jnp.ones(spec.lhs_shape, layer.dtype)
-                rhs = jnp.ones(spec.rhs_shape, layer.dtype)
-                if spec.eqn is None:
-                    sizes = _even_groups(spec.lhs_shape[0], spec.rhs_shape[0])
-                    inputs, method = (lhs, rhs, sizes), "ragged_dot"
-                else:
-                    inputs, method = (spec.eqn, lhs, rhs), "__call__"
+                method, inputs = spec.matmul.site_call(jnp.ones(spec.lhs_shape, layer.dtype),
+                                                       jnp.ones(spec.rhs_shape, layer.dtype))
                 provider = qwix.QtProvider(list(self.rules))
                 # qwix's first call only creates state (converted weights, static-scale statistics),
                 # and the rules accepted here create none (tests/test_intercept.py holds the two
@@ -165,12 +160,6 @@ class QwixRecipe(InterceptRecipe):
 
     def __repr__(self) -> str:
         return f"QwixRecipe({self.name!r}, {list(self.rules)!r})"
-
-
-def _even_groups(rows: int, groups: int) -> jax.Array:
-    sizes = [rows // groups] * groups
-    sizes[-1] += rows - sum(sizes)
-    return jnp.asarray(sizes, jnp.int32)
 
 
 #: qwix 0.1.8 (jax 0.10.2, CPU): on the 2 x 4 mesh, Mixtral's sparse layer computes another function

@@ -21,7 +21,7 @@ from qcheck.checks._figures import Figures
 from qcheck.checks._fp8_native import assert_fp8_dtypes_native, assert_recipe_fp8_native
 from qcheck.checks._fp8_state import assert_fp8_state_matches, fp8_state
 from qcheck.checks._fresh import assert_fresh_cast_exact, cast_reference
-from qcheck.checks._matmul import Einsum, Matmul, Ragged
+from qcheck.recipes._matmul import Einsum, Matmul, Ragged
 from qcheck.checks._moe_referee import assert_moe_matches_referee
 from qcheck.checks._native_gemm import NATIVE_GEMM_TOL, assert_native_matches_emulation
 from qcheck.checks._probes import probe_operands

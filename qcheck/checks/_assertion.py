@@ -8,6 +8,9 @@ under check raised) keeps its own message, which names the call. The message bod
 with its figures. A check called from inside another check is named once, by
 the innermost: the outer one leaves an already named message alone.
 ``__tracebackhide__`` keeps pytest's traceback on the caller's line.
+
+A check's judgement run on values computed elsewhere (the suite's one program
+per case) speaks under the public check's name with :func:`judged_as`.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from typing import Any, TypeVar
 
 from qcheck._errors import UserCodeError
 
-__all__ = ["assertion", "prefix"]
+__all__ = ["assertion", "judged_as", "prefix"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 # Set on an exception once a check has put its name on the message.
 _NAMED = "_qcheck_check"
@@ -32,16 +36,14 @@ def prefix(name: str, label: str = "") -> str:
     return f"{label}: {name}: " if label else f"{name}: "
 
 
-def assertion(fn: F | None = None, *, name: str | None = None) -> F | Callable[[F], F]:
-    """Decorate a check: its messages get :func:`prefix` of ``name`` (default: the function's name).
+def assertion(fn: F) -> F:
+    """Decorate a check: its messages get :func:`prefix` of the function's name.
 
     The check should take a keyword-only ``label: str = ""``; the wrapper reads
     it (the check need not use it) and shows it first. Exceptions keep their
     type and traceback; only the first argument (the message) is rewritten.
     """
-    if fn is None:
-        return functools.partial(assertion, name=name)  # type: ignore[return-value]
-    check = name or fn.__name__
+    check = fn.__name__
     label_param = inspect.signature(fn).parameters.get("label")
     if label_param is None or label_param.kind is not inspect.Parameter.KEYWORD_ONLY:
         raise TypeError(f"assertion: {fn.__qualname__} must take a keyword-only label: str = ''")
@@ -53,13 +55,31 @@ def assertion(fn: F | None = None, *, name: str | None = None) -> F | Callable[[
         try:
             return fn(*args, **kwargs)
         except (AssertionError, ValueError, TypeError) as e:
-            # A UserCodeError already names the call whose code raised (qcheck._errors).
-            if getattr(e, _NAMED, None) is None and not isinstance(e, UserCodeError):
-                label = kwargs.get("label", default_label)
-                message = str(e.args[0]) if e.args else ""
-                e.args = (prefix(check, label if isinstance(label, str) else str(label)) + message, *e.args[1:])
-                setattr(e, _NAMED, check)
+            _name(e, check, kwargs.get("label", default_label))
             raise
 
     wrapper.__qcheck_assertion__ = check  # type: ignore[attr-defined]
     return wrapper  # type: ignore[return-value]
+
+
+def _name(e: Exception, check: str, label: Any) -> None:
+    # A UserCodeError already names the call whose code raised (qcheck._errors).
+    if getattr(e, _NAMED, None) is None and not isinstance(e, UserCodeError):
+        message = str(e.args[0]) if e.args else ""
+        e.args = (prefix(check, label if isinstance(label, str) else str(label)) + message, *e.args[1:])
+        setattr(e, _NAMED, check)
+
+
+def judged_as(check: Callable[..., Any], judgement: Callable[..., T], *args: Any, label: str = "",
+              **kwargs: Any) -> T:
+    """``judgement(*args, **kwargs)``, its messages prefixed as those of public ``check`` (an :func:`assertion`):
+    the check's judgement, run on values computed elsewhere."""
+    __tracebackhide__ = True
+    name = getattr(check, "__qcheck_assertion__", None)
+    if name is None:
+        raise TypeError(f"judged_as: {getattr(check, '__qualname__', check)!r} is not a check made by @assertion")
+    try:
+        return judgement(*args, **kwargs)
+    except (AssertionError, ValueError, TypeError) as e:
+        _name(e, name, label)
+        raise

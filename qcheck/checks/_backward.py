@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import zlib
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +43,8 @@ from qcheck import formats, referees
 from qcheck.checks._assertion import assertion
 from qcheck.checks._bits import as_float32, bits, bitwise_equal
 from qcheck.checks._figures import Figures
-from qcheck.checks._matmul import Einsum, Matmul, Ragged, as_matmul
+from qcheck.checks._mismatch import mismatch, refuse_known_bugs
+from qcheck.recipes._matmul import Einsum, Matmul, Ragged, as_matmul
 from qcheck.checks._probes import probe_grad, probe_nvfp4
 from qcheck.layers.bridge import QuantSite
 from qcheck.recipes import NVFP4, MatmulAxes, Recipe
@@ -52,11 +54,12 @@ __all__ = [
     "assert_grad_equal",
     "assert_site_backward_exact",
     "backend_qdq",
-    "assert_site_grads_exact",
     "expectations",
     "flat_uniforms",
+    "grad_bugs",
     "grad_operand_formats",
     "grad_operands",
+    "judge_site_backward",
     "probe_grad",
     "probe_nvfp4",
     "site_dgrad_key",
@@ -105,23 +108,20 @@ class _MakeRng(nn.Module):
 # -- the programs: one per kind of site (its graph definition) and shapes ---------------
 
 
-def site_grads(site, eqn: str | None, lhs, rhs, group_sizes, g, key) -> tuple[jax.Array, jax.Array]:
-    """The site's (dgrad, wgrad) for output gradient ``g``, traced in the caller's program (``eqn`` None: ragged_dot).
+def site_grads(site, matmul: Matmul, lhs, rhs, g, key) -> tuple[jax.Array, jax.Array]:
+    """The site's (dgrad, wgrad) of ``matmul`` for output gradient ``g``, traced in the caller's program.
 
     A :class:`~qcheck.QuantSite` draws from ``key``; an interception recipe's
     site (a plain module a library rewrote) takes no streams.
     """
     kw = {"rngs": key} if isinstance(site, QuantSite) else {}
-    if eqn is None:
-        _, vjp = jax.vjp(lambda a, b: site.ragged_dot(a, b, group_sizes, **kw), lhs, rhs)
-    else:
-        _, vjp = jax.vjp(lambda a, b: site(eqn, a, b, **kw), lhs, rhs)
+    _, vjp = jax.vjp(lambda a, b: matmul.run(site, a, b, **kw), lhs, rhs)
     return vjp(g)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _site_grads(graphdef, eqn: str | None, state, lhs, rhs, group_sizes, g, key):
-    return site_grads(nnx.merge(graphdef, state, copy=True), eqn, lhs, rhs, group_sizes, g, key)
+@functools.partial(jax.jit, static_argnums=0)
+def _site_grads(graphdef, state, matmul: Matmul, lhs, rhs, g, key):
+    return site_grads(nnx.merge(graphdef, state, copy=True), matmul, lhs, rhs, g, key)
 
 
 # -- what each gradient's copy of g should be --------------------------------------------
@@ -239,24 +239,12 @@ def _require_exact_nvfp4_decode(what: str, x: np.ndarray, axes: tuple[int, ...])
 # -- the check ----------------------------------------------------------------------------
 
 
-def _check(
-    site: QuantSite,
-    recipe: Recipe,
-    mm: Matmul,
-    lhs: np.ndarray,
-    rhs: np.ndarray,
-    g: np.ndarray,
-    key: jax.Array,
-    site_grads,
-) -> Figures:
+def _reference(name: str, recipe: Recipe, mm: Matmul, lhs: np.ndarray, rhs: np.ndarray, g: np.ndarray,
+               key: jax.Array) -> Callable[[tuple[np.ndarray, np.ndarray]], Figures]:
+    """The judge of a site's (dgrad, wgrad): the reference and its known bugs, computed (and the inputs refused
+    where they cannot tell them apart) before the site runs."""
     __tracebackhide__ = True
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be a qcheck.Recipe, got {type(recipe).__name__}")
-    if not isinstance(site, nnx.Module) or not hasattr(site, "site_name"):
-        raise TypeError(f"site must be a qcheck call site (a QuantSite, or an interception recipe's site), "
-                        f"got {type(site).__name__}")
     axes = mm.axes(lhs.ndim, rhs.ndim)
-    name = site.site_name
     lhs_fmt, rhs_fmt = grad_operand_formats(recipe)
     dgrad_key = unsalted = None
     if isinstance(recipe, NVFP4):
@@ -273,25 +261,32 @@ def _check(
 
     (a, b), other, (other_a, other_b) = grad_operands(recipe, lhs, rhs, q_lhs, q_rhs)
     want = mm.grad_matmuls(a, b, dgrad.g, wgrad.g)
-    got = tuple(np.asarray(x) for x in site_grads(jax.device_put(lhs), jax.device_put(rhs), jax.device_put(g), key))
-    margins: dict[str, int] = {}
+    verdicts = []
     for i, (which, exp) in enumerate((("dgrad", dgrad), ("wgrad", wgrad))):
         prefix = f"site {name!r} {which} ({exp.what})"
-        # The bugs this gradient must tell apart, as that gradient would come out.
-        bugs: dict[str, np.ndarray] = {}
-        for desc, bug_g in exp.neighbours.items():
-            gd, gw = (bug_g, wgrad.g) if i == 0 else (dgrad.g, bug_g)
-            bugs[desc] = mm.grad_matmuls(a, b, gd, gw)[i]
-        bugs[other] = mm.grad_matmuls(other_a, other_b, dgrad.g, wgrad.g)[i]
-        for desc, bug in bugs.items():
-            if bitwise_equal(bug, want[i]):
-                raise ValueError(
-                    f"{prefix}: for these operands and g the reference equals the gradient with {desc} "
-                    "bitwise, so that bug would pass; use probe_operands and probe_grad"
-                )
-        assert_grad_equal(prefix, got[i], want[i], bugs)
-        margins[which] = min(int(np.sum(bits(b) != bits(want[i]))) for b in bugs.values())
-    return Figures(min(margins.values()), margins)
+        bugs = refuse_known_bugs(prefix, want[i], grad_bugs(mm, i, exp, (a, b), (dgrad.g, wgrad.g), other,
+                                                           (other_a, other_b)),
+                                 operands="these operands and g", advice="use probe_operands and probe_grad")
+        verdicts.append((which, prefix, want[i], bugs))
+
+    def judge(got: tuple[np.ndarray, np.ndarray]) -> Figures:
+        __tracebackhide__ = True
+        margins: dict[str, int] = {}
+        for i, (which, prefix, want_i, bugs) in enumerate(verdicts):
+            assert_grad_equal(prefix, np.asarray(got[i]), want_i, bugs)
+            margins[which] = min(int(np.sum(bits(b) != bits(want_i))) for b in bugs.values())
+        return Figures(min(margins.values()), margins)
+
+    return judge
+
+
+def grad_bugs(mm: Matmul, i: int, exp: Expectation, operands, gs, other: str, other_operands
+              ) -> Iterator[tuple[str, np.ndarray]]:
+    """(description, gradient ``i``) of each bug that gradient must tell apart, as it would come out: each
+    neighbour of its ``g`` (``exp``), and the gradient matmuls of the other operands (``other``)."""
+    for desc, bug_g in exp.neighbours.items():
+        yield f"the gradient with {desc}", mm.grad_matmuls(*operands, *((bug_g, gs[1]) if i == 0 else (gs[0], bug_g)))[i]
+    yield f"the gradient with {other}", mm.grad_matmuls(*other_operands, *gs)[i]
 
 
 def assert_grad_equal(what: str, got: np.ndarray, want: np.ndarray, bugs: dict[str, np.ndarray]) -> None:
@@ -299,22 +294,12 @@ def assert_grad_equal(what: str, got: np.ndarray, want: np.ndarray, bugs: dict[s
     __tracebackhide__ = True
     if bitwise_equal(got, want):
         return
-    if got.shape != want.shape or got.dtype != want.dtype:
-        raise AssertionError(
-            f"{what}: gradient is {got.dtype}{list(got.shape)}, the reference {want.dtype}{list(want.shape)}"
-        )
-    off = bits(got) != bits(want)
-    first = tuple(int(j) for j in np.argwhere(off)[0])
-    matched = [desc for desc, bug in bugs.items() if bitwise_equal(got, bug)]
-    if matched:
-        why = f"it equals the gradient with {matched[0]} bitwise"
-    else:
+
+    def otherwise() -> str:
         zeros = int(np.count_nonzero(got == 0)) - int(np.count_nonzero(want == 0))
-        why = f"{zeros} more zeros than the reference" if zeros > 0 else "it matches none of the known bugs"
-    raise AssertionError(
-        f"{what}: differs from the reference at {int(off.sum())} of {off.size} elements, first at "
-        f"{first}: got {got[first]!r}, expected {want[first]!r}; {why}"
-    )
+        return f"{zeros} more zeros than the reference" if zeros > 0 else "it matches none of the known bugs"
+
+    raise mismatch(f"{what}:", got, want, result="gradient", bugs=bugs, otherwise=otherwise)
 
 
 @assertion
@@ -345,24 +330,38 @@ def assert_site_backward_exact(
     bug's gradient differs from the reference in: the margin the check had
     (:class:`~qcheck.checks.Figures`, whose value is the smaller margin).
     """
-    mm = as_matmul(matmul)
+    mm, lhs, rhs, g = _backward_inputs(matmul, lhs, rhs, g)
+    _check_site(site, recipe)
+    key = jax.random.key(0) if key is None else key
+    judge = _reference(site.site_name, recipe, mm, lhs, rhs, g, key)
     graphdef, state = nnx.split(site)
-    sizes = None if isinstance(mm, Einsum) else jax.device_put(np.asarray(mm.group_sizes, np.int32))
-    return assert_site_grads_exact(site, mm, lhs, rhs, g, recipe=recipe, key=key, label=label, site_grads=(
-        lambda a, b, gg, k: _site_grads(graphdef, mm.eqn, state, a, b, sizes, gg, k)))
+    return judge(_site_grads(graphdef, state, mm, *map(jax.device_put, (lhs, rhs, g)), key))
 
 
-@assertion(name="assert_site_backward_exact")
-def assert_site_grads_exact(site: QuantSite, matmul: str | Einsum | Ragged, lhs: ArrayLike, rhs: ArrayLike, g: ArrayLike,
-                     *, recipe: Recipe, key: jax.Array | None, site_grads, label: str = "") -> Figures:
-    """:func:`assert_site_backward_exact` with the site's gradients from ``site_grads(lhs, rhs, g, key)``.
-
-    For a caller that ran the site inside a larger program of its own (:func:`site_grads`).
-    """
+def _backward_inputs(matmul, lhs, rhs, g):
     mm = as_matmul(matmul)
     lhs, rhs, g = (as_float32(x, w) for x, w in ((lhs, "lhs"), (rhs, "rhs"), (g, "g")))
     mm.check_operands(lhs, rhs)
     if g.shape != (out := mm.out_shape(lhs.shape, rhs.shape)):
         raise ValueError(f"g has shape {g.shape}, the matmul's output has shape {out}")
-    key = jax.random.key(0) if key is None else key
-    return _check(site, recipe, mm, lhs, rhs, g, key, site_grads)
+    return mm, lhs, rhs, g
+
+
+def _check_site(site, recipe) -> None:
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a qcheck.Recipe, got {type(recipe).__name__}")
+    if not isinstance(site, nnx.Module) or not hasattr(site, "site_name"):
+        raise TypeError(f"site must be a qcheck call site (a QuantSite, or an interception recipe's site), "
+                        f"got {type(site).__name__}")
+    grad_operand_formats(recipe)  # a recipe without a reference fails before anything compiles
+
+
+def judge_site_backward(site: str, matmul: Matmul, lhs: ArrayLike, rhs: ArrayLike, g: ArrayLike,
+                        got: tuple[ArrayLike, ArrayLike], *, recipe: Recipe, key: jax.Array) -> Figures:
+    """:func:`assert_site_backward_exact`'s judgement of ``got``, the (dgrad, wgrad) site ``site`` (its
+    ``site_name``) gave elsewhere, called with ``rngs=key``."""
+    __tracebackhide__ = True
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a qcheck.Recipe, got {type(recipe).__name__}")
+    mm, lhs, rhs, g = _backward_inputs(matmul, lhs, rhs, g)
+    return _reference(site, recipe, mm, lhs, rhs, g, key)(got)

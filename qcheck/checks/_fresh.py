@@ -11,12 +11,13 @@ from jax.typing import ArrayLike
 
 from qcheck import formats
 from qcheck.checks._assertion import assertion
-from qcheck.checks._bits import bits, bitwise_equal
-from qcheck.checks._matmul import Einsum, Ragged, as_matmul
+from qcheck.checks._bits import bitwise_equal
+from qcheck.checks._mismatch import mismatch, refuse_known_bugs
+from qcheck.recipes._matmul import Einsum, Matmul, Ragged, as_matmul
 from qcheck.checks._probes import fp8_dtype
 from qcheck.checks._tracks import count_nonfinite, rel_norm
 
-__all__ = ["assert_fresh_cast_exact", "cast_reference"]
+__all__ = ["assert_fresh_cast_exact", "cast_reference", "judge_fresh_cast"]
 
 
 def cast_reference(x: ArrayLike, cast_dtype: Any) -> np.ndarray:
@@ -57,52 +58,48 @@ def assert_fresh_cast_exact(
     from the plain matmul or from the sibling flavour's reference are refused
     with a ValueError, so the check never passes vacuously.
     """
-    mm = as_matmul(matmul)
+    mm, lhs, rhs = _fresh_inputs(matmul, lhs, rhs)
     dt = fp8_dtype(cast_dtype)
+    judge_fresh_cast(mm, lhs, rhs, mm.call(op, lhs, rhs), cast_dtype=dt)
+
+
+def _fresh_inputs(matmul, lhs: ArrayLike, rhs: ArrayLike) -> tuple[Matmul, np.ndarray, np.ndarray]:
+    mm = as_matmul(matmul)
     lhs, rhs = np.asarray(lhs), np.asarray(rhs)
     for name, x in (("lhs", lhs), ("rhs", rhs)):
         if not np.issubdtype(x.dtype, np.floating) or x.dtype.name in formats.FP8_DTYPES:
             raise TypeError(f"{name} must be a float array in the compute dtype, got {x.dtype}")
     mm.check_operands(lhs, rhs)
+    return mm, lhs, rhs
+
+
+def judge_fresh_cast(matmul: Matmul, lhs: ArrayLike, rhs: ArrayLike, got: ArrayLike, *, cast_dtype: Any) -> None:
+    """:func:`assert_fresh_cast_exact`'s judgement of ``got``, what the op computed on these operands elsewhere."""
+    __tracebackhide__ = True
+    mm, lhs, rhs = _fresh_inputs(matmul, lhs, rhs)
+    dt = fp8_dtype(cast_dtype)
     sib = _sibling(dt)
 
     def ref(t: np.dtype) -> np.ndarray:
         return mm.reference(cast_reference(lhs, t), cast_reference(rhs, t))
 
-    expected, sibling = ref(dt), ref(sib)
-    plain = mm.reference(lhs, rhs)
-    if bitwise_equal(expected, plain):
-        raise ValueError(
-            f"for these operands the {dt.name}-cast reference equals the unquantized "
-            f"{mm.what} bitwise, so the check could not fail; use values that {dt.name} cannot "
-            "represent exactly (see probe_operands)"
-        )
-    if bitwise_equal(expected, sibling):
-        raise ValueError(
-            f"for these operands the {dt.name} and {sib.name} references are "
-            "bitwise equal, so a wrong fp8 flavour would pass; see probe_operands (with cast_dtype= and "
-            "contract= for e5m2)"
-        )
-    got = mm.call(op, lhs, rhs)
+    expected = ref(dt)
+    # The sibling's advice holds for both: values the cast cannot represent, parted from the sibling flavour.
+    bugs = refuse_known_bugs(
+        mm.what, expected, ((f"the unquantized {mm.what}", mm.reference(lhs, rhs)),
+                            (f"the {sib.name}-cast reference", ref(sib))),
+        reference=f"the {dt.name}-cast reference",
+        advice=f"use values that {dt.name} cannot represent exactly and its sibling flavour rounds otherwise (see "
+               "probe_operands, with cast_dtype= and contract= for e5m2)")
+    got = np.asarray(got)
     if bitwise_equal(got, expected):
         return
-    if got.shape != expected.shape or got.dtype != expected.dtype:
-        raise AssertionError(
-            f"result has shape {got.shape} and dtype {got.dtype}, the {dt.name}-cast "
-            f"reference has shape {expected.shape} and dtype {expected.dtype}"
-        )
-    mismatch = bits(got) != bits(expected)
-    first = tuple(int(i) for i in np.argwhere(mismatch)[0])
-    if bitwise_equal(got, plain):
-        why = "it equals the unquantized result bitwise (silently unquantized?)"
-    elif bitwise_equal(got, sibling):
-        why = f"it equals the {sib.name}-cast reference bitwise (wrong fp8 flavour)"
-    elif count_nonfinite(got) > count_nonfinite(expected):
-        why = f"it has {count_nonfinite(got)} non-finite values (an unsaturated cast overflows to NaN)"
-    else:
-        why = f"relative norm to the reference {rel_norm(got, expected):.3g} (scale not 1? other rounding?)"
-    raise AssertionError(
-        f"{mm.what} differs from the {dt.name}-cast reference at "
-        f"{int(mismatch.sum())} of {mismatch.size} elements, first at {first}: got "
-        f"{got[first]!r}, expected {expected[first]!r}; {why}"
-    )
+    hints = {f"the unquantized {mm.what}": "silently unquantized?", f"the {sib.name}-cast reference": "wrong fp8 flavour"}
+
+    def otherwise() -> str:
+        if count_nonfinite(got) > count_nonfinite(expected):
+            return f"it has {count_nonfinite(got)} non-finite values (an unsaturated cast overflows to NaN)"
+        return f"relative norm to the reference {rel_norm(got, expected):.3g} (scale not 1? other rounding?)"
+
+    raise mismatch(mm.what, got, expected, reference=f"the {dt.name}-cast reference", bugs=bugs, hints=hints,
+                   otherwise=otherwise)

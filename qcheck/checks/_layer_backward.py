@@ -31,29 +31,30 @@ from flax import nnx
 from jax.typing import ArrayLike
 
 from qcheck.checks._assertion import assertion
-from qcheck.checks._backward import assert_grad_equal, backend_qdq, expectations, grad_operand_formats, grad_operands
+from qcheck.checks._backward import (assert_grad_equal, backend_qdq, expectations, grad_bugs, grad_operand_formats,
+                                     grad_operands)
 from qcheck.checks._bits import bits, bitwise_equal
-from qcheck.checks._matmul import of_call
+from qcheck.recipes._matmul import Einsum, Matmul, Ragged, as_matmul
 from qcheck.checks._probes import probe_grad
 from qcheck.checks._site import record_site_calls
 from qcheck.recipes import Recipe, get_recipe
 
-__all__ = ["SiteGradCall", "assert_layer_sites_backward_exact", "assert_site_grad_calls_exact",
-           "record_site_grads", "through_layer_applies"]
+__all__ = ["SiteGradCall", "assert_layer_sites_backward_exact", "judge_site_grad_calls", "record_site_grads",
+           "through_layer_applies"]
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["lhs", "rhs", "group_sizes", "g", "dgrad", "wgrad", "weight_grad"],
-                   meta_fields=["site", "eqn"])
+                   data_fields=["matmul", "lhs", "rhs", "g", "dgrad", "wgrad", "weight_grad"],
+                   meta_fields=["site"])
 @dataclasses.dataclass(frozen=True)
 class SiteGradCall:
-    """One site call in a backward pass of the layer: its operands, the ``g`` it received, the gradients it gave."""
+    """One site call in a backward pass of the layer: its matmul, operands, the ``g`` it received, the gradients
+    it gave."""
 
     site: str
-    eqn: str | None
+    matmul: Matmul
     lhs: jax.Array
     rhs: jax.Array
-    group_sizes: jax.Array | None
     g: jax.Array
     dgrad: jax.Array
     wgrad: jax.Array
@@ -78,14 +79,15 @@ class _Tap:
         return jax.lax.optimization_barrier((lhs + t_lhs, rhs + t_rhs))
 
     def __call__(self, eqn, lhs, rhs, **kwargs):
-        lhs, rhs = self._operands(lhs, rhs)
-        self.log.setdefault(self.name, []).append((eqn, lhs, rhs, None))
-        return self.site(eqn, lhs, rhs, **kwargs) + self.taps[self.name][2]
+        return self._tap(Einsum(eqn), lhs, rhs, kwargs)
 
     def ragged_dot(self, lhs, rhs, group_sizes, **kwargs):
+        return self._tap(Ragged.recorded(group_sizes), lhs, rhs, kwargs)
+
+    def _tap(self, mm: Matmul, lhs, rhs, kwargs):
         lhs, rhs = self._operands(lhs, rhs)
-        self.log.setdefault(self.name, []).append((None, lhs, rhs, group_sizes))
-        return self.site.ragged_dot(lhs, rhs, group_sizes, **kwargs) + self.taps[self.name][2]
+        self.log.setdefault(self.name, []).append((mm, lhs, rhs))
+        return mm.run(self.site, lhs, rhs, **kwargs) + self.taps[self.name][2]
 
 
 def record_site_grads(layer: nnx.Module, x: jax.Array, g: jax.Array) -> list[SiteGradCall]:
@@ -93,7 +95,7 @@ def record_site_grads(layer: nnx.Module, x: jax.Array, g: jax.Array) -> list[Sit
 
     ``layer`` must be a copy the caller owns (it is changed), holding its call
     sites in ``layer.sites``; every site must be called once (the forward
-    capture, :func:`qcheck.checks._site.assert_site_calls_exact`, says which is not).
+    capture, :func:`qcheck.checks._site.judge_site_calls`, says which is not).
     """
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
     names = tuple(layer.sites.keys())
@@ -111,9 +113,9 @@ def record_site_grads(layer: nnx.Module, x: jax.Array, g: jax.Array) -> list[Sit
     weights = {path[0]: v.get_value() for path, v in nnx.to_flat_state(param_grads) if len(path) == 1}
     calls = []
     for name, entries in log.items():
-        (eqn, lhs, rhs, sizes), = entries  # one call per site, as every tap is one input
+        (mm, lhs, rhs), = entries  # one call per site, as every tap is one input
         dgrad, wgrad, g_site = tap_grads[name]
-        calls.append(SiteGradCall(name, eqn, lhs, rhs, sizes, g_site, dgrad, wgrad, weights.get(name)))
+        calls.append(SiteGradCall(name, mm, lhs, rhs, g_site, dgrad, wgrad, weights.get(name)))
     return calls
 
 
@@ -142,25 +144,27 @@ def assert_layer_sites_backward_exact(layer: nnx.Module, x: ArrayLike, recipe: R
 
     One jitted program (:func:`record_site_grads`); ``g`` is the layer output's
     gradient (default :func:`qcheck.checks._probes.probe_grad`, whose small values
-    part the gradient flavours). See :func:`assert_site_grad_calls_exact`.
+    part the gradient flavours). See :func:`judge_site_grad_calls`.
     """
     recipe = get_recipe(recipe)
     graphdef, state = nnx.split(layer)
     if g is None:
         g = probe_grad(7, tuple(jax.eval_shape(lambda: layer(x)).shape))
     calls = _record(graphdef, state, x, jax.device_put(np.asarray(g, np.float32)))
-    assert_site_grad_calls_exact(calls, recipe, label=label)
+    judge_site_grad_calls(calls, recipe)
 
 
-@assertion(name="assert_layer_sites_backward_exact")
-def assert_site_grad_calls_exact(calls: Sequence[SiteGradCall], recipe: Recipe | str, *, label: str = "") -> None:
-    """Each recorded call's DGRAD and WGRAD equal the gradient matmuls of its referee-quantized operands and ``g``.
+def judge_site_grad_calls(calls: Sequence[SiteGradCall], recipe: Recipe | str) -> None:
+    """:func:`assert_layer_sites_backward_exact`'s judgement of calls already recorded (by
+    :func:`record_site_grads` in some program): each call's DGRAD and WGRAD equal the gradient matmuls of its
+    referee-quantized operands and ``g``.
 
     The operands and ``g`` are the layer's own, so nothing is refused: a
     mismatch is named, with the known bug it equals where it equals one
     (``g`` unquantized, in the other flavour, along the other gradient's axes;
     the operands unquantized).
     """
+    __tracebackhide__ = True
     recipe = get_recipe(recipe)
     if not through_layer_applies(recipe):
         raise ValueError(f"recipe {recipe.name!r} rounds DGRAD stochastically from the site's own stream, "
@@ -168,7 +172,7 @@ def assert_site_grad_calls_exact(calls: Sequence[SiteGradCall], recipe: Recipe |
     lhs_fmt, rhs_fmt = grad_operand_formats(recipe)
     for call in calls:
         lhs, rhs, g = (np.asarray(a) for a in (call.lhs, call.rhs, call.g))
-        mm = of_call(call.eqn, call.group_sizes)
+        mm = as_matmul(call.matmul)
         axes = mm.axes(lhs.ndim, rhs.ndim)
         q_lhs, q_rhs = backend_qdq(lhs, lhs_fmt, axes.lhs), backend_qdq(rhs, rhs_fmt, axes.rhs)
         dgrad, wgrad = expectations(recipe, axes, g, None, None)
@@ -184,8 +188,6 @@ def assert_site_grad_calls_exact(calls: Sequence[SiteGradCall], recipe: Recipe |
         for i, (which, exp) in enumerate((("dgrad", dgrad), ("wgrad", wgrad))):
             if bitwise_equal(got[i], want[i]):
                 continue
-            bugs = {desc: mm.grad_matmuls(a, b, *((bug, wgrad.g) if i == 0 else (dgrad.g, bug)))[i]
-                    for desc, bug in exp.neighbours.items()}
-            bugs[other] = mm.grad_matmuls(other_a, other_b, dgrad.g, wgrad.g)[i]
+            bugs = dict(grad_bugs(mm, i, exp, (a, b), (dgrad.g, wgrad.g), other, (other_a, other_b)))
             assert_grad_equal(f"site {call.site!r} {mm.what} {which} in the layer's backward ({exp.what})",
                               got[i], want[i], bugs)

@@ -55,8 +55,9 @@ from jax.typing import ArrayLike
 
 from qcheck import formats, referees
 from qcheck.checks._assertion import assertion
-from qcheck.checks._bits import as_float32, bits, bitwise_equal
-from qcheck.checks._matmul import EINSUM_LAYOUTS, EINSUM_PARTIAL_SUMS, Einsum, Matmul, Ragged, as_matmul, of_call
+from qcheck.checks._bits import as_float32, bitwise_equal
+from qcheck.checks._mismatch import mismatch, refuse_known_bugs
+from qcheck.recipes._matmul import EINSUM_LAYOUTS, EINSUM_PARTIAL_SUMS, Einsum, Matmul, Ragged, as_matmul
 from qcheck.checks._probes import PARTING_BINADES, part_fibres, probe_nvfp4, probe_operands
 from qcheck.referees import _integer as _integer_matmul
 from qcheck.referees._formats import Blocks, flush
@@ -71,9 +72,10 @@ __all__ = [
     "PARTING_BINADES",
     "SiteCall",
     "assert_layer_sites_exact",
-    "assert_site_calls_exact",
     "assert_site_exact",
     "capture_site_calls",
+    "judge_site_calls",
+    "judge_site_exact",
     "operand_formats",
     "probe_site_operands",
     "record_site_calls",
@@ -155,12 +157,10 @@ def _neighbours(mm: Matmul, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt) -> Iterato
             yield (f"both operands in {other} instead of {lhs_fmt}",
                    mm.reference(_qdq(lhs, other, mm.axes(lhs.ndim, rhs.ndim).lhs), _qdq(rhs, other, mm.axes(lhs.ndim, rhs.ndim).rhs)))
     # Per-slice formats only: a block format's blocks lie within one group's contraction either way.
-    if mm.eqn is None and rhs_fmt in _INTEGER_FORMATS:
-        yield _SHARED, mm.reference(q_lhs, _qdq(rhs, rhs_fmt, _SHARED_AXES))
+    if mm.shared_rhs_axes is not None and rhs_fmt in _INTEGER_FORMATS:
+        yield _SHARED, mm.reference(q_lhs, _qdq(rhs, rhs_fmt, mm.shared_rhs_axes))
 
 
-# A ragged weight calibrated over its groups and contraction: one scale shared by every expert (AQT, qwix).
-_SHARED_AXES = (0, 1)
 _SHARED = "rhs with one weight scale shared across groups (calibrated over groups and contraction)"
 _INTEGER_FORMATS = frozenset({"int8", "int8_aqt", "int8_qwix"})
 
@@ -185,9 +185,7 @@ def _integer_reference(mm: Matmul, lhs, rhs, lhs_fmt: str, rhs_fmt: str, order: 
     (cl, sl), (cr, sr) = ((c, s["slice"]) for c, s in (
         referees.reference_quantize(lhs, lhs_fmt, axis=mm.axes(lhs.ndim, rhs.ndim).lhs, ftz=ftz, xla_reciprocal=True),
         referees.reference_quantize(rhs, rhs_fmt, axis=rhs_axes, ftz=ftz, xla_reciprocal=True)))
-    if mm.eqn is None:
-        return _integer_matmul.integer_ragged_dot(cl, sl, cr, sr, np.asarray(mm.group_sizes, np.int32), order=order, ftz=ftz)
-    return _integer_matmul.integer_einsum(mm.eqn, cl, sl, cr, sr, mm.axes(lhs.ndim, rhs.ndim), order=order, ftz=ftz)
+    return mm.integer(cl, sl, cr, sr, order=order, ftz=ftz)
 
 
 def _integer_neighbours(mm: Matmul, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt) -> Iterator[tuple[str, np.ndarray]]:
@@ -195,9 +193,9 @@ def _integer_neighbours(mm: Matmul, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt) ->
     yield "the float32 matmul of the dequantized operands (arithmetic='float')", mm.reference(q_lhs, q_rhs)
     yield (f"the scales applied in the other order ({_integer_matmul.SCALE_ORDERS[1]})",
            _integer_reference(mm, lhs, rhs, lhs_fmt, rhs_fmt, _integer_matmul.SCALE_ORDERS[1]))
-    if mm.eqn is None:
+    if mm.shared_rhs_axes is not None:
         yield _SHARED + ", in integer arithmetic", _integer_reference(
-            mm, lhs, rhs, lhs_fmt, rhs_fmt, _integer_matmul.SCALE_ORDERS[0], rhs_axes=_SHARED_AXES)
+            mm, lhs, rhs, lhs_fmt, rhs_fmt, _integer_matmul.SCALE_ORDERS[0], rhs_axes=mm.shared_rhs_axes)
 
 
 def _check(site: str, mm: Matmul, lhs, rhs, got, lhs_fmt: str, rhs_fmt: str, *, strict: bool,
@@ -217,35 +215,26 @@ def _check(site: str, mm: Matmul, lhs, rhs, got, lhs_fmt: str, rhs_fmt: str, *, 
         bugs = _neighbours(mm, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt)
     if not strict:  # the layer's own operands: only the bug every path can have must be tellable
         bugs = itertools.islice(bugs, 1)
-    known = {}
-    for desc, bug in bugs:
-        if bitwise_equal(bug, want):
-            raise ValueError(f"{prefix}: for these operands the reference equals {desc} bitwise, so that bug "
-                             "would pass; use probe_site_operands (with lhs_format= and rhs_format=)")
-        known[desc] = bug
+    known = refuse_known_bugs(prefix, want, bugs, advice="use probe_site_operands (with lhs_format= and rhs_format=)")
     if integer and bitwise_equal(got, want):
         return
     candidates = ((a, b, layout) for (a, b) in q.values() for layout in mm.layouts(lhs.shape, rhs.shape))
     if not integer and any(bitwise_equal(got, mm.reference(a, b, layout)) for a, b, layout in candidates):
         return
-    if got.shape != want.shape or got.dtype != want.dtype:
-        raise AssertionError(f"{prefix}: result is {got.dtype}{list(got.shape)}, the reference "
-                             f"{want.dtype}{list(want.shape)}")
-    off = bits(got) != bits(want)
-    first = tuple(int(i) for i in np.argwhere(off)[0])
-    if not strict:  # now it failed, name the bug if it is a known one
+    if not strict and got.shape == want.shape:  # now it failed, name the bug if it is a known one
         known.update(_neighbours(mm, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt))
         if integer:
             known.update(_integer_neighbours(mm, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt))
-    matched = [desc for desc, bug in known.items() if bitwise_equal(got, bug)]
-    if not matched and not integer:
-        matched = [desc for desc, bug in _library_neighbours(mm, lhs, rhs, lhs_fmt, rhs_fmt) if bitwise_equal(got, bug)]
-    why = f"it equals {matched[0]} bitwise" if matched else (
-        f"it matches no known bug; relative norm to the reference "
-        f"{float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)):.3g}")
-    raise AssertionError(
-        f"{prefix}: differs from the referee-quantized reference at {int(off.sum())} of {off.size} elements, "
-        f"first at {first}: got {got[first]!r}, expected {want[first]!r}; {why}")
+
+    def otherwise() -> str:
+        if not integer and (lib := next((desc for desc, bug in _library_neighbours(mm, lhs, rhs, lhs_fmt, rhs_fmt)
+                                         if bitwise_equal(got, bug)), None)):
+            return f"it equals {lib} bitwise"
+        return (f"it matches no known bug; relative norm to the reference "
+                f"{float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)):.3g}")
+
+    raise mismatch(f"{prefix}:", got, want, reference="the referee-quantized reference", bugs=known,
+                   otherwise=otherwise)
 
 
 @assertion
@@ -273,12 +262,25 @@ def assert_site_exact(
     ``arithmetic="integer"`` (int8 formats): the reference multiplies the codes
     exactly and applies the scales after (:mod:`qcheck.referees._integer`).
     """
+    mm, lhs, rhs = _site_inputs(matmul, lhs, rhs, lhs_format, rhs_format, arithmetic)
+    judge_site_exact(mm, lhs, rhs, mm.call(op, lhs, rhs), lhs_format=lhs_format, rhs_format=rhs_format, site=site,
+                     arithmetic=arithmetic)
+
+
+def _site_inputs(matmul, lhs, rhs, lhs_format: str, rhs_format: str, arithmetic: str):
     mm = as_matmul(matmul)
     lhs, rhs = as_float32(lhs, "lhs"), as_float32(rhs, "rhs")
     mm.check_operands(lhs, rhs)
     _check_formats(lhs_format, rhs_format, arithmetic=arithmetic)
-    got = mm.call(op, lhs, rhs)
-    _check(site, mm, lhs, rhs, got, lhs_format, rhs_format, strict=True, arithmetic=arithmetic)
+    return mm, lhs, rhs
+
+
+def judge_site_exact(matmul: Matmul, lhs: ArrayLike, rhs: ArrayLike, got: ArrayLike, *, lhs_format: str,
+                     rhs_format: str, site: str = "", arithmetic: str = "float") -> None:
+    """:func:`assert_site_exact`'s judgement of ``got``, what the site computed on these operands elsewhere."""
+    __tracebackhide__ = True
+    mm, lhs, rhs = _site_inputs(matmul, lhs, rhs, lhs_format, rhs_format, arithmetic)
+    _check(site, mm, lhs, rhs, np.asarray(got), lhs_format, rhs_format, strict=True, arithmetic=arithmetic)
 
 
 def _check_formats(*fmts: str, arithmetic: str = "float") -> None:
@@ -344,17 +346,17 @@ def probe_site_operands(
 # -- through the layer -------------------------------------------------------------------
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["lhs", "rhs", "group_sizes", "out"],
-                   meta_fields=["site", "eqn"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["matmul", "lhs", "rhs", "out"],
+                   meta_fields=["site"])
 @dataclasses.dataclass(frozen=True)
 class SiteCall:
-    """One call of a site in a forward pass: its name, einsum ``eqn`` (None: ragged_dot), operands and output."""
+    """One call of a site in a forward pass: its name, its matmul (an einsum, or a ragged_dot with the group sizes
+    it received), operands and output."""
 
     site: str
-    eqn: str | None
+    matmul: Matmul
     lhs: jax.Array
     rhs: jax.Array
-    group_sizes: jax.Array | None
     out: jax.Array
 
 
@@ -369,15 +371,15 @@ class _Recorder:
         self.site, self.name, self.log = site, name, log
 
     def __call__(self, eqn, lhs, rhs, **kwargs):
-        lhs, rhs = jax.lax.optimization_barrier((lhs, rhs))
-        out = self.site(eqn, lhs, rhs, **kwargs)
-        self.log.append(SiteCall(self.name, eqn, lhs, rhs, None, out))
-        return out
+        return self._record(Einsum(eqn), lhs, rhs, kwargs)
 
     def ragged_dot(self, lhs, rhs, group_sizes, **kwargs):
+        return self._record(Ragged.recorded(group_sizes), lhs, rhs, kwargs)
+
+    def _record(self, mm: Matmul, lhs, rhs, kwargs):
         lhs, rhs = jax.lax.optimization_barrier((lhs, rhs))
-        out = self.site.ragged_dot(lhs, rhs, group_sizes, **kwargs)
-        self.log.append(SiteCall(self.name, None, lhs, rhs, group_sizes, out))
+        out = mm.run(self.site, lhs, rhs, **kwargs)
+        self.log.append(SiteCall(self.name, mm, lhs, rhs, out))
         return out
 
 
@@ -421,17 +423,13 @@ def assert_layer_sites_exact(layer: nnx.Module, x: ArrayLike, recipe: Recipe | s
     """
     operand_formats(recipe)  # a recipe without formats fails before anything compiles
     _, calls = capture_site_calls(layer, x)
-    assert_site_calls_exact(tuple(layer.sites.keys()), calls, recipe, label=label)
+    judge_site_calls(tuple(layer.sites.keys()), calls, recipe)
 
 
-@assertion(name="assert_layer_sites_exact")
-def assert_site_calls_exact(
-    sites: tuple[str, ...], calls: list[SiteCall], recipe: Recipe | str, *, label: str = ""
-) -> None:
-    """:func:`assert_layer_sites_exact` on calls already captured (by :func:`record_site_calls` in some program).
-
-    ``sites`` names every site the layer holds, so one that was never called fails.
-    """
+def judge_site_calls(sites: tuple[str, ...], calls: list[SiteCall], recipe: Recipe | str) -> None:
+    """:func:`assert_layer_sites_exact`'s judgement of calls already captured (by :func:`record_site_calls` in
+    some program). ``sites`` names every site the layer holds, so one that was never called fails."""
+    __tracebackhide__ = True
     lhs_fmt, rhs_fmt = operand_formats(recipe)
     arithmetic = get_recipe(recipe).reference.matmul
     _check_formats(lhs_fmt, rhs_fmt, arithmetic=arithmetic)
@@ -448,5 +446,5 @@ def assert_site_calls_exact(
                                  f"{tally}); another call site uses its wrapper")
     for call in calls:
         lhs, rhs, out = (np.asarray(a) for a in (call.lhs, call.rhs, call.out))
-        _check(call.site, of_call(call.eqn, call.group_sizes), lhs, rhs, out, lhs_fmt, rhs_fmt, strict=False,
+        _check(call.site, as_matmul(call.matmul), lhs, rhs, out, lhs_fmt, rhs_fmt, strict=False,
                arithmetic=arithmetic)

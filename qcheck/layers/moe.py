@@ -26,6 +26,7 @@ from qcheck._choices import require_choice
 from qcheck.recipes._plain import UnquantizedSite
 from qcheck.layers.bridge import QuantSite
 from qcheck.recipes import ApplyRngs, InterceptRecipe, Recipe, get_recipe
+from qcheck.recipes._matmul import Einsum, Matmul, Ragged
 
 __all__ = ["MESH_AXES", "MODELS", "PATHS", "UNQUANTIZED_BY_DESIGN", "MoE", "MoEConfig", "SiteSpec", "build_moe",
            "transform_layer"]
@@ -63,9 +64,10 @@ MODELS: dict[str, MoEConfig] = {
 
 @dataclasses.dataclass(frozen=True)
 class SiteSpec:
-    """What one call site computes for a given input: einsum ``eqn`` (None: ragged_dot) and operand shapes."""
+    """What one call site computes for a given input: its matmul (a ragged_dot's groups split evenly) and operand
+    shapes."""
 
-    eqn: str | None
+    matmul: Matmul
     lhs_shape: tuple[int, ...]
     rhs_shape: tuple[int, ...]
 
@@ -78,6 +80,12 @@ _DROP_EQNS = {
     "wo": "EBCH,EHM->EBCM",
     "combine": "EBCM,BSEC->BSM",
 }
+
+
+def _even_groups(rows: int, groups: int) -> Ragged:
+    sizes = [rows // groups] * groups
+    sizes[-1] += rows - sum(sizes)
+    return Ragged(sizes)
 
 
 def capacity(config: MoEConfig, capacity_factor: float, seq: int) -> int:
@@ -170,23 +178,23 @@ class MoE(nnx.Module):
         if self.path == "sparse":
             t = b * s * c.top_k
             return {
-                "wi_0": SiteSpec(None, (t, m), (e, m, h)),
-                "wi_1": SiteSpec(None, (t, m), (e, m, h)),
-                "wo": SiteSpec(None, (t, h), (e, h, m)),
+                "wi_0": SiteSpec(_even_groups(t, e), (t, m), (e, m, h)),
+                "wi_1": SiteSpec(_even_groups(t, e), (t, m), (e, m, h)),
+                "wo": SiteSpec(_even_groups(t, e), (t, h), (e, h, m)),
             }
         if not self.dropping:
             return {
-                "wi_0": SiteSpec(_DENSE_EQNS["wi"], (b, s, m), (e, m, h)),
-                "wi_1": SiteSpec(_DENSE_EQNS["wi"], (b, s, m), (e, m, h)),
-                "wo": SiteSpec(_DENSE_EQNS["wo"], (b, s, e, h), (e, h, m)),
+                "wi_0": SiteSpec(Einsum(_DENSE_EQNS["wi"]), (b, s, m), (e, m, h)),
+                "wi_1": SiteSpec(Einsum(_DENSE_EQNS["wi"]), (b, s, m), (e, m, h)),
+                "wo": SiteSpec(Einsum(_DENSE_EQNS["wo"]), (b, s, e, h), (e, h, m)),
             }
         cap = self.capacity(s)
         return {
-            "dispatch": SiteSpec(_DROP_EQNS["dispatch"], (b, s, m), (b, s, e, cap)),
-            "wi_0": SiteSpec(_DROP_EQNS["wi"], (e, b, cap, m), (e, m, h)),
-            "wi_1": SiteSpec(_DROP_EQNS["wi"], (e, b, cap, m), (e, m, h)),
-            "wo": SiteSpec(_DROP_EQNS["wo"], (e, b, cap, h), (e, h, m)),
-            "combine": SiteSpec(_DROP_EQNS["combine"], (e, b, cap, m), (b, s, e, cap)),
+            "dispatch": SiteSpec(Einsum(_DROP_EQNS["dispatch"]), (b, s, m), (b, s, e, cap)),
+            "wi_0": SiteSpec(Einsum(_DROP_EQNS["wi"]), (e, b, cap, m), (e, m, h)),
+            "wi_1": SiteSpec(Einsum(_DROP_EQNS["wi"]), (e, b, cap, m), (e, m, h)),
+            "wo": SiteSpec(Einsum(_DROP_EQNS["wo"]), (e, b, cap, h), (e, h, m)),
+            "combine": SiteSpec(Einsum(_DROP_EQNS["combine"]), (e, b, cap, m), (b, s, e, cap)),
         }
 
     # -- routing -----------------------------------------------------------

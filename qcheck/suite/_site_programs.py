@@ -8,7 +8,8 @@ probes, every site's vjp on its backward probes, the layer's forward pass
 with each site's operands recorded (:func:`qcheck.checks._site.record_site_calls`),
 and one backward pass of the layer with each site's gradients recorded
 (:func:`qcheck.checks._layer_backward.record_site_grads`)
-— and the checks read its results. Each site runs exactly as it does alone
+— and the checks judge its results (each check's judgement of computed
+values, under the check's name). Each site runs exactly as it does alone
 (the same merge of its fresh state, the same call), so the references stay
 what they were: numpy referees and plain JAX matmuls of their quantized
 operands, computed apart from this program.
@@ -20,7 +21,6 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -29,32 +29,28 @@ from qcheck.checks import _backward
 from qcheck.checks import _layer_backward
 from qcheck.checks import _site as _site_exact
 from qcheck.layers.moe import MoE
-from qcheck.recipes import Recipe, einsum_axes
-from qcheck.recipes._axes import RAGGED_AXES
+from qcheck.recipes import Recipe
+from qcheck.recipes._matmul import Matmul, uneven_group_sizes
 from qcheck.suite.cases import BATCH, SEQ
 
 __all__ = ["Probe", "SiteRuns", "backward_probes", "exact_probes", "probe_group_sizes", "run_sites"]
 
-
-def probe_group_sizes(rows: int, groups: int, seed: int) -> np.ndarray:
-    """Uneven group sizes summing to ``rows``, with the last group empty."""
-    rng = np.random.default_rng(seed)
-    return np.bincount(rng.integers(0, groups - 1, rows), minlength=groups).astype(np.int32)
+#: Uneven group sizes summing to ``rows``, with the last group empty (a ragged probe's, seeded by the site's index).
+probe_group_sizes = uneven_group_sizes
 
 
 @dataclasses.dataclass(frozen=True)
 class Probe:
-    """The operands one site is run on: einsum ``eqn`` (None: ragged_dot with ``group_sizes``), and ``g`` for a vjp."""
+    """The operands one site is run on: its matmul (a ragged_dot with the probe's group sizes), and ``g`` for a vjp."""
 
     site: str
-    eqn: str | None
+    matmul: Matmul
     lhs: np.ndarray
     rhs: np.ndarray
-    group_sizes: np.ndarray | None
     g: np.ndarray | None = None
 
     def arrays(self) -> tuple:
-        return self.lhs, self.rhs, self.group_sizes, self.g
+        return self.matmul, self.lhs, self.rhs, self.g
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,22 +65,16 @@ class SiteRuns:
     grad_calls: list[_layer_backward.SiteGradCall] | None = None
 
 
-def _axes(spec):
-    if spec.eqn is None:
-        return RAGGED_AXES
-    return einsum_axes(spec.eqn, len(spec.lhs_shape), len(spec.rhs_shape))
-
-
 def exact_probes(layer: MoE, recipe: Recipe) -> list[Probe]:
     """Each site's probe for ``exact``: operands that tell the reference from every neighbouring bug."""
     lhs_fmt, rhs_fmt = _site_exact.operand_formats(recipe)
     out = []
     for i, (name, spec) in enumerate(layer.site_specs(BATCH, SEQ).items()):
-        lhs, rhs = _site_exact.probe_site_operands(i, spec.lhs_shape, spec.rhs_shape, _axes(spec),
+        axes = spec.matmul.axes(len(spec.lhs_shape), len(spec.rhs_shape))
+        lhs, rhs = _site_exact.probe_site_operands(i, spec.lhs_shape, spec.rhs_shape, axes,
                                                    lhs_format=lhs_fmt, rhs_format=rhs_fmt,
                                                    spread="mxfp8_jax" in (lhs_fmt, rhs_fmt))
-        sizes = None if spec.eqn is not None else probe_group_sizes(lhs.shape[0], rhs.shape[0], i)
-        out.append(Probe(name, spec.eqn, lhs, rhs, sizes))
+        out.append(Probe(name, spec.matmul.regrouped(i), lhs, rhs))
     return out
 
 
@@ -92,13 +82,8 @@ def backward_probes(layer: MoE, recipe: Recipe) -> list[Probe]:
     """Each site's probe for ``backward``: operands and an output gradient on which every known bug shows."""
     out = []
     for i, (name, spec) in enumerate(layer.site_specs(BATCH, SEQ).items()):
-        axes = _axes(spec)
-        if spec.eqn is not None:
-            shape = jax.eval_shape(functools.partial(jnp.einsum, spec.eqn),
-                                   *(jax.ShapeDtypeStruct(s, np.float32) for s in (spec.lhs_shape, spec.rhs_shape)))
-            out_shape = tuple(shape.shape)
-        else:
-            out_shape = (spec.lhs_shape[0], spec.rhs_shape[-1])
+        axes = spec.matmul.axes(len(spec.lhs_shape), len(spec.rhs_shape))
+        out_shape = spec.matmul.out_shape(spec.lhs_shape, spec.rhs_shape)
         if recipe.grad == "nvfp4":  # probes on which NVFP4 decodes exactly in any order XLA picks
             lhs = _backward.probe_nvfp4(i, spec.lhs_shape, axes.lhs)
             rhs = _backward.probe_nvfp4(i + 100, spec.rhs_shape, axes.rhs)
@@ -106,8 +91,7 @@ def backward_probes(layer: MoE, recipe: Recipe) -> list[Probe]:
         else:
             lhs, rhs = checks.probe_operands(i, spec.lhs_shape, spec.rhs_shape)
             g = _backward.probe_grad(i, out_shape)
-        sizes = None if spec.eqn is not None else probe_group_sizes(lhs.shape[0], rhs.shape[0], i)
-        out.append(Probe(name, spec.eqn, lhs, rhs, sizes, g))
+        out.append(Probe(name, spec.matmul.regrouped(i), lhs, rhs, g))
     return out
 
 
@@ -117,12 +101,10 @@ def _program(graphdef, forward: tuple, backward: tuple, capture: bool, state, x,
         return nnx.merge(graphdef, state, copy=True)
 
     outs = {}
-    for name, eqn in forward:
-        lhs, rhs, sizes, _ = fwd_in[name]
-        site = fresh().sites[name]
-        outs[name] = site(eqn, lhs, rhs) if eqn is not None else site.ragged_dot(lhs, rhs, sizes)
-    grads = {name: _backward.site_grads(fresh().sites[name], eqn, *bwd_in[name][:3], bwd_in[name][3], key)
-             for name, eqn in backward}
+    for name, (mm, lhs, rhs, _) in zip(forward, fwd_in):
+        outs[name] = mm.run(fresh().sites[name], lhs, rhs)
+    grads = {name: _backward.site_grads(fresh().sites[name], mm, lhs, rhs, g, key)
+             for name, (mm, lhs, rhs, g) in zip(backward, bwd_in)}
     calls = _site_exact.record_site_calls(fresh(), x)[1] if capture else None
     grad_calls = None if layer_g is None else _layer_backward.record_site_grads(fresh(), x, layer_g)
     return outs, grads, calls, grad_calls
@@ -140,23 +122,8 @@ def run_sites(layer: MoE, *, forward: list[Probe] = (), backward: list[Probe] = 
     capture = x is not None if capture is None else capture
     graphdef, state = nnx.split(layer)
     outs, grads, calls, grad_calls = _program(
-        graphdef, tuple((p.site, p.eqn) for p in forward), tuple((p.site, p.eqn) for p in backward),
-        capture, state, x, {p.site: p.arrays() for p in forward}, {p.site: p.arrays() for p in backward}, key,
+        graphdef, tuple(p.site for p in forward), tuple(p.site for p in backward),
+        capture, state, x, tuple(p.arrays() for p in forward), tuple(p.arrays() for p in backward), key,
         None if layer_g is None else jax.device_put(layer_g))
     return SiteRuns({k: np.asarray(v) for k, v in outs.items()},
                     {k: (np.asarray(d), np.asarray(w)) for k, (d, w) in grads.items()}, calls, key, grad_calls)
-
-
-def replay(result, probe: Probe, *arrays: np.ndarray):
-    """A stand-in for the site that returns what the program computed, after checking it is asked the same operands."""
-
-    def call(*args):
-        given = [np.asarray(a) for a in [a for a in args if not isinstance(a, str)][: len(arrays)]]
-        if len(given) != len(arrays) or not all(
-                g.shape == a.shape and np.array_equal(np.ascontiguousarray(g).view(np.uint8),
-                                                      np.ascontiguousarray(a).view(np.uint8))
-                for g, a in zip(given, arrays)):
-            raise RuntimeError(f"site {probe.site!r} was asked other operands than the program ran it on")
-        return result
-
-    return call

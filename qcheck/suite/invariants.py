@@ -19,6 +19,7 @@ from flax import nnx
 
 from qcheck.suite import cases as cases_mod
 from qcheck import checks
+from qcheck.checks._assertion import judged_as
 from qcheck.layers import step
 from qcheck.layers.bridge import Fp8Meta
 from qcheck.suite.cases import BATCH, SEQ, Case, Variant, grad_leaves, train_step_runs
@@ -94,21 +95,16 @@ def _prefixed(prefix: str, fn: Callable[[], object]):
 def assert_sites_cast_exact(layer: MoE, cast_dtype, label: str) -> None:
     """Every call site of a fresh ``layer`` equals the einsum (or ragged_dot) of cast operands, bitwise."""
     __tracebackhide__ = True
-    probes = []
-    for i, (name, spec) in enumerate(layer.site_specs(BATCH, SEQ).items()):
-        lhs, rhs = checks.probe_operands(i, spec.lhs_shape, spec.rhs_shape)
-        sizes = None if spec.eqn is not None else probe_group_sizes(lhs.shape[0], rhs.shape[0], i)
-        probes.append(_site_programs.Probe(name, spec.eqn, lhs, rhs, sizes))
+    from qcheck.checks._fresh import judge_fresh_cast
+
+    probes = [_site_programs.Probe(name, spec.matmul.regrouped(i), *checks.probe_operands(i, spec.lhs_shape,
+                                                                                           spec.rhs_shape))
+              for i, (name, spec) in enumerate(layer.site_specs(BATCH, SEQ).items())]
     runs = _site_programs.run_sites(layer, forward=probes)  # one program for all sites
     for p in probes:
-        if p.eqn is not None:
-            run = functools.partial(checks.assert_fresh_cast_exact, _site_programs.replay(runs.forward[p.site], p, p.lhs, p.rhs),
-                                    p.eqn, p.lhs, p.rhs, cast_dtype=cast_dtype)
-        else:
-            run = functools.partial(checks.assert_fresh_cast_exact,
-                                    _site_programs.replay(runs.forward[p.site], p, p.lhs, p.rhs, p.group_sizes),
-                                    checks.Ragged(p.group_sizes), p.lhs, p.rhs, cast_dtype=cast_dtype)
-        _prefixed(f"{label} site {p.site!r}", run)
+        _prefixed(f"{label} site {p.site!r}", lambda: judged_as(
+            checks.assert_fresh_cast_exact, judge_fresh_cast, p.matmul, p.lhs, p.rhs, runs.forward[p.site],
+            cast_dtype=cast_dtype))
 
 
 def assert_sites_exact(layer: MoE, recipe: Recipe, label: str, runs: SiteRuns | None = None) -> None:
@@ -128,17 +124,9 @@ def assert_sites_exact(layer: MoE, recipe: Recipe, label: str, runs: SiteRuns | 
     probes = _site_programs.exact_probes(layer, recipe)
     runs = runs or _site_programs.run_sites(layer, forward=probes)
     for p in probes:
-        got = runs.forward[p.site]
-        if p.eqn is not None:
-            run = functools.partial(
-                checks.assert_site_exact, _site_programs.replay(got, p, p.lhs, p.rhs),
-                p.eqn, p.lhs, p.rhs, lhs_format=lhs_fmt, rhs_format=rhs_fmt, site=p.site, arithmetic=recipe.reference.matmul)
-        else:
-            run = functools.partial(
-                checks.assert_site_exact, _site_programs.replay(got, p, p.lhs, p.rhs, p.group_sizes),
-                checks.Ragged(p.group_sizes), p.lhs, p.rhs, lhs_format=lhs_fmt, rhs_format=rhs_fmt, site=p.site,
-                arithmetic=recipe.reference.matmul)
-        _prefixed(label, run)
+        _prefixed(label, lambda: judged_as(
+            checks.assert_site_exact, _site_exact.judge_site_exact, p.matmul, p.lhs, p.rhs, runs.forward[p.site],
+            lhs_format=lhs_fmt, rhs_format=rhs_fmt, site=p.site, arithmetic=recipe.reference.matmul))
 
 
 @functools.cache
@@ -171,7 +159,7 @@ def check_exact(case: Case) -> None:
     """Every site exact in the recipe's declared formats: on probes, and through one forward pass of the layer.
 
     :func:`assert_sites_exact` on the case's fresh layer, then
-    :func:`qcheck.checks._site.assert_site_calls_exact` on the site calls of
+    :func:`qcheck.checks._site.judge_site_calls` on the site calls of
     its forward pass on the case's input, which sees a layer that skips a
     site, calls another site's wrapper, or skips quantization at one call site
     on one path. Both read :func:`case_site_runs`.
@@ -182,7 +170,8 @@ def check_exact(case: Case) -> None:
     layer, recipe = cases_mod.layer(case), get_recipe(case.recipe)
     runs = case_site_runs(case)
     assert_sites_exact(layer, recipe, case.id, runs)
-    _prefixed(case.id, lambda: _site_exact.assert_site_calls_exact(tuple(layer.sites.keys()), runs.calls, recipe))
+    _prefixed(case.id, lambda: judged_as(checks.assert_layer_sites_exact, _site_exact.judge_site_calls,
+                                         tuple(layer.sites.keys()), runs.calls, recipe))
 
 
 def assert_sites_independent(layer: MoE, label: str) -> None:
@@ -291,21 +280,16 @@ def assert_sites_backward_exact(layer: MoE, recipe: Recipe, label: str, runs: Si
     probes = _site_programs.backward_probes(layer, recipe)
     runs = runs or _site_programs.run_sites(layer, backward=probes)
     for p in probes:
-        site, grads = layer.get_einsum(p.site), _site_programs.replay(runs.grads[p.site], p, p.lhs, p.rhs, p.g)
-        if p.eqn is not None:
-            run = functools.partial(_backward.assert_site_grads_exact, site, p.eqn, p.lhs, p.rhs, p.g, recipe=recipe,
-                                    key=runs.key, site_grads=grads)
-        else:
-            run = functools.partial(_backward.assert_site_grads_exact, site, checks.Ragged(p.group_sizes), p.lhs, p.rhs,
-                                    p.g, recipe=recipe, key=runs.key, site_grads=grads)
-        _prefixed(f"{label} site {p.site!r}", run)
+        _prefixed(f"{label} site {p.site!r}", lambda: judged_as(
+            checks.assert_site_backward_exact, _backward.judge_site_backward, layer.get_einsum(p.site).site_name,
+            p.matmul, p.lhs, p.rhs, p.g, runs.grads[p.site], recipe=recipe, key=runs.key))
 
 
 def check_backward(case: Case) -> None:
     """Every site's gradients exact: on probes, and in one backward pass of the layer.
 
     :func:`assert_sites_backward_exact` on the case's fresh layer, then
-    :func:`qcheck.checks._layer_backward.assert_site_grad_calls_exact` on the
+    :func:`qcheck.checks._layer_backward.judge_site_grad_calls` on the
     gradients each site gave in the layer's own backward pass (not for NVFP4's
     stochastic DGRAD), which sees a layer that takes a site's gradient from
     anywhere else. Both read :func:`case_site_runs`.
@@ -316,7 +300,8 @@ def check_backward(case: Case) -> None:
     recipe, runs = get_recipe(case.recipe), case_site_runs(case)
     assert_sites_backward_exact(cases_mod.layer(case), recipe, case.id, runs)
     if runs.grad_calls is not None:
-        _prefixed(case.id, lambda: _layer_backward.assert_site_grad_calls_exact(runs.grad_calls, recipe))
+        _prefixed(case.id, lambda: judged_as(_layer_backward.assert_layer_sites_backward_exact,
+                                             _layer_backward.judge_site_grad_calls, runs.grad_calls, recipe))
 
 
 def _exact_applies(recipe: Recipe, variant: Variant) -> bool:

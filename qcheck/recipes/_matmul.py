@@ -1,12 +1,16 @@
-"""One description of the matmul an exact check holds a call site to: an einsum, or a grouped ``ragged_dot``.
+"""One description of the matmul a call site computes: an einsum, or a grouped ``ragged_dot``.
 
-Every exact check (fresh fp8 casts, call sites forward and backward) takes one
-``matmul``: an einsum string (or :class:`Einsum`) or :class:`Ragged` with the
-group sizes. The description knows what the check needs of the matmul: its
-contraction axes, how to call the op under test, and the reference matmul run
-by JAX on host arrays (forward, in each layout the reference accepts, and the
-two gradient matmuls), each program compiled once per shape, and the forward
-einsum summed by numpy in each order of partial sums the reference accepts.
+A layer's site specs, the suite's probes, the calls recorded in a forward or
+backward pass and every exact check (fresh fp8 casts, call sites forward and
+backward) carry one value: :class:`Einsum` or :class:`Ragged` with the group
+sizes. It knows what they need of the matmul: its contraction axes, how to run
+it on a call site (``site(eqn, lhs, rhs)`` or ``site.ragged_dot(lhs, rhs,
+group_sizes)``) and to call an op under test, and the reference matmul run by
+JAX on host arrays (forward, in each layout the reference accepts, and the two
+gradient matmuls), each program compiled once per shape, and the forward einsum
+summed by numpy in each order of partial sums the reference accepts. Both are
+pytrees: an einsum's equation is static, a ragged_dot's group sizes are data,
+so a traced program records them as it runs and hands them back.
 """
 
 from __future__ import annotations
@@ -21,10 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from qcheck.recipes import MatmulAxes, einsum_axes
-from qcheck.recipes._axes import RAGGED_AXES
+from qcheck.recipes._axes import RAGGED_AXES, MatmulAxes, einsum_axes
+from qcheck.referees import _integer
 
-__all__ = ["EINSUM_LAYOUTS", "EINSUM_PARTIAL_SUMS", "Einsum", "Matmul", "Ragged", "as_matmul", "of_call"]
+__all__ = ["EINSUM_LAYOUTS", "EINSUM_PARTIAL_SUMS", "Einsum", "Matmul", "Ragged", "as_matmul", "uneven_group_sizes"]
 
 #: Operand layouts the einsum reference runs in: as given, contraction axes last (as a block qdq leaves
 #: them), and (batch, rows, flattened contraction) as one batched dot (as jax.nn.scaled_dot_general runs it).
@@ -107,6 +111,7 @@ def _host(x: jax.Array) -> np.ndarray:
     return np.asarray(x)
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=[], meta_fields=["eqn"])
 @dataclasses.dataclass(frozen=True)
 class Einsum:
     """A two-operand einsum, e.g. ``Einsum("BSM,EMH->BSEH")``; the op under test is called ``op(eqn, lhs, rhs)``."""
@@ -134,8 +139,29 @@ class Einsum:
         lhs, rhs = ins.split(",")
         return lhs, rhs, out
 
+    #: Its weight has no groups to calibrate across.
+    shared_rhs_axes = None
+
     def axes(self, lhs_ndim: int, rhs_ndim: int) -> MatmulAxes:
         return einsum_axes(self.eqn, lhs_ndim, rhs_ndim)
+
+    def run(self, site: Any, lhs: jax.Array, rhs: jax.Array, **kwargs: Any) -> jax.Array:
+        """``site(eqn, lhs, rhs, **kwargs)``: a call site's einsum, traced in the caller's program."""
+        return site(self.eqn, lhs, rhs, **kwargs)
+
+    def site_call(self, lhs: Any, rhs: Any) -> tuple[str, tuple]:
+        """(the call site's method, its arguments) for operands ``lhs`` and ``rhs``."""
+        return "__call__", (self.eqn, lhs, rhs)
+
+    def regrouped(self, seed: int) -> Einsum:
+        """The same matmul on a probe: an einsum has no groups to draw."""
+        return self
+
+    def integer(self, lhs_codes, lhs_scales, rhs_codes, rhs_scales, *, order: str, ftz: bool) -> np.ndarray:
+        """The integer-mode reference (:func:`qcheck.referees._integer.integer_einsum`) of codes and scales."""
+        axes = self.axes(lhs_codes.ndim, rhs_codes.ndim)
+        return _integer.integer_einsum(self.eqn, lhs_codes, lhs_scales, rhs_codes, rhs_scales, axes, order=order,
+                                       ftz=ftz)
 
     def check_operands(self, lhs: np.ndarray, rhs: np.ndarray) -> None:
         """A one-line ValueError where the operands do not fit the einsum (rank, or a shared axis's size)."""
@@ -195,6 +221,12 @@ def _contraction_last(sub: str, x: np.ndarray, axes: tuple[int, ...]) -> tuple[s
     return "".join(sub[i] for i in perm), np.ascontiguousarray(np.transpose(x, perm))
 
 
+def uneven_group_sizes(rows: int, groups: int, seed: int) -> np.ndarray:
+    """Uneven group sizes summing to ``rows``, with the last group empty."""
+    rng = np.random.default_rng(seed)
+    return np.bincount(rng.integers(0, groups - 1, rows), minlength=groups).astype(np.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class Ragged:
     """A grouped matmul ``ragged_dot(lhs[m, k], rhs[g, k, n], group_sizes[g])``; the op under test is called
@@ -210,9 +242,13 @@ class Ragged:
                              f"{sizes.dtype}{list(sizes.shape)} {sizes.tolist()}")
         object.__setattr__(self, "group_sizes", tuple(int(n) for n in sizes))  # hashable, compares by value
 
-    @property
-    def eqn(self) -> None:
-        return None
+    @classmethod
+    def recorded(cls, group_sizes: Any) -> Ragged:
+        """The grouped matmul a traced program runs with these (traced) group sizes; they are checked where they
+        reach the host (:func:`as_matmul`)."""
+        out = object.__new__(cls)
+        object.__setattr__(out, "group_sizes", group_sizes)
+        return out
 
     @property
     def what(self) -> str:
@@ -220,10 +256,33 @@ class Ragged:
 
     @functools.cached_property
     def _sizes(self) -> jax.Array:
+        if isinstance(self.group_sizes, jax.Array):
+            return self.group_sizes
         return jax.device_put(np.asarray(self.group_sizes, np.int32))
+
+    #: A weight calibrated over its groups and contraction: one scale shared by every expert (AQT, qwix).
+    shared_rhs_axes = (0, 1)
 
     def axes(self, lhs_ndim: int = 2, rhs_ndim: int = 3) -> MatmulAxes:
         return RAGGED_AXES
+
+    def run(self, site: Any, lhs: jax.Array, rhs: jax.Array, **kwargs: Any) -> jax.Array:
+        """``site.ragged_dot(lhs, rhs, group_sizes, **kwargs)``: a call site's grouped matmul, traced in the
+        caller's program."""
+        return site.ragged_dot(lhs, rhs, self._sizes, **kwargs)
+
+    def site_call(self, lhs: Any, rhs: Any) -> tuple[str, tuple]:
+        """(the call site's method, its arguments) for operands ``lhs`` and ``rhs``."""
+        return "ragged_dot", (lhs, rhs, self._sizes)
+
+    def regrouped(self, seed: int) -> Ragged:
+        """The same rows and groups on a probe: uneven group sizes drawn from ``seed``, the last group empty."""
+        return Ragged(uneven_group_sizes(sum(self.group_sizes), len(self.group_sizes), seed))
+
+    def integer(self, lhs_codes, lhs_scales, rhs_codes, rhs_scales, *, order: str, ftz: bool) -> np.ndarray:
+        """The integer-mode reference (:func:`qcheck.referees._integer.integer_ragged_dot`) of codes and scales."""
+        return _integer.integer_ragged_dot(lhs_codes, lhs_scales, rhs_codes, rhs_scales,
+                                           np.asarray(self.group_sizes, np.int32), order=order, ftz=ftz)
 
     def check_operands(self, lhs: np.ndarray, rhs: np.ndarray) -> None:
         """A one-line ValueError where the operands do not fit ``ragged_dot`` with these group sizes."""
@@ -257,12 +316,21 @@ class Ragged:
         return _host(d), _host(w)
 
 
+def _ragged_children(r: Ragged) -> tuple[tuple[Any], None]:
+    sizes = r.group_sizes
+    return (sizes if isinstance(sizes, jax.Array) else np.asarray(sizes, np.int32),), None
+
+
+jax.tree_util.register_pytree_node(Ragged, _ragged_children, lambda _, children: Ragged.recorded(children[0]))
+
 #: What an exact check's ``matmul`` argument describes.
 Matmul = Union[Einsum, Ragged]
 
 
 def as_matmul(matmul: str | Einsum | Ragged) -> Einsum | Ragged:
     """``matmul`` as a description: an einsum string becomes :class:`Einsum`; anything else is a ValueError."""
+    if isinstance(matmul, Ragged) and not isinstance(matmul.group_sizes, tuple):  # sizes a program handed back
+        return Ragged(np.asarray(matmul.group_sizes))
     if isinstance(matmul, (Einsum, Ragged)):
         return matmul
     if isinstance(matmul, str):
@@ -270,7 +338,3 @@ def as_matmul(matmul: str | Einsum | Ragged) -> Einsum | Ragged:
     raise ValueError(f"matmul must be an einsum string, qcheck.checks.Einsum(eqn) or "
                      f"qcheck.checks.Ragged(group_sizes), got {type(matmul).__name__}")
 
-
-def of_call(eqn: str | None, group_sizes: ArrayLike | None) -> Einsum | Ragged:
-    """The description of a recorded site call: its einsum, or (``eqn`` None) a ragged_dot with its group sizes."""
-    return Einsum(eqn) if eqn is not None else Ragged(np.asarray(group_sizes))
