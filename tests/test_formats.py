@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from qcheck import formats
+from qcheck.formats import _codec
 from tests.helpers import conversion_probes
 
 # Jitted once per format and axis: the tests below run one program each instead
@@ -262,7 +263,7 @@ def test_nvfp4_stochastic_quantize_is_qdq_bitwise():
     x = np.random.default_rng(2).standard_normal((4, 64), np.float32)
     key = jax.random.key(5)
     # Each side one whole program: split into two jitted programs, XLA's
-    # reciprocal rewrite moves a value by an ulp (see formats._nvfp4_qdq).
+    # reciprocal rewrite moves a value by an ulp (see qcheck.formats' nvfp4_quantize).
     q = jax.jit(lambda v, k: formats.quantize(v, "nvfp4", rng=k))(x, key)
     round_trip = jax.jit(lambda v, k: formats.dequantize(formats.quantize(v, "nvfp4", rng=k)))(x, key)
     assert _bits(round_trip) == _bits(jax.jit(lambda v, k: formats.qdq(v, "nvfp4", rng=k))(x, key))
@@ -272,8 +273,8 @@ def test_nvfp4_stochastic_quantize_is_qdq_bitwise():
 
 def test_qdq_in_a_trace_is_traced_once_per_format_axes_and_operand_type(monkeypatch):
     traced = []
-    quantize = formats._quantize
-    monkeypatch.setattr(formats, "_quantize", lambda x, fmt, *rest: traced.append(fmt) or quantize(x, fmt, *rest))
+    quantize = _codec._quantize
+    monkeypatch.setattr(_codec, "_quantize", lambda x, fmt, *rest: traced.append(fmt) or quantize(x, fmt, *rest))
     x = jnp.ones((3, 5, 7))  # a shape no other test quantizes: JAX's trace cache lives as long as the process
     jax.jit(lambda a, b: formats.qdq(a, "e5m2fnuz", axis=(1, 2)) + formats.qdq(b, "e5m2fnuz", axis=(1, 2)))(x, x)
     jax.jit(lambda a: formats.qdq(a, "e5m2fnuz", axis=(2, -2)) * 2)(x)  # another program, the same axes
@@ -287,7 +288,7 @@ def test_qdq_nested_in_a_program_compiles_to_the_bits_of_qdq_inline(fmt):
     x = np.random.default_rng(3).standard_normal((4, 64), np.float32) * 30
     key = jax.random.key(7) if fmt == "nvfp4" else None
     # Operations on both sides of the call, so fusion could reach across it.
-    inline = jax.jit(lambda v, k: formats.dequantize(formats._quantize(v * 1.5, fmt, (1,), k)) * v)
+    inline = jax.jit(lambda v, k: formats.dequantize(_codec._quantize(v * 1.5, fmt, (1,), k)) * v)
     nested = jax.jit(lambda v, k: formats.qdq(v * 1.5, fmt, axis=1, rng=k) * v)
     assert _bits(nested(x, key)) == _bits(inline(x, key))
 

@@ -17,6 +17,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+import qcheck.formats._block_scaled as block_kernels  # where each format's code reads the names the bugs replace
+import qcheck.formats._fp8 as fp8_kernels
+import qcheck.formats._int8 as int8_kernels
 import qcheck.referees._formats as referee_formats  # the referee's own constants, to plant bugs in it
 from qcheck import formats, referees
 from qcheck.checks._referee import NVFP4_JIT_DECODE_ULPS, assert_format_matches_referee, nvfp4_uniforms
@@ -302,25 +305,25 @@ PROBE[0, :8] = [464.01, 1e6, -3e5, 249.0, 300.0, 1e-4, -1e-5, 0.7]  # saturation
 @pytest.mark.parametrize(
     "fmt, target, name, bug, rng, message",
     [
-        ("e4m3fn", formats, "saturating_cast", _no_saturation, None,
+        ("e4m3fn", fp8_kernels, "saturating_cast", _no_saturation, None,
          r"e4m3fn: codes differs from the referee at index \(0, 0\): jax 0x7f \(nan\) vs referee 0x7e \(448\)"),
-        ("e4m3fnuz", formats, "saturating_cast", _other_fnuz_flavour, None,
+        ("e4m3fnuz", fp8_kernels, "saturating_cast", _other_fnuz_flavour, None,
          r"e4m3fnuz: codes differs from the referee at index \(0, 0\): jax 0x80 \(nan\) vs referee 0x7f \(240\)"),
-        ("nvfp4", formats, "round_e2m1", _truncate_e2m1, None,
+        ("nvfp4", block_kernels, "round_e2m1", _truncate_e2m1, None,
          r"nvfp4: codes differs from the referee at index \(\d+, \d+\): jax 0x[0-9a-f]{2} .* vs referee 0x[0-9a-f]{2}"),
-        ("nvfp4", formats, "stochastic_round_e2m1", _reused_uniforms, 7,
+        ("nvfp4", block_kernels, "stochastic_round_e2m1", _reused_uniforms, 7,
          r"nvfp4: codes differs from the referee at index \(\d+, \d+\): jax 0x[0-9a-f]{2} .* vs referee 0x"),
         # A scale off by one exponent: emax 7 instead of e4m3's 8.
-        ("mxfp8", formats, "E4M3_EMAX", 7, None,
+        ("mxfp8", block_kernels, "E4M3_EMAX", 7, None,
          r"mxfp8: codes differs from the referee at index \(\d+, \d+\): jax 0x[0-9a-f]{2} .* vs referee 0x"),
         # int8 scaled to ±128 instead of ±127.
-        ("int8", formats, "INT8_MAX", 128, None,
+        ("int8", int8_kernels, "INT8_MAX", 128, None,
          r"int8: codes differs from the referee at index \(\d+, \d+\): jax 0x[0-9a-f]{2} .* vs referee 0x"),
         # AQT's default computed with preserve_max_val=True's bound, 127 (qcheck's int8).
-        ("int8_aqt", formats, "INT8_EDGE", 127.0, None,
+        ("int8_aqt", int8_kernels, "INT8_EDGE", 127.0, None,
          r"int8_aqt: codes differs from the referee at index \(\d+, \d+\): jax 0x[0-9a-f]{2} .* vs referee 0x"),
         # The far edge of an even bucket count (AQT's preserve_zero=False row): 128.
-        ("int8_qwix", formats, "INT8_EDGE", 128.0, None,
+        ("int8_qwix", int8_kernels, "INT8_EDGE", 128.0, None,
          r"int8_qwix: codes differs from the referee at index \(\d+, \d+\): jax 0x[0-9a-f]{2} .* vs referee 0x"),
         # The referee side: qwix without its scale floor of 2^-63 quantizes a tiny slice.
         ("int8_qwix", referee_formats, "QWIX_MIN_SCALE", F32(0), None,

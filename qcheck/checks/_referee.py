@@ -19,7 +19,7 @@ __all__ = ["NVFP4_JIT_DECODE_ULPS", "assert_format_matches_referee", "nvfp4_unif
 #: (the order qcheck documents, and eager execution computes bit for bit) into
 #: ``code · (s_block / s_enc)`` for qdq alone in a program (bitwise on 200 random
 #: tensors spanning 2^±90, up to 2 ulps from the documented order), and into other
-#: orders when more shares the program (formats._nvfp4_quantize warns of it).
+#: orders when more shares the program (qcheck.formats' nvfp4_quantize warns of it).
 #: Only the jitted nvfp4 qdq output may differ, by at most this many float32
 #: ulps; codes and scales are always bitwise, and ``jit=False`` is bitwise.
 NVFP4_JIT_DECODE_ULPS = 2
