@@ -82,20 +82,8 @@ __all__ = [
 #: NVFP4 decode orders the reference accepts: qcheck's documented one, and XLA's rewrite of it.
 NVFP4_DECODE_ORDERS = ("1 / (s_enc / s_block)", "s_block / s_enc")
 
-#: The formats a wrong-variant bug would use instead, by format (the probes must tell each apart).
-NEIGHBOURS = {
-    "int8": ("int8_aqt", "int8_qwix"),
-    "int8_aqt": ("int8", "int8_qwix"),
-    "int8_qwix": ("int8", "int8_aqt"),
-    **{fmt: (sibling,) for fmt, sibling in formats.FP8_SIBLINGS.items()},
-    "e4m3fn_current": ("e4m3fn", "e5m2_current"),
-    "e5m2_current": ("e5m2", "e4m3fn_current"),
-    "mxfp8": ("e4m3fn",),
-    "nvfp4": (),
-    # JAX's rules: the OCP / NVIDIA format they differ from is the bug a wrong rule would be.
-    "mxfp8_jax": ("mxfp8", "e4m3fn"),
-    "nvfp4_jax": ("nvfp4",),
-}
+#: The formats a wrong-variant bug would use instead, by format (the probes must tell each apart): the records' siblings.
+NEIGHBOURS = {f.name: f.siblings for f in formats.FORMATS}
 
 
 def operand_formats(recipe: Recipe | str) -> tuple[str, str]:
@@ -162,7 +150,7 @@ def _neighbours(mm: Matmul, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt) -> Iterato
 # A ragged weight calibrated over its groups and contraction: one scale shared by every expert (AQT, qwix).
 _SHARED_AXES = (0, 1)
 _SHARED = "rhs with one weight scale shared across groups (calibrated over groups and contraction)"
-_INTEGER_FORMATS = frozenset({"int8", "int8_aqt", "int8_qwix"})
+_INTEGER_FORMATS = frozenset(f.name for f in formats.FORMATS if f.kind == "int")
 
 
 def _library_neighbours(mm: Matmul, lhs, rhs, lhs_fmt: str, rhs_fmt: str) -> Iterator[tuple[str, np.ndarray]]:
