@@ -271,8 +271,7 @@ def assert_site_exact(
 
 def _check_formats(*fmts: str, arithmetic: str = "float") -> None:
     for fmt in fmts:
-        if fmt not in NEIGHBOURS:
-            raise ValueError(f"unknown format {fmt!r}; valid formats: {', '.join(NEIGHBOURS)}")
+        formats.get_format(fmt)
     if arithmetic not in _integer_matmul.MATMUL_MODES:
         raise ValueError(f"unknown arithmetic {arithmetic!r}; valid: {', '.join(_integer_matmul.MATMUL_MODES)}")
     if arithmetic == "integer" and (bad := [f for f in fmts if f not in _INTEGER_FORMATS]):
@@ -307,8 +306,8 @@ def probe_site_operands(
     same for every block of values that all reach about 2^10).
     """
     for fmt in (lhs_format, rhs_format):
-        if fmt is not None and fmt not in NEIGHBOURS:
-            raise ValueError(f"probe_site_operands: unknown format {fmt!r}; valid formats: {', '.join(NEIGHBOURS)}")
+        if fmt is not None:
+            formats.get_format(fmt, where="probe_site_operands")
     nvfp4 = nvfp4 or "nvfp4" in (lhs_format, rhs_format)
     if not nvfp4:
         lhs, rhs = probe_operands(seed, lhs_shape, rhs_shape)

@@ -28,6 +28,8 @@ import math
 import ml_dtypes
 import numpy as np
 
+from qcheck.referees._choice import choice
+
 __all__ = ["CURRENT_SCALE_CAP", "QWIX_MIN_SCALE", "referee_format_names", "reference_dequantize", "reference_qdq",
            "reference_quantize"]
 
@@ -285,8 +287,7 @@ def _stochastic_e2m1(v: np.ndarray, u: np.ndarray) -> np.ndarray:
 
 
 def _check(x: np.ndarray, fmt: str, uniforms: np.ndarray | None) -> np.ndarray:
-    if fmt not in _NAMES:
-        raise ValueError(f"unknown format {fmt!r}; valid formats: {', '.join(_NAMES)}")
+    choice("format", fmt, _NAMES)
     x = np.asarray(x)
     if x.dtype != _F32:
         raise TypeError(f"x must be a float32 array (the referee computes in IEEE float32), got dtype {x.dtype}")
@@ -344,8 +345,7 @@ def reference_dequantize(
     codes: np.ndarray, scales: dict[str, np.ndarray], fmt: str, *, axis: int | tuple[int, ...] = -1, ftz: bool = False
 ) -> np.ndarray:
     """The float32 values ``codes`` and ``scales`` stand for."""
-    if fmt not in _NAMES:
-        raise ValueError(f"unknown format {fmt!r}; valid formats: {', '.join(_NAMES)}")
+    choice("format", fmt, _NAMES)
     c = np.asarray(codes).astype(_F32)
     axes = _axes(axis, c.ndim)
     if fmt in ("int8", "int8_aqt", "int8_qwix"):
