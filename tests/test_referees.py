@@ -27,6 +27,7 @@ from tests import format_properties as fp
 from tests.helpers import conversion_probes
 
 FORMATS = formats.format_names()
+CAST = tuple(f.name for f in formats.FORMATS if f.kind == "cast")  # the fp8 element types at scale 1
 EDGE = (64, 64)  # the tables' shape: values repeat to fill it (blocks of 16 and 32, slices of 64)
 F32 = np.float32
 
@@ -44,7 +45,7 @@ def test_referee_knows_every_format():
 
 
 def _foreign_imports(source: str) -> set[str]:
-    """Modules ``source`` imports beyond numpy, ml_dtypes, the standard library's math and the referees' own."""
+    """Modules ``source`` imports beyond numpy, ml_dtypes, the standard library's math and typing, and the referees' own."""
     names = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -53,7 +54,7 @@ def _foreign_imports(source: str) -> set[str]:
             module = node.module or "<relative>"
             names.add(module if module.startswith("qcheck.referees") else module.split(".")[0])
     return {n for n in names if not n.startswith("qcheck.referees")} - {
-        "__future__", "collections", "functools", "math", "ml_dtypes", "numpy"}
+        "__future__", "collections", "functools", "math", "ml_dtypes", "numpy", "typing"}
 
 
 _REFEREES = sorted(pathlib.Path(referees.__file__).parent.glob("*.py"))
@@ -128,7 +129,7 @@ E2M1_TIES = [2688.0] + [0.0] * 15 + [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0,
 @pytest.mark.parametrize(
     "fmt, values",
     [
-        *[(f, _fp8_probes(f)) for f in ("e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz")],
+        *[(f, _fp8_probes(f)) for f in CAST],
         ("int8", INT8_TIES),
         ("int8_aqt", INT8_EDGE_TIES),
         ("int8_qwix", INT8_EDGE_TIES),
@@ -138,7 +139,7 @@ E2M1_TIES = [2688.0] + [0.0] * 15 + [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0,
         ("e4m3fn_current", [448.0, *conversion_probes(ml_dtypes.float8_e4m3fn)]),
         ("e5m2_current", [57344.0, *conversion_probes(ml_dtypes.float8_e5m2)]),
     ],
-    ids=["e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz", "int8", "int8_aqt", "int8_qwix", "int8_qwix-negative-amax",
+    ids=[*CAST, "int8", "int8_aqt", "int8_qwix", "int8_qwix-negative-amax",
          "mxfp8", "nvfp4", "e4m3fn_current", "e5m2_current"],
 )
 def test_ties_and_grid_neighbours_match_referee(fmt, values):
@@ -162,7 +163,7 @@ def test_saturation_matches_referee(fmt, values, saturated):
     assert np.max(referees.reference_qdq(x, fmt)) == saturated  # the row really reaches the format's max
 
 
-@pytest.mark.parametrize("fmt", ["e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz"])
+@pytest.mark.parametrize("fmt", CAST)
 def test_nan_stays_nan_with_the_referees_bits(fmt):
     # qcheck's policy for scale-1 fp8: clip, then cast; NaN passes the clip.
     x = _fill([np.nan, -np.nan, 1.0, np.inf])
