@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from qcheck import formats
+from qcheck import formats, referees
 from qcheck.formats import _codec
 from tests.helpers import conversion_probes
 
@@ -216,28 +216,35 @@ def test_current_scale_is_capped_at_2_to_126(fmt, dtype):
 
 # -- the quantize/dequantize API -----------------------------------------------
 
-E4M3FN, E5M2 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)
 F32 = np.dtype(np.float32)
-#: format -> (codes dtype, {scale name: (dtype, shape)}) for x of shape (4, 64) along axis -1.
-LAYOUT = {
-    "int8": (np.dtype(np.int8), {"slice": (F32, (4, 1))}),
-    "int8_aqt": (np.dtype(np.int8), {"slice": (F32, (4, 1))}),
-    "int8_qwix": (np.dtype(np.int8), {"slice": (F32, (4, 1))}),
-    "e4m3fn": (E4M3FN, {}),
-    "e4m3fnuz": (np.dtype(ml_dtypes.float8_e4m3fnuz), {}),
-    "e5m2": (E5M2, {}),
-    "e5m2fnuz": (np.dtype(ml_dtypes.float8_e5m2fnuz), {}),
-    "e4m3fn_current": (E4M3FN, {"tensor": (F32, ())}),
-    "e5m2_current": (E5M2, {"tensor": (F32, ())}),
-    "nvfp4": (np.dtype(ml_dtypes.float4_e2m1fn), {"block": (E4M3FN, (4, 4)), "tensor": (F32, ())}),
-    "mxfp8": (E4M3FN, {"block": (np.dtype(ml_dtypes.float8_e8m0fnu), (4, 2))}),
-    "nvfp4_jax": (np.dtype(ml_dtypes.float4_e2m1fn), {"block": (E4M3FN, (4, 4)), "tensor": (F32, ())}),
-    "mxfp8_jax": (E4M3FN, {"block": (np.dtype(ml_dtypes.float8_e8m0fnu), (4, 2))}),
-}
+#: The shape each scale has for x of shape (4, 64) along axis -1, by its name.
+SCALE_SHAPES = {"slice": lambda f: (4, 1), "tensor": lambda f: (), "block": lambda f: (4, 64 // f.block)}
+#: format -> (codes dtype, {scale name: (dtype, shape)}) for x of shape (4, 64) along axis -1, as its record
+#: declares them.
+LAYOUT = {f.name: (f.element, {k: (dt, SCALE_SHAPES[k](f)) for k, dt in f.scales.items()}) for f in formats.FORMATS}
 
 
-def test_every_format_has_a_layout_row():
-    assert set(LAYOUT) == set(formats.format_names())
+def test_every_record_is_whole():
+    # Adding a format is its record and its referee: each record names a referee, a way back from its codes
+    # and siblings that are themselves records, so nothing else has to learn the new name.
+    names = formats.format_names()
+    assert names == tuple(f.name for f in formats.FORMATS) == referees.referee_format_names()
+    for f in formats.FORMATS:
+        assert formats.get_format(f.name) is f
+        assert callable(f.quantize) and callable(f.dequantize), f.name
+        assert set(f.siblings) <= set(names) - {f.name}, f.name
+        assert (f.block is not None) == (f.kind == "block") == ("block" in f.scales), f.name
+        assert f.scale_rule, f.name
+
+
+def test_the_layouts_are_the_formats_own():
+    # Spot checks of the records against the formats' definitions, so the derived table is not its own oracle.
+    assert LAYOUT["int8_qwix"] == (np.dtype(np.int8), {"slice": (F32, (4, 1))})
+    assert LAYOUT["e4m3fnuz"] == (np.dtype(ml_dtypes.float8_e4m3fnuz), {})
+    assert LAYOUT["e5m2_current"] == (np.dtype(ml_dtypes.float8_e5m2), {"tensor": (F32, ())})
+    e4m3fn, e8m0 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e8m0fnu)
+    assert LAYOUT["nvfp4"] == (np.dtype(ml_dtypes.float4_e2m1fn), {"block": (e4m3fn, (4, 4)), "tensor": (F32, ())})
+    assert LAYOUT["mxfp8_jax"] == (e4m3fn, {"block": (e8m0, (4, 2))})
 
 
 @pytest.mark.parametrize("fmt", LAYOUT)

@@ -3,10 +3,11 @@
 A new format is a :class:`Format` here, with its quantizer (and dequantizer,
 where no existing one fits) in the module of its kind, and its independent
 reference under the same name in ``qcheck/referees/_formats.py``
-(``tests/test_formats_table.py`` holds the two tables to each other). Everything
+(``tests/test_referees.py`` holds the two tables to each other). Everything
 else that enumerates formats (the names, the fp8 types and flavours, the
 siblings the checks' probes tell apart, the tests' tables, each "unknown
-format" error) is read off these records.
+format" error) is read off these records; ``tests/test_layout.py`` finds any
+other literal list of format names in qcheck.
 """
 
 from __future__ import annotations
