@@ -64,8 +64,8 @@ def test_qdq_rejects_integer_input_and_bad_axis():
 
 
 def test_int8_slice_with_a_subnormal_scale_stays_finite():
-    # Found by the property tests: amax/127 is subnormal here and XLA on CPU may
-    # flush it to zero, which used to divide by zero and return NaN.
+    # amax/127 is subnormal here and XLA on CPU may flush it to zero: dividing by
+    # that scale would return NaN.
     x = jnp.array([[np.finfo(np.float32).tiny, 0.0, -np.finfo(np.float32).tiny, 0.0]])
     out = np.asarray(jax.jit(lambda v: formats.qdq(v, "int8"))(x))
     assert np.all(np.isfinite(out)) and out[0, 1] == 0.0

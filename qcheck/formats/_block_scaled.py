@@ -4,7 +4,7 @@ NVFP4: float4_e2m1fn elements in blocks of 16 along the contraction axis, a
 float8_e4m3fn scale per block, a float32 scale per tensor. MXFP8 (OCP
 Microscaling v1.0): float8_e4m3fn elements in blocks of 32 along the contraction
 axes, one float8_e8m0fnu (power of two) scale per block. An MXFP8 block whose
-amax is below 2^-119 takes the clamped scale 2^-127 and no longer reaches 448.
+amax is below 2^-119 takes the clamped scale 2^-127 and does not reach 448.
 XLA on CPU reads subnormal float32 as zero, so a subnormal x comes back 0 there
 (a block of them is an all-zero block: scale 2^-127).
 """

@@ -16,8 +16,8 @@ __all__ = ["CURRENT_MAX_SCALE", "cast_dequantize", "cast_quantize", "current_deq
 #: float32 for amax below fmax / float32 max (TransformerEngine clamps it to the
 #: float32 max there); capped at 2^126 its inverse, the decode scale, stays a
 #: normal float32 that XLA on CPU does not flush to zero. A tensor whose amax is
-#: below fmax · 2^-126 (about 5e-36 for e4m3fn, 7e-34 for e5m2) so no longer
-#: reaches the format's largest value; it is still quantized, not flushed.
+#: below fmax · 2^-126 (about 5e-36 for e4m3fn, 7e-34 for e5m2) so does not
+#: reach the format's largest value; it is still quantized, not flushed.
 CURRENT_MAX_SCALE = 2.0**126
 
 
