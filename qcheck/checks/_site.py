@@ -82,7 +82,8 @@ __all__ = [
 #: NVFP4 decode orders the reference accepts: qcheck's documented one, and XLA's rewrite of it.
 NVFP4_DECODE_ORDERS = ("1 / (s_enc / s_block)", "s_block / s_enc")
 
-#: The formats a wrong-variant bug would use instead, by format (the probes must tell each apart): the records' siblings.
+#: The formats a wrong-variant bug would use instead, by format (the probes must tell each apart): each
+#: record's siblings.
 NEIGHBOURS = {f.name: f.siblings for f in formats.FORMATS}
 
 
