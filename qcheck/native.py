@@ -24,6 +24,7 @@ from jax import Array
 from jax.typing import ArrayLike
 
 from qcheck import formats
+from qcheck._choices import require_choice
 from qcheck.checks._fresh import cast_reference
 
 __all__ = [
@@ -80,8 +81,7 @@ _quantize_last_axis = jax.jit(lambda x, fmt: formats.quantize(x, fmt, axis=-1), 
 
 
 def _check_block_format(fmt: str) -> None:
-    if fmt not in BLOCK_SCALED_FORMATS:
-        raise ValueError(f"unknown block-scaled format {fmt!r}; valid formats: {', '.join(BLOCK_SCALED_FORMATS)}")
+    require_choice("block-scaled format", fmt, BLOCK_SCALED_FORMATS)
 
 
 def block_scaled_matmul(

@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from qcheck import checks, formats, testing
+from qcheck import checks, testing
 from qcheck.recipes import get_recipe
 from qcheck.suite import cases
 
@@ -139,7 +139,7 @@ class AssertionsTest(testing.QuantizationAssertions, absltest.TestCase):
 
     def test_format_matches_referee_should_fail_on_int8_scaled_to_128(self):
         # Op by op (jit=False): the patched module global is read at call time.
-        with mock.patch.object(formats, "INT8_MAX", 128):
+        with mock.patch("qcheck.formats._int8.INT8_MAX", 128):
             with self.assertRaisesRegex(AssertionError, r"^assert_format_matches_referee: int8: codes differs from the referee at index"):
                 self.assertFormatMatchesReferee(LHS, "int8", jit=False)
 

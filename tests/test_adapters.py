@@ -421,8 +421,6 @@ def test_amax_histories_follow_operands_refuses_what_cannot_fail(site, lhs, rhs,
          r"e5m2_dtype must be one of float8_e5m2, float8_e5m2fnuz"),
         (dict(module_cls=nn.Fp8Einsum, amax_history_length=0), ValueError,
          r"amax_history_length must be a positive int"),
-        (dict(module_cls=nn.Fp8Einsum, fp8_target="mi300"), TypeError,
-         r"^FlaxFp8Recipe 'bad': fp8_target= is declared in expect=: pass expect=qcheck.Expect\(fp8_target=...\)$"),
     ],
 )
 def test_flax_fp8_recipe_bad_input(kwargs, error, match):
@@ -573,7 +571,6 @@ def test_aqt_default_ragged_config_is_one_mutated_object_and_sites_leave_theirs_
         (dict(ragged="dense"), ValueError, r"ragged.*'dense'.*aqt.*einsum"),
         (dict(config_factory=42), TypeError, r"config_factory must be a callable"),
         (dict(config_factory=dict), TypeError, r"config_factory must return an aqt.jax.v2 DotGeneral config"),
-        (dict(max_rel_norm=0.3), TypeError, r"^AqtRecipe 'bad': max_rel_norm= is declared in expect=: pass expect="),
     ],
 )
 def test_aqt_recipe_bad_input(kwargs, error, match):

@@ -6,7 +6,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from qcheck import formats
+from qcheck import formats, referees
+from qcheck.formats import _codec
 from tests.helpers import conversion_probes
 
 # Jitted once per format and axis: the tests below run one program each instead
@@ -63,8 +64,8 @@ def test_qdq_rejects_integer_input_and_bad_axis():
 
 
 def test_int8_slice_with_a_subnormal_scale_stays_finite():
-    # Found by the property tests: amax/127 is subnormal here and XLA on CPU may
-    # flush it to zero, which used to divide by zero and return NaN.
+    # amax/127 is subnormal here and XLA on CPU may flush it to zero: dividing by
+    # that scale would return NaN.
     x = jnp.array([[np.finfo(np.float32).tiny, 0.0, -np.finfo(np.float32).tiny, 0.0]])
     out = np.asarray(jax.jit(lambda v: formats.qdq(v, "int8"))(x))
     assert np.all(np.isfinite(out)) and out[0, 1] == 0.0
@@ -215,28 +216,35 @@ def test_current_scale_is_capped_at_2_to_126(fmt, dtype):
 
 # -- the quantize/dequantize API -----------------------------------------------
 
-E4M3FN, E5M2 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)
 F32 = np.dtype(np.float32)
-#: format -> (codes dtype, {scale name: (dtype, shape)}) for x of shape (4, 64) along axis -1.
-LAYOUT = {
-    "int8": (np.dtype(np.int8), {"slice": (F32, (4, 1))}),
-    "int8_aqt": (np.dtype(np.int8), {"slice": (F32, (4, 1))}),
-    "int8_qwix": (np.dtype(np.int8), {"slice": (F32, (4, 1))}),
-    "e4m3fn": (E4M3FN, {}),
-    "e4m3fnuz": (np.dtype(ml_dtypes.float8_e4m3fnuz), {}),
-    "e5m2": (E5M2, {}),
-    "e5m2fnuz": (np.dtype(ml_dtypes.float8_e5m2fnuz), {}),
-    "e4m3fn_current": (E4M3FN, {"tensor": (F32, ())}),
-    "e5m2_current": (E5M2, {"tensor": (F32, ())}),
-    "nvfp4": (np.dtype(ml_dtypes.float4_e2m1fn), {"block": (E4M3FN, (4, 4)), "tensor": (F32, ())}),
-    "mxfp8": (E4M3FN, {"block": (np.dtype(ml_dtypes.float8_e8m0fnu), (4, 2))}),
-    "nvfp4_jax": (np.dtype(ml_dtypes.float4_e2m1fn), {"block": (E4M3FN, (4, 4)), "tensor": (F32, ())}),
-    "mxfp8_jax": (E4M3FN, {"block": (np.dtype(ml_dtypes.float8_e8m0fnu), (4, 2))}),
-}
+#: The shape each scale has for x of shape (4, 64) along axis -1, by its name.
+SCALE_SHAPES = {"slice": lambda f: (4, 1), "tensor": lambda f: (), "block": lambda f: (4, 64 // f.block)}
+#: format -> (codes dtype, {scale name: (dtype, shape)}) for x of shape (4, 64) along axis -1, as its record
+#: declares them.
+LAYOUT = {f.name: (f.element, {k: (dt, SCALE_SHAPES[k](f)) for k, dt in f.scales.items()}) for f in formats.FORMATS}
 
 
-def test_every_format_has_a_layout_row():
-    assert set(LAYOUT) == set(formats.format_names())
+def test_every_record_is_whole():
+    # Adding a format is its record and its referee: each record names a referee, a way back from its codes
+    # and siblings that are themselves records, so nothing else has to learn the new name.
+    names = formats.format_names()
+    assert names == tuple(f.name for f in formats.FORMATS) == referees.referee_format_names()
+    for f in formats.FORMATS:
+        assert formats.get_format(f.name) is f
+        assert callable(f.quantize) and callable(f.dequantize), f.name
+        assert set(f.siblings) <= set(names) - {f.name}, f.name
+        assert (f.block is not None) == (f.kind == "block") == ("block" in f.scales), f.name
+        assert f.scale_rule, f.name
+
+
+def test_the_layouts_are_the_formats_own():
+    # Spot checks of the records against the formats' definitions, so the derived table is not its own oracle.
+    assert LAYOUT["int8_qwix"] == (np.dtype(np.int8), {"slice": (F32, (4, 1))})
+    assert LAYOUT["e4m3fnuz"] == (np.dtype(ml_dtypes.float8_e4m3fnuz), {})
+    assert LAYOUT["e5m2_current"] == (np.dtype(ml_dtypes.float8_e5m2), {"tensor": (F32, ())})
+    e4m3fn, e8m0 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e8m0fnu)
+    assert LAYOUT["nvfp4"] == (np.dtype(ml_dtypes.float4_e2m1fn), {"block": (e4m3fn, (4, 4)), "tensor": (F32, ())})
+    assert LAYOUT["mxfp8_jax"] == (e4m3fn, {"block": (e8m0, (4, 2))})
 
 
 @pytest.mark.parametrize("fmt", LAYOUT)
@@ -262,7 +270,7 @@ def test_nvfp4_stochastic_quantize_is_qdq_bitwise():
     x = np.random.default_rng(2).standard_normal((4, 64), np.float32)
     key = jax.random.key(5)
     # Each side one whole program: split into two jitted programs, XLA's
-    # reciprocal rewrite moves a value by an ulp (see formats._nvfp4_qdq).
+    # reciprocal rewrite moves a value by an ulp (see qcheck.formats' nvfp4_quantize).
     q = jax.jit(lambda v, k: formats.quantize(v, "nvfp4", rng=k))(x, key)
     round_trip = jax.jit(lambda v, k: formats.dequantize(formats.quantize(v, "nvfp4", rng=k)))(x, key)
     assert _bits(round_trip) == _bits(jax.jit(lambda v, k: formats.qdq(v, "nvfp4", rng=k))(x, key))
@@ -272,8 +280,8 @@ def test_nvfp4_stochastic_quantize_is_qdq_bitwise():
 
 def test_qdq_in_a_trace_is_traced_once_per_format_axes_and_operand_type(monkeypatch):
     traced = []
-    quantize = formats._quantize
-    monkeypatch.setattr(formats, "_quantize", lambda x, fmt, *rest: traced.append(fmt) or quantize(x, fmt, *rest))
+    quantize = _codec._quantize
+    monkeypatch.setattr(_codec, "_quantize", lambda x, fmt, *rest: traced.append(fmt) or quantize(x, fmt, *rest))
     x = jnp.ones((3, 5, 7))  # a shape no other test quantizes: JAX's trace cache lives as long as the process
     jax.jit(lambda a, b: formats.qdq(a, "e5m2fnuz", axis=(1, 2)) + formats.qdq(b, "e5m2fnuz", axis=(1, 2)))(x, x)
     jax.jit(lambda a: formats.qdq(a, "e5m2fnuz", axis=(2, -2)) * 2)(x)  # another program, the same axes
@@ -287,7 +295,7 @@ def test_qdq_nested_in_a_program_compiles_to_the_bits_of_qdq_inline(fmt):
     x = np.random.default_rng(3).standard_normal((4, 64), np.float32) * 30
     key = jax.random.key(7) if fmt == "nvfp4" else None
     # Operations on both sides of the call, so fusion could reach across it.
-    inline = jax.jit(lambda v, k: formats.dequantize(formats._quantize(v * 1.5, fmt, (1,), k)) * v)
+    inline = jax.jit(lambda v, k: formats.dequantize(_codec._quantize(v * 1.5, fmt, (1,), k)) * v)
     nested = jax.jit(lambda v, k: formats.qdq(v * 1.5, fmt, axis=1, rng=k) * v)
     assert _bits(nested(x, key)) == _bits(inline(x, key))
 

@@ -139,6 +139,64 @@ def test_the_architecture_page_check_sees_a_missing_and_an_unnamed_part(tmp_path
         "names qcheck/gone/, which does not exist", "does not name qcheck/layers/"]
 
 
+# -- a number format is added in two places: its record and its referee --------------------------------
+
+#: The modules of qcheck that may hold a literal collection of two or more format names (module: why it is
+#: not a list a new format must join). The records' table is where a format is added, and the referee keeps
+#: its own, independent by design; every other table of formats is read off the records.
+FORMAT_LISTS = {
+    "qcheck/formats/_table.py": "the records: the one place a format is added",
+    "qcheck/referees/_formats.py": "the referee's own table, written from each format's definition",
+    "qcheck/referees/_libraries.py": "what other libraries compute in place of some formats, not every format",
+    "qcheck/adapters/_jax.py": "JAX's scaled_dot_general modes, keyed by JAX's own names",
+    "qcheck/native.py": "the block formats jax.nn.scaled_matmul takes natively: the hardware's list",
+    "qcheck/checks/_probes.py": "the flavours that part only in one binade, a measured fact of those two",
+    "qcheck/checks/_backward.py": "each e4m3 flavour's gradient flavour, a recipe convention",
+}
+
+
+def format_lists(root: Path, names: set[str]) -> dict[str, list[str]]:
+    """Each module under ``root`` that holds a literal tuple, list or set of two or more of ``names`` (or a
+    dict keyed by them) -> those collections, as ``line: names``. A single name (``fmt == "nvfp4"``) is one
+    format's own behaviour, not a list of formats."""
+    found: dict[str, list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                elements = node.elts
+            elif isinstance(node, ast.Dict):
+                elements = [k for k in node.keys if k is not None]
+            else:
+                continue
+            held = [e.value for e in elements if isinstance(e, ast.Constant) and e.value in names]
+            if len(held) >= 2:
+                found.setdefault(str(path.relative_to(root.parent)), []).append(f"{node.lineno}: {held}")
+    return found
+
+
+def test_formats_are_listed_only_in_their_records_and_the_referee():
+    from qcheck import formats
+
+    found = format_lists(QCHECK, set(formats.format_names()))
+    assert set(found) - set(FORMAT_LISTS) == set(), (
+        f"format names listed outside the records: {found}; read them off qcheck.formats.FORMATS")
+    assert set(FORMAT_LISTS) - set(found) == set(), f"listed but holding no format list: {set(FORMAT_LISTS) - set(found)}"
+
+
+def test_a_list_of_formats_outside_the_records_is_found(tmp_path):
+    (tmp_path / "qcheck").mkdir()
+    (tmp_path / "qcheck" / "site.py").write_text('ONE = fmt == "int8"\nKEYS = {"a": 1, "int8": 2}\n')
+    assert format_lists(tmp_path / "qcheck", {"int8", "e4m3fn"}) == {}
+    (tmp_path / "qcheck" / "site.py").write_text('INTEGER = frozenset({"int8", "e4m3fn"})\n')
+    assert format_lists(tmp_path / "qcheck", {"int8", "e4m3fn"}) == {"qcheck/site.py": ["1: ['int8', 'e4m3fn']"]}
+
+
+def test_the_architecture_page_says_where_a_format_is_added():
+    row = next(line for line in ARCHITECTURE.read_text().splitlines() if line.startswith("| number format |"))
+    where = [p for p in FORMAT_LISTS if f"`{p}`" in row]
+    assert where == ["qcheck/formats/_table.py", "qcheck/referees/_formats.py"], row
+
+
 def test_pyproject_lists_every_package_of_the_tree():
     import tomllib
 

@@ -125,7 +125,7 @@ def test_native_gemm_calls_finds_fp8_cublaslt_and_triton_gemms_only():
 
 def test_bad_arguments_are_named():
     lhs, rhs = native_operands()
-    with pytest.raises(ValueError, match="unknown block-scaled format 'fp4'; valid formats: mxfp8, nvfp4"):
+    with pytest.raises(ValueError, match="unknown block-scaled format 'fp4'; valid block-scaled formats: mxfp8, nvfp4"):
         native.block_scaled_matmul(lhs, rhs, "fp4")
     with pytest.raises(ValueError, match=r"rhs must be 2-D \[rows, K\]"):
         native.emulate_block_scaled_matmul(lhs, rhs[0], "mxfp8")

@@ -263,8 +263,8 @@ _FAKE = "fakes what the host has (extras, GPUs): no public seam for it yet"
 STILL_PRIVATE: dict[str, str] = {
     "test_absltest.py: from qcheck.suite import _process": _PROCESS,
     "test_process.py: from qcheck.suite import _process": _PROCESS,
-    "test_formats.py: formats._quantize": "counts traces of the jitted quantizer qdq calls (qcheck.formats)",
-    "test_formats.py: setattr(formats, _quantize)": "counts traces of the jitted quantizer qdq calls (qcheck.formats)",
+    **{f"test_formats.py: {use}": "counts traces of the jitted quantizer qdq calls (qcheck.formats)"
+       for use in ("from qcheck.formats import _codec", "_codec._quantize", "setattr(_codec, _quantize)")},
     "test_adapters.py: setattr(adapters, _has)": _FAKE,
     "test_plugin.py: setattr(hardware, _devices)": _FAKE,
     # Not shared code: the docs test looks the tests its table names up in these modules.

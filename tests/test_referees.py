@@ -17,6 +17,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+import qcheck.formats._block_scaled as block_kernels  # where each format's code reads the names the bugs replace
+import qcheck.formats._fp8 as fp8_kernels
+import qcheck.formats._int8 as int8_kernels
 import qcheck.referees._formats as referee_formats  # the referee's own constants, to plant bugs in it
 from qcheck import formats, referees
 from qcheck.checks._referee import NVFP4_JIT_DECODE_ULPS, assert_format_matches_referee, nvfp4_uniforms
@@ -24,6 +27,7 @@ from tests import format_properties as fp
 from tests.helpers import conversion_probes
 
 FORMATS = formats.format_names()
+CAST = tuple(f.name for f in formats.FORMATS if f.kind == "cast")  # the fp8 element types at scale 1
 EDGE = (64, 64)  # the tables' shape: values repeat to fill it (blocks of 16 and 32, slices of 64)
 F32 = np.float32
 
@@ -41,7 +45,7 @@ def test_referee_knows_every_format():
 
 
 def _foreign_imports(source: str) -> set[str]:
-    """Modules ``source`` imports beyond numpy, ml_dtypes, the standard library's math and the referees' own."""
+    """Modules ``source`` imports beyond numpy, ml_dtypes, the standard library's math and typing, and the referees' own."""
     names = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -50,7 +54,7 @@ def _foreign_imports(source: str) -> set[str]:
             module = node.module or "<relative>"
             names.add(module if module.startswith("qcheck.referees") else module.split(".")[0])
     return {n for n in names if not n.startswith("qcheck.referees")} - {
-        "__future__", "collections", "functools", "math", "ml_dtypes", "numpy"}
+        "__future__", "collections", "functools", "math", "ml_dtypes", "numpy", "typing"}
 
 
 _REFEREES = sorted(pathlib.Path(referees.__file__).parent.glob("*.py"))
@@ -125,7 +129,7 @@ E2M1_TIES = [2688.0] + [0.0] * 15 + [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0,
 @pytest.mark.parametrize(
     "fmt, values",
     [
-        *[(f, _fp8_probes(f)) for f in ("e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz")],
+        *[(f, _fp8_probes(f)) for f in CAST],
         ("int8", INT8_TIES),
         ("int8_aqt", INT8_EDGE_TIES),
         ("int8_qwix", INT8_EDGE_TIES),
@@ -135,7 +139,7 @@ E2M1_TIES = [2688.0] + [0.0] * 15 + [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0,
         ("e4m3fn_current", [448.0, *conversion_probes(ml_dtypes.float8_e4m3fn)]),
         ("e5m2_current", [57344.0, *conversion_probes(ml_dtypes.float8_e5m2)]),
     ],
-    ids=["e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz", "int8", "int8_aqt", "int8_qwix", "int8_qwix-negative-amax",
+    ids=[*CAST, "int8", "int8_aqt", "int8_qwix", "int8_qwix-negative-amax",
          "mxfp8", "nvfp4", "e4m3fn_current", "e5m2_current"],
 )
 def test_ties_and_grid_neighbours_match_referee(fmt, values):
@@ -159,7 +163,7 @@ def test_saturation_matches_referee(fmt, values, saturated):
     assert np.max(referees.reference_qdq(x, fmt)) == saturated  # the row really reaches the format's max
 
 
-@pytest.mark.parametrize("fmt", ["e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz"])
+@pytest.mark.parametrize("fmt", CAST)
 def test_nan_stays_nan_with_the_referees_bits(fmt):
     # qcheck's policy for scale-1 fp8: clip, then cast; NaN passes the clip.
     x = _fill([np.nan, -np.nan, 1.0, np.inf])
@@ -302,25 +306,25 @@ PROBE[0, :8] = [464.01, 1e6, -3e5, 249.0, 300.0, 1e-4, -1e-5, 0.7]  # saturation
 @pytest.mark.parametrize(
     "fmt, target, name, bug, rng, message",
     [
-        ("e4m3fn", formats, "saturating_cast", _no_saturation, None,
+        ("e4m3fn", fp8_kernels, "saturating_cast", _no_saturation, None,
          r"e4m3fn: codes differs from the referee at index \(0, 0\): jax 0x7f \(nan\) vs referee 0x7e \(448\)"),
-        ("e4m3fnuz", formats, "saturating_cast", _other_fnuz_flavour, None,
+        ("e4m3fnuz", fp8_kernels, "saturating_cast", _other_fnuz_flavour, None,
          r"e4m3fnuz: codes differs from the referee at index \(0, 0\): jax 0x80 \(nan\) vs referee 0x7f \(240\)"),
-        ("nvfp4", formats, "round_e2m1", _truncate_e2m1, None,
+        ("nvfp4", block_kernels, "round_e2m1", _truncate_e2m1, None,
          r"nvfp4: codes differs from the referee at index \(\d+, \d+\): jax 0x[0-9a-f]{2} .* vs referee 0x[0-9a-f]{2}"),
-        ("nvfp4", formats, "stochastic_round_e2m1", _reused_uniforms, 7,
+        ("nvfp4", block_kernels, "stochastic_round_e2m1", _reused_uniforms, 7,
          r"nvfp4: codes differs from the referee at index \(\d+, \d+\): jax 0x[0-9a-f]{2} .* vs referee 0x"),
         # A scale off by one exponent: emax 7 instead of e4m3's 8.
-        ("mxfp8", formats, "E4M3_EMAX", 7, None,
+        ("mxfp8", block_kernels, "E4M3_EMAX", 7, None,
          r"mxfp8: codes differs from the referee at index \(\d+, \d+\): jax 0x[0-9a-f]{2} .* vs referee 0x"),
         # int8 scaled to ±128 instead of ±127.
-        ("int8", formats, "INT8_MAX", 128, None,
+        ("int8", int8_kernels, "INT8_MAX", 128, None,
          r"int8: codes differs from the referee at index \(\d+, \d+\): jax 0x[0-9a-f]{2} .* vs referee 0x"),
         # AQT's default computed with preserve_max_val=True's bound, 127 (qcheck's int8).
-        ("int8_aqt", formats, "INT8_EDGE", 127.0, None,
+        ("int8_aqt", int8_kernels, "INT8_EDGE", 127.0, None,
          r"int8_aqt: codes differs from the referee at index \(\d+, \d+\): jax 0x[0-9a-f]{2} .* vs referee 0x"),
         # The far edge of an even bucket count (AQT's preserve_zero=False row): 128.
-        ("int8_qwix", formats, "INT8_EDGE", 128.0, None,
+        ("int8_qwix", int8_kernels, "INT8_EDGE", 128.0, None,
          r"int8_qwix: codes differs from the referee at index \(\d+, \d+\): jax 0x[0-9a-f]{2} .* vs referee 0x"),
         # The referee side: qwix without its scale floor of 2^-63 quantizes a tiny slice.
         ("int8_qwix", referee_formats, "QWIX_MIN_SCALE", F32(0), None,

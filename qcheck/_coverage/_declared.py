@@ -161,7 +161,8 @@ def _element_types(fmt: str) -> frozenset[str]:
     return frozenset(names)
 
 
-_FP8_DIVIDED = frozenset({"e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz"})  # scaled by the layer's own scale
+# The fp8 element types at scale 1: a layer scales them by its own scale.
+_FP8_DIVIDED = frozenset(f.name for f in formats.FORMATS if f.kind == "cast")
 _NARROW_FLOATS = frozenset({"float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float4_e2m1fn",
                             "float8_e8m0fnu", "float8_e4m3b11fnuz", "float8_e4m3", "float8_e3m4"})
 
@@ -219,7 +220,7 @@ def _diagnose(x: np.ndarray, codes: np.ndarray, fmt: str, axes: tuple[int, ...])
     if fmt in formats.FP8_SIBLINGS and _matches(x, codes, formats.FP8_SIBLINGS[fmt], axes):
         return f"they are {formats.FP8_SIBLINGS[fmt]}'s codes, the other fp8 flavour"
     kept = [a for a in range(x.ndim) if a not in axes]
-    if fmt in formats.AXIS_FORMATS or fmt.endswith("_current"):
+    if formats.get_format(fmt).kind != "cast":  # a scale per slice, block or tensor
         if kept and _matches(x, codes, fmt, tuple(range(x.ndim))):
             return "they match one scale for the whole tensor"
         for k in kept:

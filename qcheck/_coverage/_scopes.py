@@ -60,7 +60,7 @@ def machinery_prefixes(extra: tuple[str, ...] = ()) -> tuple[str, ...]:
         *packages,
         os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep,
         here, root + "checks" + os.sep, root + "recipes" + os.sep,
-        root + "layers" + os.sep + "bridge.py", root + "formats.py",
+        root + "layers" + os.sep + "bridge.py", root + "formats" + os.sep,
     )
 
 

@@ -122,7 +122,6 @@ class AqtRecipe(Recipe):
         lhs: str | None = None,
         rhs: str | None = None,
         expect: Expect | None = None,
-        **moved: object,
     ):
         if not callable(config_factory):
             raise TypeError(
@@ -135,7 +134,7 @@ class AqtRecipe(Recipe):
             )
         # PRIVATE: AQT draws its gradient stochastic rounding from the "params"
         # stream of each module, which upstream forks per module.
-        super().__init__(name, lhs=lhs, rhs=rhs, apply_rngs=ApplyRngs.PRIVATE, expect=expect, **moved)
+        super().__init__(name, lhs=lhs, rhs=rhs, apply_rngs=ApplyRngs.PRIVATE, expect=expect)
         self.config_factory = config_factory
         self.ragged = require_choice("ragged", ragged, AQT_RAGGED)
         # AQT quantizes gradients its own way (config_v4: dlhs in int8 with
@@ -165,7 +164,6 @@ def aqt_recipe(
     lhs: str | None = None,
     rhs: str | None = None,
     expect: Expect | None = None,
-    **moved: object,
 ) -> AqtRecipe:
     """A recipe running ``AqtEinsum(cfg=config_factory())`` at every einsum call site.
 
@@ -178,7 +176,7 @@ def aqt_recipe(
     (:class:`qcheck.Expect`): the bounds and paths; the library's limits (no
     backward reference, the refusals of ``"aqt"``) are added to it.
     """
-    return AqtRecipe(name, config_factory, ragged=ragged, lhs=lhs, rhs=rhs, expect=expect, **moved)
+    return AqtRecipe(name, config_factory, ragged=ragged, lhs=lhs, rhs=rhs, expect=expect)
 
 
 def aqt_int8() -> AqtRecipe:

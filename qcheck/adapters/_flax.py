@@ -98,7 +98,6 @@ class FlaxFp8Recipe(DelayedScalingFp8):
         e5m2_dtype,
         amax_history_length: int = 1024,
         expect: Expect | None = None,
-        **moved: object,
     ):
         if not (isinstance(module_cls, type) and issubclass(module_cls, fp8_ops.Fp8DotGeneralBase)):
             raise TypeError(
@@ -115,7 +114,7 @@ class FlaxFp8Recipe(DelayedScalingFp8):
         if not (isinstance(amax_history_length, int) and amax_history_length > 0):
             raise ValueError(f"amax_history_length must be a positive int, got {amax_history_length!r}")
         super().__init__(name, e4m3_dtype=e4m3, e5m2_dtype=e5m2, amax_history_length=amax_history_length,
-                         expect=expect, **moved)
+                         expect=expect)
         # Flax has no fp8 ragged_dot: the sparse path runs one einsum over every
         # group (ragged_dot_from_einsum), whose forward equals jax.lax.ragged_dot
         # bitwise but whose gradient matmuls sum in another order (1 ulp on CPU,
@@ -144,7 +143,6 @@ def flax_fp8_recipe(
     e5m2_dtype,
     amax_history_length: int = 1024,
     expect: Expect | None = None,
-    **moved: object,
 ) -> FlaxFp8Recipe:
     """A qcheck recipe running ``module_cls`` (a flax.linen fp8 module class) at every call site.
 
@@ -167,7 +165,7 @@ def flax_fp8_recipe(
     against its own group through that same einsum.
     """
     return FlaxFp8Recipe(name, module_cls, e4m3_dtype=e4m3_dtype, e5m2_dtype=e5m2_dtype,
-                         amax_history_length=amax_history_length, expect=expect, **moved)
+                         amax_history_length=amax_history_length, expect=expect)
 
 
 flax_fp8 = partial(

@@ -154,7 +154,7 @@ class JaxScaledDotRecipe(Recipe):
     Without ``expect``, the mode's measured bounds; with any, no backward paths.
     """
 
-    def __init__(self, name: str, mode: str, *, expect: Expect | None = None, **moved: object):
+    def __init__(self, name: str, mode: str, *, expect: Expect | None = None):
         if mode not in JAX_MODES:
             raise ValueError(f"mode must be one of {', '.join(JAX_MODES)}, got {mode!r}")
         fmt = JAX_MODES[mode]
@@ -163,7 +163,7 @@ class JaxScaledDotRecipe(Recipe):
         if expect is None:
             expect = Expect(max_rel_norm=_MAX_REL_NORM[mode], max_grad_rel_norm=_MAX_GRAD_REL_NORM[mode],
                             fp8_target="nvidia")
-        super().__init__(name, lhs=fmt, rhs=fmt, grad=fmt if mode == "mxfp8" else None, expect=expect, **moved)
+        super().__init__(name, lhs=fmt, rhs=fmt, grad=fmt if mode == "mxfp8" else None, expect=expect)
         # No exact gradient reference (the ``backward`` invariant; ``grads`` still runs). mxfp8's vjp
         # quantizes the output gradient and re-quantizes the *original* other operand along the gradient
         # matmul's contraction, which no qcheck referee's gradient models (``grad_operands`` is "quantized" or

@@ -128,15 +128,13 @@ class QwixRecipe(InterceptRecipe):
         rhs: str | None = None,
         reference: Reference | None = None,
         expect: Expect | None = None,
-        **moved: object,
     ):
         rules = tuple(rules)
         if not rules:
             raise ValueError(f"QwixRecipe {name!r}: rules must hold at least one qwix.QtRule")
         for i, rule in enumerate(rules):
             _check_rule(name, i, rule)
-        super().__init__(name, self._quantize_sites, lhs=lhs, rhs=rhs, reference=reference, expect=expect,
-                         **moved)
+        super().__init__(name, self._quantize_sites, lhs=lhs, rhs=rhs, reference=reference, expect=expect)
         self.rules = rules
         self.expect = self.expect.narrow_backward(() if any(r.bwd_qtype is not None for r in rules) else ("dense",))
 

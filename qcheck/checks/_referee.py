@@ -19,7 +19,7 @@ __all__ = ["NVFP4_JIT_DECODE_ULPS", "assert_format_matches_referee", "nvfp4_unif
 #: (the order qcheck documents, and eager execution computes bit for bit) into
 #: ``code · (s_block / s_enc)`` for qdq alone in a program (bitwise on 200 random
 #: tensors spanning 2^±90, up to 2 ulps from the documented order), and into other
-#: orders when more shares the program (formats._nvfp4_quantize warns of it).
+#: orders when more shares the program (qcheck.formats' nvfp4_quantize warns of it).
 #: Only the jitted nvfp4 qdq output may differ, by at most this many float32
 #: ulps; codes and scales are always bitwise, and ``jit=False`` is bitwise.
 NVFP4_JIT_DECODE_ULPS = 2
@@ -109,13 +109,13 @@ def assert_format_matches_referee(
     :mod:`qcheck.referees` for both); and
     :data:`NVFP4_JIT_DECODE_ULPS` for nvfp4's dequantized output under jit.
     """
-    if fmt not in formats.format_names():
-        raise ValueError(f"unknown format {fmt!r}; valid formats: {', '.join(formats.format_names())}")
+    record = formats.get_format(fmt)
     x = np.asarray(x)
     if x.dtype != np.float32:
         raise TypeError(f"x must be a float32 array, got dtype {x.dtype}")
-    if rng is not None and fmt != "nvfp4":
-        raise ValueError(f"rng is for nvfp4's stochastic rounding; format {fmt!r} takes none")
+    if rng is not None and not record.stochastic:
+        stochastic = " and ".join(f.name for f in formats.FORMATS if f.stochastic)
+        raise ValueError(f"rng is for {stochastic}'s stochastic rounding; format {fmt!r} takes none")
     axis = axis if isinstance(axis, int) else tuple(axis)
     if jit:
         q, out = _programs(fmt, axis)(x, rng)

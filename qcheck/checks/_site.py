@@ -84,20 +84,9 @@ __all__ = [
 #: NVFP4 decode orders the reference accepts: qcheck's documented one, and XLA's rewrite of it.
 NVFP4_DECODE_ORDERS = ("1 / (s_enc / s_block)", "s_block / s_enc")
 
-#: The formats a wrong-variant bug would use instead, by format (the probes must tell each apart).
-NEIGHBOURS = {
-    "int8": ("int8_aqt", "int8_qwix"),
-    "int8_aqt": ("int8", "int8_qwix"),
-    "int8_qwix": ("int8", "int8_aqt"),
-    **{fmt: (sibling,) for fmt, sibling in formats.FP8_SIBLINGS.items()},
-    "e4m3fn_current": ("e4m3fn", "e5m2_current"),
-    "e5m2_current": ("e5m2", "e4m3fn_current"),
-    "mxfp8": ("e4m3fn",),
-    "nvfp4": (),
-    # JAX's rules: the OCP / NVIDIA format they differ from is the bug a wrong rule would be.
-    "mxfp8_jax": ("mxfp8", "e4m3fn"),
-    "nvfp4_jax": ("nvfp4",),
-}
+#: The formats a wrong-variant bug would use instead, by format (the probes must tell each apart): each
+#: record's siblings.
+NEIGHBOURS = {f.name: f.siblings for f in formats.FORMATS}
 
 
 def operand_formats(recipe: Recipe | str) -> tuple[str, str]:
@@ -162,7 +151,7 @@ def _neighbours(mm: Matmul, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt) -> Iterato
 
 
 _SHARED = "rhs with one weight scale shared across groups (calibrated over groups and contraction)"
-_INTEGER_FORMATS = frozenset({"int8", "int8_aqt", "int8_qwix"})
+_INTEGER_FORMATS = frozenset(f.name for f in formats.FORMATS if f.kind == "int")
 
 
 def _library_neighbours(mm: Matmul, lhs, rhs, lhs_fmt: str, rhs_fmt: str) -> Iterator[tuple[str, np.ndarray]]:
@@ -285,8 +274,7 @@ def judge_site_exact(matmul: Matmul, lhs: ArrayLike, rhs: ArrayLike, got: ArrayL
 
 def _check_formats(*fmts: str, arithmetic: str = "float") -> None:
     for fmt in fmts:
-        if fmt not in NEIGHBOURS:
-            raise ValueError(f"unknown format {fmt!r}; valid formats: {', '.join(NEIGHBOURS)}")
+        formats.get_format(fmt)
     if arithmetic not in _integer_matmul.MATMUL_MODES:
         raise ValueError(f"unknown arithmetic {arithmetic!r}; valid: {', '.join(_integer_matmul.MATMUL_MODES)}")
     if arithmetic == "integer" and (bad := [f for f in fmts if f not in _INTEGER_FORMATS]):
@@ -321,8 +309,8 @@ def probe_site_operands(
     same for every block of values that all reach about 2^10).
     """
     for fmt in (lhs_format, rhs_format):
-        if fmt is not None and fmt not in NEIGHBOURS:
-            raise ValueError(f"probe_site_operands: unknown format {fmt!r}; valid formats: {', '.join(NEIGHBOURS)}")
+        if fmt is not None:
+            formats.get_format(fmt, where="probe_site_operands")
     nvfp4 = nvfp4 or "nvfp4" in (lhs_format, rhs_format)
     if not nvfp4:
         lhs, rhs = probe_operands(seed, lhs_shape, rhs_shape)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import re
 
@@ -81,11 +80,9 @@ class Recipe:
         materialize_at_build: bool = False,
         reference: Reference | None = None,
         expect: Expect | None = None,
-        **moved: object,
     ):
         if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", name):
             raise ValueError(f"recipe name must match [a-z][a-z0-9_]*, got {name!r}")
-        _refuse_moved(f"{type(self).__name__} {name!r}", moved)
         if not isinstance(apply_rngs, ApplyRngs):
             raise TypeError(f"apply_rngs must be an ApplyRngs, got {apply_rngs!r}")
         for arg, fmt in (("lhs", lhs), ("rhs", rhs), ("grad", grad)):
@@ -127,22 +124,3 @@ class Recipe:
             grad = "" if self.grad is None else f", grad={self.grad!r}"
             return f"Recipe({self.name!r}, lhs={self.lhs!r}, rhs={self.rhs!r}{grad})"
         return f"{type(self).__name__}({self.name!r})"
-
-
-# Keywords the constructors once took -> the declaration that holds them now.
-_MOVED = {f.name: decl for decl, cls in (("expect", Expect), ("reference", Reference)) for f in dataclasses.fields(cls)}
-
-
-def _refuse_moved(owner: str, moved: dict[str, object]) -> None:
-    """TypeError for a keyword no recipe constructor takes, naming its new place if it moved.
-
-    The bounds and declarations left the constructors' keywords for
-    :class:`Expect` and :class:`Reference`; a subclass that forwards its
-    ``**moved`` to ``Recipe.__init__`` gets the same message for them.
-    """
-    for key in moved:
-        if key in _MOVED:
-            cls = _MOVED[key].capitalize()
-            raise TypeError(f"{owner}: {key}= is declared in {_MOVED[key]}=: pass "
-                            f"{_MOVED[key]}=qcheck.{cls}({key}=...)")
-        raise TypeError(f"{owner}: unexpected keyword argument {key!r}")

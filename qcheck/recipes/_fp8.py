@@ -54,7 +54,7 @@ class DelayedScalingFp8(Recipe):
     """fp8 with Flax's delayed scaling, in a chosen e4m3 (forward) / e5m2 (gradient) flavour."""
 
     def __init__(self, name: str, *, e4m3_dtype, e5m2_dtype, amax_history_length: int = 1024,
-                 expect: Expect | None = None, **moved: object):
+                 expect: Expect | None = None):
         # lhs/rhs: what a fresh site does (scale 1), which the golden codes record.
         fresh = np.dtype(e4m3_dtype).name.removeprefix("float8_")
         super().__init__(
@@ -65,7 +65,6 @@ class DelayedScalingFp8(Recipe):
             materialize_at_build=True,
             reference=Reference(cast_dtype=e4m3_dtype),
             expect=expect,
-            **moved,
         )
         self.e4m3_dtype = np.dtype(e4m3_dtype)
         self.e5m2_dtype = np.dtype(e5m2_dtype)

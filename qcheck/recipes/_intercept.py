@@ -51,12 +51,10 @@ class InterceptRecipe(Recipe):
         rhs: str | None = None,
         reference: Reference | None = None,
         expect: Expect | None = None,
-        **moved: object,
     ):
         if not callable(transform):
             raise TypeError(f"transform must be a callable (layer, sample_input) -> layer, got {transform!r}")
-        super().__init__(name, lhs=lhs, rhs=rhs, apply_rngs=ApplyRngs.NONE, reference=reference, expect=expect,
-                         **moved)
+        super().__init__(name, lhs=lhs, rhs=rhs, apply_rngs=ApplyRngs.NONE, reference=reference, expect=expect)
         self._transform = transform
 
     def transform(self, layer: nnx.Module, sample_input: jax.Array) -> nnx.Module:

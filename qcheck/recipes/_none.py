@@ -5,7 +5,7 @@ from __future__ import annotations
 from flax import linen as nn
 
 from qcheck.recipes._base import ApplyRngs, Recipe
-from qcheck.recipes._sites import PlainSite
+from qcheck.recipes._plain import PlainSite
 
 
 class NoQuant(Recipe):

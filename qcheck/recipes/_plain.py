@@ -1,23 +1,32 @@
-"""The unquantized call site as a plain NNX module: what an interception library can walk.
+"""The unquantized call site: the ``none`` recipe's, and the reference twin of every layer.
 
-The ``none`` recipe's sites used to be :class:`~qcheck.layers.bridge.QuantSite`, an
-``nnx.bridge.ToNNX``; qwix 0.1.8 cannot walk a model holding one (it sets
-attributes on every module, which ToNNX turns into Linen variables: "Cannot
-infer collection name from value"). This site holds no state and computes the
-same ops as :class:`qcheck.recipes.PlainSite` (same dtype promotion, same
-``jnp.einsum`` / ``jax.lax.ragged_dot``), so the ``none`` layer's bits do not move.
+Its ops are :class:`~qcheck.recipes.SiteOps` with nothing quantized, so it
+computes what a quantized site computes around its quantizers (the same dtype
+promotion, the same ``jnp.einsum`` / ``jax.lax.ragged_dot``), in two shells.
+:class:`UnquantizedSite` is a plain NNX module, what the ``none`` layer holds:
+an interception library can walk it, where qwix 0.1.8 cannot walk a model
+holding an ``nnx.bridge.ToNNX`` (it sets attributes on every module, which
+ToNNX turns into Linen variables: "Cannot infer collection name from value").
+:class:`PlainSite` is the same site as a Linen module, the ``none`` recipe's
+``site_module``, for a :class:`~qcheck.layers.bridge.QuantSite`.
 """
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
+from flax import linen as nn
 from flax import nnx
 
-__all__ = ["UnquantizedSite"]
+from qcheck.recipes._sites import SiteOps
+
+__all__ = ["PlainSite", "UnquantizedSite"]
 
 
-class UnquantizedSite(nnx.Module):
+class PlainSite(SiteOps, nn.Module):
+    """The unquantized site as a Linen module."""
+
+
+class UnquantizedSite(SiteOps, nnx.Module):
     """``site(eqn, lhs, rhs)`` is ``jnp.einsum``; ``site.ragged_dot(lhs, rhs, group_sizes)`` is ``jax.lax.ragged_dot``.
 
     Both are looked up when called, so a library that intercepts them (qwix)
@@ -31,11 +40,3 @@ class UnquantizedSite(nnx.Module):
         if isinstance(rngs, nnx.Rngs):
             rngs.fork()
         self.site_name = name
-
-    def __call__(self, eqn: str, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
-        dtype = jnp.result_type(lhs, rhs)
-        return jnp.einsum(eqn, jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype))
-
-    def ragged_dot(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-        dtype = jnp.result_type(lhs, rhs)
-        return jax.lax.ragged_dot(jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype), group_sizes=group_sizes)

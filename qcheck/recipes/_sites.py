@@ -17,7 +17,7 @@ from flax import linen as nn
 from qcheck import formats
 from qcheck.recipes._axes import RAGGED_AXES, MatmulAxes, einsum_axes
 
-__all__ = ["FormatSite", "PlainSite", "SiteOps", "fake_quant_matmul", "straight_through"]
+__all__ = ["FormatSite", "SiteOps", "fake_quant_matmul", "straight_through"]
 
 Quantizer = Callable[[jax.Array], jax.Array]
 
@@ -49,10 +49,6 @@ class SiteOps:
         dtype = jnp.result_type(lhs, rhs)
         lhs, rhs = jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype)
         return self.matmul(partial(jax.lax.ragged_dot, group_sizes=group_sizes), lhs, rhs, RAGGED_AXES)
-
-
-class PlainSite(SiteOps, nn.Module):
-    """The unquantized site: the ``none`` recipe and the reference twin of every layer."""
 
 
 def straight_through(quantize: Quantizer) -> Quantizer:

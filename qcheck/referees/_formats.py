@@ -23,10 +23,15 @@ the quotient is within an ulp of a half (1 of 262144 normal values); measured on
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
+
+from qcheck.referees._choice import choice
 
 __all__ = ["CURRENT_SCALE_CAP", "QWIX_MIN_SCALE", "referee_format_names", "reference_dequantize", "reference_qdq",
            "reference_quantize"]
@@ -40,10 +45,8 @@ _FP8 = {
     "e5m2": np.dtype(ml_dtypes.float8_e5m2),
     "e5m2fnuz": np.dtype(ml_dtypes.float8_e5m2fnuz),
 }
-_CURRENT = {"e4m3fn_current": _FP8["e4m3fn"], "e5m2_current": _FP8["e5m2"]}
 _E2M1 = np.dtype(ml_dtypes.float4_e2m1fn)
 _E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
-_NAMES = ("int8", *_FP8, *_CURRENT, "nvfp4", "mxfp8", "nvfp4_jax", "mxfp8_jax", "int8_aqt", "int8_qwix")
 
 _INT8_BOUND = 127  # [def] symmetric int8: codes in [-127, 127], -128 unused
 # [def] AQT v2 IntSymmetric(8 bits, preserve_zero, not preserve_max_val) and qwix's
@@ -66,11 +69,6 @@ _E4M3_EMAX = int(np.frexp(_E4M3_MAX)[1]) - 1
 _E8M0_MIN, _E8M0_MAX = -127, 127  # [def] e8m0 encodes 2^-127 .. 2^127 (bits 0..254)
 # [def] the non-negative e2m1 values, read off the type itself.
 _E2M1_GRID = np.unique(np.abs(np.arange(16, dtype=np.uint8).view(_E2M1).astype(_F32)))
-
-
-def referee_format_names() -> tuple[str, ...]:
-    """The format names the referee knows."""
-    return _NAMES
 
 
 def flush(a: np.ndarray, ftz: bool) -> np.ndarray:
@@ -117,7 +115,7 @@ class Blocks:
         return np.transpose(b.reshape(self.moved), np.argsort(self.perm))
 
 
-def _int8(x: np.ndarray, axes: tuple[int, ...], ftz: bool, xla_reciprocal: bool):
+def _int8(x: np.ndarray, axes: tuple[int, ...], *, ftz: bool, xla_reciprocal: bool, uniforms: np.ndarray | None):
     # [def] symmetric absmax: scale = max|x| over the contraction axes / 127
     # ([XLA] or times the float32 reciprocal of 127, as XLA computes it).
     amax = np.max(np.abs(x), axis=axes, keepdims=True)
@@ -141,7 +139,7 @@ def _edge_scale(amax: np.ndarray, ftz: bool, xla_reciprocal: bool) -> np.ndarray
     return flush(amax * (_F32(1) / _INT8_EDGE) if xla_reciprocal else amax / _INT8_EDGE, ftz).astype(_F32)
 
 
-def _int8_aqt(x: np.ndarray, axes: tuple[int, ...], ftz: bool, xla_reciprocal: bool):
+def _int8_aqt(x: np.ndarray, axes: tuple[int, ...], *, ftz: bool, xla_reciprocal: bool, uniforms: np.ndarray | None):
     amax = np.max(np.abs(x), axis=axes, keepdims=True)
     amax = np.where(amax == 0, _F32(1), amax)  # [def] AQT AbsMaxCalibration: an absmax of 0 becomes 1
     scale = _edge_scale(amax, ftz, xla_reciprocal)
@@ -154,7 +152,7 @@ def _int8_aqt(x: np.ndarray, axes: tuple[int, ...], ftz: bool, xla_reciprocal: b
     return codes.astype(np.int8), {"slice": scale}
 
 
-def _int8_qwix(x: np.ndarray, axes: tuple[int, ...], ftz: bool, xla_reciprocal: bool):
+def _int8_qwix(x: np.ndarray, axes: tuple[int, ...], *, ftz: bool, xla_reciprocal: bool, uniforms: np.ndarray | None):
     scale = _edge_scale(np.max(np.abs(x), axis=axes, keepdims=True), ftz, xla_reciprocal)
     scale = np.where(scale < QWIX_MIN_SCALE, _F32(1), scale).astype(_F32)  # [def] qwix: a scale below 2^-63 is 1
     # [def] qwix: round half to even, then a saturating cast to int8: codes -128..127.
@@ -162,7 +160,11 @@ def _int8_qwix(x: np.ndarray, axes: tuple[int, ...], ftz: bool, xla_reciprocal: 
     return codes.astype(np.int8), {"slice": scale}
 
 
-def _current(x: np.ndarray, dtype: np.dtype, ftz: bool):
+def _cast(x: np.ndarray, axes: tuple[int, ...], *, ftz: bool, xla_reciprocal: bool, uniforms: np.ndarray | None, dtype: np.dtype):
+    return _saturate(x, dtype), {}  # [def] the element type at scale 1, saturating
+
+
+def _current(x: np.ndarray, axes: tuple[int, ...], *, ftz: bool, xla_reciprocal: bool, uniforms: np.ndarray | None, dtype: np.dtype):
     # [def] TransformerEngine current scaling: one scale for the whole tensor, fmax / amax.
     amax = _F32(np.max(np.abs(x)))
     if amax > 0:
@@ -175,7 +177,7 @@ def _current(x: np.ndarray, dtype: np.dtype, ftz: bool):
     return _saturate(flush(x * scale, ftz), dtype), {"tensor": np.asarray(scale, _F32)}
 
 
-def _mxfp8(x: np.ndarray, axes: tuple[int, ...], ftz: bool):
+def _mxfp8(x: np.ndarray, axes: tuple[int, ...], *, ftz: bool, xla_reciprocal: bool, uniforms: np.ndarray | None):
     b = Blocks(x.shape, axes, _MX_BLOCK, "mxfp8")
     blocks = b.split(x)
     amax = np.max(np.abs(blocks), axis=-1, keepdims=True)
@@ -190,7 +192,7 @@ def _mxfp8(x: np.ndarray, axes: tuple[int, ...], ftz: bool):
     return b.join(codes), {"block": scale}
 
 
-def _nvfp4(x: np.ndarray, axes: tuple[int, ...], uniforms: np.ndarray | None, ftz: bool):
+def _nvfp4(x: np.ndarray, axes: tuple[int, ...], *, ftz: bool, xla_reciprocal: bool, uniforms: np.ndarray | None):
     b = Blocks(x.shape, axes, _NVFP4_BLOCK, "nvfp4")
     blocks = b.split(x)
     amax = _F32(np.max(np.abs(blocks)))
@@ -235,7 +237,7 @@ def _e8m0_round_up(s: np.ndarray) -> np.ndarray:
     return np.where(up, exp + 1, exp).astype(np.uint8)
 
 
-def _mxfp8_jax(x: np.ndarray, axes: tuple[int, ...], ftz: bool):
+def _mxfp8_jax(x: np.ndarray, axes: tuple[int, ...], *, ftz: bool, xla_reciprocal: bool, uniforms: np.ndarray | None):
     b = Blocks(x.shape, axes, _MX_BLOCK, "mxfp8_jax")
     blocks = b.split(x)
     amax = np.max(np.abs(blocks), axis=-1, keepdims=True)
@@ -258,7 +260,7 @@ def jax_global_scale(x: np.ndarray) -> np.float32:
     return _F32(2.0 ** max(min(k, 127), -126))
 
 
-def _nvfp4_jax(x: np.ndarray, axes: tuple[int, ...], ftz: bool):
+def _nvfp4_jax(x: np.ndarray, axes: tuple[int, ...], *, ftz: bool, xla_reciprocal: bool, uniforms: np.ndarray | None):
     g = jax_global_scale(x)
     b = Blocks(x.shape, axes, _NVFP4_BLOCK, "nvfp4_jax")
     blocks = b.split(flush((x / g).astype(_F32), ftz))  # [def] a power of two: exact
@@ -284,15 +286,87 @@ def _stochastic_e2m1(v: np.ndarray, u: np.ndarray) -> np.ndarray:
     return np.copysign(np.where(u < p_up, hi, lo), v).astype(_F32)
 
 
+def _by_slice(c: np.ndarray, scales: dict[str, np.ndarray], axes: tuple[int, ...], fmt: str) -> np.ndarray:
+    # [def] x = code · scale; exact in float32 (8 × 24 bits) unless it overflows: int8_qwix's
+    # code -128 times absmax / 127.5 is -inf for an absmax within 0.4% of float32's max.
+    with np.errstate(over="ignore"):
+        return c * scales["slice"]
+
+
+def _as_is(c: np.ndarray, scales: dict[str, np.ndarray], axes: tuple[int, ...], fmt: str) -> np.ndarray:
+    return c  # [def] scale 1
+
+
+def _by_tensor(c: np.ndarray, scales: dict[str, np.ndarray], axes: tuple[int, ...], fmt: str) -> np.ndarray:
+    return c * (_F32(1) / scales["tensor"])  # [def] decode scale 1 / scale
+
+
+def _by_e8m0_block(c: np.ndarray, scales: dict[str, np.ndarray], axes: tuple[int, ...], fmt: str) -> np.ndarray:
+    b = Blocks(c.shape, axes, _MX_BLOCK, fmt)
+    exp = scales["block"].view(np.uint8).astype(np.int32) + _E8M0_MIN
+    # [def] x = code · 2^e, exact; mxfp8_jax's rounded-up scale lets a block of values within a code's
+    # rounding of float32's max come back inf (256 · 2^120 = 2^128), as JAX's dequantize gives too.
+    with np.errstate(over="ignore"):
+        return b.join(np.ldexp(b.split(c), exp[..., None]))
+
+
+def _by_jax_nvfp4_scales(c: np.ndarray, scales: dict[str, np.ndarray], axes: tuple[int, ...], fmt: str) -> np.ndarray:
+    b = Blocks(c.shape, axes, _NVFP4_BLOCK, fmt)
+    # [def: JAX] code · block scale, then (exact: a power of two) the global scale; a block within a code's
+    # rounding of float32's max comes back inf, as JAX's dequantize gives too.
+    with np.errstate(over="ignore"):
+        return b.join(b.split(c) * scales["block"].astype(_F32)[..., None] * scales["tensor"])
+
+
+def _by_nvfp4_scales(c: np.ndarray, scales: dict[str, np.ndarray], axes: tuple[int, ...], fmt: str) -> np.ndarray:
+    b = Blocks(c.shape, axes, _NVFP4_BLOCK, fmt)
+    sb = scales["block"].astype(_F32)[..., None]
+    nonzero = sb > 0
+    # [qcheck] code · (1 / (s_enc / s_block)), the encode scale recomputed as quantize did.
+    decode = _F32(1) / (scales["tensor"] / np.where(nonzero, sb, _F32(1)))
+    return b.join(np.where(nonzero, b.split(c) * decode, _F32(0)))
+
+
+class _Referee(NamedTuple):
+    """One format's reference: ``quantize(x, axes, *, ftz, xla_reciprocal, uniforms)`` to (codes, scales),
+    ``dequantize(codes as float32, scales, axes, name)`` back; ``stochastic``: whether it takes uniforms."""
+
+    quantize: Callable[..., tuple[np.ndarray, dict[str, np.ndarray]]]
+    dequantize: Callable[[np.ndarray, dict[str, np.ndarray], tuple[int, ...], str], np.ndarray]
+    stochastic: bool = False
+
+
+#: Every format the referee knows, written from its definition, under qcheck's names and in its order
+#: (tests/test_referees.py holds the names to qcheck.formats' records).
+_REFEREES: dict[str, _Referee] = {
+    "int8": _Referee(_int8, _by_slice),
+    **{name: _Referee(functools.partial(_cast, dtype=_FP8[name]), _as_is) for name in _FP8},
+    "e4m3fn_current": _Referee(functools.partial(_current, dtype=_FP8["e4m3fn"]), _by_tensor),
+    "e5m2_current": _Referee(functools.partial(_current, dtype=_FP8["e5m2"]), _by_tensor),
+    "nvfp4": _Referee(_nvfp4, _by_nvfp4_scales, stochastic=True),
+    "mxfp8": _Referee(_mxfp8, _by_e8m0_block),
+    "nvfp4_jax": _Referee(_nvfp4_jax, _by_jax_nvfp4_scales),
+    "mxfp8_jax": _Referee(_mxfp8_jax, _by_e8m0_block),
+    "int8_aqt": _Referee(_int8_aqt, _by_slice),
+    "int8_qwix": _Referee(_int8_qwix, _by_slice),
+}
+_NAMES = tuple(_REFEREES)
+
+
+def referee_format_names() -> tuple[str, ...]:
+    """The format names the referee knows."""
+    return _NAMES
+
+
 def _check(x: np.ndarray, fmt: str, uniforms: np.ndarray | None) -> np.ndarray:
-    if fmt not in _NAMES:
-        raise ValueError(f"unknown format {fmt!r}; valid formats: {', '.join(_NAMES)}")
+    choice("format", fmt, _NAMES)
     x = np.asarray(x)
     if x.dtype != _F32:
         raise TypeError(f"x must be a float32 array (the referee computes in IEEE float32), got dtype {x.dtype}")
     if uniforms is not None:
-        if fmt != "nvfp4":
-            raise ValueError(f"uniforms is for nvfp4's stochastic rounding; format {fmt!r} rounds to nearest")
+        if not _REFEREES[fmt].stochastic:
+            stochastic = " and ".join(name for name, r in _REFEREES.items() if r.stochastic)
+            raise ValueError(f"uniforms is for {stochastic}'s stochastic rounding; format {fmt!r} rounds to nearest")
         if np.shape(uniforms) != x.shape:
             raise ValueError(f"uniforms must have x's shape {x.shape}, got {np.shape(uniforms)}")
     return x
@@ -320,63 +394,17 @@ def reference_quantize(
     """
     x = _check(x, fmt, uniforms)
     axes = _axes(axis, x.ndim)
-    x = flush(x, ftz)
-    if fmt == "int8":
-        return _int8(x, axes, ftz, xla_reciprocal)
-    if fmt == "int8_aqt":
-        return _int8_aqt(x, axes, ftz, xla_reciprocal)
-    if fmt == "int8_qwix":
-        return _int8_qwix(x, axes, ftz, xla_reciprocal)
-    if fmt in _FP8:
-        return _saturate(x, _FP8[fmt]), {}  # [def] the element type at scale 1, saturating
-    if fmt in _CURRENT:
-        return _current(x, _CURRENT[fmt], ftz)
-    if fmt == "mxfp8":
-        return _mxfp8(x, axes, ftz)
-    if fmt == "mxfp8_jax":
-        return _mxfp8_jax(x, axes, ftz)
-    if fmt == "nvfp4_jax":
-        return _nvfp4_jax(x, axes, ftz)
-    return _nvfp4(x, axes, None if uniforms is None else np.asarray(uniforms, _F32), ftz)
+    uniforms = None if uniforms is None else np.asarray(uniforms, _F32)
+    return _REFEREES[fmt].quantize(flush(x, ftz), axes, ftz=ftz, xla_reciprocal=xla_reciprocal, uniforms=uniforms)
 
 
 def reference_dequantize(
     codes: np.ndarray, scales: dict[str, np.ndarray], fmt: str, *, axis: int | tuple[int, ...] = -1, ftz: bool = False
 ) -> np.ndarray:
     """The float32 values ``codes`` and ``scales`` stand for."""
-    if fmt not in _NAMES:
-        raise ValueError(f"unknown format {fmt!r}; valid formats: {', '.join(_NAMES)}")
+    choice("format", fmt, _NAMES)
     c = np.asarray(codes).astype(_F32)
-    axes = _axes(axis, c.ndim)
-    if fmt in ("int8", "int8_aqt", "int8_qwix"):
-        # [def] x = code · scale; exact in float32 (8 × 24 bits) unless it overflows: int8_qwix's
-        # code -128 times absmax / 127.5 is -inf for an absmax within 0.4% of float32's max.
-        with np.errstate(over="ignore"):
-            out = c * scales["slice"]
-    elif fmt in _FP8:
-        out = c
-    elif fmt in _CURRENT:
-        out = c * (_F32(1) / scales["tensor"])  # [def] decode scale 1 / scale
-    elif fmt in ("mxfp8", "mxfp8_jax"):
-        b = Blocks(c.shape, axes, _MX_BLOCK, fmt)
-        exp = scales["block"].view(np.uint8).astype(np.int32) + _E8M0_MIN
-        # [def] x = code · 2^e, exact; mxfp8_jax's rounded-up scale lets a block of values within a code's
-        # rounding of float32's max come back inf (256 · 2^120 = 2^128), as JAX's dequantize gives too.
-        with np.errstate(over="ignore"):
-            out = b.join(np.ldexp(b.split(c), exp[..., None]))
-    elif fmt == "nvfp4_jax":
-        b = Blocks(c.shape, axes, _NVFP4_BLOCK, fmt)
-        # [def: JAX] code · block scale, then (exact: a power of two) the global scale; a block within a code's
-        # rounding of float32's max comes back inf, as JAX's dequantize gives too.
-        with np.errstate(over="ignore"):
-            out = b.join(b.split(c) * scales["block"].astype(_F32)[..., None] * scales["tensor"])
-    else:
-        b = Blocks(c.shape, axes, _NVFP4_BLOCK, "nvfp4")
-        sb = scales["block"].astype(_F32)[..., None]
-        nonzero = sb > 0
-        # [qcheck] code · (1 / (s_enc / s_block)), the encode scale recomputed as quantize did.
-        decode = _F32(1) / (scales["tensor"] / np.where(nonzero, sb, _F32(1)))
-        out = b.join(np.where(nonzero, b.split(c) * decode, _F32(0)))
+    out = _REFEREES[fmt].dequantize(c, scales, _axes(axis, c.ndim), fmt)
     return flush(np.asarray(out, _F32), ftz)
 
 

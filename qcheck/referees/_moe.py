@@ -39,6 +39,8 @@ import math
 
 import numpy as np
 
+from qcheck.referees._choice import choice
+
 __all__ = ["MOE_ACTIVATIONS", "MOE_STYLES", "MoEReference", "reference_activation", "reference_capacity",
            "reference_experts", "reference_moe"]
 
@@ -63,17 +65,10 @@ runner-up's (inf when every expert is chosen); ``activation``, the experts'.
 """
 
 
-def _choice(kind: str, value: object, valid: tuple[str, ...]) -> str:
-    # qcheck._choices.require_choice's wording; a referee imports nothing of qcheck's.
-    if value not in valid:
-        raise ValueError(f"unknown {kind} {value!r}; valid {kind}s: {', '.join(valid)}")
-    return value
-
-
 def reference_activation(name: str, h: np.ndarray) -> np.ndarray:
     """One of :data:`MOE_ACTIVATIONS` of ``h``, in float64."""
     h = np.asarray(h, np.float64)
-    if _choice("activation", name, MOE_ACTIVATIONS) == "silu":
+    if choice("activation", name, MOE_ACTIVATIONS) == "silu":
         return h / (1 + np.exp(-h))
     if name == "gelu_tanh":
         return 0.5 * h * (1 + np.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h**3)))
@@ -152,8 +147,8 @@ def reference_moe(
     ([emb, h], [emb, h], [h, emb]) or several stacked on a leading axis.
     ``activation`` defaults to the style's (:data:`MOE_ACTIVATIONS`).
     """
-    _choice("style", style, MOE_STYLES)
-    act = _choice("activation", activation or _DEFAULT_ACTIVATION[style], MOE_ACTIVATIONS)
+    choice("style", style, MOE_STYLES)
+    act = choice("activation", activation or _DEFAULT_ACTIVATION[style], MOE_ACTIVATIONS)
     if (style == "gemma") != (expert_scale is not None):
         raise ValueError(f"reference_moe: style {style!r} {'needs' if style == 'gemma' else 'takes no'} expert_scale")
     if style != "deepseek" and (norm_topk_prob or routed_scaling_factor != 1.0):

@@ -1,0 +1,69 @@
+"""The int8 formats: symmetric absmax per slice along the contraction axes, as qcheck, AQT and qwix compute it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+from qcheck.formats._quantized import Codes, Quantized
+from qcheck.formats._record import Format
+
+__all__ = ["INT8_EDGE", "INT8_MAX", "int8_aqt_quantize", "int8_dequantize", "int8_qwix_quantize", "int8_quantize"]
+
+INT8_MAX = 127
+#: AQT v2's default int8 (``preserve_max_val=False``) and qwix's int8 both map a
+#: slice's absmax onto the edge of the last int8 bucket, 127.5, not onto 127.
+INT8_EDGE = 127.5
+
+
+def int8_quantize(x: Array, axes: tuple[int, ...], fmt: Format, rng: Array | None) -> Codes:
+    # absmax/127, which is AQT v2 with preserve_max_val=True (not AQT's default,
+    # absmax/127.5: see int8_aqt): symmetric, scale from the absolute max over the
+    # contraction axes, round half to even, clip to ±127. An all-zero slice keeps scale 1 so
+    # zeros stay zeros instead of becoming NaN. Arithmetic stays in x's dtype; the
+    # scale is stored widened, which is exact.
+    amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
+    # Test the scale, not amax: XLA on CPU flushes subnormals, so a slice whose
+    # amax/127 is subnormal would otherwise divide by zero and come back NaN.
+    scale = amax / INT8_MAX
+    scale = jnp.where(scale > 0, scale, jnp.ones_like(scale))
+    codes = jnp.clip(jnp.round(x / scale), -INT8_MAX, INT8_MAX)
+    return codes.astype(jnp.int8), {"slice": scale.astype(jnp.promote_types(x.dtype, jnp.float32))}
+
+
+def int8_aqt_quantize(x: Array, axes: tuple[int, ...], fmt: Format, rng: Array | None) -> Codes:
+    # AQT v2's default int8 (aqtp 0.9.0: quantizer_make(8), as config_v4 builds
+    # it), op for op: AbsMaxCalibration turns an all-zero absmax into 1, the scale
+    # is absmax / 127.5 (IntSymmetric with preserve_zero and not preserve_max_val),
+    # QTensor.quant multiplies by reciprocal(scale), an infinite reciprocal (a
+    # scale flushed to zero) becoming 1, then IntSymmetric clips to ±127 and
+    # rounds half to even. The same operations, so XLA rewrites them alike.
+    amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
+    amax = jnp.where(amax == 0, jnp.ones_like(amax), amax)
+    scale = amax / INT8_EDGE
+    inv = jax.lax.reciprocal(scale)
+    inv = jnp.where(jnp.isinf(inv), jnp.ones_like(inv), inv)
+    codes = jax.lax.round(jnp.clip(x * inv, -INT8_MAX, INT8_MAX), jax.lax.RoundingMethod.TO_NEAREST_EVEN)
+    return codes.astype(jnp.int8), {"slice": scale.astype(jnp.promote_types(x.dtype, jnp.float32))}
+
+
+def int8_qwix_quantize(x: Array, axes: tuple[int, ...], fmt: Format, rng: Array | None) -> Codes:
+    # qwix 0.1.8's int8 (qarray.quantize, absmax calibration), op for op: scale
+    # absmax / 127.5 (get_symmetric_bound: iinfo.max + 0.5), a scale below
+    # sqrt(finfo.tiny) (2^-63 in float32: a slice with absmax below about 1.4e-17
+    # comes back zero) replaced by 1, x / scale rounded half to even, then a
+    # saturating cast: codes in [-128, 127], so -absmax -> -128 but +absmax -> 127.
+    amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
+    scale = amax / INT8_EDGE
+    scale = jnp.where(scale < float(jnp.finfo(x.dtype).tiny) ** 0.5, jnp.ones_like(scale), scale)
+    codes = jnp.clip(jnp.round(x / scale), -INT8_MAX - 1, INT8_MAX)
+    return codes.astype(jnp.int8), {"slice": scale.astype(jnp.promote_types(x.dtype, jnp.float32))}
+
+
+def int8_dequantize(q: Quantized, fmt: Format) -> Array:
+    # codes (7 bits) × scale (at most 24) is exact in float32, so the one rounding
+    # is to q.dtype: the same bits as multiplying in x's dtype. int8 has no
+    # negative zero, so a negative value that rounds to code 0 comes back +0.0.
+    scale = q.scales["slice"]
+    return (q.codes.astype(scale.dtype) * scale).astype(q.dtype)

@@ -1,0 +1,53 @@
+"""The record of one number format: what it stores, how it scales, and what a bug would compute instead."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Literal
+
+import numpy as np
+from jax import Array
+
+from qcheck.formats._quantized import Codes, Quantized
+
+__all__ = ["Format", "Kind"]
+
+#: ``cast``: the element type at scale 1; ``int``: integer codes, one scale per slice along the
+#: contraction axes; ``current``: one scale per tensor from its own amax; ``block``: one scale per
+#: block of elements along the contraction axes (and, for some, one per tensor).
+Kind = Literal["cast", "int", "current", "block"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Format:
+    """One number format qcheck knows, as :func:`~qcheck.formats.quantize` computes it.
+
+    ``element`` is the type the codes are stored in; ``block`` the elements per
+    block scale along the contraction axes (None: no block scale); ``scales``
+    the scales :class:`~qcheck.formats.Quantized` holds, by name, in their
+    storage types (a ``slice`` scale widens to float64 for a float64 ``x``), and
+    ``scale_rule`` how they are computed, in words. ``siblings`` are the
+    formats a wrong-variant bug computes instead (the wrong fnuz flavour, the
+    other library's int8, the standard a library's rule departs from): the
+    checks' probes must tell each apart. ``quantize(x, axes, format, rng)``
+    returns the codes (nvfp4's as float32 values, stored as e2m1 by
+    :func:`~qcheck.formats.quantize`) and scales; ``dequantize(q, format)``
+    maps them back. ``stochastic``: whether it takes ``rng``.
+    """
+
+    name: str
+    kind: Kind
+    element: np.dtype
+    block: int | None
+    scales: Mapping[str, np.dtype]
+    scale_rule: str
+    siblings: tuple[str, ...]
+    quantize: Callable[[Array, tuple[int, ...], Format, Array | None], Codes]
+    dequantize: Callable[[Quantized, Format], Array]
+    stochastic: bool = False
+
+    @property
+    def per_axis(self) -> bool:
+        """Whether its quantization depends on the axes it runs along (a scale per slice or per block)."""
+        return self.kind in ("int", "block")

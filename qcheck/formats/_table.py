@@ -1,0 +1,108 @@
+"""Every number format qcheck knows, one record each: the one place a format is added.
+
+A new format is a :class:`Format` here, with its quantizer (and dequantizer,
+where no existing one fits) in the module of its kind, and its independent
+reference under the same name in ``qcheck/referees/_formats.py``
+(``tests/test_referees.py`` holds the two tables to each other). Everything
+else that enumerates formats (the names, the fp8 types and flavours, the
+siblings the checks' probes tell apart, the tests' tables, each "unknown
+format" error) is read off these records; ``tests/test_layout.py`` finds any
+other literal list of format names in qcheck.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from qcheck._choices import require_choice
+from qcheck.formats._block_scaled import (MX_BLOCK, NVFP4_BLOCK, e8m0_block_dequantize, mxfp8_quantize,
+                                          nvfp4_dequantize, nvfp4_quantize)
+from qcheck.formats._fp8 import cast_dequantize, cast_quantize, current_dequantize, current_quantize
+from qcheck.formats._int8 import int8_aqt_quantize, int8_dequantize, int8_qwix_quantize, int8_quantize
+from qcheck.formats._jax_rules import mxfp8_jax_quantize, nvfp4_jax_dequantize, nvfp4_jax_quantize
+from qcheck.formats._record import Format
+
+__all__ = ["AXIS_FORMATS", "FORMATS", "FP8_DTYPES", "FP8_SIBLINGS", "block_size", "format_names", "get_format"]
+
+_INT8 = np.dtype(np.int8)
+_F32 = np.dtype(np.float32)
+_E4M3FN = np.dtype(ml_dtypes.float8_e4m3fn)
+_E4M3FNUZ = np.dtype(ml_dtypes.float8_e4m3fnuz)
+_E5M2 = np.dtype(ml_dtypes.float8_e5m2)
+_E5M2FNUZ = np.dtype(ml_dtypes.float8_e5m2fnuz)
+_E2M1 = np.dtype(ml_dtypes.float4_e2m1fn)
+_E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
+
+
+def _int(name: str, rule: str, quantize, siblings: tuple[str, ...]) -> Format:
+    return Format(name, "int", _INT8, None, {"slice": _F32}, rule, siblings, quantize, int8_dequantize)
+
+
+def _cast(name: str, element: np.dtype, sibling: str) -> Format:
+    return Format(name, "cast", element, None, {}, "none: the element type at scale 1, saturating", (sibling,),
+                  cast_quantize, cast_dequantize)
+
+
+def _current(name: str, element: np.dtype, siblings: tuple[str, ...]) -> Format:
+    return Format(name, "current", element, None, {"tensor": _F32},
+                  "one encode scale fmax / amax per tensor, capped at CURRENT_MAX_SCALE (TransformerEngine's "
+                  "Float8CurrentScaling)", siblings, current_quantize, current_dequantize)
+
+
+#: In the order :func:`format_names` lists them.
+FORMATS: tuple[Format, ...] = (
+    _int("int8", "absmax / 127 per slice, codes ±127 (AQT with preserve_max_val=True)", int8_quantize,
+         ("int8_aqt", "int8_qwix")),
+    _cast("e4m3fn", _E4M3FN, "e4m3fnuz"),
+    _cast("e4m3fnuz", _E4M3FNUZ, "e4m3fn"),
+    _cast("e5m2", _E5M2, "e5m2fnuz"),
+    _cast("e5m2fnuz", _E5M2FNUZ, "e5m2"),
+    _current("e4m3fn_current", _E4M3FN, ("e4m3fn", "e5m2_current")),
+    _current("e5m2_current", _E5M2, ("e5m2", "e4m3fn_current")),
+    Format("nvfp4", "block", _E2M1, NVFP4_BLOCK, {"block": _E4M3FN, "tensor": _F32},
+           "NVIDIA's: encode scale 6 · 448 / amax per tensor, e4m3fn scale amax_b / 6 per block of 16",
+           (), nvfp4_quantize, nvfp4_dequantize, stochastic=True),
+    Format("mxfp8", "block", _E4M3FN, MX_BLOCK, {"block": _E8M0},
+           "OCP MX v1.0: 2^(floor(log2 amax_b) - 8) per block of 32", ("e4m3fn",), mxfp8_quantize,
+           e8m0_block_dequantize),
+    # JAX's rules (jax.nn.scaled_dot_general): the OCP / NVIDIA format they depart from is the bug a wrong
+    # rule would be.
+    Format("nvfp4_jax", "block", _E2M1, NVFP4_BLOCK, {"block": _E4M3FN, "tensor": _F32},
+           "JAX's: a power-of-two global scale (jax_nvfp4_global_scale), e4m3fn scale amax_b / 6 per block of 16",
+           ("nvfp4",), nvfp4_jax_quantize, nvfp4_jax_dequantize),
+    Format("mxfp8_jax", "block", _E4M3FN, MX_BLOCK, {"block": _E8M0},
+           "JAX's: amax_b / 448 rounded up to a power of two per block of 32", ("mxfp8", "e4m3fn"),
+           mxfp8_jax_quantize, e8m0_block_dequantize),
+    _int("int8_aqt", "absmax / 127.5 per slice, x · (1 / scale) clipped to ±127 (AQT v2's default)",
+         int8_aqt_quantize, ("int8", "int8_qwix")),
+    _int("int8_qwix", "absmax / 127.5 per slice, a saturating cast to -128..127 (qwix's)", int8_qwix_quantize,
+         ("int8", "int8_aqt")),
+)
+
+_BY_NAME: dict[str, Format] = {f.name: f for f in FORMATS}
+
+#: fp8 element types qcheck knows, by the name ml_dtypes gives them.
+FP8_DTYPES: dict[str, np.dtype] = {f.element.name: f.element for f in FORMATS if f.kind == "cast"}
+
+#: Each fp8 format's sibling flavour (fnuz <-> not fnuz): what a wrong-flavour bug casts to instead.
+FP8_SIBLINGS: dict[str, str] = {f.name: f.siblings[0] for f in FORMATS if f.kind == "cast"}
+
+#: Formats whose quantization depends on the axes it runs along (a scale per slice or per block); the
+#: plain fp8 and current-scaled formats treat the whole tensor alike along any axes.
+AXIS_FORMATS: frozenset[str] = frozenset(f.name for f in FORMATS if f.per_axis)
+
+
+def format_names() -> tuple[str, ...]:
+    """The format names :func:`~qcheck.formats.qdq` and :func:`~qcheck.formats.quantize` accept."""
+    return tuple(_BY_NAME)
+
+
+def get_format(name: str, *, where: str | None = None) -> Format:
+    """The record of format ``name``; a one-line ValueError listing the valid names (prefixed ``where: ``) if none."""
+    return _BY_NAME[require_choice("format", name, _BY_NAME, where=where)]
+
+
+def block_size(fmt: str) -> int | None:
+    """Elements per scale block along the quantized axes (``nvfp4*``: 16, ``mxfp8*``: 32); None for other formats."""
+    return get_format(fmt).block
