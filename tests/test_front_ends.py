@@ -94,7 +94,6 @@ def _testing(project) -> dict[tuple[str, str], str]:
     return verdicts
 
 
-@pytest.mark.xfail(reason="issue 38: qcheck.testing runs a declared cell as an ordinary test", strict=True)
 def test_the_three_front_ends_agree_on_a_declared_known_defect(project, pytester):
     with registered():
         import_recipes(str(project / "planted_recipes.py"))

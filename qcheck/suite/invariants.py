@@ -80,6 +80,8 @@ __all__ = [
 
 #: dense and sparse sum the same products in a different order: float32 rounding only.
 PATHS_RTOL, PATHS_ATOL = 1e-5, 1e-6
+#: The largest absolute difference the paths may show anywhere, on top of allclose.
+PATHS_MAX_ABS = PATHS_ATOL * 10
 
 
 def _prefixed(prefix: str, fn: Callable[[], object]):
@@ -271,7 +273,9 @@ def check_coverage(case: Case) -> int:
     records = assert_layer_quantized(layer, x, case.id)
     recipe = get_recipe(case.recipe)
     assert_layer_fp8_native(layer, x, recipe, case.id, backward=cases_mod.gradient_tiles(recipe, case.variant))
-    return sum(r.quantized for r in records)
+    if (quantized := sum(r.quantized for r in records)) == 0:
+        raise AssertionError(f"{case.id}: no matmul of the layer is quantized ({len(records)} matmuls, all skipped)")
+    return quantized
 
 
 def assert_sites_backward_exact(layer: MoE, recipe: Recipe, label: str, runs: SiteRuns | None = None) -> None:
@@ -328,11 +332,15 @@ def check_tracks(case: Case) -> float:
     """The layer output tracks its unquantized twin within the recipe's bound, and is not equal to it."""
     __tracebackhide__ = True
     recipe = get_recipe(case.recipe)
-    return _prefixed(case.id, lambda: checks.assert_tracks(
+    figure = _prefixed(case.id, lambda: checks.assert_tracks(
         cases_mod.layer_output(case),
         cases_mod.layer_output(case.reference),
         max_rel_norm=recipe.expect.max_rel_norm,
     ))
+    if not figure > 0:
+        raise AssertionError(f"{case.id}: the layer output is {figure} from the unquantized twin's (relative norm): "
+                             "a quantized layer that computes the twin's output exactly quantized nothing")
+    return figure
 
 
 def assert_grads_track(grads: dict[str, np.ndarray], reference: dict[str, np.ndarray], *,
@@ -379,9 +387,13 @@ def check_grads(case: Case) -> float:
     """One train step: gradients finite and tracking the ``none`` twin's within the recipe's grad bound."""
     __tracebackhide__ = True
     recipe = get_recipe(case.recipe)
-    return assert_grads_track(
+    figure = assert_grads_track(
         grad_leaves(cases_mod.layer_step(case).grads), grad_leaves(cases_mod.layer_step(case.reference).grads),
         max_grad_rel_norm=recipe.expect.max_grad_rel_norm, distinct=_quantizes_grads(recipe), label=case.id)
+    if not figure > 0:
+        raise AssertionError(f"{case.id}: every gradient is {figure} from the none twin's (relative norm): the "
+                             "quantized path was not taken")
+    return figure
 
 
 def fp8_meta_leaves(state: nnx.State) -> dict[str, np.ndarray]:
@@ -515,11 +527,13 @@ def check_paths_agree(model: str, dropping: bool) -> float:
     __tracebackhide__ = True
     dense = cases_mod.Variant(model, "dense", dropping)
     sparse = cases_mod.Variant(model, "sparse", dropping)
-    return assert_paths_agree(
-        cases_mod.layer_output(Case("none", dense)),
-        cases_mod.layer_output(Case("none", sparse)),
-        f"none-{model}{'-drop' if dropping else ''}",
-    )
+    label = f"none-{model}{'-drop' if dropping else ''}"
+    worst = assert_paths_agree(
+        cases_mod.layer_output(Case("none", dense)), cases_mod.layer_output(Case("none", sparse)), label)
+    # allclose lets a large output differ by its rtol; the layer's outputs are O(1), so any such gap is no rounding.
+    if not worst <= PATHS_MAX_ABS:
+        raise AssertionError(f"{label}: dense and sparse differ by up to {worst:.3g}, beyond {PATHS_MAX_ABS}")
+    return worst
 
 
 def assert_paths_agree(dense: np.ndarray, sparse: np.ndarray, label: str) -> float:
@@ -593,7 +607,8 @@ def assert_rng_state_matches_twin(u32: int, twin_u32: int, label: str) -> int:
 
 
 def check_rng(case: Case) -> int:
-    """The recipe's own RNG mode keeps step RNG state flat over 1/2/8 layers; forced PRIVATE grows."""
+    """The recipe's own RNG mode keeps step RNG state flat over 1/2/8 layers, at the unquantized twin's; forced
+    PRIVATE grows."""
     __tracebackhide__ = True
     model, label = case.variant.model, f"{case.recipe}-{case.variant.model}"
 
@@ -603,7 +618,10 @@ def check_rng(case: Case) -> int:
 
     flat = assert_rng_state_constant(u32(None, RNG_DEPTHS), label)
     assert_rng_state_grows(u32(ApplyRngs.PRIVATE, RNG_CONTROL_DEPTHS), f"{label} (private control)")
-    return flat
+    # Flat, and no more than the unquantized stack carries: the caller's one stream. Traced, not compiled, and
+    # cached per model (_step_entry_params): one twin per model and process, whatever the recipe.
+    twin = rng_entry_params(model, "none", depths=(1,))[1].get("u32", 0)
+    return assert_rng_state_matches_twin(flat, twin, case.id)
 
 
 #: The RNG invariant runs on these models' plain dense layer. Streams reach a
@@ -631,9 +649,13 @@ def check_sharded(case: Case) -> float:
     0.10.2 it is bitwise equal to the forward program's output anyway).
     """
     __tracebackhide__ = True
-    return assert_layer_sharded_matches(
+    worst = assert_layer_sharded_matches(
         functools.partial(cases_mod.sharded_layer, case), cases_mod.layer_output(case),
         cases_mod.layer_input(case.variant.model), case.id, mesh=cases_mod.mesh())
+    # allclose lets a large output differ by its rtol too; anywhere beyond the atol is more than a reduction order.
+    if not worst <= SHARDED_ATOL:
+        raise AssertionError(f"{case.id}: the sharded layer differs by up to {worst:.3g}, beyond {SHARDED_ATOL}")
+    return worst
 
 
 def check_referee(case: Case) -> float:
@@ -645,8 +667,13 @@ def check_referee(case: Case) -> float:
     """
     __tracebackhide__ = True
     rtol, atol = case.variant.referee_tolerance
-    return assert_layer_matches_referee(cases_mod.layer(case), np.asarray(cases_mod.layer_input(case.variant.model)),
-                                        case.id, rtol=rtol, atol=atol, output=cases_mod.layer_output(case))
+    worst = assert_layer_matches_referee(cases_mod.layer(case), np.asarray(cases_mod.layer_input(case.variant.model)),
+                                         case.id, rtol=rtol, atol=atol, output=cases_mod.layer_output(case))
+    # The figure is relative to a token's norm: the row's rtol bounds it on every token, whatever the atol allows.
+    if not worst <= rtol:
+        raise AssertionError(f"{case.id}: the layer is {worst:.3g} from the float64 referee (relative to a "
+                             f"token's norm), beyond {rtol}")
+    return worst
 
 
 def check_golden(case: Case, golden_root: Path = Path("golden")) -> None:
