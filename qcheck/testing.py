@@ -213,7 +213,7 @@ def _make_paths_test(model: str, dropping: bool) -> Callable[[InvariantTestCase]
         __tracebackhide__ = True
         from qcheck.suite import invariants
 
-        self._qcheck(invariants.check_paths_agree, (model, dropping), {}, None)
+        self._qcheck(invariants.run_paths, (model, dropping), {}, None)
 
     drop = "with" if dropping else "no"
     test.__doc__ = f"qcheck: dense and sparse compute the same function ({model}, {drop} dropping)."

@@ -802,12 +802,12 @@ def test_qwix_int8_recipe_sparse_layer_differs_on_a_mesh():
     from qcheck.adapters._qwix_recipe import QWIX_INT8_SHARDED_SPARSE
 
     with pytest.raises(AssertionError, match=QWIX_INT8_SHARDED_SPARSE.match + r", by up to 0\.0\d+"):
-        invariants.check_sharded(_qwix_int8_case("mixtral", "sparse"))
+        invariants.run_sharded(_qwix_int8_case("mixtral", "sparse"))
 
 
 @_qwix_test
 def test_qwix_int8_recipe_sparse_layer_matches_on_a_mesh_for_gemma_should_pass():
-    assert invariants.check_sharded(_qwix_int8_case("gemma", "sparse")) <= invariants.SHARDED_ATOL
+    assert invariants.run_sharded(_qwix_int8_case("gemma", "sparse")) <= invariants.SHARDED_ATOL
 
 
 @_qwix_test
@@ -832,10 +832,10 @@ def test_qwix_int8_recipe_sparse_path_fails_exact_with_one_weight_scale_shared()
     with pytest.raises(AssertionError, match=r"qwix_int8-gemma-sparse: assert_site_exact: site 'wi_0' "
                                              r"ragged_dot \(int8_qwix x int8_qwix, integer matmul\): .*"
                                              + QWIX_INT8_RAGGED_SHARED_SCALE.match):
-        invariants.check_exact(_qwix_int8_case("gemma", "sparse"))
+        invariants.run_exact(_qwix_int8_case("gemma", "sparse"))
 
 
 @_qwix_test
 @pytest.mark.parametrize("model", ["mixtral", "gemma"])
 def test_qwix_int8_recipe_dense_path_is_exact_in_integer_arithmetic_should_pass(model):
-    invariants.check_exact(_qwix_int8_case(model, "dense"))
+    invariants.run_exact(_qwix_int8_case(model, "dense"))

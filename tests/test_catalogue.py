@@ -750,8 +750,8 @@ def fp8_state_matches(loop: Callable[[Any], Callable], message: str) -> Catch:
     return Catch(qcheck.assert_fp8_state_matches, lambda ls: (ls[0].whole_batch, loop(ls[0]), ls[1], ls[2]), message)
 
 
-def check_train(message: str) -> Catch:
-    return Catch(invariants.check_train, lambda case: (case,), message)
+def run_train(message: str) -> Catch:
+    return Catch(invariants.run_train, lambda case: (case,), message)
 
 
 def sites_independent(message: str) -> Catch:
@@ -765,7 +765,7 @@ def sharded_matches(message: str) -> Catch:
 
 
 def golden_check(message: str, case=None, error: type[Exception] = AssertionError) -> Catch:
-    return Catch(golden.check_case, lambda planted: (case or GOLDEN_CASE, planted if isinstance(planted, Path)
+    return Catch(golden.assert_case_matches, lambda planted: (case or GOLDEN_CASE, planted if isinstance(planted, Path)
                                                      else planted["root"]), message, error=error)
 
 
@@ -995,14 +995,14 @@ CATALOGUE = [
         "an fp8 site applying one op to each half of its input: autodiff sums the amax",
         "`train` (batch == microbatches)",
         lambda p: reused_case(p, halves=True),
-        (check_train(rf"(?s)^{HALVES.id} \(one batch vs 2 microbatches\): assert_fp8_state_matches: 3 of 18 fp8 leaves "
+        (run_train(rf"(?s)^{HALVES.id} \(one batch vs 2 microbatches\): assert_fp8_state_matches: 3 of 18 fp8 leaves "
                      r"differ.*\n  sites/wi_0/input_amax_history\[0\]: step_a [\d.]+, step_b [\d.]+, ratio 1\.\d+: "
                      r"larger than step_a's: more than the max of what the site saw"),)),
     # Twice the amax in one batch and in each microbatch alike: the relations hold, the referee's amax does not.
     Bug("train_catches_a_site_quantizing_its_input_twice_recording_twice_its_amax",
         "an fp8 site quantizing its input twice: twice the amax in a batch and in its microbatches alike",
         "`train` (the referee's amax of what the site saw)", lambda p: reused_case(p, halves=False),
-        (check_train(rf"^{TWICE.id}: sites/wi_0/input_amax_history\[0\], sites/wi_0/kernel_amax_history\[0\] after one "
+        (run_train(rf"^{TWICE.id}: sites/wi_0/input_amax_history\[0\], sites/wi_0/kernel_amax_history\[0\] after one "
                      r"step are ([\d.]+), [\d.]+; the referee's amaxes of the operands site 'wi_0' received are "
                      r"([\d.]+) \(lhs\), [\d.]+ \(rhs\): the site records other amaxes than its operands'"),),
         then=records_twice_the_referees_amax),
@@ -1010,7 +1010,7 @@ CATALOGUE = [
     Bug("train_catches_an_amax_history_written_over_at_0_not_rolled",
         "an amax history written over at 0 instead of rolled (one step cannot tell)", "`train` (rolls once per step)",
         lambda p: planted_case(p, _UnrolledFp8(UNROLLED.recipe, e4m3_dtype=E4M3FN, e5m2_dtype=jnp.float8_e5m2)),
-        (check_train(rf"^{UNROLLED.id}: sites/wi_0/input_amax_history at step 2 was not rolled \(each history rolls "
+        (run_train(rf"^{UNROLLED.id}: sites/wi_0/input_amax_history at step 2 was not rolled \(each history rolls "
                      r"once per step, newest amax at 0\)"),)),
     Bug("tracks_catches_a_layer_whose_quantization_silently_fell_away",
         "a layer whose quantization fell away everywhere", "`tracks`", lambda p: step.apply(fp8_fallen_back(), X)[0],
@@ -1022,7 +1022,7 @@ CATALOGUE = [
         "`coverage` (fp8 types against the target hardware)",
         lambda p: planted_case(p, DelayedScalingFp8(NANOO_E4M3FN.recipe, e4m3_dtype=E4M3FN,
                                                     e5m2_dtype=jnp.float8_e5m2fnuz, expect=Expect(fp8_target="mi300"))),
-        (Catch(invariants.check_coverage, lambda case: (case,),
+        (Catch(invariants.run_coverage, lambda case: (case,),
                rf"^{NANOO_E4M3FN.id}: assert_recipe_fp8_native: .*target 'mi300'.*: lhs float8_e4m3fn"),
          Catch(checks.assert_fp8_dtypes_native, lambda case: (cases.layer(case), X),
                r"not native to target 'mi300' \(native fp8: float8_e4m3fnuz, float8_e5m2fnuz\):\n  forward: "

@@ -38,7 +38,7 @@ def suite_pass() -> None:
         invariants.assert_sites_independent(layer, case.id)
         if cases.train_step_runs(recipe, v):  # as cases.layer_output: the output comes from the train step
             first = step.train_step(layer, x)
-            if recipe.materialize_at_build:  # as invariants.check_state
+            if recipe.materialize_at_build:  # as invariants.run_state
                 step.train_step(layer, x, fp8_meta=first.fp8_meta)
         else:
             step.apply(layer, x)
@@ -55,12 +55,12 @@ def suite_fixtures() -> None:
     for case in REPRESENTATIVE:
         recipe = get_recipe(case.recipe)
         cases.layer_output(case)
-        invariants.check_sites(case)
+        invariants.run_sites(case)
         if recipe.materialize_at_build:
-            invariants.check_state(case)
+            invariants.run_state(case)
         if recipe.lhs is not None or recipe.reference.cast_dtype is not None:
-            invariants.check_exact(case)
-        invariants.check_backward(case)
+            invariants.run_exact(case)
+        invariants.run_backward(case)
         golden.train_step_entry_params(case)
     golden.operand_codes("mxfp8", "gemma")
 

@@ -68,7 +68,7 @@ def run_cell(case: Case, invariant: str | Invariant) -> Verdict:
     found = _declared.declared(recipe, case.variant, inv.name)
     if found is not None:
         try:
-            note = _declared.check_declared(case, inv)  # fails once the declaration is stale
+            note = _declared.run_declared(case, inv)  # fails once the declaration is stale
         except Exception as e:  # noqa: BLE001 - a cell reports any failure
             return _failed(e)
         return Verdict("unsupported" if isinstance(found, Unsupported) else "known", note)

@@ -179,7 +179,7 @@ def _golden(args: argparse.Namespace, module_recipes: tuple[str, ...]) -> int:
         for case, root in found.cases:
             progress.start(case.id)
             try:
-                golden.check_case(case, root)
+                golden.assert_case_matches(case, root)
             except (AssertionError, ValueError) as e:
                 failed.append(str(e))
                 progress.close()

@@ -1,6 +1,6 @@
 """The suite's invariants over the case table, shared by pytest and the CLI matrix.
 
-Each ``check_*`` takes a :class:`~qcheck.cases.Case`, raises ``AssertionError``
+Each ``run_*`` takes a :class:`~qcheck.cases.Case`, raises ``AssertionError``
 (prefixed with the case id and, where it applies, the call site) when the
 invariant is broken, and returns the figure it measured. ``INVARIANTS`` says
 which apply to which recipe.
@@ -40,36 +40,36 @@ __all__ = [
     "assert_rng_state_constant",
     "assert_rng_state_grows",
     "assert_rng_state_matches_twin",
-    "check_rng",
+    "run_rng",
     "rng_entry_params",
     "assert_sites_carry_no_rng_stream",
     "assert_sites_cast_exact",
     "assert_sites_exact",
     "assert_sites_independent",
     "assert_layer_quantized",
-    "check_coverage",
+    "run_coverage",
     "assert_sites_backward_exact",
-    "check_backward",
-    "check_sites",
-    "check_exact",
-    "check_golden",
-    "check_sharded",
+    "run_backward",
+    "run_sites",
+    "run_exact",
+    "run_golden",
+    "run_sharded",
     "assert_sharded_matches",
     "assert_layer_sharded",
     "assert_layer_sharded_matches",
     "SHARDED_ATOL",
     "SHARDED_RTOL",
-    "check_paths_agree",
-    "check_referee",
+    "run_paths",
+    "run_referee",
     "assert_layer_matches_referee",
-    "check_state",
-    "check_train",
+    "run_state",
+    "run_train",
     "assert_layer_trains",
     "TRAIN_MAX_NORM",
     "TRAIN_MICROBATCHES",
-    "check_tracks",
+    "run_tracks",
     "assert_grads_track",
-    "check_grads",
+    "run_grads",
     "grad_leaves",
     "train_step_runs",
     "fp8_meta_leaves",
@@ -169,7 +169,7 @@ def site_runs(layer: MoE, recipe: Recipe, variant: Variant) -> SiteRuns:
         layer_g=_backward.probe_grad(7, x.shape) if through else None)
 
 
-def check_exact(case: Case) -> None:
+def run_exact(case: Case) -> None:
     """Every site exact in the recipe's declared formats: on probes, and through one forward pass of the layer.
 
     :func:`assert_sites_exact` on the case's fresh layer, then
@@ -220,7 +220,7 @@ def assert_sites_carry_no_rng_stream(layer: MoE, label: str) -> None:
             f"{label}: sites {carrying} of a recipe that never draws carry RNG streams (forked per site?)")
 
 
-def check_sites(case: Case) -> None:
+def run_sites(case: Case) -> None:
     """:func:`assert_sites_independent` on the case's fresh layer; no streams if the recipe never draws."""
     __tracebackhide__ = True
     layer = cases_mod.layer(case)
@@ -263,7 +263,7 @@ def assert_layer_fp8_native(layer: MoE, x, recipe: Recipe, label: str, *, backwa
         _prefixed(label, lambda: assert_fp8_dtypes_native(layer, x, target=recipe.expect.fp8_target, backward=backward))
 
 
-def check_coverage(case: Case) -> int:
+def run_coverage(case: Case) -> int:
     """:func:`assert_layer_quantized` and :func:`assert_layer_fp8_native` on the case's fresh layer.
 
     Returns how many matmuls are quantized.
@@ -305,7 +305,7 @@ def assert_sites_backward_exact(layer: MoE, recipe: Recipe, label: str, runs: Si
         _prefixed(f"{label} site {p.site!r}", run)
 
 
-def check_backward(case: Case) -> None:
+def run_backward(case: Case) -> None:
     """Every site's gradients exact: on probes, and in one backward pass of the layer.
 
     :func:`assert_sites_backward_exact` on the case's fresh layer, then
@@ -328,7 +328,7 @@ def _exact_applies(recipe: Recipe, variant: Variant) -> bool:
     return recipe.lhs is not None or recipe.reference.cast_dtype is not None
 
 
-def check_tracks(case: Case) -> float:
+def run_tracks(case: Case) -> float:
     """The layer output tracks its unquantized twin within the recipe's bound, and is not equal to it."""
     __tracebackhide__ = True
     recipe = get_recipe(case.recipe)
@@ -383,7 +383,7 @@ def _quantizes_grads(recipe: Recipe) -> bool:
     return recipe.grad is not None or recipe.reference.cast_dtype is not None
 
 
-def check_grads(case: Case) -> float:
+def run_grads(case: Case) -> float:
     """One train step: gradients finite and tracking the ``none`` twin's within the recipe's grad bound."""
     __tracebackhide__ = True
     recipe = get_recipe(case.recipe)
@@ -408,7 +408,7 @@ def _unmoved(before: dict[str, np.ndarray], after: dict[str, np.ndarray], suffix
     return [k for k in before if k.endswith(suffix) and np.array_equal(before[k], after[k])]
 
 
-def check_state(case: Case) -> None:
+def run_state(case: Case) -> None:
     """:func:`assert_fp8_state_moves_only_in_backward` on the case's fresh layer."""
     __tracebackhide__ = True
     layer = cases_mod.layer(case)
@@ -514,7 +514,7 @@ def assert_layer_trains(layer: MoE, x, label: str, *, calls=None) -> int:
     return len(fresh)
 
 
-def check_train(case: Case) -> None:
+def run_train(case: Case) -> None:
     """:func:`assert_layer_trains` on the case's fresh layer, its sites' operands from :func:`case_site_runs`."""
     __tracebackhide__ = True
     recipe = get_recipe(case.recipe)
@@ -522,7 +522,7 @@ def check_train(case: Case) -> None:
     assert_layer_trains(cases_mod.layer(case), cases_mod.layer_input(case.variant.model), case.id, calls=calls)
 
 
-def check_paths_agree(model: str, dropping: bool) -> float:
+def run_paths(model: str, dropping: bool) -> float:
     """Unquantized dense and sparse layers compute the same function; returns the max abs difference."""
     __tracebackhide__ = True
     dense = cases_mod.Variant(model, "dense", dropping)
@@ -606,7 +606,7 @@ def assert_rng_state_matches_twin(u32: int, twin_u32: int, label: str) -> int:
     return u32
 
 
-def check_rng(case: Case) -> int:
+def run_rng(case: Case) -> int:
     """The recipe's own RNG mode keeps step RNG state flat over 1/2/8 layers, at the unquantized twin's; forced
     PRIVATE grows."""
     __tracebackhide__ = True
@@ -640,7 +640,7 @@ def _rng_applies(recipe: Recipe, variant: Variant) -> bool:
             and variant == Variant(variant.model, "dense", False))
 
 
-def check_sharded(case: Case) -> float:
+def run_sharded(case: Case) -> float:
     """:func:`assert_layer_sharded_matches` for the case's layer on the ("data", "expert") mesh.
 
     Against :func:`~qcheck.cases.layer_output`, the output every other check
@@ -658,7 +658,7 @@ def check_sharded(case: Case) -> float:
     return worst
 
 
-def check_referee(case: Case) -> float:
+def run_referee(case: Case) -> float:
     """:func:`assert_layer_matches_referee` on the case's output, within its row's tolerance (``referee_tolerance``).
 
     The output is :func:`~qcheck.cases.layer_output`, the one every other
@@ -676,7 +676,7 @@ def check_referee(case: Case) -> float:
     return worst
 
 
-def check_golden(case: Case, golden_root: Path = Path("golden")) -> None:
+def run_golden(case: Case, golden_root: Path = Path("golden")) -> None:
     """The case matches its golden file (qcheck's own recipes: the package's; others: ``golden_root``'s).
 
     A run binds ``golden_root`` once (:class:`RunEnv`); the other invariants need nothing but the case.
@@ -684,7 +684,7 @@ def check_golden(case: Case, golden_root: Path = Path("golden")) -> None:
     __tracebackhide__ = True
     v = case.variant
     gcase = golden.GoldenCase(case.recipe, v.model, v.path, v.dropping)
-    golden.check_case(gcase, golden.root_for(case.recipe, golden_root))
+    golden.assert_case_matches(gcase, golden.root_for(case.recipe, golden_root))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -697,23 +697,23 @@ class Invariant:
 
 
 INVARIANTS: tuple[Invariant, ...] = (
-    Invariant("sites", lambda r, v: r.quantized, check_sites),
-    Invariant("coverage", lambda r, v: r.quantized, check_coverage),
-    Invariant("exact", _exact_applies, check_exact),
-    Invariant("backward", _backward_applies, check_backward),
-    Invariant("tracks", lambda r, v: r.quantized, check_tracks),
+    Invariant("sites", lambda r, v: r.quantized, run_sites),
+    Invariant("coverage", lambda r, v: r.quantized, run_coverage),
+    Invariant("exact", _exact_applies, run_exact),
+    Invariant("backward", _backward_applies, run_backward),
+    Invariant("tracks", lambda r, v: r.quantized, run_tracks),
     # Wherever the case trains; `backward` only where an exact reference exists too.
-    Invariant("grads", cases_mod.grads_applies, check_grads),
-    Invariant("state", lambda r, v: r.materialize_at_build, check_state),
-    Invariant("train", _train_applies, check_train),
-    Invariant("rng", _rng_applies, check_rng),
+    Invariant("grads", cases_mod.grads_applies, run_grads),
+    Invariant("state", lambda r, v: r.materialize_at_build, run_state),
+    Invariant("train", _train_applies, run_train),
+    Invariant("rng", _rng_applies, run_rng),
     # Sharded twins exist per model and path, without token dropping; golden cases for every variant.
-    Invariant("sharded", lambda r, v: not v.dropping, check_sharded),
+    Invariant("sharded", lambda r, v: not v.dropping, run_sharded),
     # The unquantized layers only: a quantized one differs from the referee by its quantization, and runs the
     # same layer code as its twin, which this holds on every variant.
-    Invariant("referee", lambda r, v: not r.quantized, check_referee),
+    Invariant("referee", lambda r, v: not r.quantized, run_referee),
     # Against the package's golden cases and ./golden; a run binds its own directory (RunEnv).
-    Invariant("golden", lambda r, v: True, check_golden),
+    Invariant("golden", lambda r, v: True, run_golden),
 )
 
 
@@ -735,6 +735,6 @@ class RunEnv:
 
     def bind(self, invariant: Invariant) -> Invariant:
         """``invariant`` as this run runs it: the golden check against :attr:`golden_root`, others as they are."""
-        if invariant.run is check_golden:
-            return dataclasses.replace(invariant, run=functools.partial(check_golden, golden_root=self.golden_root))
+        if invariant.run is run_golden:
+            return dataclasses.replace(invariant, run=functools.partial(run_golden, golden_root=self.golden_root))
         return invariant

@@ -141,11 +141,11 @@ class PathsRow:
 
 
 def _paths_row(model: str, dropping: bool) -> PathsRow:
-    return PathsRow(model, dropping, _run(lambda _: invariants.check_paths_agree(model, dropping), None))
+    return PathsRow(model, dropping, _run(lambda _: invariants.run_paths(model, dropping), None))
 
 
 def run_paths_agree(models: tuple[str, ...], *, executor: Executor | None = None) -> list[PathsRow]:
-    """:func:`~qcheck.invariants.check_paths_agree` per model, without and with dropping."""
+    """:func:`~qcheck.invariants.run_paths` per model, without and with dropping."""
     pairs = [(m, d) for m in models for d in (False, True)]
     run = map if executor is None else executor.map
     return list(run(_paths_row, *zip(*pairs)))
