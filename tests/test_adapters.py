@@ -197,7 +197,8 @@ def test_flax_sparse_backward_misses_the_exact_reference_by_rounding():
     # dgrad or wgrad, as the CPU's kernels order the sums (test_ragged_dot_from_einsum_gradients_sum_...)
     with pytest.raises(AssertionError, match=r"site 'wi_0' [dw]grad \(g in float8_e5m2\): differs from the "
                                              r"reference .*it matches none of the known bugs"):
-        invariants.assert_sites_backward_exact(_layer("flax_fp8", "sparse"), _recipe("flax_fp8"), "flax_fp8-sparse")
+        invariants.assert_sites_backward_exact(_layer("flax_fp8", "sparse"), _recipe("flax_fp8"),
+                                               label="flax_fp8-sparse")
 
 
 def test_aqt_backward_has_no_reference():
@@ -208,7 +209,7 @@ def test_aqt_backward_has_no_reference():
     with pytest.raises(AssertionError, match=r"aqt_int8 site 'wi_0': assert_site_backward_exact: site 'wi_0' dgrad "
                                              r"\(g unquantized \(straight through\)\): differs from the reference at "
                                              r"2048 of 2048 elements.*matches none of the known bugs"):
-        invariants.assert_sites_backward_exact(_aqt_layer("einsum", "dense"), _aqt_recipe("einsum"), "aqt_int8")
+        invariants.assert_sites_backward_exact(_aqt_layer("einsum", "dense"), _aqt_recipe("einsum"), label="aqt_int8")
 
 
 @pytest.mark.parametrize(

@@ -44,9 +44,9 @@ def suite_pass() -> None:
             step.apply(layer, x)
         runs = invariants.site_runs(layer, recipe, v)  # as invariants.case_site_runs: exact's and backward's program
         if recipe.lhs is not None or recipe.reference.cast_dtype is not None:
-            invariants.assert_sites_exact(layer, recipe, case.id, runs)
+            invariants.assert_sites_exact(layer, recipe, runs, label=case.id)
             assert_site_calls_exact(tuple(layer.sites.keys()), runs.calls, recipe, label=case.id)
-        invariants.assert_sites_backward_exact(layer, recipe, case.id, runs)
+        invariants.assert_sites_backward_exact(layer, recipe, runs, label=case.id)
     golden.operand_codes.__wrapped__("mxfp8", "gemma")
 
 

@@ -19,6 +19,7 @@ from flax import nnx
 
 from qcheck.suite import cases as cases_mod
 from qcheck import checks
+from qcheck.checks._assertion import assertion
 from qcheck.layers import step
 from qcheck.layers.bridge import Fp8Meta
 from qcheck.suite.cases import BATCH, SEQ, Case, Variant, grad_leaves, train_step_runs
@@ -84,16 +85,8 @@ PATHS_RTOL, PATHS_ATOL = 1e-5, 1e-6
 PATHS_MAX_ABS = PATHS_ATOL * 10
 
 
-def _prefixed(prefix: str, fn: Callable[[], object]):
-    __tracebackhide__ = True
-    try:
-        return fn()
-    except AssertionError as e:
-        # The check's own frames say nothing the message does not: one failure, one message.
-        raise AssertionError(f"{prefix}: {e}") from None
-
-
-def assert_sites_cast_exact(layer: MoE, cast_dtype, label: str) -> None:
+@assertion(name="assert_fresh_cast_exact")
+def assert_sites_cast_exact(layer: MoE, cast_dtype, *, label: str = "") -> None:
     """Every call site of a fresh ``layer`` equals the einsum (or ragged_dot) of cast operands, bitwise."""
     __tracebackhide__ = True
     probes = []
@@ -110,10 +103,11 @@ def assert_sites_cast_exact(layer: MoE, cast_dtype, label: str) -> None:
             run = functools.partial(checks.assert_fresh_cast_exact,
                                     _site_programs.replay(runs.forward[p.site], p, p.lhs, p.rhs, p.group_sizes),
                                     checks.Ragged(p.group_sizes), p.lhs, p.rhs, cast_dtype=cast_dtype)
-        _prefixed(f"{label} site {p.site!r}", run)
+        run(label=f"{label} site {p.site!r}")
 
 
-def assert_sites_exact(layer: MoE, recipe: Recipe, label: str, runs: SiteRuns | None = None) -> None:
+@assertion(name="assert_site_exact")
+def assert_sites_exact(layer: MoE, recipe: Recipe, runs: SiteRuns | None = None, *, label: str = "") -> None:
     """Every call site of a fresh ``layer`` equals the matmul of referee-quantized probe operands, bitwise.
 
     :func:`qcheck.checks.assert_site_exact` (an einsum, or ``Ragged`` on the sparse
@@ -140,7 +134,7 @@ def assert_sites_exact(layer: MoE, recipe: Recipe, label: str, runs: SiteRuns | 
                 checks.assert_site_exact, _site_programs.replay(got, p, p.lhs, p.rhs, p.group_sizes),
                 checks.Ragged(p.group_sizes), p.lhs, p.rhs, lhs_format=lhs_fmt, rhs_format=rhs_fmt, site=p.site,
                 arithmetic=recipe.reference.matmul)
-        _prefixed(label, run)
+        run(label=label)
 
 
 @functools.cache
@@ -183,8 +177,8 @@ def run_exact(case: Case) -> None:
 
     layer, recipe = cases_mod.layer(case), get_recipe(case.recipe)
     runs = case_site_runs(case)
-    assert_sites_exact(layer, recipe, case.id, runs)
-    _prefixed(case.id, lambda: _site_exact.assert_site_calls_exact(tuple(layer.sites.keys()), runs.calls, recipe))
+    assert_sites_exact(layer, recipe, runs, label=case.id)
+    _site_exact.assert_site_calls_exact(tuple(layer.sites.keys()), runs.calls, recipe, label=case.id)
 
 
 def assert_sites_independent(layer: MoE, label: str) -> None:
@@ -229,7 +223,8 @@ def run_sites(case: Case) -> None:
         assert_sites_carry_no_rng_stream(layer, case.id)
 
 
-def assert_layer_quantized(layer: MoE, x, label: str):
+@assertion(name="assert_quantized")
+def assert_layer_quantized(layer: MoE, x, *, label: str = ""):
     """Every matmul of ``layer`` but those it keeps in full precision by design takes quantized operands.
 
     Tracing only: the coverage map of the layer's forward pass
@@ -241,10 +236,16 @@ def assert_layer_quantized(layer: MoE, x, label: str):
     from qcheck._coverage import assert_quantized, skip_functions
     from qcheck.layers.moe import UNQUANTIZED_BY_DESIGN
 
-    return _prefixed(label, lambda: assert_quantized(layer, x, skip=skip_functions(*UNQUANTIZED_BY_DESIGN)))
+    try:
+        return assert_quantized(layer, x, skip=skip_functions(*UNQUANTIZED_BY_DESIGN))
+    except AssertionError as e:
+        # assert_quantized writes its own name (it forwards every keyword to the traced function, so it takes no
+        # label= and has no wrapper): this one names it, once, after the label.
+        raise AssertionError(str(e).removeprefix("assert_quantized: ")) from None
 
 
-def assert_layer_fp8_native(layer: MoE, x, recipe: Recipe, label: str, *, backward: bool = True) -> None:
+@assertion(name="assert_fp8_dtypes_native")
+def assert_layer_fp8_native(layer: MoE, x, recipe: Recipe, *, backward: bool = True, label: str = "") -> None:
     """The fp8 types ``layer``'s matmul operands are cast to, and those ``recipe`` declares, suit its target.
 
     Native to ``recipe.expect.fp8_target``, forward and backward; nothing to check
@@ -258,9 +259,9 @@ def assert_layer_fp8_native(layer: MoE, x, recipe: Recipe, label: str, *, backwa
         return
     from qcheck.checks._fp8_native import assert_fp8_dtypes_native, assert_recipe_fp8_native, declared_operand_fp8_dtypes
 
-    _prefixed(label, lambda: assert_recipe_fp8_native(recipe))
+    assert_recipe_fp8_native(recipe, label=label)
     if declared_operand_fp8_dtypes(recipe):  # else no fp8 type reaches an operand's chain (NVFP4)
-        _prefixed(label, lambda: assert_fp8_dtypes_native(layer, x, target=recipe.expect.fp8_target, backward=backward))
+        assert_fp8_dtypes_native(layer, x, target=recipe.expect.fp8_target, backward=backward, label=label)
 
 
 def run_coverage(case: Case) -> int:
@@ -270,15 +271,16 @@ def run_coverage(case: Case) -> int:
     """
     __tracebackhide__ = True
     layer, x = cases_mod.layer(case), cases_mod.layer_input(case.variant.model)
-    records = assert_layer_quantized(layer, x, case.id)
+    records = assert_layer_quantized(layer, x, label=case.id)
     recipe = get_recipe(case.recipe)
-    assert_layer_fp8_native(layer, x, recipe, case.id, backward=cases_mod.gradient_tiles(recipe, case.variant))
+    assert_layer_fp8_native(layer, x, recipe, backward=cases_mod.gradient_tiles(recipe, case.variant), label=case.id)
     if (quantized := sum(r.quantized for r in records)) == 0:
         raise AssertionError(f"{case.id}: no matmul of the layer is quantized ({len(records)} matmuls, all skipped)")
     return quantized
 
 
-def assert_sites_backward_exact(layer: MoE, recipe: Recipe, label: str, runs: SiteRuns | None = None) -> None:
+@assertion(name="assert_site_backward_exact")
+def assert_sites_backward_exact(layer: MoE, recipe: Recipe, runs: SiteRuns | None = None, *, label: str = "") -> None:
     """Both gradients of every call site of a fresh ``layer`` equal the referee's gradient matmuls, bitwise.
 
     :func:`qcheck.checks.assert_site_backward_exact` per site (on ``Ragged``
@@ -302,7 +304,7 @@ def assert_sites_backward_exact(layer: MoE, recipe: Recipe, label: str, runs: Si
         else:
             run = functools.partial(_backward.assert_site_grads_exact, site, checks.Ragged(p.group_sizes), p.lhs, p.rhs,
                                     p.g, recipe=recipe, key=runs.key, site_grads=grads)
-        _prefixed(f"{label} site {p.site!r}", run)
+        run(label=f"{label} site {p.site!r}")
 
 
 def run_backward(case: Case) -> None:
@@ -318,9 +320,9 @@ def run_backward(case: Case) -> None:
     from qcheck.checks import _layer_backward
 
     recipe, runs = get_recipe(case.recipe), case_site_runs(case)
-    assert_sites_backward_exact(cases_mod.layer(case), recipe, case.id, runs)
+    assert_sites_backward_exact(cases_mod.layer(case), recipe, runs, label=case.id)
     if runs.grad_calls is not None:
-        _prefixed(case.id, lambda: _layer_backward.assert_site_grad_calls_exact(runs.grad_calls, recipe))
+        _layer_backward.assert_site_grad_calls_exact(runs.grad_calls, recipe, label=case.id)
 
 
 def _exact_applies(recipe: Recipe, variant: Variant) -> bool:
@@ -332,11 +334,8 @@ def run_tracks(case: Case) -> float:
     """The layer output tracks its unquantized twin within the recipe's bound, and is not equal to it."""
     __tracebackhide__ = True
     recipe = get_recipe(case.recipe)
-    figure = _prefixed(case.id, lambda: checks.assert_tracks(
-        cases_mod.layer_output(case),
-        cases_mod.layer_output(case.reference),
-        max_rel_norm=recipe.expect.max_rel_norm,
-    ))
+    figure = checks.assert_tracks(cases_mod.layer_output(case), cases_mod.layer_output(case.reference),
+                                  max_rel_norm=recipe.expect.max_rel_norm, label=case.id)
     if not figure > 0:
         raise AssertionError(f"{case.id}: the layer output is {figure} from the unquantized twin's (relative norm): "
                              "a quantized layer that computes the twin's output exactly quantized nothing")
