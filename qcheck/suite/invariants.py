@@ -694,6 +694,13 @@ class Invariant:
     applies: Callable[[Recipe, Variant], bool]
     run: Callable[[Case], float | None]
 
+    @property
+    def doc(self) -> str:
+        """What the invariant holds, in one line: the CLI's help and the README's table show it."""
+        from qcheck.suite._invariant_docs import DOCS
+
+        return DOCS.get(self.name, "")
+
 
 INVARIANTS: tuple[Invariant, ...] = (
     Invariant("sites", lambda r, v: r.quantized, run_sites),
