@@ -7,7 +7,6 @@ import sys
 import traceback
 from pathlib import Path
 
-from qcheck.suite._invariant_docs import help_columns
 from qcheck.suite.progress import Progress
 
 _MATRIX_HELP = """\
@@ -23,7 +22,20 @@ A cell reads "pass [figure]", "-" (does not apply), "not supported [n]" or
 case, or fails this check on it; the check is run and must still fail so), or
 "FAIL [n]": note or failure n is printed in full below the table, with what to
 run to fix it where there is one.
-""".format(columns=help_columns())
+"""
+
+
+def _matrix_help(width: int = 78) -> str:
+    """The matrix's help: the columns are each invariant's ``doc``, wrapped beside its name."""
+    import textwrap
+
+    from qcheck.suite.invariants import INVARIANTS
+
+    indent = 2 + max(len(inv.name) for inv in INVARIANTS) + 1
+    columns = "\n".join(textwrap.fill(inv.doc, width, initial_indent=f"  {inv.name:<{indent - 3}} ",
+                                      subsequent_indent=" " * indent, break_on_hyphens=False)
+                        for inv in INVARIANTS)
+    return _MATRIX_HELP.format(columns=columns)
 
 
 def _add_recipes_option(parser: argparse.ArgumentParser, default=None) -> None:
@@ -41,11 +53,11 @@ def _jobs(text: str) -> int | str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qcheck", description=_MATRIX_HELP,
+    p = argparse.ArgumentParser(prog="qcheck", description=_matrix_help(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_recipes_option(p)
     sub = p.add_subparsers(dest="command", metavar="{matrix,coverage,golden,rng}")
-    m = sub.add_parser("matrix", help="run every invariant on every case (the default)", description=_MATRIX_HELP,
+    m = sub.add_parser("matrix", help="run every invariant on every case (the default)", description=p.description,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     for parser in (p, m):
         parser.add_argument("--recipe", action="append", dest="recipes", metavar="NAME",

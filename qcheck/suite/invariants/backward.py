@@ -1,0 +1,70 @@
+"""The ``backward`` invariant: what it holds (``doc``), where (``applies``), and its checks (``run``)."""
+
+from __future__ import annotations
+
+import functools
+
+from qcheck import checks
+from qcheck.checks._assertion import assertion
+from qcheck.layers.moe import MoE
+from qcheck.recipes import Recipe, get_recipe
+from qcheck.suite import cases as cases_mod
+from qcheck.suite.cases import Case, Variant, backward_applies
+from qcheck.suite import _site_programs
+from qcheck.suite._site_programs import SiteRuns
+from qcheck.suite.invariants._programs import case_site_runs
+
+#: What the invariant holds, in one line (the CLI's help and the README's table show it).
+doc = ("each site's input and weight gradients equal, bitwise, the referee's gradient matmuls (g quantized as the "
+       "recipe declares): on probes, and in one backward pass of the layer, whose weight gradients must be the "
+       "ones their sites gave")
+
+
+@assertion(name="assert_site_backward_exact")
+def assert_sites_backward_exact(layer: MoE, recipe: Recipe, runs: SiteRuns | None = None, *, label: str = "") -> None:
+    """Both gradients of every call site of a fresh ``layer`` equal the referee's gradient matmuls, bitwise.
+
+    :func:`qcheck.checks.assert_site_backward_exact` per site (on ``Ragged``
+    on the sparse path): the output gradient quantized as the recipe declares
+    (fp8-class: cast to the e5m2 flavour at scale 1; ``grad=``: the referee's
+    format along each gradient matmul's contraction; NVFP4's DGRAD with the
+    site's own uniforms), on probes chosen so that a wrong flavour, wrong axes
+    or a skipped quantization each give other bits. The sites' vjps run in one
+    program (``runs``: one that also served other checks, :func:`case_site_runs`).
+    """
+    __tracebackhide__ = True
+    from qcheck.checks import _backward
+
+    probes = _site_programs.backward_probes(layer, recipe)
+    runs = runs or _site_programs.run_sites(layer, backward=probes)
+    for p in probes:
+        site, grads = layer.get_einsum(p.site), _site_programs.replay(runs.grads[p.site], p, p.lhs, p.rhs, p.g)
+        if p.eqn is not None:
+            run = functools.partial(_backward.assert_site_grads_exact, site, p.eqn, p.lhs, p.rhs, p.g, recipe=recipe,
+                                    key=runs.key, site_grads=grads)
+        else:
+            run = functools.partial(_backward.assert_site_grads_exact, site, checks.Ragged(p.group_sizes), p.lhs, p.rhs,
+                                    p.g, recipe=recipe, key=runs.key, site_grads=grads)
+        run(label=f"{label} site {p.site!r}")
+
+
+def run(case: Case) -> None:
+    """Every site's gradients exact: on probes, and in one backward pass of the layer.
+
+    :func:`assert_sites_backward_exact` on the case's fresh layer, then
+    :func:`qcheck.checks._layer_backward.assert_site_grad_calls_exact` on the
+    gradients each site gave in the layer's own backward pass (not for NVFP4's
+    stochastic DGRAD), which sees a layer that takes a site's gradient from
+    anywhere else. Both read :func:`case_site_runs`.
+    """
+    __tracebackhide__ = True
+    from qcheck.checks import _layer_backward
+
+    recipe, runs = get_recipe(case.recipe), case_site_runs(case)
+    assert_sites_backward_exact(cases_mod.layer(case), recipe, runs, label=case.id)
+    if runs.grad_calls is not None:
+        _layer_backward.assert_site_grad_calls_exact(runs.grad_calls, recipe, label=case.id)
+
+
+def applies(recipe: Recipe, variant: Variant) -> bool:
+    return backward_applies(recipe, variant)
