@@ -29,13 +29,24 @@ def _matrix_help(width: int = 78) -> str:
     """The matrix's help: the columns are each invariant's ``doc``, wrapped beside its name."""
     import textwrap
 
-    from qcheck.suite.invariants import INVARIANTS
-
+    try:
+        from qcheck.suite.invariants import INVARIANTS
+    except ImportError as e:  # the invariants need the library, which says what this environment lacks
+        return _MATRIX_HELP.format(columns=f"  ({e})")
     indent = 2 + max(len(inv.name) for inv in INVARIANTS) + 1
     columns = "\n".join(textwrap.fill(inv.doc, width, initial_indent=f"  {inv.name:<{indent - 3}} ",
                                       subsequent_indent=" " * indent, break_on_hyphens=False)
                         for inv in INVARIANTS)
     return _MATRIX_HELP.format(columns=columns)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Renders the matrix's help when it is shown, not when the command line is parsed: it imports the library."""
+
+    def format_help(self) -> str:
+        if self.description is _MATRIX_HELP:
+            self.description = _matrix_help()
+        return super().format_help()
 
 
 def _add_recipes_option(parser: argparse.ArgumentParser, default=None) -> None:
@@ -53,11 +64,11 @@ def _jobs(text: str) -> int | str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qcheck", description=_matrix_help(),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="qcheck", description=_MATRIX_HELP,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_recipes_option(p)
     sub = p.add_subparsers(dest="command", metavar="{matrix,coverage,golden,rng}")
-    m = sub.add_parser("matrix", help="run every invariant on every case (the default)", description=p.description,
+    m = sub.add_parser("matrix", help="run every invariant on every case (the default)", description=_MATRIX_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     for parser in (p, m):
         parser.add_argument("--recipe", action="append", dest="recipes", metavar="NAME",
