@@ -182,13 +182,30 @@ def case_parameters(
     return [{"testcase_name": name, "case": case} for name, case in rows.items()]
 
 
-def _make_test(invariant: Invariant, case: Case) -> Callable[[InvariantTestCase], Any]:
+def _make_test(invariant: Invariant, case: Case, declared: Any) -> Callable[[InvariantTestCase], Any]:
     def test(self: InvariantTestCase) -> None:  # a test returning a value is deprecated in unittest
         __tracebackhide__ = True
         self.run_invariant(invariant, case)
 
     test.__doc__ = f"qcheck invariant {invariant.name!r} on {case.id}."
+    if declared is not None:
+        test.__doc__ = f"qcheck invariant {invariant.name!r} on {case.id}, declared ({declared.text()}): it must hold."
     return test
+
+
+def _cells(invariant: Invariant, recipes: Iterable[str] | None, models: Iterable[str] | None,
+           paths: Iterable[str] | None) -> list[tuple[str, Case, Any]]:
+    """``(name, case, declaration)`` of every cell of ``invariant`` with a verdict: it applies, or it is declared."""
+    from qcheck.recipes import get_recipe
+    from qcheck.suite._declared import declared
+
+    rows = []
+    for row in case_parameters(recipes=recipes, models=models, paths=paths):
+        case, recipe = row["case"], get_recipe(row["case"].recipe)
+        found = declared(recipe, case.variant, invariant.name)
+        if found is not None or invariant.applies(recipe, case.variant):
+            rows.append((row["testcase_name"], case, found))
+    return rows
 
 
 def _make_paths_test(model: str, dropping: bool) -> Callable[[InvariantTestCase], Any]:
@@ -196,7 +213,7 @@ def _make_paths_test(model: str, dropping: bool) -> Callable[[InvariantTestCase]
         __tracebackhide__ = True
         from qcheck.suite import invariants
 
-        self._qcheck(invariants.check_paths_agree, (model, dropping), {}, None)
+        self._qcheck(invariants.run_paths, (model, dropping), {}, None)
 
     drop = "with" if dropping else "no"
     test.__doc__ = f"qcheck: dense and sparse compute the same function ({model}, {drop} dropping)."
@@ -246,9 +263,8 @@ class InvariantTestCase(QuantizationAssertions, parameterized.TestCase):
         tests: dict[str, Callable[..., Any]] = {}
         for inv in INVARIANTS:
             if wanted is None or inv.name in wanted:
-                for row in case_parameters(inv.name, recipes=cls.qcheck_recipes, models=cls.qcheck_models,
-                                           paths=cls.qcheck_paths):
-                    tests[f"test_{inv.name}_{row['testcase_name']}"] = _make_test(inv, row["case"])
+                for name, case, found in _cells(inv, cls.qcheck_recipes, cls.qcheck_models, cls.qcheck_paths):
+                    tests[f"test_{inv.name}_{name}"] = _make_test(inv, case, found)
         recipes = _names("qcheck_recipes", cls.qcheck_recipes)
         if (wanted is None or "paths" in wanted) and (recipes is None or "none" in recipes):
             for model in _names("qcheck_models", cls.qcheck_models) or MODELS:
@@ -274,8 +290,14 @@ class InvariantTestCase(QuantizationAssertions, parameterized.TestCase):
         return Path(named) if named else Path("golden")
 
     def run_invariant(self, invariant: Invariant, case: Case) -> Any:
-        """Run one invariant on one case, failing through ``self.fail``; returns its figure."""
+        """Run one cell as the matrix and the pytest plugin do, failing through ``self.fail``; returns its figure.
+
+        A cell its recipe declares passes while the declaration holds (the
+        library still refuses it, or the invariant still fails as declared),
+        and fails, saying to drop it, once it does not.
+        """
         __tracebackhide__ = True
+        from qcheck.suite._cells import run_cell
         from qcheck.suite.invariants import RunEnv
 
         if invariant.name == "sharded":
@@ -285,4 +307,8 @@ class InvariantTestCase(QuantizationAssertions, parameterized.TestCase):
                 self.skipTest(f"the sharded invariant needs {_MESH_DEVICES} CPU devices, this process has {n}: "
                               f"set XLA_FLAGS=--xla_force_host_platform_device_count={_MESH_DEVICES} before "
                               "JAX starts")
-        return self._qcheck(RunEnv(self.golden_dir()).bind(invariant).run, (case,), {}, None)
+        verdict = run_cell(case, RunEnv(self.golden_dir()).bind(invariant))
+        if isinstance(verdict.error, AssertionError):
+            self.fail(self._formatMessage(None, str(verdict.error)))
+        verdict.raise_failure()  # an error, not a failure
+        return verdict.figure

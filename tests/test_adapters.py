@@ -198,7 +198,8 @@ def test_flax_sparse_backward_misses_the_exact_reference_by_rounding():
     # dgrad or wgrad, as the CPU's kernels order the sums (test_ragged_dot_from_einsum_gradients_sum_...)
     with pytest.raises(AssertionError, match=r"site 'wi_0' [dw]grad \(g in float8_e5m2\): differs from the "
                                              r"reference .*it matches none of the known bugs"):
-        invariants.assert_sites_backward_exact(_layer("flax_fp8", "sparse"), _recipe("flax_fp8"), "flax_fp8-sparse")
+        invariants.assert_sites_backward_exact(_layer("flax_fp8", "sparse"), _recipe("flax_fp8"),
+                                               label="flax_fp8-sparse")
 
 
 def test_aqt_backward_has_no_reference():
@@ -209,7 +210,7 @@ def test_aqt_backward_has_no_reference():
     with pytest.raises(AssertionError, match=r"aqt_int8 site 'wi_0': assert_site_backward_exact: site 'wi_0' dgrad "
                                              r"\(g unquantized \(straight through\)\): differs from the reference at "
                                              r"2048 of 2048 elements.*matches none of the known bugs"):
-        invariants.assert_sites_backward_exact(_aqt_layer("einsum", "dense"), _aqt_recipe("einsum"), "aqt_int8")
+        invariants.assert_sites_backward_exact(_aqt_layer("einsum", "dense"), _aqt_recipe("einsum"), label="aqt_int8")
 
 
 @pytest.mark.parametrize(
@@ -800,12 +801,12 @@ def test_qwix_int8_recipe_sparse_layer_differs_on_a_mesh():
     from qcheck.adapters._qwix_recipe import QWIX_INT8_SHARDED_SPARSE
 
     with pytest.raises(AssertionError, match=QWIX_INT8_SHARDED_SPARSE.match + r", by up to 0\.0\d+"):
-        invariants.check_sharded(_qwix_int8_case("mixtral", "sparse"))
+        invariants.run_sharded(_qwix_int8_case("mixtral", "sparse"))
 
 
 @_qwix_test
 def test_qwix_int8_recipe_sparse_layer_matches_on_a_mesh_for_gemma_should_pass():
-    assert invariants.check_sharded(_qwix_int8_case("gemma", "sparse")) <= invariants.SHARDED_ATOL
+    assert invariants.run_sharded(_qwix_int8_case("gemma", "sparse")) <= invariants.SHARDED_ATOL
 
 
 @_qwix_test
@@ -830,10 +831,10 @@ def test_qwix_int8_recipe_sparse_path_fails_exact_with_one_weight_scale_shared()
     with pytest.raises(AssertionError, match=r"qwix_int8-gemma-sparse: assert_site_exact: site 'wi_0' "
                                              r"ragged_dot \(int8_qwix x int8_qwix, integer matmul\): .*"
                                              + QWIX_INT8_RAGGED_SHARED_SCALE.match):
-        invariants.check_exact(_qwix_int8_case("gemma", "sparse"))
+        invariants.run_exact(_qwix_int8_case("gemma", "sparse"))
 
 
 @_qwix_test
 @pytest.mark.parametrize("model", ["mixtral", "gemma"])
 def test_qwix_int8_recipe_dense_path_is_exact_in_integer_arithmetic_should_pass(model):
-    invariants.check_exact(_qwix_int8_case(model, "dense"))
+    invariants.run_exact(_qwix_int8_case(model, "dense"))

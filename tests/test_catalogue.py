@@ -667,7 +667,7 @@ def outputs_alone_are_blind(build) -> None:
 
 
 def each_site_and_the_forward_healthy(broken: MoE) -> None:
-    invariants.assert_sites_backward_exact(broken, get_recipe("fp8"), "probes")  # each site alone is fine
+    invariants.assert_sites_backward_exact(broken, get_recipe("fp8"), label="probes")  # each site alone is fine
     assert_layer_sites_exact(broken, X, "fp8", label="forward")  # and so is the forward
     assert_layer_sites_backward_exact(layer("fp8", path="sparse"), X, "fp8", label="healthy")
 
@@ -717,11 +717,11 @@ class Bug:
 
 
 def cast_exact(dtype, message: str) -> Catch:
-    return Catch(invariants.assert_sites_cast_exact, lambda broken: (broken, dtype, "bug"), message)
+    return Catch(invariants.assert_sites_cast_exact, lambda broken: (broken, dtype), message, {"label": "bug"})
 
 
 def sites_exact(recipe: str, message: str) -> Catch:
-    return Catch(invariants.assert_sites_exact, lambda broken: (broken, get_recipe(recipe), "bug"), message)
+    return Catch(invariants.assert_sites_exact, lambda broken: (broken, get_recipe(recipe)), message, {"label": "bug"})
 
 
 def layer_sites_exact(recipe: str, message: str, **kwargs) -> Catch:
@@ -729,7 +729,8 @@ def layer_sites_exact(recipe: str, message: str, **kwargs) -> Catch:
 
 
 def backward_exact(recipe: str, message: str) -> Catch:
-    return Catch(invariants.assert_sites_backward_exact, lambda broken: (broken, get_recipe(recipe), "bug"), message)
+    return Catch(invariants.assert_sites_backward_exact, lambda broken: (broken, get_recipe(recipe)), message,
+                 {"label": "bug"})
 
 
 def fp8_state_only_in_backward(message: str) -> Catch:
@@ -737,7 +738,7 @@ def fp8_state_only_in_backward(message: str) -> Catch:
 
 
 def layer_quantized(message: str) -> Catch:
-    return Catch(invariants.assert_layer_quantized, lambda broken: (broken, X, "bug"), message)
+    return Catch(invariants.assert_layer_quantized, lambda broken: (broken, X), message, {"label": "bug"})
 
 
 def grads_track(message: str, distinct: bool = True) -> Catch:
@@ -750,8 +751,8 @@ def fp8_state_matches(loop: Callable[[Any], Callable], message: str) -> Catch:
     return Catch(qcheck.assert_fp8_state_matches, lambda ls: (ls[0].whole_batch, loop(ls[0]), ls[1], ls[2]), message)
 
 
-def check_train(message: str) -> Catch:
-    return Catch(invariants.check_train, lambda case: (case,), message)
+def run_train(message: str) -> Catch:
+    return Catch(invariants.run_train, lambda case: (case,), message)
 
 
 def sites_independent(message: str) -> Catch:
@@ -765,7 +766,7 @@ def sharded_matches(message: str) -> Catch:
 
 
 def golden_check(message: str, case=None, error: type[Exception] = AssertionError) -> Catch:
-    return Catch(golden.check_case, lambda planted: (case or GOLDEN_CASE, planted if isinstance(planted, Path)
+    return Catch(golden.assert_case_matches, lambda planted: (case or GOLDEN_CASE, planted if isinstance(planted, Path)
                                                      else planted["root"]), message, error=error)
 
 
@@ -834,7 +835,8 @@ CATALOGUE = [
         lambda p: layer(DropSkipsInt8(), dropping=True),
         (layer_sites_exact("int8", r"bug: assert_layer_sites_exact: site 'wi_0' einsum 'EBCM,EMH->EBCH' "
                            r"\(int8 x int8\).*equals the unquantized matmul bitwise", label="bug"),),
-        control=lambda broken: invariants.assert_sites_exact(layer(DropSkipsInt8()), get_recipe("int8"), "dense")),
+        control=lambda broken: invariants.assert_sites_exact(layer(DropSkipsInt8()), get_recipe("int8"),
+                                                             label="dense")),
     Bug("exact_catches_mxfp8_weights_blocked_along_the_wrong_axes",
         "MXFP8 weights blocked along the wrong axes (the default axis=-1)", "`exact`",
         lambda p: layer(WrongAxesMxfp8()),
@@ -847,17 +849,17 @@ CATALOGUE = [
         lambda p: layer("int8", cls=WiZeroTwice),
         (layer_sites_exact("int8", r"bug: assert_layer_sites_exact: site 'wi_1' was never called .*"
                            r"wi_0 x2, wi_1 x0, wo x1", label="bug"),),
-        control=lambda broken: invariants.assert_sites_exact(broken, get_recipe("int8"), "probes")),
+        control=lambda broken: invariants.assert_sites_exact(broken, get_recipe("int8"), label="probes")),
     # jax commit e1f12ba4 (July 2025) fixed it; JAX's own tests missed it, their reference being a matmul
     # of the same dequantized tensors. Here the referee quantizes independently.
     Bug("exact_catches_jax_nvfp4_global_scale_applied_to_block_scales_not_data",
         "JAX's nvfp4 before e1f12ba4: the global scale applied to the block scales, not the data (codes mostly 0)",
         "`exact` (names the rule)",
         lambda p: layer(_jax_nvfp4_before_e1f12ba4()),
-        (Catch(invariants.assert_sites_exact, lambda broken: (broken, _jax_nvfp4_before_e1f12ba4(), "bug"),
+        (Catch(invariants.assert_sites_exact, lambda broken: (broken, _jax_nvfp4_before_e1f12ba4()),
                r"bug: assert_site_exact: site 'wi_0' einsum 'BSM,EMH->BSEH' \(nvfp4_jax x nvfp4_jax\): differs .*it "
                r"equals both operands in JAX's nvfp4 before e1f12ba4 \(the global scale divides the block scales but "
-               r"not the data, so its e2m1 codes are mostly zero\) bitwise"),),
+               r"not the data, so its e2m1 codes are mostly zero\) bitwise", {"label": "bug"}),),
         then=codes_mostly_zero, marks=(needs_scaled_matmul,)),
     # configs=None falls back to lax.dot_general (since jax ae29f63e; before, it quantized to MXFP8
     # silently): every expert matmul in full precision, while the recipe declares nvfp4_jax.
@@ -891,7 +893,7 @@ CATALOGUE = [
         lambda p: with_planted_site("fp8", DelayedScalingFp8("fp8", e4m3_dtype=E4M3FN, e5m2_dtype=E4M3FN)),
         (backward_exact("fp8", r"bug site 'wo': .*dgrad \(g in float8_e5m2\).*equals the gradient with g in "
                         r"float8_e4m3fn \(the forward flavour\)"),),
-        control=lambda broken: invariants.assert_sites_cast_exact(broken, E4M3FN, "forward")),
+        control=lambda broken: invariants.assert_sites_cast_exact(broken, E4M3FN, label="forward")),
     Bug("backward_catches_nvfp4_blocking_the_input_gradient_along_the_weight_gradient_axes",
         "NVFP4 blocking the input gradient's copy of g along the weight-gradient axes", "`backward`",
         lambda p: with_planted_site("nvfp4", WrongAxesNVFP4(), path="sparse"),
@@ -995,14 +997,14 @@ CATALOGUE = [
         "an fp8 site applying one op to each half of its input: autodiff sums the amax",
         "`train` (batch == microbatches)",
         lambda p: reused_case(p, halves=True),
-        (check_train(rf"(?s)^{HALVES.id} \(one batch vs 2 microbatches\): assert_fp8_state_matches: 3 of 18 fp8 leaves "
+        (run_train(rf"(?s)^{HALVES.id} \(one batch vs 2 microbatches\): assert_fp8_state_matches: 3 of 18 fp8 leaves "
                      r"differ.*\n  sites/wi_0/input_amax_history\[0\]: step_a [\d.]+, step_b [\d.]+, ratio 1\.\d+: "
                      r"larger than step_a's: more than the max of what the site saw"),)),
     # Twice the amax in one batch and in each microbatch alike: the relations hold, the referee's amax does not.
     Bug("train_catches_a_site_quantizing_its_input_twice_recording_twice_its_amax",
         "an fp8 site quantizing its input twice: twice the amax in a batch and in its microbatches alike",
         "`train` (the referee's amax of what the site saw)", lambda p: reused_case(p, halves=False),
-        (check_train(rf"^{TWICE.id}: sites/wi_0/input_amax_history\[0\], sites/wi_0/kernel_amax_history\[0\] after one "
+        (run_train(rf"^{TWICE.id}: sites/wi_0/input_amax_history\[0\], sites/wi_0/kernel_amax_history\[0\] after one "
                      r"step are ([\d.]+), [\d.]+; the referee's amaxes of the operands site 'wi_0' received are "
                      r"([\d.]+) \(lhs\), [\d.]+ \(rhs\): the site records other amaxes than its operands'"),),
         then=records_twice_the_referees_amax),
@@ -1010,7 +1012,7 @@ CATALOGUE = [
     Bug("train_catches_an_amax_history_written_over_at_0_not_rolled",
         "an amax history written over at 0 instead of rolled (one step cannot tell)", "`train` (rolls once per step)",
         lambda p: planted_case(p, _UnrolledFp8(UNROLLED.recipe, e4m3_dtype=E4M3FN, e5m2_dtype=jnp.float8_e5m2)),
-        (check_train(rf"^{UNROLLED.id}: sites/wi_0/input_amax_history at step 2 was not rolled \(each history rolls "
+        (run_train(rf"^{UNROLLED.id}: sites/wi_0/input_amax_history at step 2 was not rolled \(each history rolls "
                      r"once per step, newest amax at 0\)"),)),
     Bug("tracks_catches_a_layer_whose_quantization_silently_fell_away",
         "a layer whose quantization fell away everywhere", "`tracks`", lambda p: step.apply(fp8_fallen_back(), X)[0],
@@ -1022,7 +1024,7 @@ CATALOGUE = [
         "`coverage` (fp8 types against the target hardware)",
         lambda p: planted_case(p, DelayedScalingFp8(NANOO_E4M3FN.recipe, e4m3_dtype=E4M3FN,
                                                     e5m2_dtype=jnp.float8_e5m2fnuz, expect=Expect(fp8_target="mi300"))),
-        (Catch(invariants.check_coverage, lambda case: (case,),
+        (Catch(invariants.run_coverage, lambda case: (case,),
                rf"^{NANOO_E4M3FN.id}: assert_recipe_fp8_native: .*target 'mi300'.*: lhs float8_e4m3fn"),
          Catch(checks.assert_fp8_dtypes_native, lambda case: (cases.layer(case), X),
                r"not native to target 'mi300' \(native fp8: float8_e4m3fnuz, float8_e5m2fnuz\):\n  forward: "

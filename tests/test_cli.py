@@ -154,7 +154,7 @@ def test_dense_sparse_rows_report_a_failure(capsys, monkeypatch):
     def broken(model, dropping):
         raise AssertionError(f"none-{model}: dense and sparse differ by up to 0.5")
 
-    monkeypatch.setattr(invariants, "check_paths_agree", broken)
+    monkeypatch.setattr(invariants, "run_paths", broken)
     assert cli.paths_agree_failures(("gemma",)) == ["none-gemma", "none-gemma-drop"]
     assert "dense == sparse  none-gemma         FAIL none-gemma: dense and sparse differ" in capsys.readouterr().out
 

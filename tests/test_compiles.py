@@ -38,15 +38,15 @@ def suite_pass() -> None:
         invariants.assert_sites_independent(layer, case.id)
         if cases.train_step_runs(recipe, v):  # as cases.layer_output: the output comes from the train step
             first = step.train_step(layer, x)
-            if recipe.materialize_at_build:  # as invariants.check_state
+            if recipe.materialize_at_build:  # as invariants.run_state
                 step.train_step(layer, x, fp8_meta=first.fp8_meta)
         else:
             step.apply(layer, x)
         runs = invariants.site_runs(layer, recipe, v)  # as invariants.case_site_runs: exact's and backward's program
         if recipe.lhs is not None or recipe.reference.cast_dtype is not None:
-            invariants.assert_sites_exact(layer, recipe, case.id, runs)
-            judge_site_calls(tuple(layer.sites.keys()), runs.calls, recipe)  # as invariants.check_exact
-        invariants.assert_sites_backward_exact(layer, recipe, case.id, runs)
+            invariants.assert_sites_exact(layer, recipe, runs, label=case.id)
+            judge_site_calls(tuple(layer.sites.keys()), runs.calls, recipe)  # as the exact invariant's run
+        invariants.assert_sites_backward_exact(layer, recipe, runs, label=case.id)
     golden.operand_codes.__wrapped__("mxfp8", "gemma")
 
 
@@ -55,12 +55,12 @@ def suite_fixtures() -> None:
     for case in REPRESENTATIVE:
         recipe = get_recipe(case.recipe)
         cases.layer_output(case)
-        invariants.check_sites(case)
+        invariants.run_sites(case)
         if recipe.materialize_at_build:
-            invariants.check_state(case)
+            invariants.run_state(case)
         if recipe.lhs is not None or recipe.reference.cast_dtype is not None:
-            invariants.check_exact(case)
-        invariants.check_backward(case)
+            invariants.run_exact(case)
+        invariants.run_backward(case)
         golden.train_step_entry_params(case)
     golden.operand_codes("mxfp8", "gemma")
 

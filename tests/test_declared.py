@@ -11,7 +11,7 @@ import pytest
 
 from qcheck.recipes import KnownDefect, Unsupported, assert_still_unsupported
 from qcheck.suite import invariants, matrix
-from qcheck.suite._declared import check_declared, declared as declared_for
+from qcheck.suite._declared import run_declared, declared as declared_for
 from qcheck.suite.cases import Case, Variant
 from tests.helpers import INNER, import_extra
 
@@ -82,7 +82,7 @@ def test_aqt_int8_ragged_declares_its_sparse_cells(invariant, declared):
 
 
 def test_known_defect_still_fails_should_pass():
-    note = check_declared(SPARSE, "exact")
+    note = run_declared(SPARSE, "exact")
     assert note.startswith("known defect of aqtp 0.9.0: aqt_ragged_dot.ragged_dot shares one weight scale across "
                            "all experts (aqt_int8_ragged-mixtral-sparse: assert_site_exact: site 'wi_0'"), note
 
@@ -94,7 +94,7 @@ def test_a_known_defect_that_passes_fails_saying_to_drop_it_should_fail(monkeypa
     with pytest.raises(AssertionError, match=r"aqt_int8_ragged-mixtral-sparse: exact passes where aqtp 0.9.0 has "
                                              r"the declared defect \(aqt_ragged_dot.ragged_dot shares one weight "
                                              r"scale across all experts\): fixed upstream\? drop the KnownDefect"):
-        check_declared(SPARSE, "exact")
+        run_declared(SPARSE, "exact")
 
 
 def test_matrix_names_the_refusal_and_the_defect_in_notes():

@@ -152,7 +152,7 @@ def test_coverage_invariant_catches_nanoo_declared_and_built_in_e4m3fn(nanoo_in_
     case = cases.Case(planted.name, cases.Variant("mixtral", "sparse", False))
     with pytest.raises(AssertionError, match=rf"^{case.id}: assert_recipe_fp8_native: .*target 'mi300'.*"
                        r"lhs float8_e4m3fn"):
-        invariants.check_coverage(case)
+        invariants.run_coverage(case)
     # The declaration aside, the program alone fails too, naming the site, the type and the pass.
     layer = cases.layer(case)
     with pytest.raises(AssertionError, match=r"not native to target 'mi300' \(native fp8: float8_e4m3fnuz, "
@@ -164,7 +164,7 @@ def test_coverage_invariant_catches_nanoo_declared_and_built_in_e4m3fn(nanoo_in_
 def test_coverage_invariant_runs_the_fp8_check_on_fp8_recipes():
     # Control of the wiring: the same invariant passes on the healthy recipes it covers.
     for name in ("fp8", "nanoo_fp8"):
-        assert invariants.check_coverage(cases.Case(name, cases.Variant("mixtral", "sparse", False))) == 3
+        assert invariants.run_coverage(cases.Case(name, cases.Variant("mixtral", "sparse", False))) == 3
 
 
 def test_the_fp8_check_costs_a_trace_not_a_compile():
@@ -176,7 +176,7 @@ def test_the_fp8_check_costs_a_trace_not_a_compile():
 def test_coverage_invariant_checks_the_forward_alone_where_gradients_cannot_tile():
     # MXFP8's 32-blocks cannot tile the dropping layer's 16-token gradient matmuls: forward only.
     case = cases.Case("mxfp8", cases.Variant("mixtral", "dense", True))
-    assert invariants.check_coverage(case) > 0
+    assert invariants.run_coverage(case) > 0
     records = checks.assert_fp8_dtypes_native(cases.layer(case), X, target="nvidia", backward=False)
     assert records and not any(r.backward for r in records)
     assert {d for r in records for d in r.lhs_casts} == {"float8_e4m3fn"}

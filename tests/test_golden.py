@@ -63,7 +63,7 @@ def test_a_written_case_reads_back_and_matches(root):
     assert set(stored.codes) == {"lhs", "lhs.int8", "rhs", "rhs.int8"}  # what the site fed its matmul
     assert stored.codes["lhs"].dtype == np.float32 and stored.codes["lhs.int8"].dtype == np.int8
     assert stored.record["provenance"]["seed"] == 0 and stored.record["provenance"]["backend"] == "cpu"
-    golden.check_case(CASE, root)
+    golden.assert_case_matches(CASE, root)
 
 
 def test_a_case_pins_a_sample_of_every_gradient_leaf_with_its_norm(root):
@@ -102,13 +102,13 @@ def test_update_rewrites_a_changed_file_and_says_what_changed(root):
     edit(path, shift)
     line = golden.write_case(CASE, root, overwrite=True)
     assert ": changed: rel_norm: got" in line
-    golden.check_case(CASE, root)
+    golden.assert_case_matches(CASE, root)
 
 
 def test_a_missing_case_fails_with_the_command_that_creates_it(tmp_path):
     with pytest.raises(AssertionError, match=r"no file .*; create the recipe's cases with:\n  "
                        r"qcheck golden add int8 --golden-dir "):
-        golden.check_case(CASE, tmp_path)
+        golden.assert_case_matches(CASE, tmp_path)
 
 
 def test_add_command_names_the_recipe_module_and_the_directory(monkeypatch):
@@ -180,7 +180,7 @@ def test_a_bad_golden_file_is_named_with_what_is_wrong(root, spoil, message):
     path = CASE.file(root)
     spoil(path)
     with pytest.raises(golden.GoldenFileError, match=message) as info:
-        golden.check_case(CASE, root)
+        golden.assert_case_matches(CASE, root)
     assert str(path) in str(info.value)
 
 
@@ -198,7 +198,7 @@ def test_a_case_of_a_recipe_this_run_did_not_load_is_reported_not_checked(root):
     assert "ghost" not in {c.recipe for c, _ in found.cases}
     ghost = golden.GoldenCase("ghost", "mixtral", "dense")
     with pytest.raises(AssertionError, match="recipe 'ghost', which is not registered .*--qcheck-recipes"):
-        golden.check_case(ghost, root)
+        golden.assert_case_matches(ghost, root)
 
 
 def test_qcheck_recipes_cases_ship_in_the_package_and_user_recipes_use_the_users_directory(tmp_path):
@@ -214,7 +214,7 @@ def test_a_missing_builtin_case_says_the_install_is_incomplete_not_to_record_it(
     absent = golden.GoldenCase("int8", "mixtral", "sparse", dropping=True)
     assert not absent.file(golden.builtin_root()).exists()
     with pytest.raises(AssertionError, match="ships with qcheck, so this installation is incomplete; reinstall"):
-        golden.check_case(absent, golden.builtin_root())
+        golden.assert_case_matches(absent, golden.builtin_root())
 
 
 def test_builtin_cases_are_written_only_from_qcheck_s_checkout(tmp_path):
@@ -229,7 +229,7 @@ def test_checking_never_writes(root):
     edit(path, lambda r: (r.__setitem__("rel_norm", 0.5), redigest(r)))
     before = (path.read_bytes(), path.stat().st_mtime_ns)
     with pytest.raises(AssertionError, match="rel_norm: got"):
-        golden.check_case(CASE, root)
+        golden.assert_case_matches(CASE, root)
     assert (path.read_bytes(), path.stat().st_mtime_ns) == before
 
 

@@ -257,4 +257,4 @@ def test_qwix_rule_with_bwd_qtype_has_no_backward_reference_and_fails_the_straig
                                              r"dgrad \(g unquantized \(straight through to the original operands\)\)"
                                              r": differs from the reference"):
         invariants.assert_sites_backward_exact(qcheck.build_moe("mixtral", recipe, path="dense"), recipe,
-                                               "qwix_int8_bwd")
+                                               label="qwix_int8_bwd")

@@ -149,7 +149,7 @@ VARIANTS = [cases.Variant("mixtral", "dense", False), cases.Variant("gemma", "sp
 
 def _check_exact(recipe, variant):
     with registered(recipe):  # as a user's --recipes module registers it
-        invariants.check_exact(cases.Case(recipe.name, variant))
+        invariants.run_exact(cases.Case(recipe.name, variant))
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.id)
@@ -227,7 +227,7 @@ class _GradsInFnuz(qcheck.Recipe):
 def test_an_e5m2_gradient_recipe_should_pass_backward():
     recipe = qcheck.Recipe("probe_grad_e5m2", lhs="e5m2", rhs="e5m2", grad="e5m2")
     with registered(recipe):
-        invariants.check_backward(cases.Case(recipe.name, VARIANTS[0]))
+        invariants.run_backward(cases.Case(recipe.name, VARIANTS[0]))
 
 
 def test_an_e5m2_gradient_recipe_quantizing_g_in_e5m2fnuz_should_fail_backward_naming_the_sibling():
@@ -235,4 +235,4 @@ def test_an_e5m2_gradient_recipe_quantizing_g_in_e5m2fnuz_should_fail_backward_n
     with registered(recipe), pytest.raises(AssertionError, match=r"site 'wi_0': assert_site_backward_exact: site 'wi_0' dgrad \(g in "
                        r"e5m2 along axes \(2, 3\)\): differs .*; it equals the gradient with g in e5m2fnuz instead "
                        r"of e5m2 bitwise"):
-        invariants.check_backward(cases.Case(recipe.name, VARIANTS[0]))
+        invariants.run_backward(cases.Case(recipe.name, VARIANTS[0]))

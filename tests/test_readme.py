@@ -3,6 +3,8 @@
 import re
 from pathlib import Path
 
+import pytest
+
 from qcheck.suite import invariants
 
 README = (Path(__file__).parent.parent / "README.md").read_text()
@@ -26,6 +28,20 @@ def test_the_matrix_excerpts_have_the_matrix_columns():
 def test_the_invariants_table_lists_every_invariant():
     rows = re.findall(r"^\| `(\w+)` \|", README, re.M)
     assert rows == [inv.name for inv in invariants.INVARIANTS]
+
+
+def test_the_invariants_table_and_the_cli_help_say_what_each_invariant_holds(capsys):
+    from qcheck.suite.cli import main
+
+    assert all(inv.doc for inv in invariants.INVARIANTS)
+    table = "\n".join(["| invariant | holds |", "|---|---|",
+                       *(f"| `{inv.name}` | {inv.doc} |" for inv in invariants.INVARIANTS)])
+    assert table in README, "render the README's invariants table from the invariants' doc"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for inv in invariants.INVARIANTS:
+        assert f"{inv.name} {inv.doc}" in help_text, inv.name
 
 
 def test_the_readme_stays_short():

@@ -65,6 +65,7 @@ MATMUL_PRIMITIVES: frozenset[str] = frozenset(
 ERROR_PRIMITIVES = frozenset({"dot_general", "ragged_dot", "ragged_dot_general"})
 
 ROUNDING = frozenset({"round", "floor", "ceil"})
+#: The matmuls that take (lhs codes, rhs codes, lhs scales, rhs scales).
 BLOCK_SCALED = frozenset({"scaled_matmul_wrapper", "scaled_matmul", "scaled_dot"})
 
 #: Kernels whose bodies are not JAX ops the walk can follow: each is one record, read by its operands' roles.
@@ -103,7 +104,7 @@ VALUE_PRESERVING: dict[str, tuple[str, tuple[int, ...] | slice, str]] = {
     "div": ("scale", (0,), "dequantization: codes over their inverse scale"),
 }
 
-# Calls whose inner jaxpr takes exactly the eqn's operands and gives its results.
+#: Calls whose inner jaxpr takes exactly the eqn's operands and gives its results: primitive -> its jaxpr's param.
 CALLS = {
     "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
     "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",

@@ -10,6 +10,8 @@ with each figure it measured by name.
 
 The exact checks take one description of the matmul they hold a site to: an
 einsum string (or :class:`Einsum`) or :class:`Ragged` with the group sizes.
+:func:`check_layer` runs the layer-level checks on any layer against its
+unquantized twin.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from qcheck.checks._figures import Figures
 from qcheck.checks._fp8_native import assert_fp8_dtypes_native, assert_recipe_fp8_native
 from qcheck.checks._fp8_state import assert_fp8_state_matches, fp8_state
 from qcheck.checks._fresh import assert_fresh_cast_exact, cast_reference
+from qcheck.checks._layer import LayerFigures, check_layer
 from qcheck.recipes._matmul import Einsum, Matmul, Ragged
 from qcheck.checks._moe_referee import assert_moe_matches_referee
 from qcheck.checks._native_gemm import NATIVE_GEMM_TOL, assert_native_matches_emulation
@@ -35,6 +38,7 @@ from qcheck.checks._uninitialized import assert_no_uninitialized_reads
 __all__ = [
     "Einsum",
     "Figures",
+    "LayerFigures",
     "Matmul",
     "NATIVE_GEMM_TOL",
     "Ragged",
@@ -55,6 +59,7 @@ __all__ = [
     "assert_site_exact",
     "assert_tracks",
     "cast_reference",
+    "check_layer",
     "coverage",
     "entry_params",
     "fp8_state",

@@ -19,7 +19,7 @@ from qcheck.suite.cases import Case, Variant
 if TYPE_CHECKING:
     from qcheck.suite.invariants import Invariant
 
-__all__ = ["KIND_INVARIANTS", "check_declared", "declared"]
+__all__ = ["KIND_INVARIANTS", "run_declared", "declared"]
 
 #: The invariants each kind of refusal covers: "gradient", every check that differentiates the layer.
 KIND_INVARIANTS = {"gradient": frozenset({"backward", "grads", "state", "train", "rng"})}
@@ -49,7 +49,7 @@ def _refusal(declared_: Unsupported) -> str:
     return assert_still_unsupported(declared_, declared_.library)
 
 
-def check_declared(case: Case, invariant: str | Invariant) -> str:
+def run_declared(case: Case, invariant: str | Invariant) -> str:
     """The note for a declared cell, after checking the declaration still holds; AssertionError if not.
 
     ``invariant``: a name in :data:`~qcheck.suite.invariants.INVARIANTS`, or an

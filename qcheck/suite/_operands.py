@@ -29,19 +29,14 @@ try:  # jax >= 0.4.3x keeps the jaxpr types here
 except ImportError:  # pragma: no cover
     from jax.core import ClosedJaxpr, Jaxpr
 
-__all__ = ["MATMUL_PRIMITIVES", "site_operands"]
+from qcheck._coverage import BLOCK_SCALED, CALLS, MATMUL_PRIMITIVES
 
-#: The primitives whose operands count as "what the site fed its matmul".
-MATMUL_PRIMITIVES = frozenset({"dot_general", "ragged_dot_general", "ragged_dot", *(
-    _SCALED := frozenset({"scaled_matmul_wrapper", "scaled_matmul"}))})
-# jax.nn.scaled_dot_general's matmul takes (lhs codes, rhs codes, lhs scales, rhs scales): each side's
-# scales are recorded among the narrow values it was computed from.
-# Calls whose inner jaxpr takes the call's operands one for one: followed, so a
-# value computed inside a custom_vjp's forward is seen. Anything else (loops,
-# conds) is evaluated as a whole.
-_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-                    "custom_vjp_call_jaxpr", "remat", "checkpoint"})
-_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+__all__ = ["site_operands"]
+
+# The coverage map's tables: the primitives whose operands count as "what the site fed its matmul" (a block-scaled
+# one records each side's scales among the narrow values it was computed from), and the calls whose inner jaxpr
+# takes the call's operands one for one, followed so a value computed inside a custom_vjp's forward is seen.
+# Anything else (loops, conds, a call whose body is no jaxpr) is evaluated as a whole.
 
 
 def _narrow(dtype) -> bool:
@@ -55,14 +50,13 @@ class _Found(Exception):
 
 
 def _inner(eqn) -> tuple[Jaxpr, list] | None:
-    if eqn.primitive.name not in _CALLS:
+    if eqn.primitive.name not in CALLS:
         return None
-    for name in _JAXPR_PARAMS:
-        sub = eqn.params.get(name)
-        if isinstance(sub, ClosedJaxpr):
-            return sub.jaxpr, list(sub.consts)
-        if isinstance(sub, Jaxpr):
-            return sub, []
+    sub = eqn.params.get(CALLS[eqn.primitive.name])
+    if isinstance(sub, ClosedJaxpr):
+        return sub.jaxpr, list(sub.consts)
+    if isinstance(sub, Jaxpr):
+        return sub, []
     return None
 
 
@@ -84,7 +78,7 @@ def _run(jaxpr: Jaxpr, consts, args, origins):
         ins = [read(v) for v in eqn.invars]
         vals = [x for x, _ in ins]
         came_from = tuple(o for _, os in ins for o in os)
-        if eqn.primitive.name in _SCALED:
+        if eqn.primitive.name in BLOCK_SCALED:
             raise _Found([(x, o + os + (sc,)) for (x, o), (sc, os) in zip(ins[:2], ins[2:4])])
         if eqn.primitive.name in MATMUL_PRIMITIVES:
             raise _Found(ins[:2])

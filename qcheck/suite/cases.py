@@ -91,7 +91,7 @@ class Variant:
 #: seven more layers to compile would add coverage of one axis length. Dropping
 #: on the sparse path only zeroes some combine weights, with the sparse path's
 #: call sites. Both still run, on both models, for ``none``: dense dropping
-#: against sparse dropping (invariants.check_paths_agree).
+#: against sparse dropping (invariants.run_paths).
 DROP_MODELS = ("mixtral",)
 VARIANTS: tuple[Variant, ...] = tuple(
     Variant(m, p, d)

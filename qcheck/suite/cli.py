@@ -15,39 +15,7 @@ dropping) against every invariant that applies to it, then the dense == sparse
 rows for the unquantized layer. Exits 1 if any cell fails.
 
 Columns:
-  sites    no two call sites share a wrapper or a state array; a recipe that
-           never draws carries no RNG stream
-  coverage every matmul but the router, the combine and the dropping masks
-           takes quantized operands (qcheck.coverage); the figure is how many
-           (`qcheck coverage` prints the map); with an fp8_target, every fp8
-           cast, forward and backward, is a type that hardware multiplies
-  exact    each call site of a fresh layer equals, bitwise, the matmul of its
-           operands quantized by the numpy referee in the recipe's declared
-           formats: on probes, and on what it receives in the layer's forward
-  backward each site's input and weight gradients equal, bitwise, the
-           referee's gradient matmuls (g quantized as the recipe declares): on
-           probes, and in one backward pass of the layer, whose weight
-           gradients must be the ones their sites gave
-  tracks   the layer stays within the recipe's relative-norm bound of its
-           unquantized twin and is not equal to it; the figure is the norm
-  grads    one train step: every parameter's gradient is finite and within
-           the recipe's gradient bound of the twin's (not equal to it where
-           the recipe quantizes gradients); the figure is the worst norm
-  state    fp8 scales and amax histories move only in the backward pass
-  train    qcheck.train, the reference trainer, leaves the same fp8 state after
-           a step on the batch as after one over 2 microbatches, and clipped
-           and weight-decayed as not; each amax history rolls once per step
-           and holds the referee's amax of what its site received (recipes
-           with fp8 state, without token dropping)
-  rng      the train step's u32 entry parameters stay flat at 1, 2 and 8 layers
-           (recipes that share a stream); the figure is that count
-  sharded  the layer on a 2 x 4 mesh of host devices computes the single-device
-           output; the figure is the largest difference
-  referee  the unquantized layer computes its model's function: the float64
-           numpy referee's, token by token (recipe none); the figure is the
-           worst difference relative to the token's norm
-  golden   the case matches its golden file (codes and entry parameters exactly,
-           outputs and gradients within the tolerance stored in the file)
+{columns}
 
 A cell reads "pass [figure]", "-" (does not apply), "not supported [n]" or
 "known defect [n]" (a library recipe declares that its library refuses the
@@ -55,6 +23,30 @@ case, or fails this check on it; the check is run and must still fail so), or
 "FAIL [n]": note or failure n is printed in full below the table, with what to
 run to fix it where there is one.
 """
+
+
+def _matrix_help(width: int = 78) -> str:
+    """The matrix's help: the columns are each invariant's ``doc``, wrapped beside its name."""
+    import textwrap
+
+    try:
+        from qcheck.suite.invariants import INVARIANTS
+    except ImportError as e:  # the invariants need the library, which says what this environment lacks
+        return _MATRIX_HELP.format(columns=f"  ({e})")
+    indent = 2 + max(len(inv.name) for inv in INVARIANTS) + 1
+    columns = "\n".join(textwrap.fill(inv.doc, width, initial_indent=f"  {inv.name:<{indent - 3}} ",
+                                      subsequent_indent=" " * indent, break_on_hyphens=False)
+                        for inv in INVARIANTS)
+    return _MATRIX_HELP.format(columns=columns)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Renders the matrix's help when it is shown, not when the command line is parsed: it imports the library."""
+
+    def format_help(self) -> str:
+        if self.description is _MATRIX_HELP:
+            self.description = _matrix_help()
+        return super().format_help()
 
 
 def _add_recipes_option(parser: argparse.ArgumentParser, default=None) -> None:
@@ -72,8 +64,8 @@ def _jobs(text: str) -> int | str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qcheck", description=_MATRIX_HELP,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="qcheck", description=_MATRIX_HELP,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_recipes_option(p)
     sub = p.add_subparsers(dest="command", metavar="{matrix,coverage,golden,rng}")
     m = sub.add_parser("matrix", help="run every invariant on every case (the default)", description=_MATRIX_HELP,
@@ -179,7 +171,7 @@ def _golden(args: argparse.Namespace, module_recipes: tuple[str, ...]) -> int:
         for case, root in found.cases:
             progress.start(case.id)
             try:
-                golden.check_case(case, root)
+                golden.assert_case_matches(case, root)
             except (AssertionError, ValueError) as e:
                 failed.append(str(e))
                 progress.close()

@@ -35,6 +35,7 @@ from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
 from qcheck.suite import _process
 from qcheck.suite.progress import Progress
 from qcheck.suite import invariants
+from qcheck.suite._cells import run_cell
 from qcheck.suite.cases import Case, cases
 from qcheck.recipes import get_recipe
 
@@ -83,16 +84,8 @@ def _run(check, *args) -> Cell:
 
 
 def _cell(inv: invariants.Invariant, case: Case) -> Cell:
-    from qcheck.suite import _declared
-
-    recipe = get_recipe(case.recipe)
-    found = _declared.declared(recipe, case.variant, inv.name)
-    if found is not None:
-        cell = _run(_declared.check_declared, case, inv)  # fails once the declaration is stale
-        if cell.status == "fail":
-            return cell
-        return Cell("unsupported" if found in recipe.expect.unsupported else "known", cell.figure)
-    return _run(inv.run, case) if inv.applies(recipe, case.variant) else Cell("n/a")
+    verdict = run_cell(case, inv)  # the exception stays here: a worker sends back what pickles
+    return Cell(verdict.status, verdict.detail, verdict.figure)
 
 
 def _row(case: Case, env: invariants.RunEnv) -> Row:
@@ -148,11 +141,11 @@ class PathsRow:
 
 
 def _paths_row(model: str, dropping: bool) -> PathsRow:
-    return PathsRow(model, dropping, _run(lambda _: invariants.check_paths_agree(model, dropping), None))
+    return PathsRow(model, dropping, _run(lambda _: invariants.run_paths(model, dropping), None))
 
 
 def run_paths_agree(models: tuple[str, ...], *, executor: Executor | None = None) -> list[PathsRow]:
-    """:func:`~qcheck.invariants.check_paths_agree` per model, without and with dropping."""
+    """:func:`~qcheck.invariants.run_paths` per model, without and with dropping."""
     pairs = [(m, d) for m in models for d in (False, True)]
     run = map if executor is None else executor.map
     return list(run(_paths_row, *zip(*pairs)))

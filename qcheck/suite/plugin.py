@@ -375,14 +375,14 @@ def qcheck_golden(request: pytest.FixtureRequest) -> Callable[[], str]:
             pytest.skip(f"{param[1]}: not checked")
         case, root = param
         if not request.config.getoption("--update-golden"):
-            golden.check_case(case, root)
+            golden.assert_case_matches(case, root)
             return "match"
         if not golden.writable_here(case.recipe, request.config.rootpath):
             pytest.fail(f"{case.id}: qcheck's own golden cases ship with qcheck ({root}) and are rewritten only "
                         "from qcheck's own checkout", pytrace=False)
         line = golden.write_case(case, root, overwrite=True)
         request.node.user_properties.append(("qcheck_golden", line))
-        golden.check_case(case, root)
+        golden.assert_case_matches(case, root)
         return line
 
     return run

@@ -8,7 +8,7 @@ Three parts, each depending only on the ones before it:
 - :mod:`~qcheck.suite.golden.record`: running a case now to produce the values
   its file pins;
 - :mod:`~qcheck.suite.golden.compare`: a case against its file, each drift
-  named with how far and both sides' provenance (:func:`check_case`);
+  named with how far and both sides' provenance (:func:`assert_case_matches`);
 
 and :mod:`~qcheck.suite.golden.write`, what ``python -m qcheck golden add/update``
 and ``pytest --update-golden`` run: record, compare, store. Files are written
@@ -17,7 +17,7 @@ its digest is reported by name and never silently replaced by a check.
 """
 
 from qcheck.suite._operands import site_operands  # noqa: F401 - what record reads a site with
-from qcheck.suite.golden.compare import bitwise_same, check_case, differences, moved_within_tolerance
+from qcheck.suite.golden.compare import bitwise_same, assert_case_matches, differences, moved_within_tolerance
 from qcheck.suite.golden.record import canonical_operands, measure, operand_codes, train_step_entry_params
 from qcheck.suite.golden.store import (CANONICAL_EQN, DEFAULT_TOLERANCE, ENV, GRAD_SAMPLE, SCHEMA, Collected,
                                        GoldenCase, GoldenError, GoldenFileError, Stored, add_command, builtin_root,
@@ -41,7 +41,7 @@ __all__ = [
     "bitwise_same",
     "builtin_root",
     "canonical_operands",
-    "check_case",
+    "assert_case_matches",
     "check_writable",
     "collect",
     "decode_array",

@@ -16,7 +16,7 @@ from qcheck.suite.golden.record import measure
 from qcheck.suite.golden.store import (GoldenCase, Stored, add_command, builtin_root, grad_sample, provenance,
                                        read_case, to_record, update_command)
 
-__all__ = ["bitwise_same", "check_case", "differences", "moved_within_tolerance"]
+__all__ = ["bitwise_same", "assert_case_matches", "differences", "moved_within_tolerance"]
 
 
 def differences(stored: Stored, values: dict[str, Any]) -> list[str]:
@@ -115,7 +115,7 @@ def _provenance_line(p: dict[str, Any]) -> str:
             f"seed {p.get('seed')}, {p.get('date')}")
 
 
-def check_case(case: GoldenCase, root: Path) -> None:
+def assert_case_matches(case: GoldenCase, root: Path) -> None:
     """Assert the case's current numerics match its golden file.
 
     A missing file fails with the exact command that creates it; an unusable

@@ -1,0 +1,44 @@
+"""The one program of a case's fresh layer that ``exact``, ``backward`` and ``train`` read, and where ``exact``
+applies (the program is built for whichever of them apply)."""
+
+from __future__ import annotations
+
+import functools
+
+from qcheck.layers.moe import MoE
+from qcheck.recipes import Recipe, get_recipe
+from qcheck.suite import cases as cases_mod
+from qcheck.suite.cases import Case, Variant, backward_applies
+from qcheck.suite import _site_programs
+from qcheck.suite._site_programs import SiteRuns
+
+
+@functools.cache
+def case_site_runs(case: Case) -> SiteRuns:
+    """The case's fresh layer in one program: ``exact``'s and ``backward``'s probes, and the recorded forward pass.
+
+    Built for whichever of the two apply to the case and read by both, once per
+    process: the per-site programs were two thirds of the matrix's compiles.
+    """
+    return site_runs(cases_mod.layer(case), get_recipe(case.recipe), case.variant)
+
+
+def site_runs(layer: MoE, recipe: Recipe, variant: Variant) -> SiteRuns:
+    """:func:`case_site_runs` for any layer of ``variant``: the one program, for the checks that apply."""
+    from qcheck.checks import _backward
+    from qcheck.checks import _layer_backward
+
+    exact, backward = exact_applies(recipe, variant), backward_applies(recipe, variant)
+    through = backward and _layer_backward.through_layer_applies(recipe)
+    x = cases_mod.layer_input(variant.model)
+    return _site_programs.run_sites(
+        layer,
+        forward=_site_programs.exact_probes(layer, recipe) if exact else [],
+        backward=_site_programs.backward_probes(layer, recipe) if backward else [],
+        x=x if exact or through else None, capture=exact,
+        layer_g=_backward.probe_grad(7, x.shape) if through else None)
+
+
+def exact_applies(recipe: Recipe, variant: Variant) -> bool:
+    # Recipes that declare operand formats (lhs=/rhs=) or a cast dtype.
+    return recipe.lhs is not None or recipe.reference.cast_dtype is not None
