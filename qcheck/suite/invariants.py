@@ -455,7 +455,7 @@ def assert_layer_trains(layer: MoE, x, label: str, *, calls=None) -> int:
     """
     __tracebackhide__ = True
     from qcheck.checks._fp8_state import assert_fp8_state_matches, fp8_state, history_rolls
-    from qcheck.layers._train import train
+    from qcheck.layers.trainer import train
 
     fresh = fp8_state(layer)
     unclipped = functools.partial(train, max_norm=None, weight_decay=0.0)
