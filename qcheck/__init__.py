@@ -34,6 +34,7 @@ __all__ = [
     "assert_fp8_dtypes_native",
     "assert_fp8_state_matches",
     "assert_fresh_cast_exact",
+    "assert_layer_sites_backward_exact",
     "assert_layer_sites_exact",
     "assert_moe_matches_referee",
     "assert_native_matches_emulation",
@@ -74,6 +75,7 @@ _WHERE = {
     "assert_fp8_state_matches": "qcheck.checks",
     "assert_format_matches_referee": "qcheck.checks",
     "assert_fresh_cast_exact": "qcheck.checks",
+    "assert_layer_sites_backward_exact": "qcheck.checks",
     "assert_layer_sites_exact": "qcheck.checks",
     "assert_moe_matches_referee": "qcheck.checks",
     "assert_native_matches_emulation": "qcheck.checks",
@@ -114,27 +116,27 @@ _WHERE = {
     "Skip": "qcheck._coverage",
     "warmed_up": "qcheck._coverage",
     "UserCodeError": "qcheck._errors",
-    "LayerFigures": "qcheck.checks._layer",
-    "check_layer": "qcheck.checks._layer",
-    "copy_params_into": "qcheck.checks._layer",
-    "fp8_state": "qcheck.checks._fp8_state",
-    "train": "qcheck.layers._train",
+    "LayerFigures": "qcheck.checks",
+    "check_layer": "qcheck.checks",
+    "copy_params_into": "qcheck.checks",
+    "fp8_state": "qcheck.checks",
+    "train": "qcheck.layers.trainer",
 }
 
 if TYPE_CHECKING:
     from qcheck.checks import (assert_amax_histories_follow_operands, assert_fp8_dtypes_native,
                                assert_fp8_state_matches, assert_format_matches_referee, assert_fresh_cast_exact,
-                               assert_layer_sites_exact, assert_moe_matches_referee, assert_native_matches_emulation,
+                               assert_layer_sites_backward_exact, assert_layer_sites_exact,
+                               assert_moe_matches_referee, assert_native_matches_emulation,
                                assert_no_recompiles, assert_no_uninitialized_reads, assert_quantized,
                                assert_ragged_groups_independent, assert_recipe_fp8_native, assert_site_backward_exact,
                                assert_site_exact, assert_tracks)
     from qcheck import checks, formats, native, referees
-    from qcheck.checks._layer import LayerFigures, check_layer, copy_params_into
+    from qcheck.checks import LayerFigures, check_layer, copy_params_into, fp8_state
     from qcheck._coverage import (KernelRoles, MatmulRecord, Skip, coverage, format_coverage, skip_at,
                                   skip_functions, skip_modules, skip_where, warmed_up)
-    from qcheck.checks._fp8_state import fp8_state
     from qcheck._errors import UserCodeError
-    from qcheck.layers._train import train
+    from qcheck.layers.trainer import train
     from qcheck.layers.bridge import QuantSite
     from qcheck.layers.decoder import build_decoder
     from qcheck.layers.moe import MODELS, PATHS, MoE, MoEConfig, build_moe

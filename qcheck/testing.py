@@ -197,7 +197,7 @@ def _cells(invariant: Invariant, recipes: Iterable[str] | None, models: Iterable
            paths: Iterable[str] | None) -> list[tuple[str, Case, Any]]:
     """``(name, case, declaration)`` of every cell of ``invariant`` with a verdict: it applies, or it is declared."""
     from qcheck.recipes import get_recipe
-    from qcheck.suite._declared import declared
+    from qcheck.suite.cells import declared
 
     rows = []
     for row in case_parameters(recipes=recipes, models=models, paths=paths):
@@ -297,7 +297,7 @@ class InvariantTestCase(QuantizationAssertions, parameterized.TestCase):
         and fails, saying to drop it, once it does not.
         """
         __tracebackhide__ = True
-        from qcheck.suite._cells import run_cell
+        from qcheck.suite.cells import run_cell
         from qcheck.suite.invariants import RunEnv
 
         if invariant.name == "sharded":

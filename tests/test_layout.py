@@ -245,3 +245,47 @@ def test_a_private_reached_from_another_module_is_named(tmp_path):
     (package / "train.py").write_text("from qcheck import _step\nfrom qcheck._step import _TRAINABLE\nx = _step._TRAINABLE\n")
     assert private_reaches(package) == ["qcheck/train.py: from qcheck._step import _TRAINABLE",
                                         "qcheck/train.py:3: _step._TRAINABLE"]
+
+
+def private_modules_reached(root: Path) -> list[str]:
+    """Each import, by a module under ``root``, of another package's private module.
+
+    ``a.b._c`` belongs to the package ``a.b``: only modules inside it import it
+    (``qcheck._errors`` belongs to ``qcheck``, so every part may, but
+    ``qcheck._coverage._walk`` only ``qcheck._coverage``'s own). What a package
+    offers the others is what its ``__init__`` exports.
+    """
+    found = set()
+    for module, deps in import_graph(root).items():
+        for dep in deps:
+            parts = dep.split(".")
+            for i in (i for i, p in enumerate(parts) if p.startswith("_") and not p.startswith("__")):
+                owner = ".".join(parts[:i])
+                if module != owner and not module.startswith(owner + "."):
+                    found.add(f"{module} imports {'.'.join(parts[: i + 1])}")
+                    break
+    return sorted(found)
+
+
+def test_no_module_imports_another_packages_private_module():
+    assert private_modules_reached(QCHECK) == []
+
+
+def test_a_private_module_imported_from_another_package_is_named(tmp_path):
+    package = tmp_path / "qcheck"
+    for sub in ("checks", "suite"):
+        (package / sub).mkdir(parents=True)
+        (package / sub / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "_errors.py").write_text("")
+    (package / "checks" / "_site.py").write_text("from qcheck import _errors\n")
+    (package / "checks" / "__init__.py").write_text("from qcheck.checks._site import *\n")
+    (package / "suite" / "run.py").write_text("from qcheck import checks\n")
+    assert private_modules_reached(package) == []
+    (package / "suite" / "run.py").write_text("from qcheck.checks import _site\n")
+    assert private_modules_reached(package) == ["qcheck.suite.run imports qcheck.checks._site"]
+    (package / "_walk").mkdir()
+    (package / "_walk" / "__init__.py").write_text("")
+    (package / "_walk" / "_jaxpr.py").write_text("")
+    (package / "suite" / "run.py").write_text("from qcheck import _walk\nfrom qcheck._walk import _jaxpr\n")
+    assert private_modules_reached(package) == ["qcheck.suite.run imports qcheck._walk._jaxpr"]

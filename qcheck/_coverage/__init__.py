@@ -11,14 +11,18 @@ require_supported()  # the walk reads jaxpr internals that older JAX lacks
 
 from qcheck._coverage._records import (BLOCK_SCALED, CALLS, MATMUL_PRIMITIVES, VALUE_PRESERVING, MatmulRecord,
                                        OperandQuant)
-from qcheck._coverage._kernels import KernelRoles
-from qcheck._coverage._map import assert_quantized, coverage, format_coverage, warmed_up
-from qcheck._coverage._scopes import MACHINERY
+from qcheck._coverage._declared import Declaration, as_declaration, mixed_formats
+from qcheck._coverage._kernels import KernelRoles, as_kernel_roles
+from qcheck._coverage._map import (after_first_call, assert_quantized, coverage, format_coverage, graph_paths,
+                                   quantized_records, warmed_up)
+from qcheck._coverage._readers import read_declaration
+from qcheck._coverage._scopes import MACHINERY, machinery_prefixes, user_frames
 from qcheck._coverage._skips import Skip, SkipArg, as_skips, skip_at, skip_functions, skip_modules, skip_where
 
 __all__ = [
     "BLOCK_SCALED",
     "CALLS",
+    "Declaration",
     "KernelRoles",
     "MACHINERY",
     "MATMUL_PRIMITIVES",
@@ -27,13 +31,22 @@ __all__ = [
     "OperandQuant",
     "Skip",
     "SkipArg",
+    "after_first_call",
+    "as_declaration",
+    "as_kernel_roles",
     "as_skips",
     "assert_quantized",
     "coverage",
     "format_coverage",
+    "graph_paths",
+    "machinery_prefixes",
+    "mixed_formats",
+    "quantized_records",
+    "read_declaration",
     "skip_at",
     "skip_functions",
     "skip_modules",
     "skip_where",
+    "user_frames",
     "warmed_up",
 ]

@@ -51,6 +51,8 @@ def _prefix_of(package: str) -> str | None:
 
 
 def machinery_prefixes(extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The path prefixes of the machinery (:data:`MACHINERY`, the ``extra`` packages, the stdlib, qcheck's own
+    call-site layers) a frame is skipped over in, to locate a matmul at the user's line."""
     here = os.path.dirname(os.path.abspath(__file__)) + os.sep  # qcheck/_coverage/
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # qcheck/
     packages = [p for p in (_prefix_of(name) for name in (*MACHINERY, *extra)) if p]
@@ -77,6 +79,7 @@ def _display(filename: str) -> str:
 
 
 def user_frames(eqn: jcore.JaxprEqn, prefixes: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """``(file:line, function)`` of each frame of ``eqn``'s traceback outside the ``prefixes``, innermost last."""
     tb = eqn.source_info.traceback
     if tb is None:
         return ()

@@ -46,9 +46,7 @@ from flax import linen as nn
 
 from qcheck import formats
 from qcheck.adapters._ragged import ragged_dot_from_einsum
-from qcheck.recipes import Expect, Recipe
-from qcheck.recipes._declarations import DEFAULT_RECIPE_MAX_GRAD_REL_NORM
-from qcheck.recipes._nvfp4 import NVFP4_MAX_GRAD_REL_NORM, NVFP4_MAX_REL_NORM
+from qcheck.recipes import DEFAULT_RECIPE_MAX_GRAD_REL_NORM, NVFP4_MAX_GRAD_REL_NORM, NVFP4_MAX_REL_NORM, Expect, Recipe
 
 __all__ = ["JAX_MODES", "JaxScaledDotRecipe", "jax_mxfp8", "jax_nvfp4", "scaled_dot_general_runs"]
 

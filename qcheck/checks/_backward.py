@@ -44,10 +44,9 @@ from qcheck.checks._assertion import assertion
 from qcheck.checks._bits import as_float32, bits, bitwise_equal
 from qcheck.checks._figures import Figures
 from qcheck.checks._mismatch import mismatch, refuse_known_bugs
-from qcheck.recipes._matmul import Einsum, Matmul, Ragged, as_matmul
 from qcheck.checks._probes import probe_grad, probe_nvfp4
 from qcheck.layers.bridge import QuantSite
-from qcheck.recipes import NVFP4, MatmulAxes, Recipe
+from qcheck.recipes import NVFP4, Einsum, Matmul, MatmulAxes, Ragged, Recipe, as_matmul
 
 __all__ = [
     "Expectation",
@@ -108,7 +107,8 @@ class _MakeRng(nn.Module):
 # -- the programs: one per kind of site (its graph definition) and shapes ---------------
 
 
-def site_grads(site, matmul: Matmul, lhs, rhs, g, key) -> tuple[jax.Array, jax.Array]:
+def site_grads(site: nnx.Module, matmul: Matmul, lhs: ArrayLike, rhs: ArrayLike, g: ArrayLike,
+               key: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The site's (dgrad, wgrad) of ``matmul`` for output gradient ``g``, traced in the caller's program.
 
     A :class:`~qcheck.QuantSite` draws from ``key``; an interception recipe's

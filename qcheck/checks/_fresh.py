@@ -13,7 +13,7 @@ from qcheck import formats
 from qcheck.checks._assertion import assertion
 from qcheck.checks._bits import bitwise_equal
 from qcheck.checks._mismatch import mismatch, refuse_known_bugs
-from qcheck.recipes._matmul import Einsum, Matmul, Ragged, as_matmul
+from qcheck.recipes import Einsum, Matmul, Ragged, as_matmul
 from qcheck.checks._probes import fp8_dtype
 from qcheck.checks._tracks import count_nonfinite, rel_norm
 

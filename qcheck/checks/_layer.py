@@ -40,14 +40,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen, nnx
 
+from qcheck._coverage import (Declaration, KernelRoles, MatmulRecord, SkipArg, after_first_call, as_declaration,
+                              as_kernel_roles, as_skips, graph_paths, mixed_formats, quantized_records,
+                              read_declaration, warmed_up)
 from qcheck._errors import user_code
 from qcheck.checks._tracks import assert_tracks, rel_norm
 from qcheck.checks._uninitialized import uninitialized_reads, unspecified_buffers
-from qcheck._coverage import KernelRoles, MatmulRecord, SkipArg, as_skips, warmed_up
-from qcheck._coverage._kernels import as_kernel_roles
-from qcheck._coverage._map import after_first_call, graph_paths, quantized_records
-from qcheck._coverage._declared import Declaration, as_declaration, mixed_formats
-from qcheck._coverage._readers import read_declaration
 
 __all__ = ["DEFAULT_MAX_GRAD_REL_NORM", "INPUT_GRAD", "LayerFigures", "call_module", "check_layer", "copy_params_into",
            "equinox_params"]

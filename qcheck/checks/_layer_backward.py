@@ -34,10 +34,9 @@ from qcheck.checks._assertion import assertion
 from qcheck.checks._backward import (assert_grad_equal, backend_qdq, expectations, grad_bugs, grad_operand_formats,
                                      grad_operands)
 from qcheck.checks._bits import bits, bitwise_equal
-from qcheck.recipes._matmul import Einsum, Matmul, Ragged, as_matmul
 from qcheck.checks._probes import probe_grad
 from qcheck.checks._site import record_site_calls
-from qcheck.recipes import Recipe, get_recipe
+from qcheck.recipes import Einsum, Matmul, Ragged, Recipe, as_matmul, get_recipe
 
 __all__ = ["SiteGradCall", "assert_layer_sites_backward_exact", "judge_site_grad_calls", "record_site_grads",
            "through_layer_applies"]

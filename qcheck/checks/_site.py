@@ -57,12 +57,10 @@ from qcheck import formats, referees
 from qcheck.checks._assertion import assertion
 from qcheck.checks._bits import as_float32, bitwise_equal
 from qcheck.checks._mismatch import mismatch, refuse_known_bugs
-from qcheck.recipes._matmul import EINSUM_LAYOUTS, EINSUM_PARTIAL_SUMS, Einsum, Matmul, Ragged, as_matmul
 from qcheck.checks._probes import PARTING_BINADES, part_fibres, probe_nvfp4, probe_operands
-from qcheck.referees import _integer as _integer_matmul
-from qcheck.referees._formats import Blocks, flush
-from qcheck.referees._libraries import LIBRARY_RULES
-from qcheck.recipes import MatmulAxes, Recipe, get_recipe
+from qcheck.recipes import (EINSUM_LAYOUTS, EINSUM_PARTIAL_SUMS, Einsum, Matmul, MatmulAxes, Ragged, Recipe, as_matmul,
+                            get_recipe)
+from qcheck.referees import LIBRARY_RULES, MATMUL_MODES, SCALE_ORDERS, Blocks, flush
 
 __all__ = [
     "EINSUM_LAYOUTS",
@@ -155,7 +153,7 @@ _INTEGER_FORMATS = frozenset(f.name for f in formats.FORMATS if f.kind == "int")
 
 
 def _library_neighbours(mm: Matmul, lhs, rhs, lhs_fmt: str, rhs_fmt: str) -> Iterator[tuple[str, np.ndarray]]:
-    """What a library computes under the declared formats' names (qcheck.referees._libraries), on both operands.
+    """What a library computes under the declared formats' names (``qcheck.referees.LIBRARY_RULES``), on both operands.
 
     Names for a failure only: the reference need not tell them apart on every
     operand (qwix's MXFP8 equals OCP's on blocks whose amax significand is at
@@ -180,11 +178,11 @@ def _integer_reference(mm: Matmul, lhs, rhs, lhs_fmt: str, rhs_fmt: str, order: 
 def _integer_neighbours(mm: Matmul, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt) -> Iterator[tuple[str, np.ndarray]]:
     """The integer-mode bugs: the float matmul a library might run instead, the scales in the other order."""
     yield "the float32 matmul of the dequantized operands (arithmetic='float')", mm.reference(q_lhs, q_rhs)
-    yield (f"the scales applied in the other order ({_integer_matmul.SCALE_ORDERS[1]})",
-           _integer_reference(mm, lhs, rhs, lhs_fmt, rhs_fmt, _integer_matmul.SCALE_ORDERS[1]))
+    yield (f"the scales applied in the other order ({SCALE_ORDERS[1]})",
+           _integer_reference(mm, lhs, rhs, lhs_fmt, rhs_fmt, SCALE_ORDERS[1]))
     if mm.shared_rhs_axes is not None:
         yield _SHARED + ", in integer arithmetic", _integer_reference(
-            mm, lhs, rhs, lhs_fmt, rhs_fmt, _integer_matmul.SCALE_ORDERS[0], rhs_axes=mm.shared_rhs_axes)
+            mm, lhs, rhs, lhs_fmt, rhs_fmt, SCALE_ORDERS[0], rhs_axes=mm.shared_rhs_axes)
 
 
 def _check(site: str, mm: Matmul, lhs, rhs, got, lhs_fmt: str, rhs_fmt: str, *, strict: bool,
@@ -196,7 +194,7 @@ def _check(site: str, mm: Matmul, lhs, rhs, got, lhs_fmt: str, rhs_fmt: str, *, 
          for o1, o2 in itertools.product(_orders(lhs_fmt), _orders(rhs_fmt))}
     q_lhs, q_rhs = q[(NVFP4_DECODE_ORDERS[0], NVFP4_DECODE_ORDERS[0])]
     if integer:
-        want = _integer_reference(mm, lhs, rhs, lhs_fmt, rhs_fmt, _integer_matmul.SCALE_ORDERS[0])
+        want = _integer_reference(mm, lhs, rhs, lhs_fmt, rhs_fmt, SCALE_ORDERS[0])
         bugs = itertools.chain(_neighbours(mm, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt),
                                _integer_neighbours(mm, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt))
     else:
@@ -249,7 +247,7 @@ def assert_site_exact(
     neighbouring bug are refused with a ValueError (see
     :func:`probe_site_operands`). ``site`` names the call site in messages.
     ``arithmetic="integer"`` (int8 formats): the reference multiplies the codes
-    exactly and applies the scales after (:mod:`qcheck.referees._integer`).
+    exactly and applies the scales after (:func:`qcheck.referees.integer_einsum`).
     """
     mm, lhs, rhs = _site_inputs(matmul, lhs, rhs, lhs_format, rhs_format, arithmetic)
     judge_site_exact(mm, lhs, rhs, mm.call(op, lhs, rhs), lhs_format=lhs_format, rhs_format=rhs_format, site=site,
@@ -275,8 +273,8 @@ def judge_site_exact(matmul: Matmul, lhs: ArrayLike, rhs: ArrayLike, got: ArrayL
 def _check_formats(*fmts: str, arithmetic: str = "float") -> None:
     for fmt in fmts:
         formats.get_format(fmt)
-    if arithmetic not in _integer_matmul.MATMUL_MODES:
-        raise ValueError(f"unknown arithmetic {arithmetic!r}; valid: {', '.join(_integer_matmul.MATMUL_MODES)}")
+    if arithmetic not in MATMUL_MODES:
+        raise ValueError(f"unknown arithmetic {arithmetic!r}; valid: {', '.join(MATMUL_MODES)}")
     if arithmetic == "integer" and (bad := [f for f in fmts if f not in _INTEGER_FORMATS]):
         raise ValueError(f"arithmetic='integer' needs integer formats ({', '.join(sorted(_INTEGER_FORMATS))}), "
                          f"got {', '.join(bad)}")

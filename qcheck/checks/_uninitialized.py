@@ -28,7 +28,7 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 
-from qcheck._coverage._scopes import machinery_prefixes, user_frames
+from qcheck._coverage import machinery_prefixes, user_frames
 from qcheck._errors import user_code
 from qcheck.checks._assertion import assertion
 from qcheck.checks._figures import Figures

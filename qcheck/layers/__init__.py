@@ -1,2 +1,3 @@
 """The layers qcheck builds per recipe: the MoE (:mod:`.moe`), the decoder stack (:mod:`.decoder`), the
-quantized call site every matmul goes through (:mod:`.bridge`), and the train step (:mod:`.step`)."""
+quantized call site every matmul goes through (:mod:`.bridge`), the train step (:mod:`.step`) and the
+reference trainer (:mod:`.trainer`)."""

@@ -23,10 +23,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from qcheck._choices import require_choice
-from qcheck.recipes._plain import UnquantizedSite
 from qcheck.layers.bridge import QuantSite
-from qcheck.recipes import ApplyRngs, InterceptRecipe, Recipe, get_recipe
-from qcheck.recipes._matmul import Einsum, Matmul, Ragged
+from qcheck.recipes import (ApplyRngs, Einsum, InterceptRecipe, Matmul, Ragged, Recipe, UnquantizedSite,
+                            get_recipe)
 
 __all__ = ["MESH_AXES", "MODELS", "PATHS", "UNQUANTIZED_BY_DESIGN", "MoE", "MoEConfig", "SiteSpec", "build_moe",
            "transform_layer"]
@@ -348,7 +347,7 @@ def transform_layer(layer: MoE, recipe: InterceptRecipe) -> MoE:
 
 def _site(recipe: Recipe, name: str, rngs: nnx.Rngs, apply_rngs: ApplyRngs | None, dtype) -> nnx.Module:
     # The unquantized layer's sites are plain NNX modules (not ToNNX), so
-    # interception libraries (qwix) can walk it (qcheck.recipes._plain).
+    # interception libraries (qwix) can walk it (qcheck.recipes.UnquantizedSite).
     if not recipe.quantized:
         return UnquantizedSite(name, rngs=rngs)
     return QuantSite(recipe, name, rngs=rngs, apply_rngs=apply_rngs, dtype=dtype)

@@ -26,7 +26,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from qcheck.recipes._axes import RAGGED_AXES, MatmulAxes, einsum_axes
-from qcheck.referees import _integer
+from qcheck import referees
 
 __all__ = ["EINSUM_LAYOUTS", "EINSUM_PARTIAL_SUMS", "Einsum", "Matmul", "Ragged", "as_matmul", "uneven_group_sizes"]
 
@@ -158,9 +158,9 @@ class Einsum:
         return self
 
     def integer(self, lhs_codes, lhs_scales, rhs_codes, rhs_scales, *, order: str, ftz: bool) -> np.ndarray:
-        """The integer-mode reference (:func:`qcheck.referees._integer.integer_einsum`) of codes and scales."""
+        """The integer-mode reference (:func:`qcheck.referees.integer_einsum`) of codes and scales."""
         axes = self.axes(lhs_codes.ndim, rhs_codes.ndim)
-        return _integer.integer_einsum(self.eqn, lhs_codes, lhs_scales, rhs_codes, rhs_scales, axes, order=order,
+        return referees.integer_einsum(self.eqn, lhs_codes, lhs_scales, rhs_codes, rhs_scales, axes, order=order,
                                        ftz=ftz)
 
     def check_operands(self, lhs: np.ndarray, rhs: np.ndarray) -> None:
@@ -280,8 +280,8 @@ class Ragged:
         return Ragged(uneven_group_sizes(sum(self.group_sizes), len(self.group_sizes), seed))
 
     def integer(self, lhs_codes, lhs_scales, rhs_codes, rhs_scales, *, order: str, ftz: bool) -> np.ndarray:
-        """The integer-mode reference (:func:`qcheck.referees._integer.integer_ragged_dot`) of codes and scales."""
-        return _integer.integer_ragged_dot(lhs_codes, lhs_scales, rhs_codes, rhs_scales,
+        """The integer-mode reference (:func:`qcheck.referees.integer_ragged_dot`) of codes and scales."""
+        return referees.integer_ragged_dot(lhs_codes, lhs_scales, rhs_codes, rhs_scales,
                                            np.asarray(self.group_sizes, np.int32), order=order, ftz=ftz)
 
     def check_operands(self, lhs: np.ndarray, rhs: np.ndarray) -> None:

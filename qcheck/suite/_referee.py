@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from qcheck import referees
-from qcheck.checks import Figures, _moe_referee
+from qcheck.checks import Figures, compare_with_referee, module_params, referee_weights
 from qcheck.layers import step
 from qcheck.layers.moe import MoE
 
@@ -43,13 +43,12 @@ def assert_layer_matches_referee(layer: MoE, x, label: str, *, rtol: float, atol
     __tracebackhide__ = True
     c = layer.config
     got = np.asarray(step.apply(layer, x)[0]) if output is None else output
-    w = _moe_referee.referee_weights(_moe_referee.module_params(layer), referee_params(layer), style=c.router,
-                                     emb=c.emb)
+    w = referee_weights(module_params(layer), referee_params(layer), style=c.router, emb=c.emb)
     capacity = (referees.reference_capacity(x.shape[1], c.top_k, c.num_experts, layer.capacity_factor)
                 if layer.capacity_factor > 0 else None)
     try:
-        return _moe_referee.compare_with_referee(got, x, w, style=c.router, top_k=c.top_k,
-                                                 activation=REFEREE_ACTIVATIONS[c.activation], capacity=capacity,
-                                                 rtol=rtol, atol=atol)
+        return compare_with_referee(got, x, w, style=c.router, top_k=c.top_k,
+                                    activation=REFEREE_ACTIVATIONS[c.activation], capacity=capacity,
+                                    rtol=rtol, atol=atol)
     except AssertionError as e:
         raise AssertionError(f"{label}: {e}") from None

@@ -35,7 +35,7 @@ from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
 from qcheck.suite import _process
 from qcheck.suite.progress import Progress
 from qcheck.suite import invariants
-from qcheck.suite._cells import run_cell
+from qcheck.suite.cells import run_cell
 from qcheck.suite.cases import Case, cases
 from qcheck.recipes import get_recipe
 

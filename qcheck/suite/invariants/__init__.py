@@ -1,5 +1,5 @@
 """The suite's invariants over the case table: one module each, run alike by the matrix, the pytest plugin and
-``qcheck.testing`` (:func:`qcheck.suite._cells.run_cell`).
+``qcheck.testing`` (:func:`qcheck.suite.cells.run_cell`).
 
 Each invariant's module has ``doc`` (what it holds, in one line: the CLI's help
 and the README's table show it), ``applies(recipe, variant)`` and ``run(case)``,

@@ -25,18 +25,17 @@ def case_site_runs(case: Case) -> SiteRuns:
 
 def site_runs(layer: MoE, recipe: Recipe, variant: Variant) -> SiteRuns:
     """:func:`case_site_runs` for any layer of ``variant``: the one program, for the checks that apply."""
-    from qcheck.checks import _backward
-    from qcheck.checks import _layer_backward
+    from qcheck import checks
 
     exact, backward = exact_applies(recipe, variant), backward_applies(recipe, variant)
-    through = backward and _layer_backward.through_layer_applies(recipe)
+    through = backward and checks.through_layer_applies(recipe)
     x = cases_mod.layer_input(variant.model)
     return _site_programs.run_sites(
         layer,
         forward=_site_programs.exact_probes(layer, recipe) if exact else [],
         backward=_site_programs.backward_probes(layer, recipe) if backward else [],
         x=x if exact or through else None, capture=exact,
-        layer_g=_backward.probe_grad(7, x.shape) if through else None)
+        layer_g=checks.probe_grad(7, x.shape) if through else None)
 
 
 def exact_applies(recipe: Recipe, variant: Variant) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from qcheck import checks
-from qcheck.checks._assertion import assertion, judged_as
+from qcheck.checks import assertion, judged_as
 from qcheck.layers.moe import MoE
 from qcheck.recipes import Recipe, get_recipe
 from qcheck.suite import cases as cases_mod
@@ -21,14 +21,12 @@ doc = ("each call site of a fresh layer equals, bitwise, the matmul of its opera
 def assert_sites_cast_exact(layer: MoE, cast_dtype, *, label: str = "") -> None:
     """Every call site of a fresh ``layer`` equals the einsum (or ragged_dot) of cast operands, bitwise."""
     __tracebackhide__ = True
-    from qcheck.checks._fresh import judge_fresh_cast
-
     probes = [_site_programs.Probe(name, spec.matmul.regrouped(i), *checks.probe_operands(i, spec.lhs_shape,
                                                                                            spec.rhs_shape))
               for i, (name, spec) in enumerate(layer.site_specs(BATCH, SEQ).items())]
     runs = _site_programs.run_sites(layer, forward=probes)  # one program for all sites
     for p in probes:
-        judged_as(checks.assert_fresh_cast_exact, judge_fresh_cast, p.matmul, p.lhs, p.rhs, runs.forward[p.site],
+        judged_as(checks.assert_fresh_cast_exact, checks.judge_fresh_cast, p.matmul, p.lhs, p.rhs, runs.forward[p.site],
                   cast_dtype=cast_dtype, label=f"{label} site {p.site!r}")
 
 
@@ -44,13 +42,11 @@ def assert_sites_exact(layer: MoE, recipe: Recipe, runs: SiteRuns | None = None,
     (``runs``: one that also served other checks, :func:`case_site_runs`).
     """
     __tracebackhide__ = True
-    from qcheck.checks import _site as _site_exact
-
-    lhs_fmt, rhs_fmt = _site_exact.operand_formats(recipe)
+    lhs_fmt, rhs_fmt = checks.operand_formats(recipe)
     probes = _site_programs.exact_probes(layer, recipe)
     runs = runs or _site_programs.run_sites(layer, forward=probes)
     for p in probes:
-        judged_as(checks.assert_site_exact, _site_exact.judge_site_exact, p.matmul, p.lhs, p.rhs, runs.forward[p.site],
+        judged_as(checks.assert_site_exact, checks.judge_site_exact, p.matmul, p.lhs, p.rhs, runs.forward[p.site],
                   lhs_format=lhs_fmt, rhs_format=rhs_fmt, site=p.site, arithmetic=recipe.reference.matmul, label=label)
 
 
@@ -58,18 +54,16 @@ def run(case: Case) -> None:
     """Every site exact in the recipe's declared formats: on probes, and through one forward pass of the layer.
 
     :func:`assert_sites_exact` on the case's fresh layer, then
-    :func:`qcheck.checks._site.judge_site_calls` on the site calls of
+    :func:`qcheck.checks.judge_site_calls` on the site calls of
     its forward pass on the case's input, which sees a layer that skips a
     site, calls another site's wrapper, or skips quantization at one call site
     on one path. Both read :func:`case_site_runs`.
     """
     __tracebackhide__ = True
-    from qcheck.checks import _site as _site_exact
-
     layer, recipe = cases_mod.layer(case), get_recipe(case.recipe)
     runs = case_site_runs(case)
     assert_sites_exact(layer, recipe, runs, label=case.id)
-    judged_as(checks.assert_layer_sites_exact, _site_exact.judge_site_calls, tuple(layer.sites.keys()), runs.calls,
+    judged_as(checks.assert_layer_sites_exact, checks.judge_site_calls, tuple(layer.sites.keys()), runs.calls,
               recipe, label=case.id)
 
 

@@ -41,7 +41,7 @@ def assert_layer_trains(layer: MoE, x, label: str, *, calls=None) -> int:
     step clipped to ``TRAIN_MAX_NORM`` with weight decay. Then each site's
     input and kernel histories hold, after one step, the numpy amaxes of the
     two operands the site received in the layer's forward pass (``calls``,
-    recorded by :func:`qcheck.checks._site.record_site_calls`; skipped without),
+    recorded by :func:`qcheck.checks.record_site_calls`; skipped without),
     bitwise, as a pair (Flax's ``Fp8Einsum`` records the weight as its "input"
     where ``jnp.einsum`` swaps the operands), and every amax history rolls
     exactly once per step (over two steps). The output gradient's amax has no
@@ -49,8 +49,8 @@ def assert_layer_trains(layer: MoE, x, label: str, *, calls=None) -> int:
     Returns how many fp8 leaves were held.
     """
     __tracebackhide__ = True
-    from qcheck.checks._fp8_state import assert_fp8_state_matches, fp8_state, history_rolls
-    from qcheck.layers._train import train
+    from qcheck.checks import assert_fp8_state_matches, fp8_state, history_rolls
+    from qcheck.layers.trainer import train
 
     fresh = fp8_state(layer)
     unclipped = functools.partial(train, max_norm=None, weight_decay=0.0)

@@ -4,14 +4,14 @@ One test per invariant of :data:`qcheck.suite.invariants.INVARIANTS` (but
 ``golden``, whose items are the golden files: ``test_golden_cases.py``), each
 parametrized by qcheck's pytest plugin over the cases it applies to
 (``@pytest.mark.qcheck_invariant``), and each running its cell as the matrix and
-qcheck.testing do (:func:`qcheck.suite._cells.run_cell`): every assertion lives
+qcheck.testing do (:func:`qcheck.suite.cells.run_cell`): every assertion lives
 in the invariant, so the three give one verdict.
 """
 
 import pytest
 
 from qcheck.suite import invariants
-from qcheck.suite._cells import run_cell
+from qcheck.suite.cells import run_cell
 
 #: The items' names, which CI logs and ``-k`` expressions know; an invariant not listed is ``test_<name>``.
 _NAMES = {

@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING
 
 from qcheck._choices import require_choice
 from qcheck.recipes import Unsupported, get_recipe
+from qcheck.suite._declared import declared, run_declared
 from qcheck.suite.cases import Case
 
 if TYPE_CHECKING:
     from qcheck.suite.invariants import Invariant
 
-__all__ = ["STATUSES", "Verdict", "invariant_named", "run_cell"]
+__all__ = ["STATUSES", "Verdict", "declared", "invariant_named", "run_cell"]
 
 #: What a cell can be: "unsupported" (the library refuses it) and "known" (a declared defect) are declared cells.
 STATUSES = ("pass", "fail", "n/a", "unsupported", "known")
@@ -61,14 +62,12 @@ def run_cell(case: Case, invariant: str | Invariant) -> Verdict:
     ``invariant``: a name in :data:`~qcheck.suite.invariants.INVARIANTS`, or an
     invariant as a run bound it (:meth:`~qcheck.suite.invariants.RunEnv.bind`).
     """
-    from qcheck.suite import _declared
-
     inv = invariant_named(invariant) if isinstance(invariant, str) else invariant
     recipe = get_recipe(case.recipe)
-    found = _declared.declared(recipe, case.variant, inv.name)
+    found = declared(recipe, case.variant, inv.name)
     if found is not None:
         try:
-            note = _declared.run_declared(case, inv)  # fails once the declaration is stale
+            note = run_declared(case, inv)  # fails once the declaration is stale
         except Exception as e:  # noqa: BLE001 - a cell reports any failure
             return _failed(e)
         return Verdict("unsupported" if isinstance(found, Unsupported) else "known", note)
