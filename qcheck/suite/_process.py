@@ -121,8 +121,8 @@ def start_run_cache(environ=os.environ, *, own: bool = False) -> None:
     """In a pytest-xdist controller: a compilation cache for this run's workers, where no persistent one is on.
 
     A program two workers both need (an unquantized twin, an eager op of the
-    layers' construction) is then compiled by one and read by the other: in
-    qcheck's own suite 144 s -> 110 s of CPU on 2 cores. ``own`` as for
+    layers' construction) is then compiled by one and read by the other
+    (docs/performance.md says what it saves). ``own`` as for
     :func:`setup`. The workers find the directory in ``$QCHECK_RUN_XLA_CACHE``
     (:func:`run_cache_dir`); :func:`end_run_cache` removes it.
     """
@@ -154,10 +154,8 @@ def collect_less() -> None:
 
     The heap of a qcheck process (a matrix worker, a test worker) grows to
     half a million objects and more that live as long as it does, and each
-    full pass rescans them all: a test worker's 12 full passes took 2.8 s
-    (about 0.5 s with this), and in one process running 15 Mixtral cases of
-    the matrix 9 full passes took 2.3 s of 61 s, against 0.4 s for the one
-    left. Young garbage is collected as before.
+    full pass rescans them all (docs/performance.md: what that cost). Young
+    garbage is collected as before.
     """
     import gc
 

@@ -7,17 +7,14 @@ single-device output, ``rng`` the u32 entry parameters of the train step,
 ``-`` (the invariant does not apply to the case) or ``FAIL [n]``, where ``[n]``
 points to the failure's full text below the table (and in ``--json``): the
 diagnosis and the command that fixes it are never cut. A cell its recipe
-declares (:mod:`qcheck.suite._declared`) reads ``not supported [n]`` (the
+declares (:mod:`qcheck.suite.cells`) reads ``not supported [n]`` (the
 library refuses the case) or ``known defect [n]`` (the check fails as declared),
 its note the library, version and reason; it turns ``FAIL`` once untrue.
 
 Cases are independent (same seed, same bits in any process), so the matrix can
 run them in worker processes (:func:`worker_pool`): compiling dominates and is
-single-threaded. On the 2-core CI machine two workers take one half to two
-thirds of one process's time (22.9 s against 42.5 s in one benchmark, 31.2 s
-against 46.0 s in the next, the machine's speed drifting); its two
-vCPUs give about 1.5 cores of compile throughput
-(two compile workloads side by side each run 1.6 times slower than alone).
+single-threaded, so two workers on two cores take between half and two thirds
+of one process's time (docs/performance.md has the measurements).
 """
 
 from __future__ import annotations
