@@ -1087,27 +1087,32 @@ CATALOGUE = [
     Bug("golden_catches_numerics_drift",
         "a recipe's layer output drifting from its golden case", "golden (`tests/test_golden.py`)",
         lambda p: golden_int8(p, "output"),
-        (golden_check(r"(?s)int8-mixtral-dense does not match .*output: \d+ of 2048 values outside rtol.*golden "
+        (golden_check(r"(?s)^assert_case_matches: golden case int8-mixtral-dense does not match "
+                      r".*output: \d+ of 2048 values outside rtol.*golden "
                       r"written with: jax .*this run: .*golden update int8"),)),
     # The forward pass (output, codes, rel_norm) is untouched: only the train step's gradients move.
     Bug("golden_catches_gradients_that_drifted",
         "a recipe's train-step gradients drifting from its golden case (the forward pass unchanged)",
         "golden (gradients)", lambda p: golden_int8(p, "grads"),
-        (golden_check(r"(?s)int8-mixtral-dense does not match .*grads\['gate'\]: \d+ of 256 sampled values outside "
+        (golden_check(r"(?s)^assert_case_matches: golden case int8-mixtral-dense does not match "
+                      r".*grads\['gate'\]: \d+ of 256 sampled values outside "
                       r"rtol 1e-05, atol 5e-08.*grads\['wi_0'\]: norm .*golden update int8"),)),
     Bug("golden_catches_a_file_edited_by_hand",
         "a golden file edited by hand", "golden (content digest)", golden_edited_by_hand,
-        (golden_check("does not match its digest: it was edited by hand", error=golden.GoldenFileError),)),
+        (golden_check("^assert_case_matches: golden file .* does not match its digest: it was edited by hand",
+                      error=golden.GoldenFileError),)),
     Bug("golden_catches_gemma_dropping_its_per_expert_scale",
         "Gemma's router dropping its per-expert output scale (drawn around 1, so the output moves)",
         "golden (`tracks` and dense == sparse cannot: both sides drop it)", gemma_dropping_its_scale,
-        (golden_check(r"(?s)none-gemma-dense does not match .*output: 2048 of 2048 values outside rtol", case=GEMMA),),
+        (golden_check(r"(?s)^assert_case_matches: golden case none-gemma-dense does not match .*output: 2048 of 2048 "
+                      r"values outside rtol", case=GEMMA),),
         control=lambda planted: invariants.assert_paths_agree(planted["paths"]["dense"], planted["paths"]["sparse"],
                                                               label="blind")),
     Bug("golden_records_what_a_site_feeds_its_matmul_not_its_declaration",
         "a plug-in whose site quantizes otherwise than it declares (int8 declared, e4m3fn cast)",
         "golden (codes traced from the site)", golden_fed_codes,
-        (golden_check(r"(?s)int8-mixtral-dense does not match .*codes: got keys \['lhs', 'lhs.float8_e4m3fn', 'rhs', "
+        (golden_check(r"(?s)^assert_case_matches: golden case int8-mixtral-dense does not match "
+                      r".*codes: got keys \['lhs', 'lhs.float8_e4m3fn', 'rhs', "
                       r"'rhs.float8_e4m3fn'\], golden \['lhs', 'lhs.int8', 'rhs', 'rhs.int8'\].*codes\['lhs'\]: \d+ of "
                       r"128 differ"),),
         control=fed_e4m3_codes),
