@@ -253,8 +253,8 @@ def test_aqt_two_bit_gradients_fail_grads():
     from aqt.jax.v2 import config
 
     two_bit = _aqt().aqt_recipe("aqt_2bit_grads", functools.partial(config.config_v4, dlhs_bits=2, drhs_bits=2))
-    with pytest.raises(AssertionError, match=r"aqt_2bit_grads: gradient of wi_0 \(float32\) is 0\.[5-9]\d* from the "
-                                             r"none twin's \(relative norm; bound 0\.3\)"):
+    with pytest.raises(AssertionError, match=r"^aqt_2bit_grads: assert_grads_track: gradient of wi_0 \(float32\) "
+                                             r"is 0\.[5-9]\d* from the none twin's \(relative norm; bound 0\.3\)"):
         invariants.assert_grads_track(_aqt_grads(two_bit), _none_grads(), max_grad_rel_norm=0.3, distinct=False,
                                       label="aqt_2bit_grads")
 

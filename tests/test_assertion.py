@@ -9,6 +9,7 @@ import pytest
 
 from qcheck import checks, formats, referees
 from qcheck.checks._assertion import assertion, judged_as
+from qcheck.suite import golden, invariants
 
 # Every public assertion of qcheck.checks but assert_quantized: it forwards every other keyword to the
 # function it traces (a label would be taken from that function), and lives below qcheck.checks.
@@ -18,6 +19,20 @@ WRAPPED = sorted(n for n in checks.__all__ if n.startswith("assert_") and n != "
 @pytest.mark.parametrize("name", WRAPPED)
 def test_every_assertion_goes_through_the_wrapper_with_a_label(name):
     fn = getattr(checks, name)
+    assert fn.__qcheck_assertion__ == name
+    label = inspect.signature(fn).parameters["label"]
+    assert (label.kind, label.default) == (inspect.Parameter.KEYWORD_ONLY, "")
+
+
+# The suite's checks too, but assert_layer_quantized: it puts its label in front of assert_quantized's message,
+# which names itself.
+SUITE_WRAPPED = [(m, n) for m in (invariants, golden) for n in sorted(m.__all__)
+                 if n.startswith("assert_") and n != "assert_layer_quantized"]
+
+
+@pytest.mark.parametrize("module, name", SUITE_WRAPPED, ids=[n for _, n in SUITE_WRAPPED])
+def test_every_suite_check_goes_through_the_wrapper_with_a_label(module, name):
+    fn = getattr(module, name)
     assert fn.__qcheck_assertion__ == name
     label = inspect.signature(fn).parameters["label"]
     assert (label.kind, label.default) == (inspect.Parameter.KEYWORD_ONLY, "")

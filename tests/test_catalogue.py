@@ -378,8 +378,8 @@ SHARDED_CASE = cases.Case("int8", cases.Variant("mixtral", "dense", False))
 
 
 def _check_sharded(build_sharded):
-    invariants.assert_layer_sharded_matches(build_sharded, cases.layer_output(SHARDED_CASE), X, "bug",
-                                            mesh=cases.mesh())
+    invariants.assert_layer_sharded_matches(build_sharded, cases.layer_output(SHARDED_CASE), X, mesh=cases.mesh(),
+                                            label="bug")
 
 
 GOLDEN_CASE = golden.GoldenCase("int8", "mixtral", "dense")
@@ -663,7 +663,7 @@ def outputs_alone_are_blind(build) -> None:
     # Its output is the single-device layer's, bitwise, so comparing outputs alone passes at 0.0.
     placed = jax.device_put(X, jax.sharding.NamedSharding(cases.mesh(), jax.sharding.PartitionSpec("data")))
     blind = np.asarray(step.apply(build(None), placed)[0])
-    assert invariants.assert_sharded_matches(cases.layer_output(SHARDED_CASE), blind, "blind") == 0.0
+    assert invariants.assert_sharded_matches(cases.layer_output(SHARDED_CASE), blind, label="blind") == 0.0
 
 
 def each_site_and_the_forward_healthy(broken: MoE) -> None:
@@ -734,7 +734,8 @@ def backward_exact(recipe: str, message: str) -> Catch:
 
 
 def fp8_state_only_in_backward(message: str) -> Catch:
-    return Catch(invariants.assert_fp8_state_moves_only_in_backward, lambda broken: (broken, X, "bug"), message)
+    return Catch(invariants.assert_fp8_state_moves_only_in_backward, lambda broken: (broken, X), message,
+                 {"label": "bug"})
 
 
 def layer_quantized(message: str) -> Catch:
@@ -756,13 +757,13 @@ def run_train(message: str) -> Catch:
 
 
 def sites_independent(message: str) -> Catch:
-    return Catch(invariants.assert_sites_independent, lambda broken: (broken, "bug"), message)
+    return Catch(invariants.assert_sites_independent, lambda broken: (broken,), message, {"label": "bug"})
 
 
 def sharded_matches(message: str) -> Catch:
     return Catch(invariants.assert_layer_sharded_matches,
-                 lambda build: (build, cases.layer_output(SHARDED_CASE), X, "bug"), message,
-                 lambda: {"mesh": cases.mesh()})
+                 lambda build: (build, cases.layer_output(SHARDED_CASE), X), message,
+                 lambda: {"mesh": cases.mesh(), "label": "bug"})
 
 
 def golden_check(message: str, case=None, error: type[Exception] = AssertionError) -> Catch:
@@ -774,9 +775,10 @@ def referee(message: str) -> Catch:
     """The ``referee`` invariant's check (at the case table's tolerance) and the public check, on the planted layer."""
     rtol, atol = DENSE.referee_tolerance
     return Catch(invariants.assert_layer_matches_referee,
-                 lambda broken: (broken, np.asarray(cases.layer_input(broken.config.model)), "bug"),
-                 r"^bug: token \(\d+, \d+\) differs from the float64 referee by [\d.]+ of its norm .*; worst at "
-                 r"output\[\d+, \d+, \d+\]: .*" + message, {"rtol": rtol, "atol": atol})
+                 lambda broken: (broken, np.asarray(cases.layer_input(broken.config.model))),
+                 r"^bug: assert_layer_matches_referee: token \(\d+, \d+\) "
+                 r"differs from the float64 referee by [\d.]+ of its norm .*; worst at "
+                 r"output\[\d+, \d+, \d+\]: .*" + message, {"rtol": rtol, "atol": atol, "label": "bug"})
 
 
 def moe_referee(model: str, message: str) -> Catch:
@@ -829,7 +831,8 @@ CATALOGUE = [
     Bug("exact_and_state_catch_a_fresh_scale_that_is_not_one",
         "a fresh layer whose scale is not 1", "`exact`, `state`", nanoo_scale_two,
         (cast_exact(E4M3FNUZ, "site 'wo'.*scale not 1"),
-         fp8_state_only_in_backward(r"fresh layer has scales != 1 .*sites\.wo\.kernel_scale"))),
+         fp8_state_only_in_backward(r"^bug: assert_fp8_state_moves_only_in_backward: fresh layer has scales != 1 "
+                                    r".*sites\.wo\.kernel_scale"))),
     Bug("exact_catches_an_int8_site_unquantized_on_the_token_dropping_path",
         "an int8 call site that skips quantization on the token-dropping path only", "`exact` (through the layer)",
         lambda p: layer(DropSkipsInt8(), dropping=True),
@@ -870,11 +873,13 @@ CATALOGUE = [
                          r"\[full precision\].*lhs and rhs unquantized"),)),
     Bug("state_catches_a_forward_pass_that_writes_amax_history",
         "a forward pass that writes fp8 state", "`state`", forward_writes_history,
-        (fp8_state_only_in_backward(r"forward pass changed fp8 state at \['sites\.wo\.input_amax_history'\]"),)),
+        (fp8_state_only_in_backward(r"^bug: assert_fp8_state_moves_only_in_backward: a forward pass changed fp8 "
+                                    r"state at \['sites\.wo\.input_amax_history'\]"),)),
     Bug("state_catches_a_layer_that_lost_its_fp8_state",
         "an fp8 layer that lost its scales and histories", "`state`",
         lambda p: cases.layer(cases.Case("int8", DENSE)),
-        (fp8_state_only_in_backward("no fp8 scales or amax histories"),)),
+        (fp8_state_only_in_backward("^bug: assert_fp8_state_moves_only_in_backward: the layer has no fp8 scales "
+                                    "or amax histories"),)),
     # One expert matmul multiplying in full precision, on one path: the layer still lands well inside
     # its bound and differs from its twin, so tracks passes.
     Bug("coverage_catches_one_call_site_unquantized_on_the_sparse_path",
@@ -942,19 +947,21 @@ CATALOGUE = [
     Bug("grads_catches_nan_gradients_from_an_unguarded_empty_amax_history",
         "NaN gradients from an unguarded delayed scale (empty amax history)", "`grads` (finite)",
         planted_grads("empty_history"),
-        (grads_track(r"bug: gradient of \w+ \(float32\) has \d+ non-finite values of \d+"),)),
+        (grads_track(r"^bug: assert_grads_track: gradient of \w+ \(float32\) has \d+ non-finite values of \d+"),)),
     # The forward pass is a healthy e4m3fn layer: tracks passes; only the gradients are flushed.
     Bug("grads_catches_output_gradients_cast_to_e4m3_at_scale_1",
         "output gradients cast to e4m3 at scale 1, most flushed to 0 (the forward pass unchanged)",
         "`grads` (gradient bound)", planted_grads("e4m3_scale_1"),
-        (grads_track(r"bug: gradient of \w+ \(float32\) is 0\.[6-9]\d* from the none twin's \(relative norm; bound "
+        (grads_track(r"^bug: assert_grads_track: gradient of \w+ \(float32\) is 0\.[6-9]\d* "
+                     r"from the none twin's \(relative norm; bound "
                      r"0\.3\); \d+ of \d+ values are 0"),)),
     # A recipe that declares no gradient quantization (distinct=False): all of them equal is still a fallback.
     Bug("grads_catches_a_layer_that_fell_back_to_full_precision",
         "an fp8 layer whose every site fell back: gradients bitwise equal to the twin's", "`grads` (not bitwise equal)",
         fell_back_grads,
-        (grads_track(r"bug: gradient of gate \(float32\) is bitwise equal to the none twin's"),
-         grads_track(r"bug: every gradient is bitwise equal to the none twin's — the quantized path was not taken",
+        (grads_track(r"^bug: assert_grads_track: gradient of gate \(float32\) is bitwise equal to the none twin's"),
+         grads_track(r"^bug: assert_grads_track: every gradient is bitwise equal to the none twin's "
+                     r"— the quantized path was not taken",
                      distinct=False))),
     Bug("fp8_state_catches_a_loop_summing_fp8_state_across_microbatches",
         "a training loop summing the fp8 state across microbatches like a gradient (amax, scale x M)",
@@ -1004,7 +1011,8 @@ CATALOGUE = [
     Bug("train_catches_a_site_quantizing_its_input_twice_recording_twice_its_amax",
         "an fp8 site quantizing its input twice: twice the amax in a batch and in its microbatches alike",
         "`train` (the referee's amax of what the site saw)", lambda p: reused_case(p, halves=False),
-        (run_train(rf"^{TWICE.id}: sites/wi_0/input_amax_history\[0\], sites/wi_0/kernel_amax_history\[0\] after one "
+        (run_train(rf"^{TWICE.id}: assert_layer_trains: sites/wi_0/input_amax_history\[0\], "
+                     r"sites/wi_0/kernel_amax_history\[0\] after one "
                      r"step are ([\d.]+), [\d.]+; the referee's amaxes of the operands site 'wi_0' received are "
                      r"([\d.]+) \(lhs\), [\d.]+ \(rhs\): the site records other amaxes than its operands'"),),
         then=records_twice_the_referees_amax),
@@ -1012,7 +1020,8 @@ CATALOGUE = [
     Bug("train_catches_an_amax_history_written_over_at_0_not_rolled",
         "an amax history written over at 0 instead of rolled (one step cannot tell)", "`train` (rolls once per step)",
         lambda p: planted_case(p, _UnrolledFp8(UNROLLED.recipe, e4m3_dtype=E4M3FN, e5m2_dtype=jnp.float8_e5m2)),
-        (run_train(rf"^{UNROLLED.id}: sites/wi_0/input_amax_history at step 2 was not rolled \(each history rolls "
+        (run_train(rf"^{UNROLLED.id}: assert_layer_trains: sites/wi_0/input_amax_history at step 2 "
+                     r"was not rolled \(each history rolls "
                      r"once per step, newest amax at 0\)"),)),
     Bug("tracks_catches_a_layer_whose_quantization_silently_fell_away",
         "a layer whose quantization fell away everywhere", "`tracks`", lambda p: step.apply(fp8_fallen_back(), X)[0],
@@ -1032,19 +1041,20 @@ CATALOGUE = [
                {"target": "mi300"}))),
     Bug("sites_catches_two_names_bound_to_one_site",
         "two call-site names bound to one wrapper", "`sites`", two_names_one_site,
-        (sites_independent("sites 'wi_0' and 'wi_1' are one object"),)),
+        (sites_independent("^bug: assert_sites_independent: sites 'wi_0' and 'wi_1' are one object"),)),
     Bug("sites_catches_two_sites_sharing_a_scale",
         "two call sites sharing a scale", "`sites`", two_sites_one_scale,
-        (sites_independent(r"sites 'wi_0' and 'wo' share state \(input_scale\)"),)),
+        (sites_independent(r"^bug: assert_sites_independent: sites 'wi_0' and 'wo' share state \(input_scale\)"),)),
     Bug("sites_catches_streams_kept_by_a_recipe_that_never_draws",
         "RNG streams kept by the sites of a recipe that never draws", "`sites`",
         lambda p: MoE(MODELS["mixtral"], get_recipe("fp8"), rngs=nnx.Rngs(0), apply_rngs=ApplyRngs.PRIVATE),
-        (Catch(invariants.assert_sites_carry_no_rng_stream, lambda broken: (broken, "bug"),
-               r"sites \['wi_0', 'wi_1', 'wo'\] of a recipe that never draws carry"),)),
+        (Catch(invariants.assert_sites_carry_no_rng_stream, lambda broken: (broken,),
+               r"^bug: assert_sites_carry_no_rng_stream: sites \['wi_0', 'wi_1', 'wo'\] "
+               r"of a recipe that never draws carry", {"label": "bug"}),)),
     Bug("paths_agree_catches_a_sparse_routing_bug",
         "a sparse router that forgets to renormalize", "dense == sparse", dropping_twin,
-        (Catch(invariants.assert_paths_agree, lambda out: (out["dense"], out["sparse"], "bug"),
-               "dense and sparse differ by up to"),)),
+        (Catch(invariants.assert_paths_agree, lambda out: (out["dense"], out["sparse"]),
+               "^bug: assert_paths_agree: dense and sparse differ by up to", {"label": "bug"}),)),
     # Bugs in the layer code a quantized layer and its twin share: tracks, check_layer and dense == sparse cannot see
     # them; before the referee only the golden files of the unquantized layer could.
     Bug("referee_catches_a_mixtral_router_taking_the_softmax_over_all_experts_before_top_k",
@@ -1063,12 +1073,12 @@ CATALOGUE = [
     Bug("rng_catches_a_forked_stream_per_layer",
         "a forked RNG stream per wrapper per layer under SHARED", "`rng`",
         lambda p: invariants.rng_entry_params("mixtral", "nvfp4", depths=(1, 2), apply_rngs=ApplyRngs.PRIVATE),
-        (Catch(invariants.assert_rng_state_constant, lambda forked: ({n: c["u32"] for n, c in forked.items()}, "bug"),
-               r"RNG state grows with depth .*\{1: 8, 2: 14\}"),)),
+        (Catch(invariants.assert_rng_state_constant, lambda forked: ({n: c["u32"] for n, c in forked.items()},),
+               r"^bug: assert_rng_state_constant: RNG state grows with depth .*\{1: 8, 2: 14\}", {"label": "bug"}),)),
     Bug("rng_control_catches_a_measurement_that_sees_nothing",
         "an RNG measurement that sees nothing", "`rng`'s PRIVATE control", lambda p: {1: 2, 2: 2, 8: 2},
-        (Catch(invariants.assert_rng_state_grows, lambda u32: (u32, "bug"),
-               "forced PRIVATE, u32 entry parameters should grow"),)),
+        (Catch(invariants.assert_rng_state_grows, lambda u32: (u32,),
+               "^bug: assert_rng_state_grows: forced PRIVATE, u32 entry parameters should grow", {"label": "bug"}),)),
     Bug("reused_stochastic_rounding_bits_are_visible",
         "stochastic-rounding bits reused across quantizers", "the per-quantizer-bits test in `tests/test_rng.py`",
         unsalted_quantizer_keys,
@@ -1077,39 +1087,46 @@ CATALOGUE = [
     Bug("golden_catches_numerics_drift",
         "a recipe's layer output drifting from its golden case", "golden (`tests/test_golden.py`)",
         lambda p: golden_int8(p, "output"),
-        (golden_check(r"(?s)int8-mixtral-dense does not match .*output: \d+ of 2048 values outside rtol.*golden "
+        (golden_check(r"(?s)^assert_case_matches: golden case int8-mixtral-dense does not match "
+                      r".*output: \d+ of 2048 values outside rtol.*golden "
                       r"written with: jax .*this run: .*golden update int8"),)),
     # The forward pass (output, codes, rel_norm) is untouched: only the train step's gradients move.
     Bug("golden_catches_gradients_that_drifted",
         "a recipe's train-step gradients drifting from its golden case (the forward pass unchanged)",
         "golden (gradients)", lambda p: golden_int8(p, "grads"),
-        (golden_check(r"(?s)int8-mixtral-dense does not match .*grads\['gate'\]: \d+ of 256 sampled values outside "
+        (golden_check(r"(?s)^assert_case_matches: golden case int8-mixtral-dense does not match "
+                      r".*grads\['gate'\]: \d+ of 256 sampled values outside "
                       r"rtol 1e-05, atol 5e-08.*grads\['wi_0'\]: norm .*golden update int8"),)),
     Bug("golden_catches_a_file_edited_by_hand",
         "a golden file edited by hand", "golden (content digest)", golden_edited_by_hand,
-        (golden_check("does not match its digest: it was edited by hand", error=golden.GoldenFileError),)),
+        (golden_check("^assert_case_matches: golden file .* does not match its digest: it was edited by hand",
+                      error=golden.GoldenFileError),)),
     Bug("golden_catches_gemma_dropping_its_per_expert_scale",
         "Gemma's router dropping its per-expert output scale (drawn around 1, so the output moves)",
         "golden (`tracks` and dense == sparse cannot: both sides drop it)", gemma_dropping_its_scale,
-        (golden_check(r"(?s)none-gemma-dense does not match .*output: 2048 of 2048 values outside rtol", case=GEMMA),),
+        (golden_check(r"(?s)^assert_case_matches: golden case none-gemma-dense does not match .*output: 2048 of 2048 "
+                      r"values outside rtol", case=GEMMA),),
         control=lambda planted: invariants.assert_paths_agree(planted["paths"]["dense"], planted["paths"]["sparse"],
-                                                              "blind")),
+                                                              label="blind")),
     Bug("golden_records_what_a_site_feeds_its_matmul_not_its_declaration",
         "a plug-in whose site quantizes otherwise than it declares (int8 declared, e4m3fn cast)",
         "golden (codes traced from the site)", golden_fed_codes,
-        (golden_check(r"(?s)int8-mixtral-dense does not match .*codes: got keys \['lhs', 'lhs.float8_e4m3fn', 'rhs', "
+        (golden_check(r"(?s)^assert_case_matches: golden case int8-mixtral-dense does not match "
+                      r".*codes: got keys \['lhs', 'lhs.float8_e4m3fn', 'rhs', "
                       r"'rhs.float8_e4m3fn'\], golden \['lhs', 'lhs.int8', 'rhs', 'rhs.int8'\].*codes\['lhs'\]: \d+ of "
                       r"128 differ"),),
         control=fed_e4m3_codes),
     Bug("sharded_catches_experts_reassembled_in_the_wrong_order",
         "expert shards reassembled in the wrong order, on a mesh only", "`sharded`", mesh_only_reassembly,
-        (sharded_matches(r"^bug: the sharded layer differs from the single-device one at \d+ of 2048 values, by up to "
+        (sharded_matches(r"^bug: assert_sharded_matches: the sharded layer differs "
+                         r"from the single-device one at \d+ of 2048 values, by up to "
                          r".*\(rtol 1e-05, atol 1e-06\)"),),
         control=layer_alone_is_healthy),
     Bug("sharded_catches_a_twin_built_without_its_mesh",
         "a sharded twin built without its mesh (its output equals the single-device one)",
         "`sharded` (twin not sharded)", unsharded_twin,
-        (sharded_matches(r"^bug: the sharded twin is not sharded: weight 'wi_0' \(float32\[8, 32, 64\]\) is "
+        (sharded_matches(r"^bug: assert_layer_sharded: the sharded twin is not sharded: weight 'wi_0' "
+                         r"\(float32\[8, 32, 64\]\) is "
                          r"SingleDeviceSharding on 1 device\(s\), not on the 4-way 'expert' mesh of 8 devices \(built "
                          r"without its mesh\?\)"),),
         control=outputs_alone_are_blind),

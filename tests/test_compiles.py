@@ -35,7 +35,7 @@ def suite_pass() -> None:
         layer = build_moe(v.model, case.recipe, path=v.path, capacity_factor=v.capacity_factor, seed=SEED)
         x = layer_input(v.model)
         step.lower_train_step(*step.split_for_step(layer), x)  # golden's entry parameters
-        invariants.assert_sites_independent(layer, case.id)
+        invariants.assert_sites_independent(layer, label=case.id)
         if cases.train_step_runs(recipe, v):  # as cases.layer_output: the output comes from the train step
             first = step.train_step(layer, x)
             if recipe.materialize_at_build:  # as invariants.run_state

@@ -106,7 +106,8 @@ def test_update_rewrites_a_changed_file_and_says_what_changed(root):
 
 
 def test_a_missing_case_fails_with_the_command_that_creates_it(tmp_path):
-    with pytest.raises(AssertionError, match=r"no file .*; create the recipe's cases with:\n  "
+    with pytest.raises(AssertionError, match=r"^assert_case_matches: golden case int8-mixtral-dense has no file .*; "
+                       r"create the recipe's cases with:\n  "
                        r"qcheck golden add int8 --golden-dir "):
         golden.assert_case_matches(CASE, tmp_path)
 
@@ -181,7 +182,7 @@ def test_a_bad_golden_file_is_named_with_what_is_wrong(root, spoil, message):
     spoil(path)
     with pytest.raises(golden.GoldenFileError, match=message) as info:
         golden.assert_case_matches(CASE, root)
-    assert str(path) in str(info.value)
+    assert str(info.value).startswith(f"assert_case_matches: golden file {path}: ")
 
 
 def test_a_stray_file_is_reported_not_checked(root):
@@ -197,7 +198,8 @@ def test_a_case_of_a_recipe_this_run_did_not_load_is_reported_not_checked(root):
     assert found.unloaded == [(root / "ghost" / "mixtral-dense.json", "ghost")]
     assert "ghost" not in {c.recipe for c, _ in found.cases}
     ghost = golden.GoldenCase("ghost", "mixtral", "dense")
-    with pytest.raises(AssertionError, match="recipe 'ghost', which is not registered .*--qcheck-recipes"):
+    with pytest.raises(AssertionError, match="^assert_case_matches: golden case ghost-mixtral-dense .* is for recipe "
+                       "'ghost', which is not registered .*--qcheck-recipes"):
         golden.assert_case_matches(ghost, root)
 
 
@@ -213,7 +215,8 @@ def test_a_missing_builtin_case_says_the_install_is_incomplete_not_to_record_it(
     # A case the package's directory does not hold: int8's sparse layer has no token-dropping variant.
     absent = golden.GoldenCase("int8", "mixtral", "sparse", dropping=True)
     assert not absent.file(golden.builtin_root()).exists()
-    with pytest.raises(AssertionError, match="ships with qcheck, so this installation is incomplete; reinstall"):
+    with pytest.raises(AssertionError, match="^assert_case_matches: golden case .* ships with qcheck, so this "
+                       "installation is incomplete; reinstall"):
         golden.assert_case_matches(absent, golden.builtin_root())
 
 
@@ -228,7 +231,8 @@ def test_checking_never_writes(root):
     path = CASE.file(root)
     edit(path, lambda r: (r.__setitem__("rel_norm", 0.5), redigest(r)))
     before = (path.read_bytes(), path.stat().st_mtime_ns)
-    with pytest.raises(AssertionError, match="rel_norm: got"):
+    with pytest.raises(AssertionError, match=r"(?s)^assert_case_matches: golden case int8-mixtral-dense does not match "
+                       r".*rel_norm: got"):
         golden.assert_case_matches(CASE, root)
     assert (path.read_bytes(), path.stat().st_mtime_ns) == before
 

@@ -61,8 +61,8 @@ def test_every_dropping_layer_matches_the_referee(model, path):
     # The case table drops tokens on Mixtral's dense layer only; dense == sparse runs all four, and so does this.
     case = cases.Case("none", cases.Variant(model, path, True))
     figures = invariants.assert_layer_matches_referee(
-        cases.layer(case), np.asarray(cases.layer_input(model)), case.id, rtol=cases.REFEREE_RTOL,
-        atol=cases.REFEREE_ATOL, output=cases.layer_output(case))
+        cases.layer(case), np.asarray(cases.layer_input(model)), rtol=cases.REFEREE_RTOL, atol=cases.REFEREE_ATOL,
+        output=cases.layer_output(case), label=case.id)
     assert figures["dropped"] > 0  # the capacity binds: tokens are dropped on this seed
 
 

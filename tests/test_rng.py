@@ -190,7 +190,7 @@ def _u32_of_unrolled(stack) -> int:
 def test_rng_state_of_a_shared_recipe_matches_the_unquantized_twin_should_pass():
     twin = invariants.rng_entry_params("mixtral", "none", depths=(1,))[1]["u32"]
     shared = invariants.rng_entry_params("mixtral", "nvfp4", depths=(1,))[1]["u32"]
-    assert invariants.assert_rng_state_matches_twin(shared, twin, "nvfp4-mixtral") == twin
+    assert invariants.assert_rng_state_matches_twin(shared, twin, label="nvfp4-mixtral") == twin
 
 
 def test_rng_state_of_one_stream_the_sites_share_across_layers_is_flat_but_not_the_twins_should_fail():
@@ -205,8 +205,9 @@ def test_rng_state_of_one_stream_the_sites_share_across_layers_is_flat_but_not_t
         return stack
 
     by_depth = {n: _u32_of_unrolled(rewired(n)) for n in (1, 2)}
-    flat = invariants.assert_rng_state_constant(by_depth, "one stream for the stack")  # flat: passes
+    flat = invariants.assert_rng_state_constant(by_depth, label="one stream for the stack")  # flat: passes
     twin = invariants.rng_entry_params("mixtral", "none", depths=(1,))[1]["u32"]
-    with pytest.raises(AssertionError, match=rf"one stream for the stack: the train step carries {flat} u32 entry "
-                       rf"parameters, the unquantized stack's {twin}: RNG state beyond the caller's stream"):
-        invariants.assert_rng_state_matches_twin(flat, twin, "one stream for the stack")
+    with pytest.raises(AssertionError, match=rf"^one stream for the stack: assert_rng_state_matches_twin: the train "
+                       rf"step carries {flat} u32 entry parameters, the unquantized stack's {twin}: RNG state "
+                       r"beyond the caller's stream"):
+        invariants.assert_rng_state_matches_twin(flat, twin, label="one stream for the stack")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from qcheck import referees
-from qcheck.checks import Figures, compare_with_referee, module_params, referee_weights
+from qcheck.checks import Figures, assertion, compare_with_referee, module_params, referee_weights
 from qcheck.layers import step
 from qcheck.layers.moe import MoE
 
@@ -31,8 +31,9 @@ def referee_params(layer: MoE) -> dict[str, str]:
     return roles
 
 
-def assert_layer_matches_referee(layer: MoE, x, label: str, *, rtol: float, atol: float,
-                                 output: np.ndarray | None = None) -> Figures:
+@assertion
+def assert_layer_matches_referee(layer: MoE, x, *, rtol: float, atol: float, output: np.ndarray | None = None,
+                                 label: str = "") -> Figures:
     """``layer``'s output on ``x`` (``output`` where already computed) is the referee's for its model.
 
     The style is the model's router, the activation its config's, and with
@@ -46,9 +47,5 @@ def assert_layer_matches_referee(layer: MoE, x, label: str, *, rtol: float, atol
     w = referee_weights(module_params(layer), referee_params(layer), style=c.router, emb=c.emb)
     capacity = (referees.reference_capacity(x.shape[1], c.top_k, c.num_experts, layer.capacity_factor)
                 if layer.capacity_factor > 0 else None)
-    try:
-        return compare_with_referee(got, x, w, style=c.router, top_k=c.top_k,
-                                    activation=REFEREE_ACTIVATIONS[c.activation], capacity=capacity,
-                                    rtol=rtol, atol=atol)
-    except AssertionError as e:
-        raise AssertionError(f"{label}: {e}") from None
+    return compare_with_referee(got, x, w, style=c.router, top_k=c.top_k,
+                                activation=REFEREE_ACTIVATIONS[c.activation], capacity=capacity, rtol=rtol, atol=atol)

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from qcheck.checks import assertion
 from qcheck.layers import step
 from qcheck.layers.moe import MoE
 
@@ -43,7 +44,8 @@ def _describe(sharding) -> str:
     return f"{type(sharding).__name__} on {len(sharding.device_set)} device(s)"
 
 
-def assert_layer_sharded(layer: MoE, mesh: Mesh, label: str) -> None:
+@assertion
+def assert_layer_sharded(layer: MoE, mesh: Mesh, *, label: str = "") -> None:
     """Every expert weight of ``layer`` is split over ``mesh``'s "expert" axis, across all its devices.
 
     Read off the arrays themselves, not the layer's intent: each weight's
@@ -57,11 +59,11 @@ def assert_layer_sharded(layer: MoE, mesh: Mesh, label: str) -> None:
     blocks = mesh.shape["expert"]
     names = [n for n in EXPERT_WEIGHTS if hasattr(layer, n)]
     if not names:
-        raise AssertionError(f"{label}: the layer has none of the expert weights {EXPERT_WEIGHTS}")
+        raise AssertionError(f"the layer has none of the expert weights {EXPERT_WEIGHTS}")
     for name in names:
         w = getattr(layer, name)[...]
         sharding = getattr(w, "sharding", None)
-        prefix = f"{label}: the sharded twin is not sharded: weight {name!r} ({w.dtype}{list(w.shape)})"
+        prefix = f"the sharded twin is not sharded: weight {name!r} ({w.dtype}{list(w.shape)})"
         if not (isinstance(sharding, NamedSharding) and sharding.mesh == mesh):
             where = "a host array" if sharding is None else _describe(sharding)
             if isinstance(sharding, NamedSharding):
@@ -76,7 +78,8 @@ def assert_layer_sharded(layer: MoE, mesh: Mesh, label: str) -> None:
                 f"{w.shape[0]} experts on {devices} devices, expected {blocks} blocks on {mesh.size}")
 
 
-def assert_sharded_matches(single: np.ndarray, sharded: np.ndarray, label: str) -> float:
+@assertion
+def assert_sharded_matches(single: np.ndarray, sharded: np.ndarray, *, label: str = "") -> float:
     """The layer on the mesh computes what it computes on one device, to float32 rounding.
 
     The mesh splits tokens and experts, never a contraction, and the dense
@@ -89,19 +92,20 @@ def assert_sharded_matches(single: np.ndarray, sharded: np.ndarray, label: str) 
     """
     __tracebackhide__ = True
     if single.shape != sharded.shape or single.dtype != sharded.dtype:
-        raise AssertionError(f"{label}: sharded output is {sharded.shape} {sharded.dtype}, "
+        raise AssertionError(f"sharded output is {sharded.shape} {sharded.dtype}, "
                              f"single-device {single.shape} {single.dtype}")
     worst = float(np.max(np.abs(single.astype(np.float64) - sharded)))
     if not np.allclose(sharded, single, rtol=SHARDED_RTOL, atol=SHARDED_ATOL):
         differ = ~np.isclose(sharded, single, rtol=SHARDED_RTOL, atol=SHARDED_ATOL)
         raise AssertionError(
-            f"{label}: the sharded layer differs from the single-device one at {int(differ.sum())} of "
+            f"the sharded layer differs from the single-device one at {int(differ.sum())} of "
             f"{differ.size} values, by up to {worst:.3g} (rtol {SHARDED_RTOL}, atol {SHARDED_ATOL})")
     return worst
 
 
+@assertion
 def assert_layer_sharded_matches(
-    build_sharded: Callable[[Mesh], MoE], single: np.ndarray, x: jax.Array, label: str, *, mesh: Mesh
+    build_sharded: Callable[[Mesh], MoE], single: np.ndarray, x: jax.Array, *, mesh: Mesh, label: str = ""
 ) -> float:
     """``build_sharded(mesh)`` is really split over ``mesh`` and, on ``x`` split over "data", outputs ``single``.
 
@@ -113,6 +117,6 @@ def assert_layer_sharded_matches(
         raise TypeError(f"build_sharded must be a function of the mesh returning the layer, "
                         f"got {type(build_sharded).__name__}")
     layer = build_sharded(mesh)
-    assert_layer_sharded(layer, mesh, label)
+    assert_layer_sharded(layer, mesh, label=label)
     placed = jax.device_put(x, NamedSharding(mesh, PartitionSpec("data")))
-    return assert_sharded_matches(single, np.asarray(step.apply(layer, placed)[0]), label)
+    return assert_sharded_matches(single, np.asarray(step.apply(layer, placed)[0]), label=label)

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from qcheck.checks import assertion
 from qcheck.recipes import recipe_names
 from qcheck.suite.golden.record import measure
 from qcheck.suite.golden.store import (GoldenCase, Stored, add_command, builtin_root, grad_sample, provenance,
@@ -115,12 +116,14 @@ def _provenance_line(p: dict[str, Any]) -> str:
             f"seed {p.get('seed')}, {p.get('date')}")
 
 
-def assert_case_matches(case: GoldenCase, root: Path) -> None:
+@assertion
+def assert_case_matches(case: GoldenCase, root: Path, *, label: str = "") -> None:
     """Assert the case's current numerics match its golden file.
 
     A missing file fails with the exact command that creates it; an unusable
     file raises :class:`GoldenFileError`; a mismatch says which key, how far,
-    and both sides' provenance.
+    and both sides' provenance. Every message names the case (or its file), so
+    callers need no ``label``.
     """
     __tracebackhide__ = True
     path = case.file(root)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from qcheck import checks
+from qcheck.checks import assertion
 from qcheck.recipes import Recipe, get_recipe
 from qcheck.suite import cases as cases_mod
 from qcheck.suite.cases import Case, Variant, grad_leaves, grads_applies
@@ -14,8 +15,9 @@ doc = ("one train step: every parameter's gradient is finite and within the reci
        "(0.3; NVFP4 0.5), not equal to it where the recipe quantizes gradients (the figure: the worst norm)")
 
 
+@assertion
 def assert_grads_track(grads: dict[str, np.ndarray], reference: dict[str, np.ndarray], *,
-                       max_grad_rel_norm: float, distinct: bool, label: str) -> float:
+                       max_grad_rel_norm: float, distinct: bool, label: str = "") -> float:
     """Every gradient is finite and within ``max_grad_rel_norm`` of the twin's at the same path.
 
     Not all of them may be bitwise equal to the twin's (a layer that fell back
@@ -25,26 +27,26 @@ def assert_grads_track(grads: dict[str, np.ndarray], reference: dict[str, np.nda
     """
     __tracebackhide__ = True
     if set(grads) != set(reference):
-        raise AssertionError(f"{label}: gradients at {sorted(grads)}, the none twin's at {sorted(reference)}")
+        raise AssertionError(f"gradients at {sorted(grads)}, the none twin's at {sorted(reference)}")
     worst = 0.0
     for path in sorted(grads):
         g, r = np.asarray(grads[path]), np.asarray(reference[path])
         if (bad := int(g.size - np.count_nonzero(np.isfinite(g)))) > 0:
-            raise AssertionError(f"{label}: gradient of {path} ({g.dtype}) has {bad} non-finite values of {g.size}")
+            raise AssertionError(f"gradient of {path} ({g.dtype}) has {bad} non-finite values of {g.size}")
         figure = checks.rel_norm(g, r)
         if not figure <= max_grad_rel_norm:
             raise AssertionError(
-                f"{label}: gradient of {path} ({g.dtype}) is {figure:.4g} from the none twin's (relative norm; "
+                f"gradient of {path} ({g.dtype}) is {figure:.4g} from the none twin's (relative norm; "
                 f"bound {max_grad_rel_norm}); {np.count_nonzero(g == 0)} of {g.size} values are 0, twin "
                 f"{np.count_nonzero(r == 0)}")
         if distinct and g.dtype == r.dtype and np.array_equal(g.view(np.uint8), r.view(np.uint8)):
             raise AssertionError(
-                f"{label}: gradient of {path} ({g.dtype}) is bitwise equal to the none twin's, but the recipe "
+                f"gradient of {path} ({g.dtype}) is bitwise equal to the none twin's, but the recipe "
                 "quantizes gradients (quantization skipped?)")
         worst = max(worst, figure)
     if grads and all(np.array_equal(np.asarray(grads[k]).view(np.uint8), np.asarray(reference[k]).view(np.uint8))
                      for k in grads):
-        raise AssertionError(f"{label}: every gradient is bitwise equal to the none twin's — the quantized path "
+        raise AssertionError("every gradient is bitwise equal to the none twin's — the quantized path "
                              "was not taken (silent fallback?)")
     return worst
 

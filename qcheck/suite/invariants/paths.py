@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from qcheck.checks import assertion
 from qcheck.suite import cases as cases_mod
 from qcheck.suite.cases import Case
 
@@ -23,19 +24,20 @@ def run_paths(model: str, dropping: bool) -> float:
     sparse = cases_mod.Variant(model, "sparse", dropping)
     label = f"none-{model}{'-drop' if dropping else ''}"
     worst = assert_paths_agree(
-        cases_mod.layer_output(Case("none", dense)), cases_mod.layer_output(Case("none", sparse)), label)
+        cases_mod.layer_output(Case("none", dense)), cases_mod.layer_output(Case("none", sparse)), label=label)
     # allclose lets a large output differ by its rtol; the layer's outputs are O(1), so any such gap is no rounding.
     if not worst <= PATHS_MAX_ABS:
         raise AssertionError(f"{label}: dense and sparse differ by up to {worst:.3g}, beyond {PATHS_MAX_ABS}")
     return worst
 
 
-def assert_paths_agree(dense: np.ndarray, sparse: np.ndarray, label: str) -> float:
+@assertion
+def assert_paths_agree(dense: np.ndarray, sparse: np.ndarray, *, label: str = "") -> float:
     """Dense and sparse outputs agree to float32 rounding; returns the max abs difference."""
     __tracebackhide__ = True
     worst = float(np.max(np.abs(dense - sparse)))
     if not np.allclose(dense, sparse, rtol=PATHS_RTOL, atol=PATHS_ATOL):
         raise AssertionError(
-            f"{label}: dense and sparse differ by up to {worst:.3g} (rtol {PATHS_RTOL}, atol {PATHS_ATOL})"
+            f"dense and sparse differ by up to {worst:.3g} (rtol {PATHS_RTOL}, atol {PATHS_ATOL})"
         )
     return worst

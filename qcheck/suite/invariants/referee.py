@@ -24,7 +24,7 @@ def run(case: Case) -> float:
     __tracebackhide__ = True
     rtol, atol = case.variant.referee_tolerance
     worst = assert_layer_matches_referee(cases_mod.layer(case), np.asarray(cases_mod.layer_input(case.variant.model)),
-                                         case.id, rtol=rtol, atol=atol, output=cases_mod.layer_output(case))
+                                         rtol=rtol, atol=atol, output=cases_mod.layer_output(case), label=case.id)
     # The figure is relative to a token's norm: the row's rtol bounds it on every token, whatever the atol allows.
     if not worst <= rtol:
         raise AssertionError(f"{case.id}: the layer is {worst:.3g} from the float64 referee (relative to a "

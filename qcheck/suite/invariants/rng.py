@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 from qcheck import checks
+from qcheck.checks import assertion
 from qcheck.layers import step
 from qcheck.recipes import ApplyRngs, Recipe
 from qcheck.suite import cases as cases_mod
@@ -38,29 +39,32 @@ def _step_entry_params(model: str, recipe: str, layers: int, apply_rngs: ApplyRn
     return checks.entry_params(step.train_step_fn(graphdef), params, meta, rest, x, compile=False)
 
 
-def assert_rng_state_constant(u32_by_depth: dict[int, int], label: str) -> int:
+@assertion
+def assert_rng_state_constant(u32_by_depth: dict[int, int], *, label: str = "") -> int:
     """The step's u32 entry parameters do not depend on the number of layers."""
     __tracebackhide__ = True
     if len(set(u32_by_depth.values())) != 1:
         raise AssertionError(
-            f"{label}: RNG state grows with depth — u32 entry parameters by layer count: "
+            f"RNG state grows with depth — u32 entry parameters by layer count: "
             f"{u32_by_depth} (a forked stream per wrapper per layer?)"
         )
     return next(iter(u32_by_depth.values()))
 
 
-def assert_rng_state_grows(u32_by_depth: dict[int, int], label: str) -> None:
+@assertion
+def assert_rng_state_grows(u32_by_depth: dict[int, int], *, label: str = "") -> None:
     """Control: with a private stream per site, u32 entry parameters strictly grow with depth."""
     __tracebackhide__ = True
     counts = [u32_by_depth[n] for n in sorted(u32_by_depth)]
     if not all(a < b for a, b in zip(counts, counts[1:])):
         raise AssertionError(
-            f"{label}: forced PRIVATE, u32 entry parameters should grow with depth but are "
+            f"forced PRIVATE, u32 entry parameters should grow with depth but are "
             f"{u32_by_depth}; the measurement is not seeing per-site streams"
         )
 
 
-def assert_rng_state_matches_twin(u32: int, twin_u32: int, label: str) -> int:
+@assertion
+def assert_rng_state_matches_twin(u32: int, twin_u32: int, *, label: str = "") -> int:
     """A recipe that shares the caller's stream adds no RNG state: the step's u32 entry parameters are the twin's.
 
     ``twin_u32``: the unquantized stack's at the same depth (its own stream's
@@ -71,7 +75,7 @@ def assert_rng_state_matches_twin(u32: int, twin_u32: int, label: str) -> int:
     __tracebackhide__ = True
     if u32 != twin_u32:
         raise AssertionError(
-            f"{label}: the train step carries {u32} u32 entry parameters, the unquantized stack's {twin_u32}: "
+            f"the train step carries {u32} u32 entry parameters, the unquantized stack's {twin_u32}: "
             "RNG state beyond the caller's stream (a stream of the sites' own, shared across layers?)")
     return u32
 
@@ -86,12 +90,12 @@ def run(case: Case) -> int:
         counts = rng_entry_params(model, case.recipe, depths=depths, apply_rngs=mode)
         return {n: c.get("u32", 0) for n, c in counts.items()}
 
-    flat = assert_rng_state_constant(u32(None, RNG_DEPTHS), label)
-    assert_rng_state_grows(u32(ApplyRngs.PRIVATE, RNG_CONTROL_DEPTHS), f"{label} (private control)")
+    flat = assert_rng_state_constant(u32(None, RNG_DEPTHS), label=label)
+    assert_rng_state_grows(u32(ApplyRngs.PRIVATE, RNG_CONTROL_DEPTHS), label=f"{label} (private control)")
     # Flat, and no more than the unquantized stack carries: the caller's one stream. Traced, not compiled, and
     # cached per model (_step_entry_params): one twin per model and process, whatever the recipe.
     twin = rng_entry_params(model, "none", depths=(1,))[1].get("u32", 0)
-    return assert_rng_state_matches_twin(flat, twin, case.id)
+    return assert_rng_state_matches_twin(flat, twin, label=case.id)
 
 
 #: The RNG invariant runs on these models' plain dense layer. Streams reach a

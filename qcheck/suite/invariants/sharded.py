@@ -25,7 +25,7 @@ def run(case: Case) -> float:
     __tracebackhide__ = True
     worst = assert_layer_sharded_matches(
         functools.partial(cases_mod.sharded_layer, case), cases_mod.layer_output(case),
-        cases_mod.layer_input(case.variant.model), case.id, mesh=cases_mod.mesh())
+        cases_mod.layer_input(case.variant.model), mesh=cases_mod.mesh(), label=case.id)
     # allclose lets a large output differ by its rtol too; anywhere beyond the atol is more than a reduction order.
     if not worst <= SHARDED_ATOL:
         raise AssertionError(f"{case.id}: the sharded layer differs by up to {worst:.3g}, beyond {SHARDED_ATOL}")

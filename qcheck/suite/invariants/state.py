@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 from flax import nnx
 
+from qcheck.checks import assertion
 from qcheck.layers import step
 from qcheck.layers.bridge import Fp8Meta
 from qcheck.layers.moe import MoE
@@ -33,12 +34,13 @@ def run(case: Case) -> None:
     __tracebackhide__ = True
     layer = cases_mod.layer(case)
     assert_fp8_state_moves_only_in_backward(
-        layer, cases_mod.layer_input(case.variant.model), case.id, first=cases_mod.layer_step(case)
+        layer, cases_mod.layer_input(case.variant.model), label=case.id, first=cases_mod.layer_step(case)
     )
 
 
+@assertion
 def assert_fp8_state_moves_only_in_backward(
-    layer: MoE, x, label: str, *, first: step.StepOutput | None = None
+    layer: MoE, x, *, label: str = "", first: step.StepOutput | None = None
 ) -> None:
     """Fresh scales are 1 and histories 0; a forward pass moves none; backward passes move them all.
 
@@ -52,22 +54,22 @@ def assert_fp8_state_moves_only_in_backward(
     __tracebackhide__ = True
     fresh = fp8_meta_leaves(nnx.state(layer))
     if not fresh:
-        raise AssertionError(f"{label}: the layer has no fp8 scales or amax histories")
+        raise AssertionError("the layer has no fp8 scales or amax histories")
     wrong = [k for k, v in fresh.items() if not np.all(v == (1 if k.endswith("_scale") else 0))]
     if wrong:
-        raise AssertionError(f"{label}: fresh layer has scales != 1 or histories != 0 at {wrong}")
+        raise AssertionError(f"fresh layer has scales != 1 or histories != 0 at {wrong}")
 
     if first is None:  # the case table passes its cached step: one run per case
         first = step.train_step(layer, x)
     after_forward = fp8_meta_leaves(first.fp8_meta_after_forward)
     if moved := [k for k, v in after_forward.items() if not np.array_equal(v, fresh[k])]:
-        raise AssertionError(f"{label}: a forward pass changed fp8 state at {moved}")
+        raise AssertionError(f"a forward pass changed fp8 state at {moved}")
 
     if still := _unmoved(fresh, fp8_meta_leaves(first.fp8_meta), "_history"):
-        raise AssertionError(f"{label}: one backward pass left amax histories unchanged at {still}")
+        raise AssertionError(f"one backward pass left amax histories unchanged at {still}")
     second = step.train_step(layer, x, fp8_meta=first.fp8_meta)
     if still := _unmoved(fresh, fp8_meta_leaves(second.fp8_meta), "_scale"):
-        raise AssertionError(f"{label}: two backward passes left scales unchanged at {still}")
+        raise AssertionError(f"two backward passes left scales unchanged at {still}")
 
 
 def applies(recipe: Recipe, variant: Variant) -> bool:

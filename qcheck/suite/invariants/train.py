@@ -6,6 +6,7 @@ import functools
 
 import numpy as np
 
+from qcheck.checks import assertion
 from qcheck.layers.moe import MoE
 from qcheck.recipes import Recipe, get_recipe
 from qcheck.suite import cases as cases_mod
@@ -32,7 +33,8 @@ def _site_leaves(state: dict[str, np.ndarray], site: str, suffix: str) -> list[s
     return [k for k in state if k.startswith(f"sites/{site}/") and k.endswith(suffix)]
 
 
-def assert_layer_trains(layer: MoE, x, label: str, *, calls=None) -> int:
+@assertion
+def assert_layer_trains(layer: MoE, x, *, label: str = "", calls=None) -> int:
     """qcheck's reference trainer (:func:`qcheck.train`) on ``layer`` keeps the fp8 state it must.
 
     With :func:`qcheck.assert_fp8_state_matches`, bitwise, from the fresh
@@ -69,7 +71,7 @@ def assert_layer_trains(layer: MoE, x, label: str, *, calls=None) -> int:
             got = sorted((first[ins][0], first[ker][0]))
             if np.array(got, np.float32).view(np.uint32).tolist() != np.array(want).view(np.uint32).tolist():
                 raise AssertionError(
-                    f"{label}: {ins}[0], {ker}[0] after one step are {first[ins][0]:.9g}, {first[ker][0]:.9g}; "
+                    f"{ins}[0], {ker}[0] after one step are {first[ins][0]:.9g}, {first[ker][0]:.9g}; "
                     f"the referee's amaxes of the operands site {call.site!r} received are "
                     f"{float(np.max(np.abs(call.lhs))):.9g} (lhs), {float(np.max(np.abs(call.rhs))):.9g} (rhs): "
                     "the site records other amaxes than its operands' (summed over uses?)")
@@ -77,7 +79,7 @@ def assert_layer_trains(layer: MoE, x, label: str, *, calls=None) -> int:
         for n, before, after in ((1, fresh[key], first[key]), (2, first[key], second[key])):
             if (rolls := history_rolls(before, after)) != 1:
                 what = {None: "is no roll of the one before", 0: "was not rolled"}.get(rolls, f"rolled {rolls} times")
-                raise AssertionError(f"{label}: {key} at step {n} {what} (each history rolls once per step, "
+                raise AssertionError(f"{key} at step {n} {what} (each history rolls once per step, "
                                      "newest amax at 0)")
     return len(fresh)
 
@@ -87,4 +89,5 @@ def run(case: Case) -> None:
     __tracebackhide__ = True
     recipe = get_recipe(case.recipe)
     calls = case_site_runs(case).calls if exact_applies(recipe, case.variant) else None
-    assert_layer_trains(cases_mod.layer(case), cases_mod.layer_input(case.variant.model), case.id, calls=calls)
+    assert_layer_trains(cases_mod.layer(case), cases_mod.layer_input(case.variant.model), label=case.id,
+                        calls=calls)
