@@ -24,7 +24,7 @@ from qcheck.checks._site import assert_site_exact, probe_site_operands
 from qcheck.layers.bridge import QuantSite
 from qcheck.recipes import einsum_axes
 from qcheck.recipes._axes import RAGGED_AXES
-from qcheck.suite.invariants import probe_group_sizes
+from qcheck.recipes import uneven_group_sizes
 from tests.helpers import import_extra
 
 import_extra("aqt")
@@ -73,7 +73,7 @@ def test_aqt_einsum_exact_in_integer_arithmetic_should_pass(site, eqn, lhs_shape
 def test_aqt_ragged_via_einsum_exact_in_integer_arithmetic_should_pass():
     lhs, rhs = probe_site_operands(3, (16, 32), (4, 32, 8), RAGGED_AXES)
     graphdef, state = nnx.split(QuantSite(aqt_int8(), "wi_0", rngs=nnx.Rngs(0)))
-    assert_site_exact(lambda a, b, gs: _site_ragged_dot(graphdef, state, a, b, gs), Ragged(probe_group_sizes(16, 4, 3)),
+    assert_site_exact(lambda a, b, gs: _site_ragged_dot(graphdef, state, a, b, gs), Ragged(uneven_group_sizes(16, 4, 3)),
                       lhs, rhs, arithmetic="integer", **FMT)
 
 
@@ -122,7 +122,7 @@ def test_aqt_ragged_dot_shared_weight_scale_fails_exact_naming_it():
     with pytest.raises(AssertionError, match=r"ragged_dot \(int8_aqt x int8_aqt, integer matmul\): differs .*it "
                                              r"equals rhs with one weight scale shared across groups \(calibrated "
                                              r"over groups and contraction\), in integer arithmetic bitwise"):
-        assert_site_exact(_aqt_site(ragged=True), Ragged(probe_group_sizes(16, 4, 3)), lhs, rhs, arithmetic="integer",
+        assert_site_exact(_aqt_site(ragged=True), Ragged(uneven_group_sizes(16, 4, 3)), lhs, rhs, arithmetic="integer",
                           **FMT)
 
 
@@ -159,4 +159,4 @@ def test_float_exact_names_a_weight_scale_shared_across_groups_should_fail():
     with pytest.raises(AssertionError, match=r"ragged_dot \(int8 x int8\): differs .*it equals rhs with one weight "
                                              r"scale shared across groups \(calibrated over groups and contraction\) "
                                              r"bitwise"):
-        assert_site_exact(shared, Ragged(probe_group_sizes(16, 4, 3)), lhs, rhs, lhs_format="int8", rhs_format="int8")
+        assert_site_exact(shared, Ragged(uneven_group_sizes(16, 4, 3)), lhs, rhs, lhs_format="int8", rhs_format="int8")

@@ -32,7 +32,7 @@ from qcheck.recipes import einsum_axes, registered
 from qcheck.recipes._axes import RAGGED_AXES
 from qcheck.recipes._sites import FormatSite
 from qcheck.suite import cases, invariants
-from qcheck.suite._site_programs import probe_group_sizes
+from qcheck.recipes import uneven_group_sizes
 
 FTZ = jax.default_backend() == "cpu"  # as the check's referee: XLA's CPU backend flushes float32 subnormals
 # Every (format, sibling) the check rules out; nvfp4 has none, and is held by the should-pass below.
@@ -90,7 +90,7 @@ def test_every_format_qcheck_knows_has_its_siblings_declared():
 def test_probes_part_every_format_from_its_sibling(form, seed, pick):
     eqn, lhs_shape, rhs_shape = SPECS[form][pick % len(SPECS[form])]
     axes = _axes(eqn, lhs_shape, rhs_shape)
-    sizes = None if eqn is not None else probe_group_sizes(lhs_shape[0], rhs_shape[0], seed)
+    sizes = None if eqn is not None else uneven_group_sizes(lhs_shape[0], rhs_shape[0], seed)
     for fmt in NEIGHBOURS:
         lhs, rhs = probe_site_operands(seed, lhs_shape, rhs_shape, axes, lhs_format=fmt, rhs_format=fmt)
         want = _bits(_reference(eqn, sizes, axes, lhs, rhs, fmt, fmt))

@@ -26,14 +26,10 @@ from flax import nnx
 
 from qcheck import checks
 from qcheck.layers.moe import MoE
-from qcheck.recipes import Matmul, Recipe, uneven_group_sizes
+from qcheck.recipes import Matmul, Recipe
 from qcheck.suite.cases import BATCH, SEQ
 
-__all__ = ["Probe", "SiteRuns", "backward_probes", "exact_probes", "probe_group_sizes", "run_sites"]
-
-#: Uneven group sizes summing to ``rows``, with the last group empty (a ragged probe's, seeded by the site's index).
-probe_group_sizes = uneven_group_sizes
-
+__all__ = ["Probe", "SiteRuns", "backward_probes", "exact_probes", "run_sites"]
 
 @dataclasses.dataclass(frozen=True)
 class Probe:

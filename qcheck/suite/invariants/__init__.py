@@ -21,7 +21,6 @@ from qcheck.recipes import Recipe
 from qcheck.suite._referee import assert_layer_matches_referee
 from qcheck.suite._sharded import (SHARDED_ATOL, SHARDED_RTOL, assert_layer_sharded,
                                    assert_layer_sharded_matches, assert_sharded_matches)
-from qcheck.suite._site_programs import probe_group_sizes
 from qcheck.suite.cases import Case, Variant, grad_leaves, train_step_runs
 from qcheck.suite.invariants import (backward, coverage, exact, golden, grads, referee, rng, sharded, sites, state,
                                      tracks, train)
@@ -72,7 +71,6 @@ __all__ = [
     "case_site_runs",
     "fp8_meta_leaves",
     "grad_leaves",
-    "probe_group_sizes",
     "rng_entry_params",
     "run_backward",
     "run_coverage",
