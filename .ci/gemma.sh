@@ -3,6 +3,7 @@
 # suite's environments).
 #
 #   .ci/gemma.sh env VENV          create VENV from nothing, or bring it up to date (idempotent)
+#   .ci/gemma.sh stack VENV        the client's own stack alone, without qcheck (.ci/run builds it in the background)
 #   .ci/gemma.sh deps PYTHON       gemma and what it needs into the environment of PYTHON (tox uses this)
 #   .ci/gemma.sh run PYTHON CMD..  CMD with PYTHON's bin first on PATH, on the CPU
 #
@@ -24,7 +25,7 @@ deps() {
   "$py" -m pip install -q "etils[edc,enp,epath,epy,etree,etqdm]" tqdm
 }
 
-env_() {
+stack_() {  # the client's own stack, once: no qcheck, so it can build while qcheck's tree is in use
   local venv=$1 stamp
   stamp="$venv/.qcheck-gemma-$GEMMA_VERSION"
   venv312 "$venv"
@@ -32,12 +33,18 @@ env_() {
     deps "$venv/bin/python"
     touch "$stamp"
   fi
+}
+
+env_() {
+  local venv=$1
+  stack_ "$venv"
   "$venv/bin/python" -m pip install -q -e "$repo[test]"
 }
 
 case "${1:-}" in
   env) env_ "$2" ;;
+  stack) stack_ "$2" ;;
   deps) deps "$2" ;;
   run) run "${@:2}" ;;
-  *) echo "usage: .ci/gemma.sh env VENV | deps PYTHON | run PYTHON CMD..." >&2; exit 2 ;;
+  *) echo "usage: .ci/gemma.sh env VENV | stack VENV | deps PYTHON | run PYTHON CMD..." >&2; exit 2 ;;
 esac

@@ -3,6 +3,7 @@
 # (Levanter pins jax<0.12 and a stack of its own; it must not touch the suite's environments).
 #
 #   .ci/levanter.sh env VENV          create VENV from nothing, or bring it up to date (idempotent)
+#   .ci/levanter.sh stack VENV        the client's own stack alone, without qcheck (.ci/run builds it in the background)
 #   .ci/levanter.sh run PYTHON CMD..  CMD with PYTHON's bin first on PATH and the variables Levanter needs on CPU
 #
 # `pip install marin-levanter` on Python 3.12 resolves in about 4 minutes (jax 0.11.2, flax 0.12.12,
@@ -13,7 +14,7 @@ LEVANTER_VERSION=0.2.227.dev40316220070
 HALIAX_VERSION=0.2.227.dev40316220070
 . "$repo/.ci/client_env.sh"
 
-env_() {
+stack_() {  # the client's own stack, once: no qcheck, so it can build while qcheck's tree is in use
   local venv=$1 stamp
   stamp="$venv/.qcheck-levanter-$LEVANTER_VERSION-haliax-$HALIAX_VERSION"
   venv312 "$venv"
@@ -21,6 +22,11 @@ env_() {
     "$venv/bin/python" -m pip install -q "marin-levanter==$LEVANTER_VERSION" "marin-haliax==$HALIAX_VERSION"
     touch "$stamp"
   fi
+}
+
+env_() {
+  local venv=$1
+  stack_ "$venv"
   "$venv/bin/python" -m pip install -q -e "$repo[test]"
   # qcheck must not move Levanter's jax (it supports jax 0.11.2).
   "$venv/bin/python" -c 'import jax, sys; sys.exit(0 if jax.__version__.startswith("0.11.") else
@@ -30,6 +36,7 @@ env_() {
 
 case "${1:-}" in
   env) env_ "$2" ;;
+  stack) stack_ "$2" ;;
   run) run "${@:2}" ;;
-  *) echo "usage: .ci/levanter.sh env VENV | run PYTHON CMD..." >&2; exit 2 ;;
+  *) echo "usage: .ci/levanter.sh env VENV | stack VENV | run PYTHON CMD..." >&2; exit 2 ;;
 esac

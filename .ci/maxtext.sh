@@ -3,6 +3,7 @@
 # Python 3.12 and a stack of its own; it must not touch the suite's environments).
 #
 #   .ci/maxtext.sh env VENV          create VENV from nothing, or bring it up to date (idempotent)
+#   .ci/maxtext.sh stack VENV        the client's own stack alone, without qcheck (.ci/run builds it in the background)
 #   .ci/maxtext.sh deps PYTHON       MaxText's CPU requirements into the environment of PYTHON
 #                                    (maxtext must be installed there already; tox uses this)
 #   .ci/maxtext.sh run PYTHON CMD..  CMD with PYTHON's bin first on PATH and the variables MaxText needs on CPU
@@ -27,7 +28,7 @@ deps() {
   rm -f "$filtered"
 }
 
-env_() {
+stack_() {  # the client's own stack, once: no qcheck, so it can build while qcheck's tree is in use
   local venv=$1 stamp
   stamp="$venv/.qcheck-maxtext-$MAXTEXT_VERSION"
   venv312 "$venv"
@@ -36,6 +37,11 @@ env_() {
     deps "$venv/bin/python"
     touch "$stamp"
   fi
+}
+
+env_() {
+  local venv=$1
+  stack_ "$venv"
   "$venv/bin/python" -m pip install -q -e "$repo[test,aqt]"
 }
 
@@ -47,7 +53,8 @@ run() {
 
 case "${1:-}" in
   env) env_ "$2" ;;
+  stack) stack_ "$2" ;;
   deps) deps "$2" ;;
   run) run "${@:2}" ;;
-  *) echo "usage: .ci/maxtext.sh env VENV | deps PYTHON | run PYTHON CMD..." >&2; exit 2 ;;
+  *) echo "usage: .ci/maxtext.sh env VENV | stack VENV | deps PYTHON | run PYTHON CMD..." >&2; exit 2 ;;
 esac

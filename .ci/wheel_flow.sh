@@ -56,7 +56,9 @@ qcheck.register_recipe(SilentFallback("silent_fp8", lhs="e4m3fn_current", rhs="e
 PY
 qcheck golden add silent_fp8 --recipes buggy_recipes.py
 set +e
-pytest -n auto -p no:cacheprovider -rf --qcheck-recipes=buggy_recipes.py > "$work/buggy.log" 2>&1
+# The one case whose failure is asserted below: the other four add minutes, not evidence.
+pytest -n auto -p no:cacheprovider -rf --qcheck-recipes=buggy_recipes.py -k "silent_fp8-mixtral-dense]" \
+  > "$work/buggy.log" 2>&1
 status=$?
 set -e
 expect() {  # the buggy run's log must hold this line; its pytest summary stays out of CI's closing lines
