@@ -191,3 +191,17 @@ def test_the_suites_items_come_case_by_case_and_a_variants_cases_together(pytest
     # The control: within a case the test functions change, so pytest's own order (function by function over
     # every case) would have split each case up.
     assert len(_blocks([function for function, _, _ in suite])) > len(set(function for function, _, _ in suite))
+
+
+@pytest.mark.parametrize(
+    "flags, scheduler",
+    [(("--qcheck-recipe=fp8",), "WorkStealingScheduling"),
+     # The controls: a --dist the user chose stands, and a run without the suite keeps pytest-xdist's default.
+     (("--qcheck-recipe=fp8", "--dist=load"), "LoadScheduling"),
+     ((), "LoadScheduling")],
+)
+def test_the_suites_run_on_workers_steals_work_unless_the_user_chose_a_dist(pytester, flags, scheduler):
+    # worksteal keeps each worker on contiguous cases (order_by_case) where load starts both on the same ones.
+    pytester.makepyfile("def test_mine():\n    pass\n")
+    result = pytester.runpytest("-n", "1", "-v", *INNER, "-k", "test_nothing_is_named_so", *flags)
+    result.stdout.fnmatch_lines([f"scheduling tests via {scheduler}"])

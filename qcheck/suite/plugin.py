@@ -72,6 +72,25 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_cmdline_main(config: pytest.Config):
+    """With recipes selected and workers asked for (``-n``) but no ``--dist``, the run steals work (``worksteal``).
+
+    pytest-xdist's default, ``load``, hands out items a few at a time as
+    workers free up, so both workers start on the same cases and each traces
+    programs of the other's. ``worksteal`` gives each worker one contiguous
+    share of the items, whole cases in :func:`order_by_case`'s order, and moves
+    items only to a worker that has run dry. A ``--dist`` the user gave stands.
+    A wrapper, so it runs before pytest-xdist's own hook turns an unset
+    ``--dist`` into ``load``.
+    """
+    if (getattr(config.option, "dist", None) == "no" and not getattr(config.option, "distload", False)
+            and config.getoption("numprocesses", None)
+            and (config.getoption("--qcheck-recipes") or config.getoption("--qcheck-recipe"))):
+        config.option.dist = "worksteal"
+    return (yield)
+
+
 def _is_xdist_controller(config: pytest.Config) -> bool:
     return not hasattr(config, "workerinput") and bool(config.getoption("numprocesses", None))
 
