@@ -201,7 +201,7 @@ def test_the_suites_items_come_case_by_case_and_a_variants_cases_together(pytest
      ((), "LoadScheduling")],
 )
 def test_the_suites_run_on_workers_steals_work_unless_the_user_chose_a_dist(pytester, flags, scheduler):
-    # worksteal keeps each worker on contiguous cases (order_by_case) where load starts both on the same ones.
+    # worksteal keeps each worker on contiguous cases (order_by_case) where load splits later cases between them.
     pytester.makepyfile("def test_mine():\n    pass\n")
     result = pytester.runpytest("-n", "1", "-v", *INNER, "-k", "test_nothing_is_named_so", *flags)
     result.stdout.fnmatch_lines([f"scheduling tests via {scheduler}"])

@@ -76,11 +76,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_cmdline_main(config: pytest.Config):
     """With recipes selected and workers asked for (``-n``) but no ``--dist``, the run steals work (``worksteal``).
 
-    pytest-xdist's default, ``load``, hands out items a few at a time as
-    workers free up, so both workers start on the same cases and each traces
-    programs of the other's. ``worksteal`` gives each worker one contiguous
-    share of the items, whole cases in :func:`order_by_case`'s order, and moves
-    items only to a worker that has run dry. A ``--dist`` the user gave stands.
+    pytest-xdist's default, ``load``, starts each worker on a quarter of its
+    share and then hands out items a couple at a time as workers free up, so
+    later cases are split between workers and both trace their programs.
+    ``worksteal`` gives each worker one contiguous share of the items, whole
+    cases in :func:`order_by_case`'s order, and moves items only to a worker
+    that has run dry. A ``--dist`` the user gave stands.
     A wrapper, so it runs before pytest-xdist's own hook turns an unset
     ``--dist`` into ``load``.
     """
