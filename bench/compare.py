@@ -187,8 +187,12 @@ def _git(root: Path, *args: str) -> str:
 
 
 def _python_version(python: str) -> str:
-    return subprocess.run([python, "-c", "import platform; print(platform.python_version())"],
-                          check=True, capture_output=True, text=True).stdout.strip()
+    run = subprocess.run([python, "-c", "import platform; print(platform.python_version())"],
+                         capture_output=True, text=True)
+    if run.returncode:  # a pyenv shim for a version that is not selected is on PATH, and exits 127
+        said = run.stderr.strip().splitlines() or [f"exit {run.returncode}"]
+        raise SystemExit(f"[compare] --python: {python} does not run: {said[0]}")
+    return run.stdout.strip()
 
 
 _VERSIONS = """
