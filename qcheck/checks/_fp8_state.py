@@ -31,6 +31,9 @@ _OWG = fp8_ops.OVERWRITE_WITH_GRADIENT
 #: Above this a relative tolerance would admit the bugs the check exists for
 #: (a sum over 2 microbatches is a factor 2, a clip factor well below 1).
 MAX_RTOL = 1e-3
+# A factor this close to 1 is rounding, not a clip factor (a clip threshold that close to the gradients' norm
+# would be a coincidence).
+_ROUNDING = 1e-5
 _SEARCHED = (f"Linen's {_OWG!r} collection at any depth (a variable dict, a TrainState's params), "
              f"NNX variables of that collection ({Fp8Meta.__name__!r}, Flax's fp8 ops behind "
              "nnx.bridge.ToNNX and qcheck's recipes) in an NNX state or module")
@@ -175,6 +178,10 @@ def _pattern(diffs: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> str | No
     if None not in factors and np.allclose(factors, factors[0], rtol=1e-5, atol=0):
         if m := _summed(factors[0]):
             return f"every differing leaf is {m} times step_a's: {_why(m)}"
+        if abs(factors[0] - 1) <= _ROUNDING:
+            return (f"every differing leaf is step_a's times {factors[0]:.9g}: rounding, no bug's factor; the two "
+                    "steps computed what the sites saw otherwise (microbatches whose matmuls sum in another order "
+                    "than the whole batch's?): if they may, declare rtol")
         return (f"every differing leaf is step_a's times {factors[0]:.7g}: following the clip factor, the optimizer "
                 "touched the fp8 state (clipped with the gradients, or scaled with the parameters)")
     # Weight decay added to the fp8 "gradients": step_b = step_a + wd * (the value before the step).
@@ -297,7 +304,8 @@ def assert_fp8_state_matches(
         if not np.isfinite(fa):
             return f"{where}: {why}"
         ratio = _ratio(fa, fb)
-        return f"{where}: step_a {fa:.9g}, step_b {fb:.9g}, ratio {ratio:.7g}" + (
+        shown = f"{ratio:.7g}" if f"{ratio:.7g}" != "1" else f"{ratio:.9g}"  # a rounding-size ratio is not 1
+        return f"{where}: step_a {fa:.9g}, step_b {fb:.9g}, ratio {shown}" + (
             "" if pattern else f": {why or _why(ratio)}")
 
     lines = [line(*row) for row in rows]
