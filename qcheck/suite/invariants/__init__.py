@@ -34,7 +34,8 @@ from qcheck.suite.invariants.rng import (RNG_CONTROL_DEPTHS, RNG_DEPTHS, RNG_MOD
                                          assert_rng_state_grows, assert_rng_state_matches_twin, rng_entry_params)
 from qcheck.suite.invariants.sites import assert_sites_carry_no_rng_stream, assert_sites_independent
 from qcheck.suite.invariants.state import assert_fp8_state_moves_only_in_backward, fp8_meta_leaves
-from qcheck.suite.invariants.train import TRAIN_MAX_NORM, TRAIN_MICROBATCHES, assert_layer_trains
+from qcheck.suite.invariants.train import (TRAIN_MAX_NORM, TRAIN_MICROBATCHES, TRAIN_RTOL, assert_layer_trains,
+                                           output_rows_differ)
 
 __all__ = [
     "INVARIANTS",
@@ -50,6 +51,7 @@ __all__ = [
     "SHARDED_RTOL",
     "TRAIN_MAX_NORM",
     "TRAIN_MICROBATCHES",
+    "TRAIN_RTOL",
     "assert_fp8_state_moves_only_in_backward",
     "assert_grads_track",
     "assert_layer_fp8_native",
@@ -71,6 +73,7 @@ __all__ = [
     "case_site_runs",
     "fp8_meta_leaves",
     "grad_leaves",
+    "output_rows_differ",
     "rng_entry_params",
     "run_backward",
     "run_coverage",
