@@ -39,6 +39,13 @@ every timed run of the new side then reads its programs from it
 their compilation is free. The ref side stays cold. The ratio is then a
 floor: no change to compile time alone can bring the tree below it.
 
+--warm-only NAME[,NAME] (with --warm-new) serves only those jitted functions'
+programs from the filled cache (entries named jit_NAME-...) and compiles the
+rest: what the tree would cost if those programs were free, e.g. a bound on
+merging one program into another. Each timed run gets the kept entries afresh
+at the same path (JAX's cache keys depend on it), so what one run compiles
+does not warm the next.
+
 Stdlib only: this process imports neither qcheck nor jax.
 """
 
@@ -370,6 +377,27 @@ def _only(text: str) -> list[str]:
     return names
 
 
+def _names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names or not all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names):
+        raise argparse.ArgumentTypeError(f"--warm-only takes jitted functions' names, comma-separated, got {text!r}")
+    return names
+
+
+def keep_programs(cache: Path, kept: Path, names: list[str]) -> int:
+    """Copy the entries of the compilation cache ``cache`` that hold programs of jitted ``names`` to ``kept``."""
+    kept.mkdir(parents=True)
+    entries = [e for e in cache.iterdir() if any(e.name.startswith(f"jit_{n}-") for n in names)]
+    for entry in entries:
+        (shutil.copytree if entry.is_dir() else shutil.copy2)(entry, kept / entry.name)
+    return len(entries)
+
+
+def _restore(kept: Path, cache: Path) -> None:
+    shutil.rmtree(cache, ignore_errors=True)
+    shutil.copytree(kept, cache)
+
+
 def _rounds(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"--rounds takes a positive integer, got {text!r}")
@@ -392,11 +420,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true", help="also print the table as markdown")
     p.add_argument("--warm-new", action="store_true",
                    help="time the working tree with every program read from a compilation cache filled first")
+    p.add_argument("--warm-only", type=_names, metavar="NAME[,NAME]",
+                   help="with --warm-new: only these jitted functions' programs come from the cache")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.warm_only and not args.warm_new:
+        parser.error("--warm-only needs --warm-new")
     root = Path(_git(HERE, "rev-parse", "--show-toplevel"))
     try:
         ref_sha = _git(root, "rev-parse", "--verify", f"{args.ref}^{{commit}}")
@@ -452,9 +485,15 @@ def main(argv: list[str] | None = None) -> int:
         for workload in args.only if args.warm_new else ():
             fills.append(run_once(workload, "new", 0, *where[workload, "new"], site_dir, pytest_args, warm["new"]))
             print(_progress(fills[-1]).replace("round 0", "filling the cache,"), flush=True)
+        kept = scratch / "warm-kept" if args.warm_only else None
+        if kept is not None:
+            count = keep_programs(warm["new"], kept, args.warm_only)
+            print(f"[compare] the cache serves {count} programs of {', '.join(args.warm_only)}", flush=True)
         for rnd in range(1, args.rounds + 1):
             for workload in args.only:
                 for side in SIDES:
+                    if side == "new" and kept is not None:
+                        _restore(kept, warm["new"])
                     records.append(run_once(workload, side, rnd, *where[workload, side], site_dir, pytest_args,
                                             warm[side]))
                     print(_progress(records[-1]), flush=True)
@@ -464,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = [summarize(records, w) for w in args.only]
     cells = table_rows(rows)
-    new_is = "working tree, its compilations read from a filled cache" if args.warm_new else "working tree"
+    new_is = ("working tree, its compilations read from a filled cache" if args.warm_new else "working tree") + (
+        f" (only {', '.join(args.warm_only)})" if args.warm_only else "")
     print(f"\nref {args.ref} ({ref_sha[:12]}) vs {new_is}, {args.rounds} round(s), Python {py_version}; "
           "new/ref: ratio of medians, spread: min-max of per-round ratios")
     print(format_plain(cells))
@@ -475,8 +515,8 @@ def main(argv: list[str] | None = None) -> int:
         dirty = bool(_git(root, "status", "--porcelain"))
         report = {"ref": {"arg": args.ref, "commit": ref_sha}, "new": {"path": str(root), "head": head, "dirty": dirty},
                   "python": python, "rounds": args.rounds, "pytest_args": pytest_args, "machine": machine(),
-                  "versions": versions, "warm_new": args.warm_new, "summary": rows, "runs": records,
-                  "fills": fills}
+                  "versions": versions, "warm_new": args.warm_new, "warm_only": args.warm_only, "summary": rows,
+                  "runs": records, "fills": fills}
         args.json.write_text(json.dumps(report, indent=1) + "\n")
         print(f"[compare] wrote {args.json}")
     return 0 if all("wall_s" in row for row in rows) else 1

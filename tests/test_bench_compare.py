@@ -108,14 +108,33 @@ def test_runs_are_cold_unless_warm_new_names_a_cache(tmp_path, monkeypatch):
     assert warm["QCHECK_XLA_CACHE"] == str(tmp_path / "filled") and warm["CI"] == "true"
 
 
+def test_warm_only_keeps_the_named_programs_entries_and_no_other(tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    names = ["jit_train_step_program-ab12-cache", "jit__program-cd34-cache", "jit_train_step_program_b-ef56-cache",
+             "jit__apply-0011-cache", "jit_train_step_program-ab12-atime"]
+    for name in names:
+        (cache / name).write_bytes(name.encode())
+    assert compare.keep_programs(cache, tmp_path / "kept", ["train_step_program", "_program"]) == 3
+    assert sorted(e.name for e in (tmp_path / "kept").iterdir()) == sorted(names[i] for i in (0, 1, 4))
+    assert (tmp_path / "kept" / names[0]).read_bytes() == names[0].encode()
+
+
 @pytest.mark.parametrize(("argv", "match"), [
     (["--ref", "main", "--only", "suite,bogus"], r"unknown workload\(s\) \['bogus'\]; valid: suite, matrix, userflow"),
     (["--ref", "main", "--rounds", "0"], r"--rounds takes a positive integer, got '0'"),
+    (["--ref", "main", "--warm-new", "--warm-only", "jit(train)"], r"--warm-only takes jitted functions' names"),
 ])
 def test_bad_arguments_are_named(argv, match, capsys):
     with pytest.raises(SystemExit):
         compare._parser().parse_args(argv)
     assert re.search(match, capsys.readouterr().err)
+
+
+def test_warm_only_without_warm_new_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        compare.main(["--ref", "HEAD", "--warm-only", "train_step_program"])
+    assert "--warm-only needs --warm-new" in capsys.readouterr().err
 
 
 # Two programs from numpy inputs: nothing else (no jnp.arange, whose iota is a program too) compiles.
