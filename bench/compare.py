@@ -385,7 +385,15 @@ def _names(text: str) -> list[str]:
 
 
 def keep_programs(cache: Path, kept: Path, names: list[str]) -> int:
-    """Copy the entries of the compilation cache ``cache`` that hold programs of jitted ``names`` to ``kept``."""
+    """Copy the entries of the compilation cache ``cache`` that hold programs of jitted ``names`` to ``kept``.
+
+    A name no entry holds is a ValueError naming the functions the cache does hold: a misspelt name would
+    otherwise time a cold run as if it were the bound asked for.
+    """
+    held = {e.name.removeprefix("jit_").split("-")[0] for e in cache.iterdir() if e.name.startswith("jit_")}
+    if missing := [n for n in names if n not in held]:
+        raise ValueError(f"--warm-only: the filled cache holds no program of {', '.join(missing)}; "
+                         f"it holds programs of: {', '.join(sorted(held))}")
     kept.mkdir(parents=True)
     entries = [e for e in cache.iterdir() if any(e.name.startswith(f"jit_{n}-") for n in names)]
     for entry in entries:
@@ -487,7 +495,10 @@ def main(argv: list[str] | None = None) -> int:
             print(_progress(fills[-1]).replace("round 0", "filling the cache,"), flush=True)
         kept = scratch / "warm-kept" if args.warm_only else None
         if kept is not None:
-            count = keep_programs(warm["new"], kept, args.warm_only)
+            try:
+                count = keep_programs(warm["new"], kept, args.warm_only)
+            except ValueError as e:
+                raise SystemExit(f"[compare] {e}") from None
             print(f"[compare] the cache serves {count} programs of {', '.join(args.warm_only)}", flush=True)
         for rnd in range(1, args.rounds + 1):
             for workload in args.only:

@@ -120,6 +120,17 @@ def test_warm_only_keeps_the_named_programs_entries_and_no_other(tmp_path):
     assert (tmp_path / "kept" / names[0]).read_bytes() == names[0].encode()
 
 
+def test_warm_only_refuses_a_name_the_cache_holds_no_program_of(tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for name in ("jit_train_step_program-ab12-cache", "jit__apply-0011-cache"):
+        (cache / name).write_bytes(b"")
+    with pytest.raises(ValueError, match=r"^--warm-only: the filled cache holds no program of train_step; "
+                                         r"it holds programs of: _apply, train_step_program$"):
+        compare.keep_programs(cache, tmp_path / "kept", ["train_step_program", "train_step"])
+    assert not (tmp_path / "kept").exists()
+
+
 @pytest.mark.parametrize(("argv", "match"), [
     (["--ref", "main", "--only", "suite,bogus"], r"unknown workload\(s\) \['bogus'\]; valid: suite, matrix, userflow"),
     (["--ref", "main", "--rounds", "0"], r"--rounds takes a positive integer, got '0'"),
