@@ -1,4 +1,4 @@
-# Sourced by the pinned clients' scripts (.ci/maxtext.sh, .ci/levanter.sh, .ci/gemma.sh): each lives in
+# Sourced by the pinned clients' scripts (.ci/maxtext.sh, .ci/levanter.sh, .ci/gemma.sh, .ci/tokamax.sh): each lives in
 # its own Python 3.12 environment, so none of them touches the suite's environments or another client's.
 PYTHON312=${PYTHON312:-python3.12}
 

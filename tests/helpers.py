@@ -35,6 +35,8 @@ EXTRAS = {
     "levanter": ("levanter", "pip install marin-levanter==0.2.227.dev40316220070 in its own environment: .ci/levanter.sh env VENV (tox -e levanter)"),
     # gemma 4.0.1 neither: `pip install gemma` does not resolve (kauldron's dependencies); .ci/gemma.sh installs it.
     "gemma": ("gemma", "gemma 4.0.1 in its own environment: .ci/gemma.sh env VENV (`pip install gemma` alone does not resolve; tox -e gemma)"),
+    # tokamax 0.0.17 neither: a pinned client with qwix 0.1.8 (it resolves jax 0.12.0.1), in its own environment.
+    "tokamax": ("tokamax", "tokamax 0.0.17 with qwix 0.1.8 in its own environment: .ci/tokamax.sh env VENV (tox -e tokamax)"),
 }
 
 

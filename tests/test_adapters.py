@@ -179,8 +179,10 @@ def test_flax_and_jax_limits_survive_a_callers_expect():
 def test_aqt_limits_survive_a_callers_expect():
     aqt = _aqt()
     ragged = aqt.aqt_recipe("a", ragged="aqt", lhs="int8_aqt", rhs="int8_aqt", expect=GIVEN)
-    assert (ragged.expect.backward_paths, ragged.expect.unsupported, ragged.expect.known_defects) == (
-        (), (aqt.AQT_RAGGED_NO_GRADIENT,), (aqt.AQT_RAGGED_SHARED_SCALE,))
+    assert (ragged.expect.backward_paths, ragged.expect.unsupported, ragged.expect.known_defects[0]) == (
+        (), (aqt.AQT_RAGGED_NO_GRADIENT,), aqt.AQT_RAGGED_SHARED_SCALE)
+    # The same shared scale, as the coverage map holding the codes to int8_aqt sees it.
+    assert [d.invariant for d in ragged.expect.known_defects] == ["exact", "coverage"]
 
 
 def test_qwix_limits_survive_a_callers_expect():
@@ -311,9 +313,9 @@ def _fp8_cast_dtypes_of_a_grad(recipe) -> dict[str, set[str]]:
     graphdef, state = nnx.split(QuantSite(recipe, "wi_0", rngs=nnx.Rngs(0)))
     x, w = checks.probe_operands(2, (8, 16), (16, 4))
 
-    def grad(x, w):
-        return jax.grad(lambda x, w: jnp.sum(nnx.merge(graphdef, state, copy=True)("tm,mh->th", x, w)),
-                        argnums=(0, 1))(x, w)
+    def grad(x, w):  # the value too: a forward matmul whose result nothing uses is no site of the program
+        return jax.value_and_grad(lambda x, w: jnp.sum(nnx.merge(graphdef, state, copy=True)("tm,mh->th", x, w)),
+                                  argnums=(0, 1))(x, w)
 
     records = qcheck.coverage(grad, x, w)
     assert len(records) == 3 and all(r.quantized for r in records), qcheck.format_coverage(records)

@@ -627,9 +627,14 @@ def unsharded_twin(p: Planting) -> Callable:
 # -- what a row's control asserts before its checks fail: where the bug hides -----------------------------
 
 
+def _matmul_lines(message: str) -> list[str]:
+    """The lines of a coverage message that name a matmul (not its findings, not what was declared)."""
+    return [line for line in message.splitlines()[1:] if line.startswith("  ") and not line.startswith("    ")]
+
+
 def matmul_line(message: str, i: int = 0) -> str:
     """The source line of the ``i``-th matmul a coverage message lists."""
-    location = message.splitlines()[1 + i].split(" at ", 1)[1].split(" ", 1)[0]
+    location = _matmul_lines(message)[i].split(" at ", 1)[1].split(" ", 1)[0]
     path, line = location.rsplit(":", 1)
     return Path(path).read_text().splitlines()[int(line) - 1]
 
@@ -639,7 +644,7 @@ def names_one_ragged_dot_of_wo(message: str, planted) -> None:
 
 
 def lists_every_expert_matmul_in_order(message: str, planted) -> None:
-    calls = [matmul_line(message, i) for i in range(len(message.splitlines()) - 1)]
+    calls = [matmul_line(message, i) for i in range(len(_matmul_lines(message)))]
     assert [next(n for n in ("dispatch", "wi_0", "wi_1", "wo", "combine") if f's["{n}"]' in c) for c in calls] == [
         "dispatch", "wi_0", "wi_1", "wo", "combine"]
 
@@ -891,8 +896,10 @@ CATALOGUE = [
     Bug("coverage_catches_scaled_dot_general_called_without_configs",
         "`jax.nn.scaled_dot_general` called with `configs=None` (full-precision `dot_general`)", "`coverage`",
         lambda p: layer(_PlantedJax("jax_no_configs", JaxNoConfigs)),
-        (layer_quantized(r"3 of 5 matmuls reach full precision:\n  dot_general at .*lhs \(\d+, \d+, \d+\) float32 "
-                         r"\[full precision\].*lhs and rhs unquantized"),)),
+        (layer_quantized(r"3 of 5 matmuls differ from the declared quantization \(activations nvfp4_jax, weights "
+                         r"nvfp4_jax \(the layer's recipe 'jax_no_configs'\)\):\n  dot_general at .*lhs \(\d+, \d+, "
+                         r"\d+\) \[full precision\].*\n    lhs \(activation\) reaches the matmul in full precision; "
+                         r"declared nvfp4_jax"),)),
     Bug("state_catches_a_forward_pass_that_writes_amax_history",
         "a forward pass that writes fp8 state", "`state`", forward_writes_history,
         (fp8_state_only_in_backward(r"^bug: assert_fp8_state_moves_only_in_backward: a forward pass changed fp8 "
@@ -907,8 +914,9 @@ CATALOGUE = [
     Bug("coverage_catches_one_call_site_unquantized_on_the_sparse_path",
         "one call site multiplying in full precision on the sparse path only (`tracks` passes)", "`coverage`",
         lambda p: fp8_with({"wo": "none"}, path="sparse"),
-        (layer_quantized(r"1 of 5 matmuls reach full precision:\n  ragged_dot_general at qcheck/layers/moe.py:\d+ "
-                         r"\(MoE._sparse\).*lhs and rhs unquantized"),),
+        (layer_quantized(r"1 of 5 matmuls differ from the declared quantization .*\n  ragged_dot_general at "
+                         r"qcheck/layers/moe.py:\d+ \(MoE._sparse\).*\[full precision\]\n    lhs \(activation\) "
+                         r"reaches the matmul in full precision; declared e4m3fn"),),
         control=tracks_within_bound, then=names_one_ragged_dot_of_wo),
     Bug("coverage_catches_a_layer_that_quantizes_nothing_listing_every_expert_matmul",
         "a layer that quantizes nothing: every expert matmul listed with its line", "`coverage`",

@@ -245,9 +245,11 @@ def test_narrow_inputs_count_as_quantized_with_no_error_figure(fn, args, primiti
 def test_format_coverage_is_one_line_per_matmul():
     records = coverage(lambda a, b: (fp8_cast(a, b), widening_only(a, b)), A, B)
     lines = format_coverage(records).splitlines()
-    assert len(lines) == 3 and lines[0].startswith("primitive")
+    assert len(lines) == 4 and lines[0].startswith("primitive")
     assert "float8_e4m3fn" in lines[1] and " yes " in lines[1]
     assert "full precision" in lines[2] and " NO " in lines[2]
+    # What was held, in one line: a plain function states no declaration.
+    assert lines[3].startswith("declared: nothing read: no reader (qcheck, MaxText, gemma, haliax) finds a declaration")
 
 
 class _Noisy(nnx.Module):
@@ -381,13 +383,18 @@ def test_a_silently_unquantized_sparse_site_passes_assert_tracks_but_fails_asser
     monkeypatch.setattr(layer.sites["wo"], "ragged_dot", jax.lax.ragged_dot)
     checks.assert_tracks(_forward(layer, X), _forward(_layer("none", "sparse"), X), max_rel_norm=0.22)
     with pytest.raises(AssertionError) as info:
-        assert_quantized(layer, X, skip=_not_a_site)
+        assert_quantized(layer, X, skip=_not_a_site)  # held to the recipe the layer was built with
     message = str(info.value)
     (line,) = re.findall(r"ragged_dot_general at (qcheck/layers/moe.py:\d+) \(MoE._sparse\)", message)
     path, number = line.rsplit(":", 1)
     assert 's["wo"].ragged_dot(' in linecache.getline(path, int(number))
-    assert message.startswith("assert_quantized: 1 of 5 matmuls reach full precision:")
-    assert "lhs and rhs unquantized" in message
+    assert message.startswith("assert_quantized: 1 of 5 matmuls differ from the declared quantization")
+    assert "lhs (activation) reaches the matmul in full precision; declared e4m3fn" in message
+    assert message.endswith("declared: read from the fn: the layer's recipe 'fp8'")
+    with pytest.raises(AssertionError) as info:  # and with no declaration held, as "quantized somehow"
+        assert_quantized(layer, X, skip=_not_a_site, declared=False)
+    assert str(info.value).startswith("assert_quantized: 1 of 5 matmuls reach full precision:")
+    assert "lhs and rhs unquantized" in str(info.value)
 
 
 def test_error_of_each_quantized_site_lies_within_its_recipes_bound():

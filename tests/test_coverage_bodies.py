@@ -124,7 +124,7 @@ def test_skip_modules_spares_attention_inside_a_scanned_stack_should_pass(how):
 @pytest.mark.parametrize("how", HOWS)
 def test_assert_quantized_inside_a_scanned_stack_should_fail_naming_attention_by_its_module_path(how):
     with pytest.raises(AssertionError, match=r"assert_quantized: 1 of 2 matmuls reach full precision:\n  dot_general "
-                                             r".*: lhs and rhs unquantized, in layers/attention$"):
+                                             r".*: lhs and rhs unquantized, in layers/attention\ndeclared: "):
         assert_quantized(_stack(how), X)
 
 

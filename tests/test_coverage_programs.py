@@ -101,9 +101,12 @@ def test_coverage_through_each_higher_order_primitive_should_fail_on_a_forgotten
         assert_quantized(PROGRAMS[name](False), A, B)
 
 
-def test_a_matmul_inside_shard_map_says_why_it_has_no_error_figure():
+def test_a_matmul_inside_shard_map_has_its_error_figure():
+    """The body runs per shard inside a shard_map of the walk's own, its figures and codes coming out per shard."""
     (record,) = coverage(_in_shard_map(True), A, B, errors=True)
-    assert record.error is None and record.no_error == "inside shard_map: its body is walked for quantization only"
+    assert record.error > 0 and record.no_error is None and record.no_values is None
+    (traced,) = coverage(_in_shard_map(True), A, B)  # without errors or a declaration: traced only, and it says so
+    assert traced.error is None and traced.no_error == "not computed (errors=False)"
     (outside,) = coverage(_in_nested_jit(True), A, B, errors=True)
     assert outside.error > 0 and outside.no_error is None
 
@@ -218,7 +221,7 @@ def test_each_skip_form_should_pass_sparing_what_it_names(form):
 @pytest.mark.parametrize("form", sorted(_RULES))
 def test_each_skip_form_should_fail_on_a_fallen_back_expert(form):
     with pytest.raises(AssertionError, match=r"1 of 4 matmuls reach full precision:\n  dot_general at "
-                                             r"tests/test_coverage_programs.py:\d+ \(Expert.__call__\).* in experts/1$"):
+                                             r"tests/test_coverage_programs.py:\d+ \(Expert.__call__\).* in experts/1\ndeclared: "):
         assert_quantized(Block(fallen_back=True, rngs=nnx.Rngs(0)), X, skip=_RULES[form])
 
 

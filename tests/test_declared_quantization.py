@@ -287,19 +287,29 @@ def _twin(n):
 
 
 def test_check_layer_one_format_per_role_should_pass():
-    figures = qcheck.check_layer(_sites(E4M3FN, E4M3FN, E4M3FN), _twin(3), X, declared=True)
-    assert figures.declared is None
+    figures = qcheck.check_layer(_sites(E4M3FN, E4M3FN, E4M3FN), _twin(3), X)
+    assert figures.declared is None and figures.declared_from.startswith("nothing read: no reader")
 
 
 def test_check_layer_mixed_formats_within_a_role_should_fail():
+    """With nothing read from the layer (a plain function), operands of one role must share one narrow type."""
     with pytest.raises(AssertionError, match=r"formats: dot_general at .*test_declared_quantization.py:\d+ .*: its "
                                              r"weight operand is float8_e4m3fnuz where 2 other weight operands are "
                                              r"float8_e4m3fn: formats mixed within one role"):
-        qcheck.check_layer(_sites(E4M3FN, E4M3FNUZ, E4M3FN), _twin(3), X, declared=True)
+        qcheck.check_layer(_sites(E4M3FN, E4M3FNUZ, E4M3FN), _twin(3), X)
     with pytest.raises(AssertionError, match=r"weight operands of one layer are cast to float8_e4m3fn, "
                                              r"float8_e4m3fnuz: float8_e4m3fn at .*; float8_e4m3fnuz at "):
-        qcheck.check_layer(_sites(E4M3FN, E4M3FNUZ), _twin(2), X, declared=True)
-    qcheck.check_layer(_sites(E4M3FN, E4M3FNUZ), _twin(2), X)  # nothing asked: "quantized somehow" alone
+        qcheck.check_layer(_sites(E4M3FN, E4M3FNUZ), _twin(2), X)
+    qcheck.check_layer(_sites(E4M3FN, E4M3FNUZ), _twin(2), X, declared=False)  # nothing held: "quantized somehow"
+
+
+def test_check_layer_declared_true_with_nothing_to_read_is_one_line():
+    with pytest.raises(ValueError, match=r"^check_layer: declared=True, but no reader \(qcheck, MaxText, gemma, "
+                                         r"haliax\) finds a declaration on it of function; declare it by hand: "
+                                         r"declared='fp8' \(a recipe\) or declared=\{'weights': 'int8', "
+                                         r"'activations': 'int8'\}$") as info:
+        qcheck.check_layer(_sites(E4M3FN, E4M3FN, E4M3FN), _twin(3), X, declared=True)
+    assert "\n" not in str(info.value)
 
 
 def test_check_layer_declared_fails_naming_the_site():

@@ -95,10 +95,12 @@ def test_check_layer_should_fail_on_the_silent_fallback_naming_each_call_and_its
     with pytest.raises(AssertionError) as info:
         check_layer(_silent_fallback(), sparse_moe("none"), X, skip=MOE_FULL_PRECISION)
     message = str(info.value)
+    # The layer's recipe, read from it by default, declares e4m3fn: each fallen-back site differs from it.
     assert message.startswith("check_layer: 1 check(s) failed:\n"
-                              "  coverage: assert_quantized: 3 of 5 matmuls reach full precision:")
-    lines = re.findall(r"ragged_dot_general at (qcheck/layers/moe.py:\d+) \(MoE._sparse\): .*: lhs and rhs unquantized",
-                       message)
+                              "  coverage: assert_quantized: 3 of 5 matmuls differ from the declared quantization")
+    assert message.endswith("\ndeclared: read from the layer: the layer's recipe 'fp8'")
+    lines = re.findall(r"ragged_dot_general at (qcheck/layers/moe.py:\d+) \(MoE._sparse\): .*\n\s+lhs \(activation\) "
+                       r"reaches the matmul in full precision; declared e4m3fn", message)
     assert len(lines) == 3
     for where in lines:
         path, number = where.rsplit(":", 1)
@@ -162,7 +164,7 @@ def test_skip_grads_should_fail_without_it():
     layer, twin = _maxtext_pair()
     with pytest.raises(AssertionError, match=r"check_layer: 1 check\(s\) failed:\n  gradients: gate/kernel "
                                              r"\(float32\) has relative norm 0\.\d+ against the reference's, "
-                                             r"above the bound 0.25$"):
+                                             r"above the bound 0.25\ndeclared: nothing read"):
         check_layer(layer, twin, X, max_grad_rel_norm=0.25, skip=_COMBINE)
 
 

@@ -9,20 +9,21 @@ from qcheck._versions import require_supported
 
 require_supported()  # the walk reads jaxpr internals that older JAX lacks
 
-from qcheck._coverage._records import (BLOCK_SCALED, CALLS, MATMUL_PRIMITIVES, VALUE_PRESERVING, MatmulRecord,
-                                       OperandQuant)
-from qcheck._coverage._declared import Declaration, as_declaration, mixed_formats
+from qcheck._coverage._records import (BLOCK_SCALED, MATMUL_PRIMITIVES, VALUE_PRESERVING, MatmulRecord,
+                                       OperandQuant, call_body)
+from qcheck._coverage._declared import Declaration, Hold, as_declaration, mixed_formats
 from qcheck._coverage._kernels import KernelRoles, as_kernel_roles
-from qcheck._coverage._map import (after_first_call, assert_quantized, coverage, format_coverage, graph_paths,
+from qcheck._coverage._map import (CoverageMap, after_first_call, assert_quantized, coverage, format_coverage, graph_paths,
                                    quantized_records, warmed_up)
-from qcheck._coverage._readers import read_declaration
+from qcheck._coverage._readers import read_declaration, resolve_declaration
 from qcheck._coverage._scopes import MACHINERY, machinery_prefixes, user_frames
 from qcheck._coverage._skips import Skip, SkipArg, as_skips, skip_at, skip_functions, skip_modules, skip_where
 
 __all__ = [
     "BLOCK_SCALED",
-    "CALLS",
+    "CoverageMap",
     "Declaration",
+    "Hold",
     "KernelRoles",
     "MACHINERY",
     "MATMUL_PRIMITIVES",
@@ -36,6 +37,7 @@ __all__ = [
     "as_kernel_roles",
     "as_skips",
     "assert_quantized",
+    "call_body",
     "coverage",
     "format_coverage",
     "graph_paths",
@@ -43,6 +45,7 @@ __all__ = [
     "mixed_formats",
     "quantized_records",
     "read_declaration",
+    "resolve_declaration",
     "skip_at",
     "skip_functions",
     "skip_modules",

@@ -41,9 +41,10 @@ import numpy as np
 
 from qcheck import formats, referees
 from qcheck._choices import require_choice
-from qcheck._coverage._records import MatmulRecord
+from qcheck._coverage._records import MatmulRecord, whole_axes
 
-__all__ = ["ROLES", "Declaration", "RoleFormat", "as_declaration", "judge", "mixed_formats"]
+__all__ = ["BITWISE", "ROLES", "Declaration", "Hold", "RoleFormat", "as_declaration", "judge", "mixed_formats",
+           "weaker_holds"]
 
 #: The keys a declaration takes: roles by data flow, or operands by position.
 ROLES = ("weights", "activations", "grads", "lhs", "rhs")
@@ -222,6 +223,9 @@ def _diagnose(x: np.ndarray, codes: np.ndarray, fmt: str, axes: tuple[int, ...])
     kept = [a for a in range(x.ndim) if a not in axes]
     if formats.get_format(fmt).kind != "cast":  # a scale per slice, block or tensor
         if kept and _matches(x, codes, fmt, tuple(range(x.ndim))):
+            if formats.get_format(fmt).block:
+                return (f"they match {fmt}'s blocks along the quantizer's own last axis: blocked along other axes "
+                        f"than the matmul contracts")
             return "they match one scale for the whole tensor"
         for k in kept:
             if _matches(x, codes, fmt, tuple(sorted(axes + (k,)))):
@@ -237,12 +241,52 @@ def _diagnose(x: np.ndarray, codes: np.ndarray, fmt: str, axes: tuple[int, ...])
     return "they match no other format or granularity qcheck tries"
 
 
+@dataclasses.dataclass(frozen=True)
+class Hold:
+    """How strongly one declared operand of a site was held: ``strength`` and, below bitwise, ``reason``.
+
+    * ``bitwise``: its codes held to the referee's codes of its quantizer's input;
+    * ``type``: only the narrow types it was cast to (the codes could not be read: ``reason`` says why);
+    * ``none``: nothing (an opaque kernel whose roles are unknown).
+
+    ``accepted_by``: the ``accept_weaker`` rule that accepted a hold below bitwise, else None.
+    """
+
+    strength: str
+    reason: str | None = None
+    accepted_by: str | None = None
+
+    @property
+    def bitwise(self) -> bool:
+        return self.strength == "bitwise"
+
+    def __str__(self) -> str:
+        why = f": {self.reason}" if self.reason else ""
+        accepted = f" (accepted by {self.accepted_by})" if self.accepted_by else ""
+        return f"{self.strength}{why}{accepted}"
+
+
+BITWISE = Hold("bitwise")
+
+
+def _instances(x: np.ndarray, codes: np.ndarray, divisor: Any, stacked: tuple[str, ...]):
+    """Each run of a quantizer inside bodies (``stacked``: what its leading axes enumerate) as its own values."""
+    if not stacked:
+        yield "", x, codes, divisor
+        return
+    n = len(stacked)
+    for idx in np.ndindex(*np.shape(codes)[:n]):
+        where = " (" + ", ".join(f"{label} {i}" for label, i in zip(stacked, idx)) + ")"
+        d = None if divisor is None else (np.asarray(divisor[0])[idx], divisor[1])
+        yield where, np.asarray(x)[idx], np.asarray(codes)[idx], d
+
+
 def _judge_codes(x: np.ndarray, codes: np.ndarray, divisor: Any, fmt: RoleFormat,
-                 axes: tuple[int | None, ...]) -> str | None:
-    """A finding for codes that are not the declared format's codes of ``x``; None when they are."""
+                 axes: tuple[int | None, ...]) -> tuple[str | None, Hold]:
+    """A finding for codes that are not the declared format's codes of ``x`` (None when they are), and the hold."""
     x = np.asarray(x, np.float32)
     if x.shape != np.shape(codes):
-        return None
+        return None, Hold("type", f"the quantizer's input {x.shape} and its codes {np.shape(codes)} differ in shape")
     if fmt.format in _FP8_DIVIDED and divisor is not None:
         scale, multiplied = divisor
         scale = np.asarray(scale, np.float32)
@@ -251,66 +295,143 @@ def _judge_codes(x: np.ndarray, codes: np.ndarray, divisor: Any, fmt: RoleFormat
         keep = {a % x.ndim for a in fmt.per}
         red = tuple(a for a in range(x.ndim) if a not in keep)
     elif fmt.format in formats.AXIS_FORMATS:
-        if any(a is None for a in axes):
-            return None  # contraction axes not traceable to the quantizer: the type check alone
-        red = tuple(sorted(set(axes)))
+        whole = None if any(a is None for a in axes) else whole_axes(axes)
+        merged = None if whole is None else _merged_layout(x.shape, whole)
+        if merged is None:
+            return None, Hold("type", "the matmul's contraction axes do not trace back to the quantizer's axes "
+                                      "(declare the axes that keep their own scale: {'format': ..., 'per': AXES})")
+        shape, red = merged
+        x, codes = x.reshape(shape), np.asarray(codes).reshape(shape)
     else:
         red = tuple(range(x.ndim))
     if _matches(x, codes, fmt.format, red):
-        return None
+        return None, BITWISE
     if fmt.format == "nvfp4" and _stochastic_ok(x, codes, fmt.format, red):
-        return None
+        return None, BITWISE
     ref = _reference_codes(x, fmt.format, red, False)
     if ref is None:
-        return f"its codes cannot be laid out in {fmt} blocks along axes {red} of the quantizer's input {x.shape}"
+        return (f"its codes cannot be laid out in {fmt} blocks along axes {red} of the quantizer's input {x.shape}",
+                BITWISE)
     if ref.shape != np.shape(codes):
+        return None, Hold("type", f"the referee's codes {ref.shape} and the layer's {np.shape(codes)} differ in shape")
+    return f"codes are not {fmt}'s: {_describe_first(x, codes, ref)}; {_diagnose(x, codes, fmt.format, red)}", BITWISE
+
+
+def _merged_layout(shape: tuple[int, ...], axes: tuple[Any, ...]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The quantizer's layout with each run of its axes that one contraction axis flattens (a tuple in ``axes``:
+    blocks reshaped back onto their axis) merged, and the contraction axes in it; None where runs overlap."""
+    runs = {a[0]: a for a in axes if isinstance(a, tuple)}
+    inside = [k for run in runs.values() for k in run]
+    singles = {a for a in axes if isinstance(a, int)}
+    if len(inside) != len(set(inside)) or singles & set(inside):
         return None
-    return f"codes are not {fmt}'s: {_describe_first(x, codes, ref)}; {_diagnose(x, codes, fmt.format, red)}"
+    new_shape: list[int] = []
+    index: dict[Any, int] = {}
+    j = 0
+    while j < len(shape):
+        run = runs.get(j, (j,))
+        index[run if len(run) > 1 else j] = len(new_shape)
+        new_shape.append(int(np.prod([shape[k] for k in run])))
+        j += len(run)
+    try:
+        return tuple(new_shape), tuple(sorted({index[a if isinstance(a, int) or len(a) > 1 else a[0]] for a in axes}))
+    except KeyError:
+        return None
 
 
-def judge(records: Sequence[MatmulRecord], declaration: Declaration, quantizers: Sequence[tuple[Any, Any, Any]],
+def _no_evidence(r: MatmulRecord) -> str:
+    """Why an operand of ``r`` has no quantizer values to hold its codes to."""
+    if r.opaque:
+        return f"an opaque kernel ({r.kernel}): its code inputs are not traced back to a quantizer"
+    if r.no_values:
+        return r.no_values
+    if "gather" in (r.lhs.step, r.rhs.step):
+        return "codes looked up in a constant table (a gather): not traced to the values they quantize"
+    return "its codes do not trace back to a quantizer the walk saw (narrow from the start, or through an op " \
+           "that loses their layout)"
+
+
+def judge(records: Sequence[MatmulRecord], declaration: Declaration, quantizers: Sequence[tuple[Any, ...]],
           operands: Sequence[tuple[int, str, int, tuple[int | None, ...]]]) -> list[MatmulRecord]:
-    """``records`` with each operand's declared format and the site's findings against ``declaration``.
+    """``records`` with each operand's declared format, its hold and the site's findings against ``declaration``.
 
     ``quantizers`` and ``operands`` are the walk's evidence (numpy values):
-    each quantizer's input, codes and divisor, and which matmul operand reached
-    which quantizer with which contraction axes.
+    each quantizer's input, codes, divisor and, where it ran inside bodies,
+    what its leading axes enumerate; and which matmul operand reached which
+    quantizer with which contraction axes. A declared format's operand that
+    cannot be held bitwise gets a finding saying why (every format qcheck
+    knows fixes its bits), unless the caller accepts the weaker hold.
     """
     evidence = {(i, side): (q, axes) for i, side, q, axes in operands}
     out = []
     for i, r in enumerate(records):
         found: list[str] = []
         declared: dict[str, str | None] = {}
+        holds: dict[str, Hold | None] = {"lhs": None, "rhs": None}
         for side in ("lhs", "rhs"):
             role = getattr(r, f"{side}_role")
             known, fmt = declaration.for_operand(side, role)
             declared[side] = None if not known else ("full precision" if fmt is None else str(fmt))
-            if not known or r.roles_unknown:  # an unreadable kernel fails as such (assert_quantized)
+            if not known:
+                continue
+            if r.roles_unknown:  # an unreadable kernel fails as such (assert_quantized)
+                holds[side] = Hold("none", f"an opaque kernel ({r.kernel}) whose roles are unknown")
                 continue
             quant = getattr(r, side)
             label = f"{side} ({role})"
             if fmt is None:
+                holds[side] = Hold("type", "declared full precision: no codes to hold")
                 if quant.quantized:
                     found.append(f"{label} is quantized ({quant}) but declared full precision")
                 continue
             if not quant.quantized:
+                holds[side] = Hold("type", "full precision where a format is declared")
                 found.append(f"{label} reaches the matmul in full precision; declared {fmt}")
                 continue
             want = _element_types(fmt.format)
             narrow = {c for c in getattr(r, f"{side}_casts") if c in _NARROW_FLOATS or c in ("int8", "uint8", "int4")}
             stray = sorted(narrow - want)
             if stray:
+                holds[side] = Hold("type", "cast to another type than the declared format's")
                 found.append(f"{label} is cast to {', '.join(stray)}; declared {fmt}, whose codes and scales are "
                              f"{', '.join(sorted(want))}")
                 continue
-            if (i, side) in evidence:
-                q, axes = evidence[i, side]
-                x, codes, divisor = quantizers[q]
-                if (msg := _judge_codes(x, codes, divisor, fmt, axes)) is not None:
-                    found.append(f"{label}: {msg}")
+            if (i, side) not in evidence:
+                holds[side] = Hold("type", _no_evidence(r))
+                continue
+            q, axes = evidence[i, side]
+            x, codes, divisor, *rest = quantizers[q]
+            stacked = rest[0] if rest else ()
+            hold = BITWISE
+            for at, xi, ci, di in _instances(x, codes, divisor, stacked):
+                msg, hold = _judge_codes(xi, ci, di, fmt, axes)
+                if msg is not None:
+                    found.append(f"{label}{at}: {msg}")
+                if msg is not None or not hold.bitwise:
+                    break
+            holds[side] = hold
         out.append(dataclasses.replace(r, lhs_declared=declared["lhs"], rhs_declared=declared["rhs"],
-                                       findings=tuple(found)))
+                                       findings=tuple(found), lhs_hold=holds["lhs"], rhs_hold=holds["rhs"]))
     return out
+
+
+def weaker_holds(r: MatmulRecord) -> list[str]:
+    """Each declared, quantized-format operand of ``r`` held less than bitwise, not accepted: one line each."""
+    lines = []
+    for side in ("lhs", "rhs"):
+        hold, declared = getattr(r, f"{side}_hold"), getattr(r, f"{side}_declared")
+        if hold is None or hold.bitwise or hold.accepted_by or declared in (None, "full precision"):
+            continue
+        if hold.strength == "type" and hold.reason in ("full precision where a format is declared",
+                                                        "cast to another type than the declared format's"):
+            continue  # already a finding of its own
+        if hold.strength == "none":
+            continue  # an unreadable kernel fails as such
+        if getattr(r, f"{side}_role") == "grad" and formats.get_format(declared.split()[0]).stochastic:
+            continue  # a gradient in a format that may round stochastically (NVFP4's DGRAD): its bits are not fixed
+        lines.append(f"{side} ({getattr(r, f'{side}_role')}) held by its type only, not bitwise as {declared} "
+                     f"fixes its bits: {hold.reason}")
+    return lines
 
 
 def mixed_formats(records: Sequence[MatmulRecord]) -> list[str]:

@@ -53,13 +53,19 @@ class KernelRoles:
     """Which inputs of an opaque kernel named ``name`` are its matmul's lhs and rhs, and their scales.
 
     Positions count the kernel's inputs from 0 in the order the kernel takes
-    them, its scalar-prefetch operands left out (a ``pallas_call``'s
-    ``in_specs``). ``lhs_scale``/``rhs_scale``: the input holding that
-    operand's scales, whose type is part of its format. ``qarrays``: the kernel
-    is called through ``qwix.pallas.pallas_call``, which passes a qwix
-    ``QArray`` as two inputs (its codes, then its scale); positions then count
-    each ``QArray`` as one input, and each operand's scale is found beside its
-    codes (so ``lhs_scale``/``rhs_scale`` are not given).
+    them (a ``pallas_call``'s ``in_specs``): every operand it is called with
+    but a ``pallas_call``'s scalar-prefetch operands and dynamic grid bounds.
+    Metadata passed as plain inputs (tokamax's int32 group offsets ahead of
+    its codes) counts like any input. ``lhs_scale``/``rhs_scale``: the input
+    holding that operand's scales, whose type is part of its format.
+    ``qarrays``: the kernel is called through ``qwix.pallas.pallas_call``,
+    which passes a qwix ``QArray`` as two inputs (its codes, then its scale);
+    positions then count each ``QArray`` as one input, and each operand's scale
+    is found beside its codes (so ``lhs_scale``/``rhs_scale`` are not given).
+    ``lhs_contracting``/``rhs_contracting``: the axes of each operand the
+    kernel contracts, so that its codes are held bitwise at a format whose
+    scales run along them (int8's, the block formats'); without them such
+    codes are held by their types only.
     """
 
     name: str
@@ -68,6 +74,8 @@ class KernelRoles:
     lhs_scale: int | None = None
     rhs_scale: int | None = None
     qarrays: bool = False
+    lhs_contracting: tuple[int, ...] | None = None
+    rhs_contracting: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -80,6 +88,10 @@ class KernelRoles:
         used = [p for p in (self.lhs, self.rhs, self.lhs_scale, self.rhs_scale) if p is not None]
         if len(set(used)) != len(used):
             raise ValueError(f"{what}: lhs, rhs and their scales must be different inputs, got positions {used}")
+        for field in ("lhs_contracting", "rhs_contracting"):
+            value = getattr(self, field)
+            if value is not None and not (isinstance(value, tuple) and all(_position(a) for a in value)):
+                raise ValueError(f"{what}: {field} must be a tuple of axes (ints >= 0), got {value!r}")
         if self.qarrays and (self.lhs_scale is not None or self.rhs_scale is not None):
             raise ValueError(f"{what}: with qarrays=True each operand's scale is read beside its codes; "
                              f"give lhs and rhs only")
@@ -108,10 +120,10 @@ _MEGABLOX = "maxtext/kernels/megablox/"
 KNOWN_KERNELS: tuple[KnownKernel, ...] = (
     KnownKernel("MaxText megablox", ((_MEGABLOX + "backend.py", "gmm"), (_MEGABLOX + "ops.py", "gmm")),
                 frozenset({"preferred_element_type", "tiling", "transpose_rhs"}),
-                KernelRoles("gmm", 0, 1, qarrays=True)),
+                KernelRoles("gmm", 0, 1, qarrays=True, lhs_contracting=(1,), rhs_contracting=(1,))),
     KnownKernel("MaxText megablox", ((_MEGABLOX + "backend.py", "tgmm"), (_MEGABLOX + "ops.py", "gmm")),
                 frozenset({"prefer_element_type", "tiling", "num_actual_groups"}),
-                KernelRoles("tgmm", 0, 1, qarrays=True)),
+                KernelRoles("tgmm", 0, 1, qarrays=True, lhs_contracting=(0,), rhs_contracting=(0,))),
 )
 
 
@@ -147,6 +159,8 @@ class KernelRead:
     lhs_scale: int | None = None
     rhs_scale: int | None = None
     misfit: str | None = None
+    lhs_contracting: tuple[int, ...] | None = None
+    rhs_contracting: tuple[int, ...] | None = None
 
 
 def _metadata(aval: Any) -> bool:
@@ -274,7 +288,8 @@ def read_kernel(eqn: jcore.JaxprEqn, declared: dict[str, KernelRoles], caller: s
     else:
         return KernelRead(name, data)
     try:
-        return KernelRead(name, data, source, *_operands(eqn, roles, inputs, data, location))
+        return KernelRead(name, data, source, *_operands(eqn, roles, inputs, data, location),
+                          lhs_contracting=roles.lhs_contracting, rhs_contracting=roles.rhs_contracting)
     except ValueError as e:
         # Declared roles that do not fit are the caller's mistake, said as such; a known kernel called
         # another way than the table's is unreadable.

@@ -11,12 +11,27 @@ import jax.numpy as jnp
 import numpy as np
 
 from qcheck._errors import user_code
-from qcheck._coverage._declared import as_declaration, judge, mixed_formats
+from qcheck._coverage._declared import Declaration, judge, mixed_formats, weaker_holds
 from qcheck._coverage._kernels import KernelRoles, as_kernel_roles
+from qcheck._coverage._readers import resolve_declaration
 from qcheck._coverage._records import MatmulRecord
 from qcheck._coverage._scopes import ModuleScopes
 from qcheck._coverage._skips import Skip, SkipArg, as_skips
 from qcheck._coverage._walk import NOT_RUN, Walker, Where, input_val
+
+
+class CoverageMap(list):
+    """The records of :func:`coverage` (a list of :class:`MatmulRecord`), and the declaration they were held to.
+
+    ``declaration``: what every site was held to (None: nothing); ``declared_from``: one line saying what it
+    is and where it was read (the layer's library, given by hand), or why nothing was held.
+    """
+
+    def __init__(self, records: Sequence[MatmulRecord] = (), declaration: Declaration | None = None,
+                 declared_from: str = ""):
+        super().__init__(records)
+        self.declaration = declaration
+        self.declared_from = declared_from
 
 
 def _state_bits(module: Any) -> list[np.ndarray]:
@@ -151,7 +166,7 @@ def _machinery(machinery: Any, entry: str) -> tuple[str, ...]:
 
 def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward: bool = False,
              machinery: Sequence[str] = (), declared: Any = None,
-             kernels: KernelRoles | Sequence[KernelRoles] | None = None, **kwargs: Any) -> list[MatmulRecord]:
+             kernels: KernelRoles | Sequence[KernelRoles] | None = None, **kwargs: Any) -> CoverageMap:
     """One :class:`MatmulRecord` per matrix multiplication ``fn(*args, **kwargs)`` performs, in program order.
 
     ``fn`` is a function of arrays (pytrees) or an ``flax.nnx.Module``, which is
@@ -180,13 +195,18 @@ def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward:
     An exception of ``fn``'s own code, tracing or running, is one
     :class:`qcheck.UserCodeError` (a ``ValueError``), the original chained.
 
-    ``declared``: what the matmuls' operands are meant to be (a recipe name, a
-    ``qcheck.Recipe``, or a mapping of roles to formats: see
-    :mod:`qcheck._coverage._declared`); each record then carries its operands'
-    declared formats and its ``findings`` against them, from one compiled run
-    that also hands back each quantizer's input and codes (bitwise checks
-    where values are available; inside ``scan``/``while``/``cond`` and
-    ``shard_map`` bodies, and with ``backward=True``, the types alone).
+    ``declared``: what the matmuls' operands are meant to be. By default
+    (None) it is read from ``fn`` where its library states one
+    (``qcheck._coverage._readers.READERS``: qcheck's layers, MaxText's config,
+    gemma's wrapper, haliax's ops); True reads it and fails where nothing is
+    read; False holds nothing; or give it: a recipe name, a ``qcheck.Recipe``,
+    or a mapping of roles to formats (:mod:`qcheck._coverage._declared`).
+    Each record then carries its operands' declared formats, how strongly
+    each was held (``lhs_hold``/``rhs_hold``: bitwise, type or none, and why)
+    and its ``findings``, from one compiled run that also hands back each
+    quantizer's input and codes, inside calls, ``scan`` and ``shard_map``
+    bodies and the backward pass too. The returned :class:`CoverageMap` says
+    what was held and where it was read (``declared_from``).
 
     ``kernels``: the roles of opaque kernels (``pallas_call``, FFI calls) by
     name, one :class:`qcheck.KernelRoles` or a list: which of a kernel's inputs
@@ -198,10 +218,11 @@ def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward:
     if backward and errors:
         raise ValueError("coverage: errors=True needs values, which the backward trace does not compute; "
                          "pass errors=False with backward=True")
-    declaration = None if declared is None else as_declaration(declared, "coverage: declared")
-    return _coverage(fn, args, kwargs, errors=errors, backward=backward, machinery=machinery,
-                     declaration=declaration, entry="coverage", what="fn",
-                     kernels=as_kernel_roles(kernels, "coverage"))
+    declaration, read = resolve_declaration(fn, declared, "coverage", "fn")
+    records = _coverage(fn, args, kwargs, errors=errors, backward=backward, machinery=machinery,
+                        declaration=declaration, entry="coverage", what="fn",
+                        kernels=as_kernel_roles(kernels, "coverage"))
+    return CoverageMap(records, declaration, read)
 
 
 def _coverage(fn: Callable[..., Any], args: tuple, kwargs: dict, *, errors: bool, backward: bool,
@@ -226,19 +247,18 @@ def _coverage(fn: Callable[..., Any], args: tuple, kwargs: dict, *, errors: bool
             a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes() for a, b in zip(before, after)
         ):
             raise RuntimeError(f"{entry}: tracing changed the module's state ({what}); it must not mutate its inputs")
-    outer = Where(no_values=None if errors else "not computed (errors=False)")
+    # With a declaration the program runs with values (its quantizers' codes) even where no figure is asked for.
+    outer = Where(no_values=None if errors or declaration is not None else "not computed (errors=False)")
     ins = [input_val(v.aval, data=d) for v, d in zip(closed.jaxpr.invars, data + [False] * len(closed.jaxpr.invars))]
     for v in ins:
         v.ident = object()
     if seed_at is not None:
         ins[seed_at].grad = True
-    if not errors and (declaration is None or backward):
+    if not errors and declaration is None:
         walker = Walker(machinery, kernels)
         walker.run(closed.jaxpr, closed.consts, ins, outer, values=False)
         _misdeclared(walker, entry)
-        if declaration is None:
-            return walker.records
-        return judge(walker.records, declaration, [], [])
+        return walker.records
 
     walker = Walker(machinery, kernels)
 
@@ -252,6 +272,8 @@ def _coverage(fn: Callable[..., Any], args: tuple, kwargs: dict, *, errors: bool
         figures, quantizers = jax.jit(evaluate)(jax.tree.leaves(inputs))
     _misdeclared(walker, entry)
     records = list(walker.records)
+    if not errors:
+        records = [dataclasses.replace(r, no_error=r.no_error or "not computed (errors=False)") for r in records]
     if errors:
         for (i, _), e in zip(walker.errors, figures):
             e = float(e)
@@ -259,8 +281,8 @@ def _coverage(fn: Callable[..., Any], args: tuple, kwargs: dict, *, errors: bool
                 dataclasses.replace(records[i], no_error=NOT_RUN[e]))
     if declaration is None:
         return records
-    quantizers = [(np.asarray(x), np.asarray(c), None if d is None else (np.asarray(d), mul))
-                  for (x, c, d), mul in zip(quantizers, walker.multiplied)]
+    quantizers = [(np.asarray(x), np.asarray(c), None if d is None else (np.asarray(d), mul), stacked)
+                  for (x, c, d), mul, stacked in zip(quantizers, walker.multiplied, walker.stacked)]
     return judge(records, declaration, quantizers, walker.operands)
 
 
@@ -306,6 +328,8 @@ def format_coverage(records: Sequence[MatmulRecord], *, stack: bool = False) -> 
          "-" if r.error is None else f"{r.error:.4g}")
         for r in records
     ]
+    if any(r.lhs_hold is not None or r.rhs_hold is not None for r in records):
+        rows = [rows[0] + ("held",)] + [row + (_held(r),) for row, r in zip(rows[1:], records)]
     if any(r.backward for r in records):
         rows = [rows[0] + ("pass",)] + [
             row + ("backward" if r.backward else "forward",) for row, r in zip(rows[1:], records)]
@@ -313,9 +337,26 @@ def format_coverage(records: Sequence[MatmulRecord], *, stack: bool = False) -> 
     lines = ["  ".join(c.ljust(w) for c, w in zip(rows[0], widths)).rstrip()]
     for row, r in zip(rows[1:], records):
         lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        for side in ("lhs", "rhs"):
+            hold = getattr(r, f"{side}_hold")
+            if hold is not None and not hold.bitwise and hold.reason:
+                lines.append(f"    {side} held by {hold.strength}: {hold.reason}"
+                             + (f" (accepted by {hold.accepted_by})" if hold.accepted_by else ""))
         if stack:
             lines += [f"    from {loc} ({fn})" for loc, fn in r.stack]
+    if getattr(records, "declared_from", ""):
+        lines.append(f"declared: {records.declared_from}")
     return "\n".join(lines)
+
+
+def _held(r: MatmulRecord) -> str:
+    """Both operands' holds in one cell: ``bitwise``, or each side's strength (``lhs type, rhs bitwise``)."""
+    holds = [(side, h) for side in ("lhs", "rhs") if (h := getattr(r, f"{side}_hold")) is not None]
+    if not holds:
+        return "-"
+    if all(h.bitwise for _, h in holds):
+        return "bitwise"
+    return ", ".join(f"{side} {h.strength}{' (accepted)' if h.accepted_by else ''}" for side, h in holds)
 
 
 def _unquantized_line(r: MatmulRecord) -> str:
@@ -358,8 +399,10 @@ def assert_quantized(
     machinery: Sequence[str] = (),
     declared: Any = None,
     kernels: KernelRoles | Sequence[KernelRoles] | None = None,
+    backward: bool = False,
+    accept_weaker: Any = None,
     **kwargs: Any,
-) -> list[MatmulRecord]:
+) -> CoverageMap:
     """Assert every matmul of ``fn(*args, **kwargs)`` multiplies quantized operands; return the records.
 
     ``skip`` spares matmuls meant to stay in full precision: one rule
@@ -376,11 +419,20 @@ def assert_quantized(
     matmuls it hides.
 
     ``declared``: hold each matmul to a declared quantization instead of
-    "quantized somehow" (:func:`coverage`'s ``declared``): a site fails with
+    "quantized somehow" (:func:`coverage`'s ``declared``: by default read from
+    ``fn`` where its library states one, ``False`` for none): a site fails with
     each of its findings (the wrong type, codes other than the referee's,
-    full precision where a format is declared), a role the declaration leaves
-    out is not checked, and one declared full precision may stay so. Its
-    control: the ``control`` twin must not satisfy the declaration.
+    full precision where a format is declared, codes that could not be held
+    bitwise and why), a role the declaration leaves out is not checked, and
+    one declared full precision may stay so. Its control: the ``control`` twin
+    must not satisfy a declaration that declares a format.
+
+    ``accept_weaker``: accept a hold below bitwise where the codes cannot be
+    read: True for every site, or rules like ``skip`` (:func:`skip_at`,
+    :func:`skip_modules`, ...) for the sites they match; each accepted site
+    says so in its hold, and a rule that matches no weaker-held site is an
+    error. ``backward``: the backward pass's matmuls too, a ``grads`` role
+    held on them as on the forward pass's.
 
     ``kernels``: the roles of opaque kernels (:func:`coverage`'s ``kernels``).
     A kernel whose roles qcheck cannot read never passes: it fails, listed
@@ -393,23 +445,64 @@ def assert_quantized(
     """
     __tracebackhide__ = True
     return quantized_records(fn, args, kwargs, skip=skip, control=control, machinery=machinery, declared=declared,
-                             kernels=kernels)
+                             kernels=kernels, backward=backward, accept_weaker=accept_weaker)
+
+
+def _accept(records: list[MatmulRecord], accept_weaker: Any, entry: str, stale_ok: bool = False
+            ) -> list[MatmulRecord]:
+    """``records`` with each weaker hold accepted by ``accept_weaker`` marked, and the rest a finding each."""
+    if accept_weaker is None or accept_weaker is False:
+        rules: list[Skip] = []
+    elif accept_weaker is True:
+        rules = [Skip("accept_weaker=True", lambda r: True)]
+    else:
+        try:
+            rules = as_skips(accept_weaker, f"{entry}: accept_weaker")
+        except TypeError as e:
+            raise ValueError(str(e)) from None
+    used: set[str] = set()
+    out = []
+    for r in records:
+        weaker = weaker_holds(r)
+        rule = next((rule for rule in rules if rule(r)), None) if weaker else None
+        if rule is not None:
+            used.add(rule.name)
+            r = dataclasses.replace(r, **{f"{side}_hold": dataclasses.replace(h, accepted_by=rule.name)
+                                          for side in ("lhs", "rhs") if (h := getattr(r, f"{side}_hold")) is not None
+                                          and not h.bitwise})
+        elif weaker:
+            r = dataclasses.replace(r, findings=r.findings + tuple(weaker))
+        out.append(r)
+    for rule in rules:
+        if rule.name not in used and not stale_ok:
+            raise ValueError(f"{entry}: accept_weaker: {rule.name} matches no site held less than bitwise "
+                             f"(every site it matches is held bitwise, or none matches): drop it")
+    return out
 
 
 def quantized_records(fn: Callable[..., Any], args: tuple, kwargs: dict, *, skip: SkipArg = None,
                       control: Callable[..., Any] | None = None, machinery: Sequence[str] = (), declared: Any = None,
-                      kernels: KernelRoles | Sequence[KernelRoles] | None = None, warm: bool = True
-                      ) -> list[MatmulRecord]:
+                      kernels: KernelRoles | Sequence[KernelRoles] | None = None, warm: bool = True,
+                      backward: bool = False, accept_weaker: Any = None, entry: str = "assert_quantized",
+                      declaration: Declaration | None = None, declared_from: str | None = None,
+                      stale_ok: bool = False) -> CoverageMap:
     """:func:`assert_quantized` of ``fn(*args, **kwargs)``; ``warm=False``: ``fn`` and ``control``, NNX modules,
-    are traced as they are, their caller having warmed them up (:func:`after_first_call`) where they were lazy."""
+    are traced as they are, their caller having warmed them up (:func:`after_first_call`) where they were lazy.
+    ``declared_from`` given: ``declaration`` is already resolved (the caller read it from its own layer)."""
     __tracebackhide__ = True
-    rules = as_skips(skip, "assert_quantized")
-    declaration = None if declared is None else as_declaration(declared, "assert_quantized: declared")
-    machinery = _machinery(machinery, "assert_quantized")
-    declared_kernels = as_kernel_roles(kernels, "assert_quantized")
-    records = _coverage(fn, args, kwargs, errors=False, backward=False, machinery=machinery,
-                        declaration=declaration, entry="assert_quantized", what="fn", kernels=declared_kernels,
+    rules = as_skips(skip, entry)
+    if declared_from is None:
+        declaration, declared_from = resolve_declaration(fn, declared, entry, "fn")
+    if accept_weaker not in (None, False) and declaration is None:
+        raise ValueError(f"{entry}: accept_weaker accepts weaker holds of a declaration, and none is held "
+                         f"({declared_from})")
+    machinery = _machinery(machinery, entry)
+    declared_kernels = as_kernel_roles(kernels, entry)
+    records = _coverage(fn, args, kwargs, errors=False, backward=backward, machinery=machinery,
+                        declaration=declaration, entry=entry, what="fn", kernels=declared_kernels,
                         warm=warm)
+    if declaration is not None:
+        records = _accept(records, accept_weaker, entry, stale_ok)
     for i, r in enumerate(records):
         if not r.quantized:
             rule = next((rule for rule in rules if rule(r)), None)
@@ -445,10 +538,11 @@ def quantized_records(fn: Callable[..., Any], args: tuple, kwargs: dict, *, skip
         problems.append(f"kernels: KernelRoles({name!r}) names no kernel of fn (its opaque kernels: "
                         f"{', '.join(kernels_here) or 'none'}): drop it or fix its name")
     if control is not None:
-        twin = _coverage(control, args, kwargs, errors=False, backward=False, machinery=machinery,
-                         declaration=None, entry="assert_quantized", what="control", kernels=declared_kernels,
+        twin = _coverage(control, args, kwargs, errors=False, backward=backward, machinery=machinery,
+                         declaration=None, entry=entry, what="control", kernels=declared_kernels,
                          warm=warm)
-        if declaration is not None and not _declaration_bites(twin, declaration, rules):
+        formats_declared = declaration is not None and any(v is not None for v in declaration.roles.values())
+        if formats_declared and not _declaration_bites(twin, declaration, rules):
             problems.append(f"the declaration ({declaration}) holds on the unquantized control as well: it "
                             f"declares no quantized format for any operand of its matmuls, so it checks nothing")
         for rule in rules:
@@ -459,5 +553,5 @@ def quantized_records(fn: Callable[..., Any], args: tuple, kwargs: dict, *, skip
                     f"in the layer; at their positions a full-precision matmul of the layer would pass unseen:\n" +
                     "\n".join(f"  #{i}: {twin[i].describe()}" for i in hidden))
     if problems:
-        raise AssertionError("assert_quantized: " + "\n".join(problems))
-    return records
+        raise AssertionError("assert_quantized: " + "\n".join(problems) + f"\ndeclared: {declared_from}")
+    return CoverageMap(records, declaration, declared_from)

@@ -15,7 +15,7 @@ import numpy as np
 
 from qcheck._coverage._declared import Declaration, RoleFormat, as_declaration
 
-__all__ = ["READERS", "read_declaration"]
+__all__ = ["READERS", "read_declaration", "resolve_declaration"]
 
 #: MaxText 0.2.5's ``config.quantization`` on its AQT/Flax path (``use_qwix_quantization=False``):
 #: ``int8`` is AQT v2 ``config_v3(fwd_bits=8)``, whose forward codes are qcheck's ``int8_aqt``
@@ -31,10 +31,18 @@ MAXTEXT_AQT = {
 def _qcheck_moe(layer: Any) -> Declaration | None:
     from qcheck.layers.moe import MoE
 
-    if isinstance(layer, MoE):
-        decl = as_declaration(layer.recipe_name)
-        return Declaration(decl.roles, f"the layer's recipe {layer.recipe_name!r}")
-    return None
+    if not isinstance(layer, MoE):
+        return None
+    quantized, lhs, rhs, grad = layer.recipe_formats
+    source = f"the layer's recipe {layer.recipe_name!r}"
+    if not quantized:
+        return Declaration({"weights": None, "activations": None}, source)
+    if lhs is None or rhs is None:
+        return None  # a recipe that names no formats (a library's own configuration): nothing to read
+    roles = {"activations": RoleFormat(lhs), "weights": RoleFormat(rhs)}
+    if grad is not None:
+        roles["grads"] = RoleFormat(grad)
+    return Declaration(roles, source)
 
 
 #: MaxText 0.2.5's ``config.quantization`` on its qwix path (``use_qwix_quantization=True``, applied by
@@ -172,3 +180,37 @@ def read_declaration(layer: Any) -> Declaration | None:
         if (decl := reader(layer)) is not None:
             return decl
     return None
+
+
+def _nothing_read() -> str:
+    return f"nothing read: no reader ({', '.join(lib for lib, _, _ in READERS)}) finds a declaration on it"
+
+
+def resolve_declaration(layer: Any, declared: Any, entry: str, what: str = "layer"
+                        ) -> tuple[Declaration | None, str]:
+    """The declaration ``declared`` asks for, and one line saying what it is and where it was read.
+
+    None (the default) reads it from ``layer`` (:data:`READERS`) and, where
+    nothing is read, holds nothing and says so; True reads it and fails where
+    nothing is read; False holds nothing; anything else is a declaration
+    given by hand (:func:`as_declaration`).
+    """
+    if declared is False:
+        return None, "declared=False: no declaration held"
+    if declared is None or declared is True:
+        decl = read_declaration(layer)
+        if decl is not None and not any(v is not None for v in decl.roles.values()):
+            # An unquantized layer by its own word: nothing to hold but that it is quantized at all.
+            return None, f"read from the {what}: {decl.source}, which declares no quantized format"
+        if decl is not None:
+            return decl, f"read from the {what}: {decl.source}"
+        if declared is True:
+            raise ValueError(f"{entry}: declared=True, but {_nothing_read().removeprefix('nothing read: ')} of "
+                             f"{type(layer).__name__}; declare it by hand: declared='fp8' (a recipe) or "
+                             f"declared={{'weights': 'int8', 'activations': 'int8'}}")
+        return None, f"{_nothing_read()} ({what} {type(layer).__name__}); pass declared= to hold its sites"
+    if isinstance(declared, bool):
+        raise ValueError(f"{entry}: declared must be None (read it from the {what}), True, False, a recipe name, a "
+                         f"qcheck.Recipe or a mapping of roles to formats")
+    decl = as_declaration(declared, f"{entry}: declared")
+    return decl, f"given: {decl}"

@@ -32,9 +32,11 @@ Where several quantized values meet (``codes * scale`` when the scale was cast
 too), the first operand's quantization is reported.
 
 Every higher-order primitive a program JAX runs may hold is walked: calls
-(jit/pjit, closed_call, remat/checkpoint, custom_jvp/custom_vjp,
-custom_partitioning), ``shard_map`` (its body per shard), ``scan``/``while``/
-``cond``, and any other primitive carrying a jaxpr. Opaque kernels (a
+(any primitive whose params hold a jaxpr taking exactly its operands and giving
+its results: jit/pjit, closed_call, remat/checkpoint, custom_jvp/custom_vjp/
+custom_vmap, custom_partitioning; :func:`call_body`), ``shard_map`` (its body
+per shard), ``scan``/``while``/``cond``, and any other primitive carrying a
+jaxpr (its body for quantization only, the record naming the primitive). Opaque kernels (a
 ``pallas_call``, an FFI or custom call) are reported as one record each, a
 region that may multiply, read by their operands' roles (:mod:`._kernels`):
 the inputs a declaration (``qcheck.KernelRoles``) or qcheck's table of known
@@ -104,12 +106,67 @@ VALUE_PRESERVING: dict[str, tuple[str, tuple[int, ...] | slice, str]] = {
     "div": ("scale", (0,), "dequantization: codes over their inverse scale"),
 }
 
-#: Calls whose inner jaxpr takes exactly the eqn's operands and gives its results: primitive -> its jaxpr's param.
-CALLS = {
-    "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-    "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
-    "remat2": "jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr", "custom_partitioning": "call",
-}
+#: Primitives whose body is not a call on the eqn's own values, though its avals may match them: a shard_map's
+#: body runs per shard (on a one-device mesh its shapes are the global ones, but its collectives need the mesh),
+#: and the loops and the cond, whose bodies run per iteration or per branch.
+NOT_CALLS = frozenset({"shard_map", "scan", "while", "cond"})
+
+
+def _aval_key(aval: Any) -> tuple[Any, ...]:
+    return tuple(getattr(aval, "shape", ())), str(getattr(aval, "dtype", aval))
+
+
+def call_body(eqn: Any) -> tuple[Any, list[Any]] | None:
+    """``(jaxpr, consts)`` of the body an eqn calls on exactly its operands, giving exactly its results; else None.
+
+    Found generically, from the eqn's params rather than from a table of names:
+    the one jaxpr among them whose inputs and outputs have the eqn's own shapes
+    and types. That opens jit/pjit, closed_call, remat, custom_jvp_call,
+    custom_vjp_call, custom_vmap_call, custom_partitioning and any call JAX
+    adds, wherever they sit; :data:`NOT_CALLS` are left to their own walks.
+    """
+    if eqn.primitive.name in NOT_CALLS:
+        return None
+    ins = [_aval_key(v.aval) for v in eqn.invars]
+    outs = [_aval_key(v.aval) for v in eqn.outvars]
+    for value in eqn.params.values():
+        jaxpr, consts = (value.jaxpr, list(value.consts)) if hasattr(value, "consts") and hasattr(value, "jaxpr") \
+            else (value, [])
+        if not (hasattr(jaxpr, "eqns") and hasattr(jaxpr, "invars")):
+            continue
+        if [_aval_key(v.aval) for v in jaxpr.invars] == ins and [_aval_key(v.aval) for v in jaxpr.outvars] == outs:
+            return jaxpr, consts
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """Axis ``index`` of ``count`` axes that together are the run ``run`` of a quantizer's axes (a block
+    flattened over several axes and split back into them: NVFP4 blocks over a weight gradient's batch and
+    sequence axes). What the walk maps such an axis to, for the declared-quantization check."""
+
+    run: tuple[int, ...]
+    index: int
+    count: int
+
+
+def whole_axes(axes: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """``axes`` (a matmul's contraction axes in its quantizer's layout) with every :class:`Part` of one run
+    present put back as that run; None where a run is cut (some of its Parts contracted, not all)."""
+    out: list[Any] = []
+    parts: dict[tuple[int, ...], set[int]] = {}
+    counts: dict[tuple[int, ...], int] = {}
+    for a in axes:
+        if isinstance(a, Part):
+            parts.setdefault(a.run, set()).add(a.index)
+            counts[a.run] = a.count
+        else:
+            out.append(a)
+    for run, seen in parts.items():
+        if len(seen) != counts[run]:
+            return None
+        out.append(run if len(run) > 1 else run[0])
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +245,9 @@ class MatmulRecord:
     rhs_casts: frozenset[str] = frozenset()
     scope: str = ""
     stack: tuple[tuple[str, str], ...] = ()
+    #: Why the walk had no values at this site (a body it walks for quantization only, ``errors=False`` without
+    #: a declaration, a while loop's or cond's quantizers not kept); None: its operands' values were read.
+    no_values: str | None = None
     opaque: bool = False
     no_error: str | None = None
     skipped_by: str | None = None
@@ -204,6 +264,10 @@ class MatmulRecord:
     lhs_declared: str | None = None
     rhs_declared: str | None = None
     findings: tuple[str, ...] = ()
+    #: With a declaration: how strongly each declared operand was held (``qcheck.Hold``: bitwise, type, none,
+    #: and why); None for an operand the declaration leaves out.
+    lhs_hold: Any = None
+    rhs_hold: Any = None
     #: An opaque kernel's name (what ``qcheck.KernelRoles`` matches), where its roles came from ("declared",
     #: or the library of the row of qcheck's table of known kernels; None: roles unknown, and ``lhs``/``rhs``
     #: are ``OperandQuant("unknown")``), and each of its data operands, ``"(shape) dtype [quantization]"``

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qcheck._coverage._kernels import KernelRead, KernelRoles, read_kernel
-from qcheck._coverage._records import BLOCK_SCALED, CALLS, ERROR_PRIMITIVES, FULL, MATMUL_PRIMITIVES, MatmulRecord, OPAQUE, OperandQuant, ROUNDING, UNKNOWN, VALUE_PRESERVING, block_format
+from qcheck._coverage._records import BLOCK_SCALED, ERROR_PRIMITIVES, FULL, MATMUL_PRIMITIVES, MatmulRecord, OPAQUE, OperandQuant, Part, ROUNDING, UNKNOWN, VALUE_PRESERVING, block_format, call_body
 from qcheck._coverage._scopes import machinery_prefixes, scope_names, user_frames
 
 
@@ -64,6 +64,7 @@ class _Val:
     ste_zero: bool = False
     ste_delta: tuple[Any, Any] | None = None  # (the quantized _Val q, the identity of x)
     ident: Any = None  # what value this is: stop_gradient and copies keep their operand's
+    closed: bool = False  # a constant of the program (closed over, or computed from constants only)
 
 
 def input_val(aval: Any, value: Any = None, const: bool = False, data: bool = False) -> _Val:
@@ -82,22 +83,77 @@ _AXIS_OPS = frozenset({"transpose", "broadcast_in_dim", "reshape", "squeeze", "e
                        "min", "mul", "div", "pvary", "pbroadcast", "reshard", "mesh_cast"})
 
 
-def _reshape_map(old: tuple[int, ...], new: tuple[int, ...]) -> list[int | None]:
-    """For each axis of ``new``, the axis of ``old`` it is (same size, same elements before it), else None."""
-    out: list[int | None] = []
-    before_old = {}
-    acc = 1
+def _atoms(old: tuple[int, ...], source: tuple[Any, ...], qshape: tuple[int, ...]) -> list[tuple[Any, int]]:
+    """The operand's axes as atoms ``(quantizer axis | Part | None, size)``, runs expanded, size-1 axes left out."""
+    atoms: list[tuple[Any, int]] = []
     for j, d in enumerate(old):
-        before_old.setdefault((acc, d), j)
-        acc *= d
-    acc = 1
-    for d in new:
-        out.append(before_old.get((acc, d)) if d != 1 else None)
-        acc *= d
-    return out
+        if d == 1:
+            continue
+        a = source[j] if j < len(source) else None
+        run = (a,) if isinstance(a, int) else a if isinstance(a, tuple) else None
+        if isinstance(a, Part):
+            atoms.append((a, d))
+        elif run is None or int(np.prod([qshape[r] for r in run])) != d:
+            atoms.append((None, d))
+        else:
+            atoms.extend((r, qshape[r]) for r in run if qshape[r] != 1)
+    return atoms
 
 
-def _axis_map(eqn: jcore.JaxprEqn, source: tuple[int | None, ...]) -> tuple[int | None, ...]:
+def _run_of(atoms: list[Any]) -> tuple[int, ...] | None:
+    """The quantizer's consecutive axes a group of atoms is: plain axes in order, or every Part of one run."""
+    if atoms and all(isinstance(a, Part) for a in atoms):
+        first = atoms[0]
+        if [(a.run, a.index, a.count) for a in atoms] == [(first.run, i, first.count) for i in range(first.count)]:
+            return first.run
+        return None
+    if any(not isinstance(a, int) for a in atoms):
+        return None
+    return tuple(atoms) if list(atoms) == list(range(atoms[0], atoms[0] + len(atoms))) else None
+
+
+def _reshape_axes(old: tuple[int, ...], new: tuple[int, ...], source: tuple[Any, ...],
+                  qshape: tuple[int, ...]) -> tuple[Any, ...]:
+    """``source`` (for each axis of ``old``, the quantizer's axis it is, a run of them, a Part, or None) after a
+    reshape.
+
+    The operand's axes and the new ones are matched in the smallest groups of
+    equal size. A new axis that is a whole group of the quantizer's axes maps
+    to them (a run, a tuple, when several: a block split off its axis and
+    merged back, NVFP4's ``[..., k] -> [..., k/16, 16] -> [..., k]``); several
+    new axes that together are one run are its Parts; anything else is None.
+    """
+    atoms = _atoms(old, source, qshape)
+    dims = [(i, d) for i, d in enumerate(new) if d != 1]
+    out: list[Any] = [None] * len(new)
+    a = n = 0
+    while a < len(atoms) and n < len(dims):
+        group_a, group_n = [atoms[a]], [dims[n]]
+        pa, pn = atoms[a][1], dims[n][1]
+        a, n = a + 1, n + 1
+        while pa != pn:
+            if pa < pn and a < len(atoms):
+                pa *= atoms[a][1]
+                group_a.append(atoms[a])
+                a += 1
+            elif pn < pa and n < len(dims):
+                pn *= dims[n][1]
+                group_n.append(dims[n])
+                n += 1
+            else:
+                return tuple(out)
+        run = _run_of([x for x, _ in group_a])
+        if run is None:
+            continue
+        if len(group_n) == 1:
+            out[group_n[0][0]] = run[0] if len(run) == 1 else run
+        else:
+            for k, (i, _) in enumerate(group_n):
+                out[i] = Part(run, k, len(group_n))
+    return tuple(out)
+
+
+def _axis_map(eqn: jcore.JaxprEqn, source: tuple[Any, ...], qshape: tuple[int, ...]) -> tuple[Any, ...]:
     """``source`` (the operand's axis map) carried through one value-preserving op to its output."""
     name, out_aval = eqn.primitive.name, eqn.outvars[0].aval
     ndim = len(getattr(out_aval, "shape", ()))
@@ -112,8 +168,7 @@ def _axis_map(eqn: jcore.JaxprEqn, source: tuple[int | None, ...]) -> tuple[int 
             out[d] = source[j] if in_shape[j] == out_aval.shape[d] else None
         return tuple(out)
     if name in ("reshape", "squeeze", "expand_dims"):
-        m = _reshape_map(tuple(eqn.invars[0].aval.shape), tuple(out_aval.shape))
-        return tuple(None if j is None else source[j] for j in m)
+        return _reshape_axes(tuple(eqn.invars[0].aval.shape), tuple(out_aval.shape), source, qshape)
     return tuple(source) if len(source) == ndim else (None,) * ndim
 
 
@@ -145,6 +200,31 @@ class Where:
     stack: tuple[tuple[str, str], ...] = ()
     scope: tuple[str, ...] = ()
     no_values: str | None = None
+
+
+def _live(jaxpr: jcore.Jaxpr) -> list[bool]:
+    """Per eqn, whether the jaxpr's results depend on it (or it has effects): a matmul whose result is dropped
+    (a vjp's other cotangent, computed and never used) is no site of the program XLA runs."""
+    needed = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
+    live = [False] * len(jaxpr.eqns)
+    for i in range(len(jaxpr.eqns) - 1, -1, -1):
+        eqn = jaxpr.eqns[i]
+        if eqn.effects or any(v in needed for v in eqn.outvars):
+            live[i] = True
+            needed.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+    return live
+
+
+@dataclasses.dataclass
+class Evidence:
+    """What a body walked with values found of its quantizers: each one's (input, codes, divisor), whether its
+    scale was multiplied in, its own stacking, and which of the body's matmul operands (by record index within
+    the body) reached which (by index within ``quantizers``) with which contraction axes."""
+
+    quantizers: list[tuple[Any, Any, Any]]
+    multiplied: list[bool]
+    stacked: list[tuple[str, ...]]
+    operands: list[tuple[int, str, int, tuple[int | None, ...]]]
 
 
 def _eval_eqn(eqn: jcore.JaxprEqn, vals: list[Any]) -> list[Any]:
@@ -199,6 +279,9 @@ class Walker:
         self.quantizers: list[tuple[Any, Any, Any]] = []
         self.operands: list[tuple[int, str, int, tuple[int | None, ...]]] = []
         self.multiplied: list[bool] = []  # per quantizer: its scale was multiplied in
+        # Per quantizer: what its values' leading axes enumerate ("iteration" of a scan, "shard" of a shard_map,
+        # outermost first): one quantizer of a body, its values stacked over the body's runs.
+        self.stacked: list[tuple[str, ...]] = []
         self.machinery = machinery_prefixes(machinery)
         self.kernels = kernels or {}  # declared roles of opaque kernels, by kernel name
         self.misdeclared: list[str] = []  # declared roles that do not fit their kernel (the caller raises)
@@ -216,9 +299,13 @@ class Walker:
         for var, c in zip(jaxpr.constvars, consts):
             env[var] = input_val(var.aval, c if values else None)
             env[var].ident = var
+            env[var].closed = True
         for var, val in zip(jaxpr.invars, ins):
             env[var] = val
-        for eqn in jaxpr.eqns:
+        live = _live(jaxpr)
+        for eqn, keep in zip(jaxpr.eqns, live):
+            if not keep:
+                continue
             ins_e = [self.read(env, v) for v in eqn.invars]
             # An inner jaxpr's name stack is relative to the eqn that holds it; its traceback is whole.
             frames = user_frames(eqn, self.machinery)
@@ -233,13 +320,15 @@ class Walker:
 
     def eqn(self, eqn: jcore.JaxprEqn, ins: list[_Val], where: Where, *, values: bool) -> list[_Val]:
         name = eqn.primitive.name
-        if name in CALLS and CALLS[name] in eqn.params:
-            inner = eqn.params[CALLS[name]]
-            jaxpr, consts = (inner.jaxpr, inner.consts) if isinstance(inner, jcore.ClosedJaxpr) else (inner, ())
-            if len(jaxpr.invars) == len(ins) and len(jaxpr.outvars) == len(eqn.outvars):
-                return self.run(jaxpr, consts, ins, where, values=values)
+        if (body := call_body(eqn)) is not None:
+            return self.run(body[0], body[1], ins, where, values=values)
         if name in ("scan", "while", "cond"):
             return self.control(eqn, ins, where, values=values)
+        if name == "shard_map" and values and where.no_values is None:
+            outs = self.shard(eqn, ins, where)
+            if not isinstance(outs, str):
+                return outs
+            where = dataclasses.replace(where, no_values=outs)
         actual = None
         subs = list(jcore.jaxprs_in_params(eqn.params))
         if values:
@@ -274,6 +363,7 @@ class Walker:
             return [ste]
         quant = self.propagate(eqn, ins)
         const = all(v.const for v in ins)
+        closed = bool(ins) and all(v.const or v.closed for v in ins)
         grad = any(v.grad for v in ins)
         data = self.data_of(eqn, ins)
         casts = frozenset()
@@ -286,7 +376,7 @@ class Walker:
         for i, var in enumerate(eqn.outvars):
             a = actual[i] if values else None
             val = _Val(quant if i == 0 else None, const, getattr(var.aval, "size", 2) == 1, a, a, grad=grad,
-                       casts=casts if i == 0 else frozenset(), data=data, ident=var)
+                       casts=casts if i == 0 else frozenset(), data=data, ident=var, closed=closed)
             outs.append(val)
         if len(outs) == 1:
             outs[0].scale = outs[0].scale or self.scale_like(eqn, ins)
@@ -355,12 +445,23 @@ class Walker:
                 if x.divisor is None and not ins[scale_at[0]].const:
                     out.prescale = x.prescale if x.prescale is not None else x.actual
                     out.divisor, out.multiplied = ins[scale_at[0]].actual, name == "mul"
-            elif name in ("clamp", "max", "min", "convert_element_type", "stop_gradient", "copy", "copy_p"):
+                elif x.divisor is not None and ins[scale_at[0]].const:
+                    # After the scale, a literal factor is the quantizer's own arithmetic (e2m1's half steps).
+                    out.prescale, out.divisor, out.multiplied = x.prescale, x.divisor, x.multiplied
+            elif name in ("clamp", "max", "min", "convert_element_type", "stop_gradient", "copy", "copy_p", "abs",
+                          "neg"):  # abs, neg: a symmetric grid's magnitudes, the sign put back later
                 x = ins[1] if name == "clamp" else next((v for v in ins if not v.const), first)
                 out.prescale, out.divisor, out.multiplied = x.prescale, x.divisor, x.multiplied
             return
         if not any(quant is v.quant for v in ins):  # a quantizing step: its codes start here
+            if name in ("gather", "sign"):
+                return  # values from a table, or signs: not the codes of a value the walk can name
             src = first
+            if src.live and src.qid is not None and src.axis_map != tuple(range(len(src.axis_map))):
+                # Codes rounded in another layout (NVFP4's blocks), laid back and cast to their type: the same
+                # quantizer, whose codes stay where its axes are known.
+                out.qid, out.live, out.axis_map = src.qid, True, _axis_map(eqn, src.axis_map, ())
+                return
             origin = src.prescale if src.prescale is not None else src.actual
             divisor, multiplied = src.divisor, src.multiplied
             if src.quant is not None and src.qid is not None:  # round, then cast to int8: the same chain
@@ -368,14 +469,18 @@ class Walker:
                 multiplied = self.multiplied[src.qid]
             self.quantizers.append((origin, out.actual, divisor))
             self.multiplied.append(multiplied)
+            self.stacked.append(())
             out.qid, out.live = len(self.quantizers) - 1, True
             out.axis_map = tuple(range(len(getattr(eqn.outvars[0].aval, "shape", ()))))
+            return
+        if name == "select_n":
+            self.select(eqn, ins, out)
             return
         carrier = next((v for v in ins if quant is v.quant), first)
         if carrier.qid is None:
             return
         out.qid = carrier.qid
-        out.axis_map = _axis_map(eqn, carrier.axis_map)
+        out.axis_map = _axis_map(eqn, carrier.axis_map, tuple(np.shape(self.quantizers[carrier.qid][1])))
         if carrier.live and name in ("mul", "div"):
             out.live = False  # codes times their scale: dequantized
         elif carrier.live:
@@ -385,6 +490,34 @@ class Walker:
                 if out.axis_map == tuple(range(len(out.axis_map))):
                     o, _, d = self.quantizers[carrier.qid]
                     self.quantizers[carrier.qid] = (o, out.actual, d)
+
+    def select(self, eqn: jcore.JaxprEqn, ins: list[_Val], out: _Val) -> None:
+        """``select_n`` on codes: one quantizer's codes (a sign put back, zeros where a block's scale is zero)
+        are its codes still; the roundings of one value on each piece of a non-uniform grid (e2m1's steps of
+        1/2, 1 and 2) are together the codes of a quantizer of that value."""
+        cases = [v for v in ins[1:] if not v.const]
+        if not cases or any(v.qid is None for v in cases):
+            return
+        qids = sorted({v.qid for v in cases})
+        identity = tuple(range(len(getattr(eqn.outvars[0].aval, "shape", ()))))
+        if len(qids) == 1:
+            maps = {v.axis_map for v in cases}
+            if len(maps) != 1:
+                return
+            out.qid, out.axis_map, out.live = qids[0], maps.pop(), all(v.live for v in cases)
+            if out.live and out.axis_map == identity:
+                o, _, d = self.quantizers[out.qid]
+                self.quantizers[out.qid] = (o, out.actual, d)
+            return
+        origins = {id(self.quantizers[q][0]) for q in qids}
+        divisors = {id(self.quantizers[q][2]) for q in qids}
+        if len(origins) != 1 or len(divisors) != 1 or any(v.axis_map != identity for v in cases):
+            return
+        origin, _, divisor = self.quantizers[qids[0]]
+        self.quantizers.append((origin, out.actual, divisor))
+        self.multiplied.append(self.multiplied[qids[0]])
+        self.stacked.append(())
+        out.qid, out.live, out.axis_map = len(self.quantizers) - 1, True, identity
 
     @staticmethod
     def align(ins: list[_Val], invars: Sequence[Any]) -> list[_Val]:
@@ -413,8 +546,12 @@ class Walker:
             if jnp.issubdtype(new, jnp.floating) or jnp.issubdtype(old, jnp.integer):
                 return ins[0].quant
             return None
-        if name in ROUNDING:
+        if name in ROUNDING or name == "sign":  # sign: onto {-1, 0, 1}
             return OperandQuant("emulated", None, name)
+        if name == "gather" and (ins[0].const or ins[0].closed) and getattr(eqn.invars[0].aval, "size", 257) <= 256:
+            # A lookup into a constant table of at most 256 values (a codebook, a grid's neighbours): its
+            # results take no other values, whatever the indices.
+            return OperandQuant("emulated", None, "gather")
         if name == "reduce_precision":
             if 1 + eqn.params["exponent_bits"] + eqn.params["mantissa_bits"] <= 8:
                 return OperandQuant("emulated", None, "reduce_precision")
@@ -434,6 +571,8 @@ class Walker:
         if name == "div":
             return ins[0].quant if scale[1] or ins[1].quant else None
         (lhs, rhs), (lhs_scale, rhs_scale) = ins, scale
+        if lhs.quant and rhs.quant and lhs.quant.step == "sign":
+            return rhs.quant  # a sign times magnitudes on a grid: the grid is the quantization
         if lhs.quant and (rhs.quant or rhs_scale):
             return lhs.quant
         if rhs.quant and lhs_scale:
@@ -443,6 +582,8 @@ class Walker:
     @staticmethod
     def shadow(eqn: jcore.JaxprEqn, ins: list[_Val], quant: OperandQuant) -> Any:
         name = eqn.primitive.name
+        if name in ("gather", "sign") and not any(quant is v.quant for v in ins):
+            return None  # a table's values or signs: no value before quantization to name
         if name in ROUNDING or (name in ("convert_element_type", "reduce_precision") and quant is not ins[0].quant):
             return ins[0].shadow  # a quantizing step: its input is the value before quantization
         if all(v.shadow is v.actual for v in ins):
@@ -517,6 +658,7 @@ class Walker:
             rhs_block=blocks[1],
             scope="/".join(where.scope),
             stack=where.stack,
+            no_values=where.no_values,
             opaque=opaque,
             no_error=reason,
             lhs_role=_role(lhs),
@@ -526,11 +668,18 @@ class Walker:
             operands=tuple(f"{shape(eqn.invars[i])} {dtype(eqn.invars[i])} [{ins[i].quant or FULL}]"
                            for i in kernel.data) if opaque else (),
         ))
+        contracting = (None, None)
         if out is not None and not opaque:
             contracting = _contracting(eqn)
+        elif opaque and not unknown and where.no_values is None:
+            # A kernel's code inputs are held as any matmul's: to the referee's codes of their quantizer's input,
+            # along the axes its roles say it contracts (unknown: one per operand axis, held by type alone).
+            contracting = tuple(c if c is not None else (None,) for c in (kernel.lhs_contracting,
+                                                                           kernel.rhs_contracting))
+        if contracting != (None, None):
             for side, v, axes in (("lhs", lhs, contracting[0]), ("rhs", rhs, contracting[1])):
                 if v.qid is not None and axes is not None:
-                    mapped = tuple(v.axis_map[a] if a < len(v.axis_map) else None for a in axes)
+                    mapped = tuple(v.axis_map[a] if a is not None and a < len(v.axis_map) else None for a in axes)
                     self.operands.append((len(self.records) - 1, side, v.qid, mapped))
         if reason is not None:
             return
@@ -543,6 +692,45 @@ class Walker:
         ref = ref.astype(jnp.float32)
         err = jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref)
         self.errors.append((len(self.records) - 1, err))
+
+    def shard(self, eqn: jcore.JaxprEqn, ins: list[_Val], where: Where) -> list[_Val] | str:
+        """A shard_map run again with its body walked with values, per shard, inside a shard_map of its own.
+
+        Its figures and quantizer evidence come out as extra outputs, one per
+        shard along a new leading axis (a figure the worst over the shards).
+        Where the body cannot be run so, why not (its records then say so).
+        """
+        p = eqn.params
+        body = p["jaxpr"]
+        jaxpr, consts = (body.jaxpr, body.consts) if isinstance(body, jcore.ClosedJaxpr) else (body, [])
+        mesh = p["mesh"]
+        manual = next((p[k] for k in ("newly_manual_axes", "manual_axes", "axis_names") if p.get(k)),
+                      frozenset(mesh.axis_names))
+        per_shard = jax.sharding.PartitionSpec(tuple(a for a in mesh.axis_names if a in manual))
+        template = self.align(ins, jaxpr.invars)
+        kept: dict[str, Any] = {}
+
+        def run(*args):
+            body_ins = [dataclasses.replace(t, actual=a, shadow=a) for t, a in zip(template, args)]
+            outs, records, figures, evidence = self.evaluated(jaxpr, consts, body_ins, where)
+            kept.update(outs=outs, records=records, at=[i for i, _ in figures], evidence=evidence)
+            return (tuple(o.actual for o in outs), tuple(jnp.asarray(e, jnp.float32)[None] for _, e in figures),
+                    tuple(tuple(None if v is None else jnp.asarray(v)[None] for v in q) for q in evidence.quantizers))
+
+        sizes = (len(self.records), len(self.errors), len(self.quantizers), len(self.operands))
+        try:
+            actual, figures, found = jax.shard_map(
+                run, mesh=mesh, in_specs=tuple(p["in_specs"]), out_specs=(tuple(p["out_specs"]), per_shard, per_shard),
+                axis_names=set(manual), check_vma=False)(*[v.actual for v in ins])
+        except Exception as e:  # noqa: BLE001 -- the body walked without values instead, its records saying so
+            self.truncate(*sizes)
+            first = str(e).splitlines()[0][:160] if str(e) else ""
+            return f"inside shard_map: its body could not be run per shard with values ({type(e).__name__}: {first})"
+        self.put(kept["records"], [(i, jnp.max(e)) for i, e in zip(kept["at"], figures)], kept["evidence"],
+                 found, "shard")
+        grad = any(v.grad for v in ins)
+        return [_Val(o.quant, False, False, a, a, grad=grad, casts=o.casts, data=o.data)
+                for o, a in zip(kept["outs"], actual)]
 
     def control(self, eqn: jcore.JaxprEqn, ins: list[_Val], where: Where, *, values: bool) -> list[_Val]:
         """scan / while / cond: the bodies walked for quantization and, with values, evaluated.
@@ -619,27 +807,48 @@ class Walker:
                 + [_Val(v.quant, grad=grad, data=v.data, ident=object()) for v in xs])
 
     def evaluated(self, jaxpr: jcore.Jaxpr, consts: Sequence[Any], ins: list[_Val],
-                  where: Where) -> tuple[list[_Val], list[MatmulRecord], list[tuple[int, Any]]]:
-        """Walk a body with values, taking its records and figures (by index in its records) out of the walker.
+                  where: Where) -> tuple[list[_Val], list[MatmulRecord], list[tuple[int, Any]], Evidence]:
+        """Walk a body with values, taking its records, figures and quantizer evidence out of the walker.
 
-        The caller, tracing the body inside a loop or a branch of its own, puts
-        them back with :meth:`put` once its figures are out of that trace. The
-        declared-quantization check reads a body's operands by type alone: the
-        quantizers found inside hold one iteration's values, and are dropped.
+        The caller, tracing the body inside a loop, a branch or a shard_map of
+        its own, puts them back with :meth:`put` once they are out of that
+        trace: the evidence's values as the body's extra outputs, stacked over
+        its runs (a scan's iterations, a shard_map's shards).
         """
         start, n_errors, n_quantizers, n_operands = (len(self.records), len(self.errors), len(self.quantizers),
                                                      len(self.operands))
         outs = self.run(jaxpr, consts, ins, where, values=True)
         records = self.records[start:]
         errors = [(i - start, e) for i, e in self.errors[n_errors:]]
-        del self.records[start:], self.errors[n_errors:], self.quantizers[n_quantizers:]
-        del self.multiplied[n_quantizers:], self.operands[n_operands:]
-        return outs, records, errors
+        evidence = Evidence(self.quantizers[n_quantizers:], self.multiplied[n_quantizers:],
+                            self.stacked[n_quantizers:],
+                            [(i - start, side, q - n_quantizers, axes) for i, side, q, axes in self.operands[n_operands:]
+                             if q >= n_quantizers])
+        self.truncate(start, n_errors, n_quantizers, n_operands)
+        return outs, records, errors, evidence
 
-    def put(self, records: list[MatmulRecord], figures: list[tuple[int, Any]]) -> None:
-        start = len(self.records)
+    def truncate(self, records: int, errors: int, quantizers: int, operands: int) -> None:
+        del self.records[records:], self.errors[errors:], self.quantizers[quantizers:]
+        del self.multiplied[quantizers:], self.stacked[quantizers:], self.operands[operands:]
+
+    def put(self, records: list[MatmulRecord], figures: list[tuple[int, Any]], evidence: Evidence | None = None,
+            values: Sequence[tuple[Any, Any, Any]] = (), label: str = "", lost: str | None = None) -> None:
+        """Records of a body walked with values, their figures, and its evidence with ``values`` stacked by ``label``.
+
+        ``lost``: why the body's quantizer values are not kept (its records then say so).
+        """
+        start, first = len(self.records), len(self.quantizers)
+        if lost is not None:
+            records = [r if r.no_values else dataclasses.replace(r, no_values=lost) for r in records]
         self.records.extend(records)
         self.errors.extend((start + i, e) for i, e in figures)
+        if evidence is None:
+            return
+        for value, multiplied, stacked in zip(values, evidence.multiplied, evidence.stacked):
+            self.quantizers.append(value)
+            self.multiplied.append(multiplied)
+            self.stacked.append((label, *stacked))
+        self.operands.extend((start + i, side, first + q, axes) for i, side, q, axes in evidence.operands)
 
     def loop_values(self, eqn: jcore.JaxprEqn, ins: list[_Val], carry_q: list[OperandQuant | None], count: int,
                     where: Where) -> tuple[list[Any], list[Any]]:
@@ -673,22 +882,24 @@ class Walker:
                 for t, a, k in zip(template[len(consts):len(consts) + n_carry], c_act, track)] + [
                 dataclasses.replace(t, actual=a, shadow=next(shx) if k else a)
                 for t, a, k in zip(template[len(consts) + n_carry:], x_act, track_x)]
-            outs, records, figures = self.evaluated(body.jaxpr, body.consts, body_ins, where)
+            outs, records, figures, evidence = self.evaluated(body.jaxpr, body.consts, body_ins, where)
             figures = [(i, e) for i, e in figures if i < count]
-            kept["records"], kept["at"] = records, [i for i, _ in figures]
+            kept["records"], kept["at"], kept["evidence"] = records, [i for i, _ in figures], evidence
             worst = list(worst)
             for i, e in figures:
                 worst[i] = jnp.maximum(worst[i], e.astype(jnp.float32))
             new_sh = [o.shadow.astype(v.shadow.dtype) for o, v, k in zip(outs[:n_carry], carry, track) if k]
             ys = outs[n_carry:]
             kept["track_y"] = [o.shadow is not o.actual for o in ys]
+            # A scan's quantizers come out as its outputs, one per iteration; a while loop has none to stack on.
+            found = evidence.quantizers if name == "scan" else []
             return (([o.actual for o in outs[:n_carry]], new_sh, worst),
-                    ([o.actual for o in ys], [o.shadow for o in ys if o.shadow is not o.actual]))
+                    ([o.actual for o in ys], [o.shadow for o in ys if o.shadow is not o.actual], found))
 
         init = ([v.actual for v in carry], [v.shadow for v, k in zip(carry, track) if k],
                 [jnp.float32(NOT_RUN_LOOP)] * count)
         if name == "scan":
-            (c_act, c_sh, worst), (ys, ys_sh) = jax.lax.scan(
+            (c_act, c_sh, worst), (ys, ys_sh, found) = jax.lax.scan(
                 step, init, ([v.actual for v in xs], [v.shadow for v, k in zip(xs, track_x) if k]),
                 length=p["length"], reverse=p["reverse"])
         else:
@@ -698,8 +909,12 @@ class Walker:
                 return jcore.jaxpr_as_fun(cond)(*cond_consts, *state[0])[0]
 
             c_act, c_sh, worst = jax.lax.while_loop(test, lambda state: step(state, ([], []))[0], init)
-            ys, ys_sh = [], []
-        self.put(kept["records"], [(i, worst[i]) for i in kept["at"]])
+            ys, ys_sh, found = [], [], []
+        if name == "scan":
+            self.put(kept["records"], [(i, worst[i]) for i in kept["at"]], kept["evidence"], found, "iteration")
+        else:
+            self.put(kept["records"], [(i, worst[i]) for i in kept["at"]],
+                     lost="inside a while loop's body: its quantizers' values are not kept per iteration")
         sh, shy = iter(c_sh), iter(ys_sh)
         shadows = [next(sh) if k else a for a, k in zip(c_act, track)]
         shadows += [next(shy) if k else a for a, k in zip(ys, kept["track_y"])]
@@ -723,7 +938,7 @@ class Walker:
                 shi = iter(sh)
                 body_ins = [dataclasses.replace(t, actual=a, shadow=next(shi) if k else a)
                             for t, a, k in zip(self.align(ops, b.jaxpr.invars), act, track)]
-                outs, records, figures = self.evaluated(b.jaxpr, b.consts, body_ins, where)
+                outs, records, figures, _ = self.evaluated(b.jaxpr, b.consts, body_ins, where)
                 figures = [(j, e) for j, e in figures if j < counts[i]]
                 kept[i] = records, [offsets[i] + j for j, _ in figures]
                 figure = [jnp.float32(NOT_RUN_COND)] * sum(counts)
@@ -735,7 +950,8 @@ class Walker:
         actual, figure = jax.lax.switch(ins[0].actual, [branch(i, b) for i, b in enumerate(branches)],
                                         [v.actual for v in ops], [v.shadow for v, k in zip(ops, track) if k])
         records = [r for i in range(len(branches)) for r in kept[i][0]]
-        self.put(records, [(j, figure[j]) for i in range(len(branches)) for j in kept[i][1]])
+        self.put(records, [(j, figure[j]) for i in range(len(branches)) for j in kept[i][1]],
+                 lost="inside a cond branch: its quantizers' values are not kept")
         return list(actual), list(actual)
 
     @staticmethod

@@ -78,6 +78,14 @@ AQT_RAGGED_SHARED_SCALE = KnownDefect(
     reason="aqt_ragged_dot.ragged_dot shares one weight scale across all experts",
     match=r"equals rhs with one weight scale shared across groups .* bitwise",
 )
+#: The same defect, seen by the coverage map holding each site to the recipe's declared int8_aqt codes.
+AQT_RAGGED_SHARED_SCALE_CODES = KnownDefect(
+    library="aqtp",
+    invariant="coverage",
+    paths=("sparse",),
+    reason="aqt_ragged_dot.ragged_dot shares one weight scale across all experts",
+    match=r"rhs \(weight\): codes are not int8_aqt's: .* they match one scale shared across axis 0",
+)
 
 
 class AqtSite(nn.Module):
@@ -144,7 +152,7 @@ class AqtRecipe(Recipe):
         if self.ragged == "aqt":
             refused = (AQT_RAGGED_NO_GRADIENT,)
             # What the exact check sees only where formats are declared.
-            defects = (AQT_RAGGED_SHARED_SCALE,) if lhs == rhs == "int8_aqt" else ()
+            defects = (AQT_RAGGED_SHARED_SCALE, AQT_RAGGED_SHARED_SCALE_CODES) if lhs == rhs == "int8_aqt" else ()
             self.expect = dataclasses.replace(self.expect, unsupported=self.expect.unsupported + refused,
                                               known_defects=self.expect.known_defects + defects)
 

@@ -40,9 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen, nnx
 
-from qcheck._coverage import (Declaration, KernelRoles, MatmulRecord, SkipArg, after_first_call, as_declaration,
-                              as_kernel_roles, as_skips, graph_paths, mixed_formats, quantized_records,
-                              read_declaration, warmed_up)
+from qcheck._coverage import (Declaration, KernelRoles, MatmulRecord, SkipArg, after_first_call, as_kernel_roles,
+                              as_skips, graph_paths, mixed_formats, quantized_records, resolve_declaration, warmed_up)
 from qcheck._errors import user_code
 from qcheck.checks._tracks import assert_tracks, rel_norm
 from qcheck.checks._uninitialized import uninitialized_reads, unspecified_buffers
@@ -99,6 +98,10 @@ class LayerFigures:
     #: The declaration every site was held to (given, or read from the layer: its ``source`` says
     #: which); None where nothing declared and only "quantized somehow" and one format per role held.
     declared: Declaration | None = None
+    #: One line: what was held and where it was read, or why nothing was.
+    declared_from: str = ""
+    #: With a ``grads`` role declared: the backward pass's matmuls, each gradient operand's hold.
+    backward: tuple[MatmulRecord, ...] = ()
 
     @property
     def worst_grad(self) -> tuple[str, float]:
@@ -590,6 +593,7 @@ def check_layer(
     declared: Any = None,
     call: Callable[[Any, jax.Array], Any] | None = None,
     kernels: KernelRoles | Sequence[KernelRoles] | None = None,
+    accept_weaker: Any = None,
 ) -> LayerFigures:
     """Check a quantized ``layer`` against its unquantized twin ``reference`` on input ``x``.
 
@@ -641,17 +645,27 @@ def check_layer(
       large finite value, and every output, gradient and state must keep its
       bits (:func:`qcheck.checks.assert_no_uninitialized_reads`); a program
       without one is not run again;
-    * declared quantization: with ``declared`` (a recipe name, a
-      ``qcheck.Recipe``, or a mapping of roles to formats,
-      ``{"weights": "int8", "activations": None}``; ``True``: what the layer's
-      library states on it, for qcheck's layers, MaxText's
-      ``config.quantization`` and gemma's ``QuantizationAwareWrapper``:
-      ``qcheck._coverage._readers.READERS``), each
-      matmul is held to it site by site: the types its operands are cast to,
-      and their codes bitwise against the referee's codes of the quantizer's
-      input at the declared granularity (:func:`qcheck.assert_quantized`'s
-      ``declared``). With ``True`` and nothing read from the layer, operands
-      of one role cast to different narrow types fail, naming the odd site.
+    * declared quantization: each matmul is held, site by site, to the
+      quantization the layer declares: by default what its library states on
+      it (qcheck's layers, MaxText's ``config.quantization``, gemma's
+      ``QuantizationAwareWrapper``, haliax's dot ops:
+      ``qcheck._coverage._readers.READERS``); ``declared=True`` fails where
+      nothing is read, ``declared=False`` holds nothing; or given: a recipe
+      name, a ``qcheck.Recipe``, or a mapping of roles to formats,
+      ``{"weights": "int8", "activations": None}``. The types its operands are
+      cast to, and their codes bitwise against the referee's codes of the
+      quantizer's input at the declared granularity
+      (:func:`qcheck.assert_quantized`'s ``declared``); a site whose codes
+      cannot be read fails, saying why, unless ``accept_weaker`` (True, or
+      rules like ``skip``'s) accepts its weaker hold. Where nothing is declared,
+      operands of one role cast to different narrow types fail (formats),
+      naming the odd site. The figures and every failure say what was held
+      and where it was read (``declared_from``);
+    * backward declared: with a ``grads`` role declared, the backward pass's
+      gradient operands are held to it the same way.
+
+    Each check is a row of :data:`SUB_CHECKS`, a function of what was run
+    returning its failure lines.
 
     Fails with one ``AssertionError`` listing every failed check and its
     figure; returns the :class:`LayerFigures` when all pass. Usage errors are
@@ -672,12 +686,10 @@ def check_layer(
     x, skip_grads = _check_args(layer, reference, x, max_rel_norm, max_grad_rel_norm, skip, skip_grads, output)
     _check_call(layer, reference, call)
     as_kernel_roles(kernels, "check_layer")  # a misuse is check_layer's ValueError, before anything runs
-    from_layer = declared is True
-    if isinstance(declared, bool) and not from_layer:
-        raise ValueError("check_layer: declared must be True (read it from the layer), a recipe name, a "
-                         "qcheck.Recipe or a mapping of roles to formats; got False")
-    declaration = (read_declaration(layer) if from_layer
-                   else None if declared is None else as_declaration(declared, "check_layer: declared"))
+    declaration, declared_from = resolve_declaration(layer, declared, "check_layer")
+    if accept_weaker not in (None, False) and declaration is None:
+        raise ValueError(f"check_layer: accept_weaker accepts weaker holds of a declaration, and none is held "
+                         f"({declared_from})")
     traced, traced_twin = _trace("layer", layer, x, call, output), _trace("reference", reference, x, call, output)
     form, twin = traced.form, traced_twin.form
     paths = {p for f in (form, twin) for p in f.param_leaves(f.params)}
@@ -697,58 +709,146 @@ def check_layer(
             raise ValueError(f"check_layer: layer output{f' {k}' if k else ''} has shape {run.out[k].shape} but "
                              f"reference output{f' {k}' if k else ''} has shape {ref.out[k].shape}")
 
-    failures: list[str] = []
-    records: list[MatmulRecord] = []
+    c = _Checked(form, twin, run, ref, x, declaration, declared_from, max_rel_norm, max_grad_rel_norm, skip,
+                 sorted(paths - skip_grads), tuple(machinery), kernels, accept_weaker)
+    # A line may qualify its check's name (" (layer): ..."), else it follows it after a colon.
+    failures = [name + (line if line.startswith(" (") else f": {line}")
+                for name, sub_check in SUB_CHECKS for line in sub_check(c)]
+    if failures:
+        raise AssertionError(f"check_layer: {len(failures)} check(s) failed:\n" +
+                             "\n".join("  " + f.replace("\n", "\n  ") for f in failures)
+                             + f"\ndeclared: {declared_from}")
+    return LayerFigures(max(c.figures.values()), types.MappingProxyType(c.grad_figures), tuple(c.records),
+                        types.MappingProxyType(c.figures), declaration, declared_from, tuple(c.backward_records))
+
+
+# -- the sub-checks: each a function of what check_layer ran, returning its failure lines -----------
+
+@dataclasses.dataclass
+class _Checked:
+    """What the sub-checks read: both layers as run, the declaration, the options; and what they measure."""
+
+    form: _Form
+    twin: _Form
+    run: _Run
+    ref: _Run
+    x: jax.Array
+    declaration: Declaration | None
+    declared_from: str
+    max_rel_norm: float
+    max_grad_rel_norm: float
+    skip: SkipArg
+    grad_paths: list[str]
+    machinery: tuple[str, ...]
+    kernels: Any
+    accept_weaker: Any
+    records: list[MatmulRecord] = dataclasses.field(default_factory=list)
+    backward_records: list[MatmulRecord] = dataclasses.field(default_factory=list)
+    figures: dict[str, float] = dataclasses.field(default_factory=dict)
+    grad_figures: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def _coverage_lines(c: _Checked) -> list[str]:
+    """Every matmul quantized, each held to the declaration where one is held (:func:`qcheck.assert_quantized`)."""
     try:
         # The probes are as the steps ran: warmed up already where lazy, so coverage does not ask again. The
         # twin's coverage is the control of skip rules and of a declaration only: without them it is not traced.
-        control = twin.probe if as_skips(skip, "check_layer") or declaration is not None else None
-        records = quantized_records(form.probe, (x,), {}, skip=skip, control=control, machinery=tuple(machinery),
-                                    declared=declaration, kernels=kernels, warm=False)
+        control = c.twin.probe if as_skips(c.skip, "check_layer") or c.declaration is not None else None
+        c.records = quantized_records(c.form.probe, (c.x,), {}, skip=c.skip, control=control,
+                                      machinery=c.machinery, kernels=c.kernels, warm=False,
+                                      accept_weaker=c.accept_weaker, entry="check_layer",
+                                      declaration=c.declaration, declared_from=c.declared_from)
     except AssertionError as e:
-        failures.append(f"coverage: {e}")
-    if from_layer and declaration is None and records:
-        failures += [f"formats: {line}" for line in mixed_formats(records)]
+        return [str(e).rsplit("\ndeclared: ", 1)[0]]
+    return []
 
-    figures: dict[str, float] = {}
-    for name, out in run.out.items():
+
+def _formats_lines(c: _Checked) -> list[str]:
+    """With nothing declared (none read, none given), one narrow format per operand role."""
+    if c.declaration is not None or not c.records or c.declared_from.startswith("declared=False"):
+        return []
+    return mixed_formats(c.records)
+
+
+def _tracks_lines(c: _Checked) -> list[str]:
+    """Each compared output within ``max_rel_norm`` of the twin's, and not equal to it."""
+    lines = []
+    for name, out in c.run.out.items():
         try:
-            figures[name] = assert_tracks(out, ref.out[name], max_rel_norm=max_rel_norm)
+            c.figures[name] = assert_tracks(out, c.ref.out[name], max_rel_norm=c.max_rel_norm)
         except AssertionError as e:
-            failures.append(f"tracks{f' {name}' if name else ''}: {e}")
+            lines.append(f"{name + ': ' if name else ''}{e}")
+    return lines
 
-    grad_figures: dict[str, float] = {}
-    for path in [INPUT_GRAD, *sorted(paths - skip_grads)]:
-        g, r = run.grads[path], ref.grads[path]
+
+def _gradients_lines(c: _Checked) -> list[str]:
+    """Every gradient finite, each within ``max_grad_rel_norm`` of the twin's at the same path."""
+    lines = []
+    for path in [INPUT_GRAD, *c.grad_paths]:
+        g, r = c.run.grads[path], c.ref.grads[path]
         if g.shape != r.shape:
-            failures.append(f"gradients: {path} has shape {g.shape} in the layer, {r.shape} in the reference")
+            lines.append(f"{path} has shape {g.shape} in the layer, {r.shape} in the reference")
             continue
         bad = [(who, a, n) for who, a in (("layer", g), ("reference", r)) if (n := _nonfinite(a))]
         for who, a, n in bad:
-            failures.append(f"gradients: {path} ({a.dtype}) has {n} non-finite values out of {a.size} "
-                            f"in the {who}")
+            lines.append(f"{path} ({a.dtype}) has {n} non-finite values out of {a.size} in the {who}")
         if bad:
             continue
-        grad_figures[path] = f = _grad_rel_norm(g, r)
-        if not f <= max_grad_rel_norm:
-            failures.append(f"gradients: {path} ({g.dtype}) has relative norm {f:.4f} against the reference's, "
-                            f"above the bound {max_grad_rel_norm}")
+        c.grad_figures[path] = f = _grad_rel_norm(g, r)
+        if not f <= c.max_grad_rel_norm:
+            lines.append(f"{path} ({g.dtype}) has relative norm {f:.4f} against the reference's, above the bound "
+                         f"{c.max_grad_rel_norm}")
+    return lines
 
-    for name, out in run.out.items():
-        again = run.again[name]
+
+def _determinism_lines(c: _Checked) -> list[str]:
+    """A second call, from the state the first left, gives the same bits."""
+    lines = []
+    for name, out in c.run.out.items():
+        again = c.run.again[name]
         if again.tobytes() != out.tobytes():
             differ = int(np.count_nonzero(again != out))
-            failures.append(f"determinism: a second call on the same input changed {differ} of {out.size} "
-                            f"output values{f' of {name}' if name else ''} ({out.dtype}; worst by "
-                            f"{float(np.max(np.abs(again.astype(np.float64) - out))):.3g})")
-    for who, f, r in (("layer", form, run), ("reference", twin, ref)):
-        if (read := _uninitialized(who, f, r, x, machinery)) is not None:
-            failures.append(f"uninitialized ({who}): {read}")
-    if failures:
-        raise AssertionError(f"check_layer: {len(failures)} check(s) failed:\n" +
-                             "\n".join("  " + f.replace("\n", "\n  ") for f in failures))
-    return LayerFigures(max(figures.values()), types.MappingProxyType(grad_figures), tuple(records),
-                        types.MappingProxyType(figures), declaration)
+            lines.append(f"a second call on the same input changed {differ} of {out.size} output values"
+                         f"{f' of {name}' if name else ''} ({out.dtype}; worst by "
+                         f"{float(np.max(np.abs(again.astype(np.float64) - out))):.3g})")
+    return lines
+
+
+def _uninitialized_lines(c: _Checked) -> list[str]:
+    """Neither program reads a buffer JAX leaves unspecified (:func:`qcheck.checks.assert_no_uninitialized_reads`)."""
+    return [f" ({who}): {read}" for who, f, r in (("layer", c.form, c.run), ("reference", c.twin, c.ref))
+            if (read := _uninitialized(who, f, r, c.x, c.machinery)) is not None]
+
+
+def _backward_declared_lines(c: _Checked) -> list[str]:
+    """With a ``grads`` role declared: the backward pass's gradient operands held to it, types always, codes
+    bitwise (the other roles are the forward pass's coverage check's)."""
+    if c.declaration is None or c.declaration.roles.get("grads", None) is None:
+        return []
+    grads = Declaration({"grads": c.declaration.roles["grads"]}, c.declaration.source)
+    try:
+        records = quantized_records(c.form.probe, (c.x,), {}, machinery=c.machinery, kernels=c.kernels, warm=False,
+                                    backward=True, accept_weaker=c.accept_weaker, stale_ok=True, skip=c.skip,
+                                    entry="check_layer", declaration=grads, declared_from=c.declared_from)
+    except AssertionError as e:
+        return [str(e).rsplit("\ndeclared: ", 1)[0]]
+    c.backward_records = [r for r in records if r.backward]
+    if not any(h is not None for r in c.backward_records for h in (r.lhs_hold, r.rhs_hold)):
+        return [f"grads are declared {c.declaration.roles['grads']}, and no matmul of the backward pass takes a "
+                f"gradient operand the walk could tell (nothing held)"]
+    return []
+
+
+#: check_layer's sub-checks, in the order their failures are listed: (name, function of what was run).
+SUB_CHECKS = (
+    ("coverage", _coverage_lines),
+    ("formats", _formats_lines),
+    ("tracks", _tracks_lines),
+    ("gradients", _gradients_lines),
+    ("determinism", _determinism_lines),
+    ("uninitialized", _uninitialized_lines),
+    ("backward declared", _backward_declared_lines),
+)
 
 
 def _uninitialized(what: str, form: _Form, run: _Run, x: jax.Array, machinery: Collection[str]) -> str | None:

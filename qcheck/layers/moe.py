@@ -115,6 +115,7 @@ class MoE(nnx.Module):
         self.config = config
         self.mesh = _check_mesh(mesh, config)
         self.recipe_name = recipe.name
+        self.recipe_formats = recipe_formats(recipe)
         self.path = require_choice("path", path, PATHS)
         self.capacity_factor = float(capacity_factor)
         self.dtype = jnp.dtype(dtype)
@@ -337,9 +338,16 @@ def build_moe(
     return transform_layer(layer, recipe) if intercept else layer
 
 
+def recipe_formats(recipe: Recipe) -> tuple[bool, str | None, str | None, str | None]:
+    """What a layer built with ``recipe`` declares, as it keeps it (hashable, for its graph definition):
+    whether it quantizes, and its lhs (activation), rhs (weight) and output-gradient formats."""
+    return bool(recipe.quantized), recipe.lhs, recipe.rhs, recipe.grad
+
+
 def transform_layer(layer: MoE, recipe: InterceptRecipe) -> MoE:
     """An interception recipe's layer: ``recipe.transform`` of a freshly built ``none`` layer."""
     layer.recipe_name = recipe.name
+    layer.recipe_formats = recipe_formats(recipe)
     # Libraries that initialize by running the model get a fixed sample; its values do not matter to them.
     sample = jax.random.normal(jax.random.key(0), (1, 8, layer.config.emb), jnp.float32)
     return recipe.transform(layer, sample)

@@ -24,12 +24,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-try:  # jax >= 0.4.3x keeps the jaxpr types here
-    from jax.extend.core import ClosedJaxpr, Jaxpr
-except ImportError:  # pragma: no cover
-    from jax.core import ClosedJaxpr, Jaxpr
+from jax.extend.core import Jaxpr
 
-from qcheck._coverage import BLOCK_SCALED, CALLS, MATMUL_PRIMITIVES
+from qcheck._coverage import BLOCK_SCALED, MATMUL_PRIMITIVES, call_body
 
 __all__ = ["site_operands"]
 
@@ -50,14 +47,7 @@ class _Found(Exception):
 
 
 def _inner(eqn) -> tuple[Jaxpr, list] | None:
-    if eqn.primitive.name not in CALLS:
-        return None
-    sub = eqn.params.get(CALLS[eqn.primitive.name])
-    if isinstance(sub, ClosedJaxpr):
-        return sub.jaxpr, list(sub.consts)
-    if isinstance(sub, Jaxpr):
-        return sub, []
-    return None
+    return call_body(eqn)
 
 
 def _run(jaxpr: Jaxpr, consts, args, origins):

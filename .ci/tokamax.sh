@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# tokamax 0.0.17 (with qwix 0.1.8) as a pinned client of qcheck, in its own environment (Python 3.12; it
+# must not touch the suite's environments or another client's).
+#
+#   .ci/tokamax.sh env VENV          create VENV from nothing, or bring it up to date (idempotent)
+#   .ci/tokamax.sh stack VENV        the client's own stack alone, without qcheck (.ci/run builds it in the background)
+#   .ci/tokamax.sh run PYTHON CMD..  CMD with PYTHON's bin first on PATH, on the CPU
+#
+# `pip install tokamax==0.0.17 qwix==0.1.8` on Python 3.12 resolves in about 40 s (jax 0.12.0.1, flax),
+# with no conflicts; the pins keep what tests/test_tokamax.py was checked on.
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+TOKAMAX_VERSION=0.0.17
+QWIX_VERSION=0.1.8
+. "$repo/.ci/client_env.sh"
+
+stack_() {  # the client's own stack, once: no qcheck, so it can build while qcheck's tree is in use
+  local venv=$1 stamp
+  stamp="$venv/.qcheck-tokamax-$TOKAMAX_VERSION-qwix-$QWIX_VERSION"
+  venv312 "$venv"
+  if [ ! -f "$stamp" ]; then  # tokamax's stack once; qcheck itself every time (editable, cheap)
+    "$venv/bin/python" -m pip install -q "tokamax==$TOKAMAX_VERSION" "qwix==$QWIX_VERSION"
+    touch "$stamp"
+  fi
+}
+
+env_() {
+  local venv=$1
+  stack_ "$venv"
+  "$venv/bin/python" -m pip install -q -e "$repo[test]"
+  # qcheck must not move the client's pins.
+  "$venv/bin/python" -c 'import importlib.metadata as m, sys
+got = {p: m.version(p) for p in ("tokamax", "qwix")}
+sys.exit(0 if got == {"tokamax": sys.argv[1], "qwix": sys.argv[2]} else
+         f".ci/tokamax.sh: {got} in the tokamax environment, pinned tokamax {sys.argv[1]}, qwix {sys.argv[2]}")' \
+    "$TOKAMAX_VERSION" "$QWIX_VERSION"
+}
+
+case "${1:-}" in
+  env) env_ "$2" ;;
+  stack) stack_ "$2" ;;
+  run) run "${@:2}" ;;
+  *) echo "usage: .ci/tokamax.sh env VENV | stack VENV | run PYTHON CMD..." >&2; exit 2 ;;
+esac
