@@ -135,7 +135,8 @@ def test_kernel_roles_counting_qarrays_read_codes_beside_their_scales():
 def test_kernel_roles_that_do_not_fit_the_kernel_are_a_usage_error():
     wrong = qcheck.KernelRoles("scaled_matmul_kernel", lhs=0, rhs=4)
     with pytest.raises(ValueError, match=r"^coverage: kernels: KernelRoles\('scaled_matmul_kernel'\) at .*: rhs=4, "
-                                         r"but the kernel takes 4 inputs \(its scalar-prefetch operands left out\)$"):
+                                         r"but the kernel takes 4 inputs \(as it takes them: a pallas_call's scalar-prefetch operands and grid "
+                                         r"bounds left out, metadata passed as inputs counted\)$"):
         qcheck.coverage(layer("int8"), A, B, kernels=wrong)
 
 

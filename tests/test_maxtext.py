@@ -165,7 +165,8 @@ OTHER_FP8 = {"fp8": ("NANOOFp8Quantization", "float8_e4m3fnuz", "e4m3fn"),
 def test_check_layer_declared_names_an_einsum_wired_from_the_other_fp8_family(x, quantization):
     """The ``wo`` einsum built by the other fp8 quantization (MaxText's own ``create_fp8_einsum``): the
     output still tracks (an MI300 layer computing e4m3fn passes every other check), only the declaration
-    read from ``config.quantization`` sees the flavour, and names the site."""
+    read from ``config.quantization`` sees the flavour, and names the site: by default, the docs' three lines
+    unchanged (no ``declared=``), and with ``declared=True``."""
     from flax import nnx
     from maxtext.layers import quantizations
 
@@ -174,13 +175,15 @@ def test_check_layer_declared_names_an_einsum_wired_from_the_other_fp8_family(x,
     layer.quant_einsums["wo"] = quantizations.create_fp8_einsum(getattr(quantizations, other)(), layer.dtype,
                                                                 nnx.Rngs(0))
     skip = qcheck.skip_modules(COMBINE_SCOPE)
-    qcheck.check_layer(layer, twin, x, output=0, skip=skip)  # the control: undeclared, the plant passes
-    with pytest.raises(AssertionError) as failure:
-        qcheck.check_layer(layer, twin, x, output=0, skip=skip, declared=True)
-    message = str(failure.value)
-    assert message.startswith("check_layer: 1 check(s) failed:\n  coverage: ") and "1 of 5 matmuls differ" in message
-    site = message.split("differ from the declared quantization", 1)[1]
-    assert " in wo/" in site and f"is cast to {cast}; declared {declared}" in site, message
+    qcheck.check_layer(layer, twin, x, output=0, skip=skip, declared=False)  # the control: nothing held, it passes
+    for asked in ({}, {"declared": True}):
+        with pytest.raises(AssertionError) as failure:
+            qcheck.check_layer(layer, twin, x, output=0, skip=skip, **asked)
+        message = str(failure.value)
+        assert message.startswith("check_layer: 1 check(s) failed:\n  coverage: ") and "1 of 5 matmuls differ" in message
+        site = message.split("differ from the declared quantization", 1)[1]
+        assert " in wo/" in site and f"is cast to {cast}; declared {declared}" in site, message
+        assert message.endswith(f"declared: read from the layer: MaxText config.quantization={quantization!r}")
 
 
 def test_check_layer_declared_names_fewer_bits_than_config_declares(x):
@@ -302,16 +305,19 @@ def test_coverage_reads_maxtext_megablox_kernels_by_their_roles(megablox_cells, 
 
 @pytest.mark.parametrize("quantization", sorted(MEGABLOX))
 def test_check_layer_passes_maxtext_megablox_path(megablox_cells, x, quantization):
-    # The kernels held to the declaration read from the config by type (the kernel's codes are not
-    # visible to qcheck): e4m3fn, and int8 codes where int8_aqt is declared.
+    # The kernels' code inputs held bitwise to the declaration read from the config: e4m3fn; for int8, the
+    # router's AQT int8_aqt and megablox's own qwix rule in its gmm (int8_qwix, one lhs scale per row, one rhs
+    # scale per output column across the experts).
     layer, twin = megablox_cells(quantization)
-    figures = qcheck.check_layer(layer, twin, x, output=0, skip=qcheck.skip_modules(COMBINE_SCOPE), declared=True)
+    figures = qcheck.check_layer(layer, twin, x, output=0, skip=qcheck.skip_modules(COMBINE_SCOPE))
     assert 0 < figures.rel_norm <= 0.22
-    assert figures.declared.source == f"MaxText config.quantization={quantization!r}"
+    assert figures.declared.source == (f"MaxText config.quantization={quantization!r}"
+                                       + (", megablox" if quantization == "int8" else ""))
     held = [r for r in figures.coverage if not r.skipped_by]
     assert len(held) == 4 and sum(r.opaque for r in held) == 3, qcheck.format_coverage(figures.coverage)
     assert all(r.lhs_declared and r.rhs_declared and not r.findings for r in held), (
         qcheck.format_coverage(figures.coverage))
+    assert all(h.bitwise for r in held for h in (r.lhs_hold, r.rhs_hold)), qcheck.format_coverage(figures.coverage)
 
 
 def test_assert_quantized_names_maxtext_megablox_kernels_of_the_unquantized_twin(megablox_cells, x):
@@ -461,7 +467,8 @@ def test_maxtext_qwix_declaration_is_read_from_the_config(quantization):
 GUIDE_SKIPS = [
     # The sparse combine by file and function: only the three ragged_dots are left.
     ("sparse", lambda: qcheck.skip_at("moe.py", "RoutedMoE.unpermute"), r"^check_layer: 1 check\(s\) failed:\n"
-     r"  coverage: assert_quantized: 3 of 5 matmuls reach full precision:\n(    ragged_dot_general at .*\n?){3}$"),
+     r"  coverage: assert_quantized: 3 of 5 matmuls differ from the declared quantization .*:\n"
+     r"(    ragged_dot_general at .*\n(      .*reaches the matmul in full precision.*\n){2}){3}declared: "),
     # MaxText quantizes its router: a rule for it matches only quantized matmuls of the layer, and is refused.
     ("dense", lambda: [qcheck.skip_modules(COMBINE_SCOPE), qcheck.skip_modules("gate")],
      r"skip_modules\('gate'\) spares none of the 5 matmuls"),
@@ -748,3 +755,61 @@ def test_guide_quotes_the_roles_maxtext_passes_the_referee_with():
     assert f"`{json.dumps(REFEREE_ROLES)}`" in quoted
     first, *rest = [path for path, role in SHARED_ROLES.items() if role.startswith("shared_")]
     assert f"`{first}`" in quoted and all(f"`{path.split('/', 1)[1]}`" in quoted for path in rest)
+
+
+# -- a user's int8 ragged_dot in MaxText's sparse-path fallback, inside its shard_map ----------------
+
+def _user_int8_ragged_dot(shared: bool):
+    """A user's int8 grouped matmul (a custom_vjp, AQT's default int8 op for op: absmax / 127.5, reciprocal,
+    clip, round) where MaxText 0.2.5's sparse path with megablox off calls ``jax.lax.ragged_dot`` (moe.py:2195,
+    inside ``sparse_matmul``'s shard_map): the weight scale per expert and output column, or (the plant) one
+    shared by all experts."""
+    import jax
+    import jax.numpy as jnp
+
+    plain = jax.lax.ragged_dot
+
+    def int8(v, axes):
+        amax = jnp.max(jnp.abs(v), axis=axes, keepdims=True)
+        scale = jnp.where(amax == 0, jnp.ones_like(amax), amax) / 127.5
+        codes = jax.lax.round(jnp.clip(v * jax.lax.reciprocal(scale), -127, 127), jax.lax.RoundingMethod.TO_NEAREST_EVEN)
+        return codes.astype(jnp.int8).astype(v.dtype) * scale
+
+    @jax.custom_vjp
+    def ragged(lhs, rhs, group_sizes):
+        return plain(int8(lhs, (1,)), int8(rhs, (0, 1) if shared else (1,)), group_sizes)
+
+    def fwd(lhs, rhs, group_sizes):
+        return ragged(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+
+    def bwd(res, g):  # straight through
+        lhs, rhs, group_sizes = res
+        return (*jax.vjp(lambda a, b: plain(a, b, group_sizes), lhs, rhs)[1](g), None)
+
+    ragged.defvjp(fwd, bwd)
+    return lambda lhs, rhs, group_sizes, preferred_element_type=None, **kwargs: ragged(lhs, rhs, group_sizes)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["per expert", "shared across experts"])
+def test_user_int8_ragged_dot_inside_maxtexts_shard_map_is_held_bitwise(cells, x, monkeypatch, shared):
+    """Read from ``config.quantization='int8'`` (int8_aqt), the user's expert matmuls are held bitwise inside
+    MaxText's shard_map, its body run per shard: the per-expert scale passes (the control), one scale shared by
+    all experts fails naming the site and the shard."""
+    import jax
+
+    layer, _ = cells("int8", "sparse")
+    monkeypatch.setattr(jax.lax, "ragged_dot", _user_int8_ragged_dot(shared))
+    skip = qcheck.skip_modules(COMBINE_SCOPE)
+    if not shared:
+        records = qcheck.assert_quantized(layer, x, skip=skip)
+        experts = [r for r in records if r.primitive == "ragged_dot_general"]
+        assert len(experts) == 3 and all(h.bitwise for r in experts for h in (r.lhs_hold, r.rhs_hold)), (
+            qcheck.format_coverage(records))
+        assert records.declared_from == "read from the fn: MaxText config.quantization='int8'"
+        return
+    with pytest.raises(AssertionError) as failure:
+        qcheck.assert_quantized(layer, x, skip=skip)
+    message = str(failure.value)
+    assert "3 of 5 matmuls differ from the declared quantization" in message, message
+    assert message.count("rhs (weight) (shard 0): codes are not int8_aqt's") == 3, message
+    assert message.count("they match one scale shared across axis 0 (size 4)") == 3, message

@@ -24,6 +24,12 @@ codes and scale and is dequantized (convert, mul) inside the innermost body.
   the same module calling ``jax.lax.ragged_dot``, gets its experts quantized. Asserted
   with the versions checked, so a new tokamax or qwix makes these tests say "recheck".
 
+* tokamax's TPU kernel (``PallasMosaicTpuRaggedDot``, Pallas Mosaic TPU) in interpret mode, reached on the
+  CPU by ``implementation=[PallasMosaicTpuRaggedDot(interpret=True)]`` under an abstract TPU mesh: one
+  ``pallas_call`` named ``pallas_tpu_ragged_dot_gmm`` multiplying qwix's codes, read by qcheck's table of
+  kernels; per-expert weight codes hold ``declared`` int8_qwix bitwise, one weight scale shared across the
+  experts fails naming the site and "shared across axis 0".
+
 ``machinery=("tokamax",)`` points each site at the user's line that calls tokamax, not
 at tokamax's own ``ragged_dot_general`` (base.py, ``RaggedDot._fwd``).
 """
@@ -32,10 +38,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import json
 import os
 import re
 
 import jax
+import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -321,3 +329,161 @@ def test_qwix_lax_ragged_dot_experts_share_one_weight_scale_across_experts(qwix_
     assert "1 of 2 matmuls differ from the declared quantization" in message, message
     assert "rhs (weight): codes are not int8_qwix's:" in message, message
     assert f"they match one scale shared across axis 0 (size {MOE_E})" in message, message
+
+
+# -- (c) tokamax's TPU kernel (Pallas Mosaic TPU), interpreted on the CPU ----------------------------------
+
+#: tokamax's TPU ragged_dot takes its operands' non-expert axes >= 128 (pallas_mosaic_tpu.py, ``_fwd``).
+TPU_M, TPU_K, TPU_N = 128, 128, 128
+TPU_GROUP_SIZES = (40, 88, 0)
+GMM = "pallas_tpu_ragged_dot_gmm"
+
+
+def _tpu(tok):
+    """tokamax's ``PallasMosaicTpuRaggedDot`` in interpret mode, and the abstract TPU mesh it is traced under.
+
+    The op asks ``pltpu.get_tpu_info()`` for the chip while it traces, which on the CPU raises "Unsupported TPU
+    device kind: cpu ... wrap your code in a `jax.sharding.use_abstract_mesh` context manager"; an abstract mesh
+    naming a TPU v5 lite answers it. Passed as ``implementation=[op]``, tokamax bypasses its device check."""
+    from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu
+
+    device = jax.sharding.AbstractDevice("TPU v5 lite", 1, "tpu")
+    mesh = jax.sharding.AbstractMesh((), (), (), abstract_device=device)
+    return [pallas_mosaic_tpu.PallasMosaicTpuRaggedDot(interpret=True)], mesh
+
+
+def _tpu_operands():
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(TPU_M, TPU_K)).astype(np.float32)
+    w = rng.normal(size=(EXPERTS, TPU_K, TPU_N)).astype(np.float32)
+    w *= np.asarray(EXPERT_MAGNITUDES, np.float32)[:, None, None]
+    return x, w, np.asarray(TPU_GROUP_SIZES, np.int32)
+
+
+class TpuKernelInt8(nnx.Module):
+    """Experts multiplied by tokamax's TPU kernel: activations per token and weights over ``weight_axes``
+    quantized with ``qwix.quantize`` (kept: per expert and output column; ``(2,)``: one scale shared by every
+    expert), or (None) float32, handed to tokamax as QArrays."""
+
+    def __init__(self, w, weight_axes: tuple[int, ...] | None, implementation, mesh):
+        self.w = nnx.Param(jnp.asarray(w))
+        self.weight_axes = weight_axes
+        self.implementation, self.mesh = implementation, mesh
+
+    def __call__(self, x, group_sizes):
+        import qwix
+        import tokamax
+
+        with jax.sharding.use_abstract_mesh(self.mesh):
+            lhs, rhs = x, self.w[...]
+            if self.weight_axes is not None:
+                lhs = qwix.quantize(lhs, jnp.int8, channelwise_axes=(0,))
+                rhs = qwix.quantize(rhs, jnp.int8, channelwise_axes=self.weight_axes)
+            return tokamax.ragged_dot(lhs, rhs, group_sizes, implementation=self.implementation)
+
+
+PER_EXPERT_QWIX, SHARED_QWIX = (0, 2), (2,)
+TPU_SITE = lambda: _line(TpuKernelInt8.__call__, "tokamax.ragged_dot(")  # noqa: E731
+
+
+def _tpu_layer(tok, weight_axes):
+    implementation, mesh = _tpu(tok)
+    x, w, gs = _tpu_operands()
+    return TpuKernelInt8(w, weight_axes, implementation, mesh), x, gs
+
+
+def _pallas_calls(jaxpr):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                body = getattr(sub, "jaxpr", sub)
+                if isinstance(body, jcore.Jaxpr):
+                    yield from _pallas_calls(body)
+
+
+def test_tpu_kernel_is_one_pallas_call_whose_inputs_are_five_int32_then_two_qarrays(tok):
+    """tokamax 0.0.17, qwix 0.1.8, jax 0.12.0.1: what qcheck's table row reads. The pallas_call named
+    ``pallas_tpu_ragged_dot_gmm`` has no scalar prefetch of its own (``custom_buffered_pallas_call`` passes
+    its prefetch as SMEM inputs): 9 inputs, 5 int32 metadata, then lhs codes and scale, rhs codes and scale,
+    each scale repeated to tile; traced in ``pallas_mosaic_tpu_kernel.gmm``, with four xprof metadata keys."""
+    _pinned()
+    layer, x, gs = _tpu_layer(tok, PER_EXPERT_QWIX)
+    (eqn,) = _pallas_calls(jax.make_jaxpr(lambda a, g: layer(a, g))(x, gs).jaxpr)
+    gm = eqn.params["grid_mapping"]
+    assert (eqn.params["name"], gm.num_index_operands, gm.num_dynamic_grid_bounds, gm.num_inputs) == (GMM, 0, 0, 9)
+    assert _avals(eqn.invars) == [((1,), "int32"), ((EXPERTS + 1,), "int32"), ((EXPERTS,), "int32"),
+                                  ((EXPERTS,), "int32"), ((1,), "int32"),
+                                  ((TPU_M, TPU_K), "int8"), ((TPU_M, TPU_K), "float32"),
+                                  ((EXPERTS, TPU_K, TPU_N), "int8"), ((EXPERTS, 8, TPU_N), "float32")]
+    names = eqn.params["jaxpr"].debug_info.arg_names[5:9]
+    assert names == ("args_refs[3].qvalue", "args_refs[3].scale", "args_refs[4].qvalue", "args_refs[4].scale")
+    frames = {(code.co_filename.replace(os.sep, "/").split("/tokamax/_src/")[-1], code.co_qualname)
+              for code, _ in zip(*eqn.source_info.traceback.raw_frames()) if "/tokamax/" in code.co_filename}
+    assert ("ops/ragged_dot/pallas_mosaic_tpu_kernel.py", "gmm") in frames, frames
+    keys = set(json.loads(eqn.params["metadata"]["xprof_metadata"]))
+    assert keys == {"prefer_element_type", "tiling", "transpose_rhs", "input_buffer_count"}
+
+
+def test_tpu_kernel_with_a_weight_scale_per_expert_holds_declared_int8_qwix_bitwise_should_pass(tok):
+    """tokamax 0.0.17, qwix 0.1.8: the control. Read by qcheck's table (not roles unknown), the kernel's code
+    inputs are held to int8_qwix's codes of qwix.quantize's inputs, bitwise, activations and weights."""
+    layer, x, gs = _tpu_layer(tok, PER_EXPERT_QWIX)
+    records = qcheck.assert_quantized(layer, x, gs, declared=QWIX_INT8, machinery=MACHINERY)
+    (site,) = records
+    assert (site.primitive, site.opaque, site.kernel, site.kernel_roles) == ("pallas_call", True, GMM, "tokamax")
+    assert site.quantized and site.lhs.dtype == site.rhs.dtype == "int8" and site.findings == ()
+    assert (site.lhs_shape, site.rhs_shape) == ((TPU_M, TPU_K), (EXPERTS, TPU_K, TPU_N))
+    assert (site.lhs_role, site.rhs_role) == ("activation", "weight")
+    assert site.lhs_hold.strength == site.rhs_hold.strength == "bitwise", (site.lhs_hold, site.rhs_hold)
+    assert "roles unknown" not in qcheck.format_coverage(records)
+    assert _location(site).endswith(TPU_SITE()), _location(site)
+
+
+def test_tpu_kernel_with_one_weight_scale_shared_across_experts_fails_declared_int8_qwix(tok):
+    """tokamax 0.0.17, qwix 0.1.8: the plant. The weight quantized by qwix with one scale per output column
+    for every expert: the kernel multiplies those codes, and the declaration fails at the site."""
+    layer, x, gs = _tpu_layer(tok, SHARED_QWIX)
+    with pytest.raises(AssertionError) as failure:
+        qcheck.assert_quantized(layer, x, gs, declared=QWIX_INT8, machinery=MACHINERY)
+    message = str(failure.value).replace(os.sep, "/")
+    assert "1 of 1 matmuls differ from the declared quantization" in message, message
+    assert re.search(rf"pallas_call at \S*{re.escape(TPU_SITE())} \(TpuKernelInt8\.__call__\)", message), message
+    assert "rhs (weight): codes are not int8_qwix's:" in message, message
+    assert f"they match one scale shared across axis 0 (size {EXPERTS})" in message, message
+    assert "lhs (activation)" not in message, message
+    # Undeclared it passes: int8 codes both sides; only the declaration catches the shared scale.
+    (site,) = qcheck.assert_quantized(layer, x, gs, machinery=MACHINERY)
+    assert site.quantized and site.kernel_roles == "tokamax"
+
+
+def test_tpu_kernel_on_float32_operands_reads_full_precision_not_roles_unknown(tok):
+    """tokamax 0.0.17: fed arrays, the kernel takes 7 inputs; counted as QArrays its lhs and rhs are still 5
+    and 6, read full precision, and assert_quantized fails on them as on any full-precision matmul."""
+    layer, x, gs = _tpu_layer(tok, None)
+    (site,) = qcheck.coverage(layer, x, gs, machinery=MACHINERY)
+    assert (site.kernel, site.kernel_roles, site.quantized) == (GMM, "tokamax", False)
+    assert str(site.lhs) == str(site.rhs) == "full precision"
+    with pytest.raises(AssertionError, match=r"1 of 1 matmuls reach full precision"):
+        qcheck.assert_quantized(layer, x, gs, machinery=MACHINERY)
+
+
+def test_tpu_kernel_transposed_for_the_backward_pass_is_not_read_by_the_forward_row(tok):
+    """tokamax 0.0.17: its dlhs kernel (``transpose_rhs=True``, rhs [g, n, k]) has the forward's frames and
+    metadata keys; named ``pallas_tpu_ragged_dot_gmm_transpose_rhs``, qcheck's table leaves its roles unknown
+    rather than read it with the forward's contracting axes."""
+    from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu
+
+    implementation, mesh = _tpu(tok)
+    x, w, gs = _tpu_operands()
+
+    def dlhs(a, b, g):  # a [m, n], b [g, k, n]: contract n
+        with jax.sharding.use_abstract_mesh(mesh):
+            a = tok.qwix.quantize(a, jnp.int8, channelwise_axes=(0,))
+            b = tok.qwix.quantize(b, jnp.int8, channelwise_axes=(0, 1))
+            return tok.tokamax.ragged_dot_general(
+                a, b, g, pallas_mosaic_tpu.DLHS_RAGGED_DOT_DIM_NUMS, implementation=implementation)
+
+    (site,) = qcheck.coverage(dlhs, x, w, gs, machinery=MACHINERY)
+    assert (site.kernel, site.kernel_roles, site.roles_unknown) == (GMM + "_transpose_rhs", None, True)

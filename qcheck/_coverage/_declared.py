@@ -64,20 +64,29 @@ class RoleFormat:
 
 @dataclasses.dataclass(frozen=True)
 class Declaration:
-    """What a layer declares each operand role to be; ``source`` says where it was read."""
+    """What a layer declares each operand role to be; ``source`` says where it was read.
+
+    ``kernels``: roles of the matmuls inside opaque kernels by kernel name, where the library quantizes them
+    its own way (MaxText's megablox ``gmm`` quantizes with its own qwix rule whatever the config's AQT).
+    """
 
     roles: Mapping[str, RoleFormat | None]
     source: str = "given"
+    kernels: Mapping[str, Mapping[str, RoleFormat | None]] = dataclasses.field(default_factory=dict)
 
-    def for_operand(self, side: str, role: str) -> tuple[bool, RoleFormat | None]:
-        """``(declared, format)`` for an operand at ``side`` ("lhs"/"rhs") with data-flow ``role``."""
+    def for_operand(self, side: str, role: str, kernel: str | None = None) -> tuple[bool, RoleFormat | None]:
+        """``(declared, format)`` for an operand at ``side`` ("lhs"/"rhs") with data-flow ``role`` (of ``kernel``)."""
+        roles = self.kernels.get(kernel, self.roles) if kernel is not None else self.roles
         for key in (side, _ROLE_OF.get(role, role)):
-            if key in self.roles:
-                return True, self.roles[key]
+            if key in roles:
+                return True, roles[key]
         return False, None
 
     def __str__(self) -> str:
         parts = [f"{k} {'full precision' if v is None else v}" for k, v in self.roles.items()]
+        for name, roles in self.kernels.items():
+            parts.append(f"kernel {name}: " + ", ".join(f"{k} {'full precision' if v is None else v}"
+                                                      for k, v in roles.items()))
         return f"{', '.join(parts)} ({self.source})"
 
 
@@ -370,7 +379,7 @@ def judge(records: Sequence[MatmulRecord], declaration: Declaration, quantizers:
         holds: dict[str, Hold | None] = {"lhs": None, "rhs": None}
         for side in ("lhs", "rhs"):
             role = getattr(r, f"{side}_role")
-            known, fmt = declaration.for_operand(side, role)
+            known, fmt = declaration.for_operand(side, role, r.kernel)
             declared[side] = None if not known else ("full precision" if fmt is None else str(fmt))
             if not known:
                 continue

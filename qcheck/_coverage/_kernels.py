@@ -101,12 +101,15 @@ class KernelRoles:
 class KnownKernel:
     """A row of qcheck's table of kernels: a kernel is this one when a frame of its traceback is one of
     ``calls`` (the file's path ends in the suffix, the function's qualified name is the name) and the keys
-    of its ``xprof_metadata`` are ``metadata``; its name and roles are then ``roles``'."""
+    of its ``xprof_metadata`` are ``metadata`` (and, where ``named``, its own ``pallas_call(name=...)`` is
+    ``roles.name``: kernels of one function told apart by their names alone); its name and roles are then
+    ``roles``'."""
 
     library: str
     calls: tuple[tuple[str, str], ...]
     metadata: frozenset[str]
     roles: KernelRoles
+    named: bool = False
 
 
 _MEGABLOX = "maxtext/kernels/megablox/"
@@ -124,6 +127,20 @@ KNOWN_KERNELS: tuple[KnownKernel, ...] = (
     KnownKernel("MaxText megablox", ((_MEGABLOX + "backend.py", "tgmm"), (_MEGABLOX + "ops.py", "gmm")),
                 frozenset({"prefer_element_type", "tiling", "num_actual_groups"}),
                 KernelRoles("tgmm", 0, 1, qarrays=True, lhs_contracting=(0,), rhs_contracting=(0,))),
+    # tokamax 0.0.17's TPU ragged_dot, forward: ``PallasMosaicTpuRaggedDot._fwd`` (ops/ragged_dot/pallas_mosaic_tpu.py
+    # 173-185) calls ``gmm(lhs [m, k], rhs [g, k, n], ...)`` (pallas_mosaic_tpu_kernel.py 330-614), whose
+    # ``common.custom_buffered_pallas_call`` (_src/mosaic_tpu.py 165-261) makes a ``pallas_call`` named
+    # ``pallas_tpu_ragged_dot_gmm`` (kernel.py 38, 574-576) with no scalar prefetch of its own: all its operands are
+    # inputs, ``(grid_dynamic, group_metadata, group_offset, lhs, rhs)`` (mosaic_tpu.py 258, kernel.py 606): five
+    # int32 metadata inputs (dynamic grid bound, group offsets, group ids, m-tile ids, group offset), then lhs and
+    # rhs, each a qwix ``QArray`` (codes, then its scale repeated to tile: mosaic_tpu.py 100-162) or an array. So 9
+    # inputs (both QArrays), 8 (one) or 7 (none): counted as QArrays, lhs is input 5, rhs 6 in every case. Its
+    # backward ``gmm`` (transpose_rhs=True, rhs [g, n, k]) shares its frames and metadata keys (kernel.py 577-582):
+    # told apart by its name, ``pallas_tpu_ragged_dot_gmm_transpose_rhs``, not in this table (nor is ``tgmm``).
+    KnownKernel("tokamax", (("tokamax/_src/ops/ragged_dot/pallas_mosaic_tpu_kernel.py", "gmm"),),
+                frozenset({"prefer_element_type", "tiling", "transpose_rhs", "input_buffer_count"}),
+                KernelRoles("pallas_tpu_ragged_dot_gmm", 5, 6, qarrays=True, lhs_contracting=(1,),
+                            rhs_contracting=(1,)), named=True),
 )
 
 
@@ -217,6 +234,8 @@ def _known(eqn: jcore.JaxprEqn) -> KnownKernel | None:
     frames = {(code.co_filename.replace(os.sep, "/"), code.co_qualname) for code, _ in zip(*tb.raw_frames())}
     keys = _metadata_keys(eqn)
     for row in KNOWN_KERNELS:
+        if row.named and eqn.params.get("name") != row.roles.name:
+            continue
         if keys == row.metadata and any(f == function and path.endswith("/" + suffix)
                                         for path, f in frames for suffix, function in row.calls):
             return row
@@ -311,7 +330,8 @@ def _operands(eqn: jcore.JaxprEqn, roles: KernelRoles, inputs: tuple[int, ...], 
         slots = {"lhs": roles.lhs, "rhs": roles.rhs, "lhs_scale": roles.lhs_scale, "rhs_scale": roles.rhs_scale}
         if bad := {k: v for k, v in slots.items() if v is not None and v >= len(inputs)}:
             raise ValueError(f"{what}: {', '.join(f'{k}={v}' for k, v in bad.items())}, but the kernel takes "
-                             f"{len(inputs)} inputs (its scalar-prefetch operands left out)")
+                             f"{len(inputs)} inputs (as it takes them: a pallas_call's scalar-prefetch operands "
+                             f"and grid bounds left out, metadata passed as inputs counted)")
         lhs, rhs = inputs[roles.lhs], inputs[roles.rhs]
         lhs_scale, rhs_scale = (None if p is None else inputs[p] for p in (roles.lhs_scale, roles.rhs_scale))
     for role, at in (("lhs", lhs), ("rhs", rhs), ("lhs_scale", lhs_scale), ("rhs_scale", rhs_scale)):

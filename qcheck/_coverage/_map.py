@@ -211,8 +211,9 @@ def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward:
     ``kernels``: the roles of opaque kernels (``pallas_call``, FFI calls) by
     name, one :class:`qcheck.KernelRoles` or a list: which of a kernel's inputs
     are its lhs, its rhs and their scales. Kernels qcheck knows (MaxText's
-    megablox ``gmm``/``tgmm``: :data:`qcheck._coverage._kernels.KNOWN_KERNELS`)
-    need none; any other kernel is recorded with its roles unknown.
+    megablox ``gmm``/``tgmm``: :data:`qcheck._coverage._kernels.KNOWN_KERNELS`,
+    and tokamax's TPU ``ragged_dot``) need none; any other kernel is recorded with its roles unknown. Where
+    its roles say which axes it contracts, a kernel's code inputs are held bitwise like any matmul's.
     """
     machinery = _machinery(machinery, "coverage")
     if backward and errors:

@@ -28,6 +28,16 @@ MAXTEXT_AQT = {
 }
 
 
+#: MaxText 0.2.5's megablox ``gmm`` (``sparse_matmul`` and ``megablox`` on, qwix path off) quantizes its operands
+#: itself, with a qwix ``QtRule`` of the AQT config's int8 dtypes and absmax calibration
+#: (maxtext/kernels/megablox/ops.py:102-108, 255-290): qwix's int8 (absmax / 127.5), the lhs one scale per row
+#: (``channelwise_axes=[0]``), the rhs one per output column shared across experts (``[2]``: "this makes the
+#: bwd pass unable to reuse the scale" otherwise). Its fp8 operands take the config's e4m3 types, as declared.
+MEGABLOX = {
+    "int8": {"activations": RoleFormat("int8_qwix", per=(0,)), "weights": RoleFormat("int8_qwix", per=(2,))},
+}
+
+
 def _qcheck_moe(layer: Any) -> Declaration | None:
     from qcheck.layers.moe import MoE
 
@@ -81,8 +91,11 @@ def _maxtext(layer: Any) -> Declaration | None:
     roles = MAXTEXT_AQT.get(quantization)
     if roles is None:
         return None
+    kernels = {}
+    if getattr(config, "sparse_matmul", False) and getattr(config, "megablox", False) and quantization in MEGABLOX:
+        kernels = {"gmm": MEGABLOX[quantization]}
     return Declaration({k: RoleFormat(v) for k, v in roles.items()},
-                       f"MaxText config.quantization={quantization!r}")
+                       f"MaxText config.quantization={quantization!r}" + (", megablox" if kernels else ""), kernels)
 
 
 #: gemma 4.0.1's ``gm.nn.QuantizationAwareWrapper(method=...)``: weight-only QAT, a straight-through
