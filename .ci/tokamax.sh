@@ -14,31 +14,10 @@ TOKAMAX_VERSION=0.0.17
 QWIX_VERSION=0.1.8
 . "$repo/.ci/client_env.sh"
 
-stack_() {  # the client's own stack, once: no qcheck, so it can build while qcheck's tree is in use
-  local venv=$1 stamp
-  stamp="$venv/.qcheck-tokamax-$TOKAMAX_VERSION-qwix-$QWIX_VERSION"
-  venv312 "$venv"
-  if [ ! -f "$stamp" ]; then  # tokamax's stack once; qcheck itself every time (editable, cheap)
-    "$venv/bin/python" -m pip install -q "tokamax==$TOKAMAX_VERSION" "qwix==$QWIX_VERSION"
-    touch "$stamp"
-  fi
-}
-
-env_() {
-  local venv=$1
-  stack_ "$venv"
-  "$venv/bin/python" -m pip install -q -e "$repo[test]"
-  # qcheck must not move the client's pins.
-  "$venv/bin/python" -c 'import importlib.metadata as m, sys
-got = {p: m.version(p) for p in ("tokamax", "qwix")}
-sys.exit(0 if got == {"tokamax": sys.argv[1], "qwix": sys.argv[2]} else
-         f".ci/tokamax.sh: {got} in the tokamax environment, pinned tokamax {sys.argv[1]}, qwix {sys.argv[2]}")' \
-    "$TOKAMAX_VERSION" "$QWIX_VERSION"
-}
-
+PINS=("tokamax==$TOKAMAX_VERSION" "qwix==$QWIX_VERSION")
 case "${1:-}" in
-  env) env_ "$2" ;;
-  stack) stack_ "$2" ;;
+  env) pinned_env "$2" "${PINS[@]}" ;;
+  stack) pinned_stack "$2" "${PINS[@]}" ;;
   run) run "${@:2}" ;;
   *) echo "usage: .ci/tokamax.sh env VENV | stack VENV | run PYTHON CMD..." >&2; exit 2 ;;
 esac

@@ -37,11 +37,13 @@ def test_the_extras_name_their_install_command():
                                                          ".ci/gemma.sh env VENV")
     assert helpers.extra_skip_reason("tokamax").startswith("needs the tokamax extra: tokamax 0.0.17 with qwix 0.1.8 in "
                                                            "its own environment: .ci/tokamax.sh env VENV")
+    assert helpers.extra_skip_reason("keras").startswith("needs the keras extra: keras 3.15.1 on its JAX backend in "
+                                                         "its own environment: .ci/keras.sh env VENV")
 
 
 def test_an_unknown_extra_lists_the_known_ones():
     known = ", ".join(sorted(helpers.EXTRAS))
-    assert {"aqt", "gemma", "maxtext", "qwix", "tokamax"} <= set(helpers.EXTRAS)
+    assert {"aqt", "gemma", "keras", "maxtext", "qwix", "tokamax"} <= set(helpers.EXTRAS)
     with pytest.raises(ValueError, match=rf"^extra: unknown extra 'aqtp'; known: {re.escape(known)}$"):
         helpers.requires_extra("aqtp")
 

@@ -180,7 +180,8 @@ def test_check_layer_declared_names_an_einsum_wired_from_the_other_fp8_family(x,
         with pytest.raises(AssertionError) as failure:
             qcheck.check_layer(layer, twin, x, output=0, skip=skip, **asked)
         message = str(failure.value)
-        assert message.startswith("check_layer: 1 check(s) failed:\n  coverage: ") and "1 of 5 matmuls differ" in message
+        assert message.startswith("check_layer: 1 check(s) failed:\n  coverage: ")
+        assert "1 of 5 matmuls differ" in message
         site = message.split("differ from the declared quantization", 1)[1]
         assert " in wo/" in site and f"is cast to {cast}; declared {declared}" in site, message
         assert message.endswith(f"declared: read from the layer: MaxText config.quantization={quantization!r}")
@@ -772,7 +773,8 @@ def _user_int8_ragged_dot(shared: bool):
     def int8(v, axes):
         amax = jnp.max(jnp.abs(v), axis=axes, keepdims=True)
         scale = jnp.where(amax == 0, jnp.ones_like(amax), amax) / 127.5
-        codes = jax.lax.round(jnp.clip(v * jax.lax.reciprocal(scale), -127, 127), jax.lax.RoundingMethod.TO_NEAREST_EVEN)
+        codes = jax.lax.round(jnp.clip(v * jax.lax.reciprocal(scale), -127, 127),
+                              jax.lax.RoundingMethod.TO_NEAREST_EVEN)
         return codes.astype(jnp.int8).astype(v.dtype) * scale
 
     @jax.custom_vjp

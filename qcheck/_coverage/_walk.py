@@ -822,8 +822,8 @@ class Walker:
         errors = [(i - start, e) for i, e in self.errors[n_errors:]]
         evidence = Evidence(self.quantizers[n_quantizers:], self.multiplied[n_quantizers:],
                             self.stacked[n_quantizers:],
-                            [(i - start, side, q - n_quantizers, axes) for i, side, q, axes in self.operands[n_operands:]
-                             if q >= n_quantizers])
+                            [(i - start, side, q - n_quantizers, axes)
+                             for i, side, q, axes in self.operands[n_operands:] if q >= n_quantizers])
         self.truncate(start, n_errors, n_quantizers, n_operands)
         return outs, records, errors, evidence
 

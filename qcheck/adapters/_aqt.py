@@ -79,13 +79,9 @@ AQT_RAGGED_SHARED_SCALE = KnownDefect(
     match=r"equals rhs with one weight scale shared across groups .* bitwise",
 )
 #: The same defect, seen by the coverage map holding each site to the recipe's declared int8_aqt codes.
-AQT_RAGGED_SHARED_SCALE_CODES = KnownDefect(
-    library="aqtp",
-    invariant="coverage",
-    paths=("sparse",),
-    reason="aqt_ragged_dot.ragged_dot shares one weight scale across all experts",
-    match=r"rhs \(weight\): codes are not int8_aqt's: .* they match one scale shared across axis 0",
-)
+AQT_RAGGED_SHARED_SCALE_CODES = dataclasses.replace(
+    AQT_RAGGED_SHARED_SCALE, invariant="coverage",
+    match=r"rhs \(weight\): codes are not int8_aqt's: .* they match one scale shared across axis 0")
 
 
 class AqtSite(nn.Module):

@@ -181,11 +181,9 @@ QWIX_INT8_RAGGED_SHARED_SCALE = KnownDefect(
 
 
 #: The same defect, seen by the coverage map holding each site to the recipe's declared int8_qwix codes.
-QWIX_INT8_RAGGED_SHARED_SCALE_CODES = KnownDefect(
-    library="qwix", invariant="coverage", paths=("sparse",),
-    reason="ragged_dot shares one weight scale across experts",
-    match=r"rhs \(weight\): codes are not int8_qwix's: .* they match one scale shared across axis 0",
-)
+QWIX_INT8_RAGGED_SHARED_SCALE_CODES = dataclasses.replace(
+    QWIX_INT8_RAGGED_SHARED_SCALE, invariant="coverage",
+    match=r"rhs \(weight\): codes are not int8_qwix's: .* they match one scale shared across axis 0")
 
 
 def qwix_int8(name: str = "qwix_int8") -> QwixRecipe:

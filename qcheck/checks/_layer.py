@@ -40,8 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen, nnx
 
-from qcheck._coverage import (Declaration, KernelRoles, MatmulRecord, SkipArg, after_first_call, as_kernel_roles,
-                              as_skips, graph_paths, mixed_formats, quantized_records, resolve_declaration, warmed_up)
+from qcheck._coverage import (CoverageMap, Declaration, KernelRoles, MatmulRecord, SkipArg, after_first_call,
+                              as_kernel_roles, as_skips, graph_paths, mixed_formats, quantized_records,
+                              resolve_declaration, warmed_up)
 from qcheck._errors import user_code
 from qcheck.checks._tracks import assert_tracks, rel_norm
 from qcheck.checks._uninitialized import uninitialized_reads, unspecified_buffers
@@ -88,12 +89,13 @@ class LayerFigures:
     largest. ``grad_rel_norms``: per parameter path (``"a/b/kernel"``), and
     :data:`INPUT_GRAD` for ``x``, the gradient's relative norm against the
     twin's gradient at the same path. ``coverage``: the layer's matmuls, as
-    :func:`qcheck.coverage` reports them, each spared one naming its rule.
+    :func:`qcheck.coverage` reports them (a ``CoverageMap``: ``format_coverage`` prints what was held), each
+    spared one naming its rule, each declared operand with its hold.
     """
 
     rel_norm: float
     grad_rel_norms: Mapping[str, float]
-    coverage: tuple[MatmulRecord, ...]
+    coverage: Sequence[MatmulRecord]
     rel_norms: Mapping[str, float] = dataclasses.field(default_factory=dict)
     #: The declaration every site was held to (given, or read from the layer: its ``source`` says
     #: which); None where nothing declared and only "quantized somehow" and one format per role held.
@@ -718,7 +720,8 @@ def check_layer(
         raise AssertionError(f"check_layer: {len(failures)} check(s) failed:\n" +
                              "\n".join("  " + f.replace("\n", "\n  ") for f in failures)
                              + f"\ndeclared: {declared_from}")
-    return LayerFigures(max(c.figures.values()), types.MappingProxyType(c.grad_figures), tuple(c.records),
+    return LayerFigures(max(c.figures.values()), types.MappingProxyType(c.grad_figures),
+                        CoverageMap(c.records, declaration, declared_from),
                         types.MappingProxyType(c.figures), declaration, declared_from, tuple(c.backward_records))
 
 

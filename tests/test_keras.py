@@ -1,0 +1,228 @@
+"""Keras 3's quantized ``Dense`` (on its JAX backend) as a pinned client of qcheck.
+
+Runs in Keras's own environment (.ci/keras.sh, ``tox -e keras``, the keras stage of
+.ci/run), with ``KERAS_BACKEND=jax``; skipped, naming how to install and run it, where
+Keras is not installed or its backend is not JAX. Measured on Keras 3.15.1 (jax 0.12.0.1,
+jaxlib 0.12.0.1, ml_dtypes 0.7.0, Python 3.12), on the CPU.
+
+A Keras layer is a callable of ``x``: ``qcheck.check_layer(layer, twin, x)`` and
+``qcheck.assert_quantized(layer, x)`` take it with no glue. Its weights are Keras
+variables closed over by the call, not arguments, so check_layer compares the input's
+gradient alone, and the backward pass has one gradient matmul (the input's). The twin
+is made the Keras way: the same ``Dense``, ``twin.set_weights(layer.get_weights())``
+before ``layer.quantize("float8")``.
+
+``Dense.quantize("float8")`` (keras/src/layers/core/dense.py, ``_float8_call``):
+quantize-dequantize of the input and of the kernel to e4m3fn, one scale per tensor
+(delayed scaling: ``x / scale``, clipped to ±448, cast, cast back, times ``scale``), a
+float32 ``dot_general`` (``ops.matmul``, keras/src/backend/jax/numpy.py), and in the
+backward pass the output gradient quantize-dequantized the same way to e5m2.
+
+* the grads role (the issue's plant "e4m3 output gradients declared e5m2, or the
+  reverse"): declared e5m2 gradients pass, held bitwise; declared e4m3fn they fail at the
+  backward site, "is cast to float8_e5m2; declared e4m3fn";
+* a wrong fp8 flavour: Keras has no fnuz type, so no Keras layer can plant it; declared
+  e4m3fnuz, the stock float8 Dense fails, "is cast to float8_e4m3fn; declared e4m3fnuz",
+  and declared e4m3fn (the control) it passes;
+* qcheck has no reader for Keras's quantization yet: ``declared=True`` is a one-line
+  ValueError naming the readers tried, and with no ``declared=`` nothing is read.
+
+Sites are located inside Keras (``keras/src/backend/jax/numpy.py``, function ``matmul``),
+scoped by the layer's name.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+
+import jax
+import numpy as np
+import pytest
+
+import qcheck
+from tests.helpers import extra_missing, import_extra
+
+#: The version the traced structure and the messages were checked on.
+KERAS_VERSION = "3.15.1"
+NAME = "qdense"  # the layer's name: its sites' scope
+UNITS, IN = 16, 32
+X = np.random.default_rng(0).normal(size=(8, IN)).astype(np.float32)
+FP8 = {"weights": "e4m3fn", "activations": "e4m3fn"}
+E5M2_GRADS = {**FP8, "grads": "e5m2"}  # what Keras computes
+E4M3_GRADS = {**FP8, "grads": "e4m3fn"}  # the plant: the gradients declared in the forward's type
+FNUZ = {"weights": "e4m3fnuz", "activations": "e4m3fnuz"}
+#: Where Keras's matmul sits: every site, forward and backward, is this line of Keras's, in the layer's scope.
+KERAS_SITE = r"dot_general at \S*keras/src/backend/jax/numpy\.py:\d+ \(matmul\), in " + NAME
+#: Scales other than the fresh layer's 1.0, as delayed scaling leaves them after some steps: input, kernel,
+#: output gradient (Keras divides by its scale: x / scale is what is cast).
+SCALES = {"fresh": None, "scaled": (0.01, 0.001, 1e-4)}
+#: Keras 3.15.1's ``Variable.__array__`` (keras/src/backend/common/variables.py) takes no ``copy`` keyword, which
+#: numpy 2.5 warns of on every ``get_weights()``; the suite turns warnings into errors.
+pytestmark = pytest.mark.filterwarnings(
+    r"ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning")
+RUN = "run its tests with KERAS_BACKEND=jax: .ci/keras.sh run VENV/bin/python pytest tests/test_keras.py (tox -e keras)"
+
+
+@pytest.fixture(scope="module")
+def keras():
+    """Keras on its JAX backend, once: skipped, naming how to install or run it, where it is absent or elsewhere;
+    its tests run with rank promotion allowed."""
+    if extra_missing("keras"):
+        import_extra("keras")  # skips, naming how to install it
+    backend = os.environ.get("KERAS_BACKEND")
+    try:  # Keras imports its backend when first imported: its default, TensorFlow, is not in Keras's environment
+        import keras
+    except ImportError as error:
+        pytest.skip(f"Keras is installed but does not import on its backend (KERAS_BACKEND={backend!r}, else "
+                    f"keras.json's): {error}: {RUN}")
+    if keras.backend.backend() != "jax":
+        pytest.skip(f"Keras's backend is {keras.backend.backend()}, not jax: {RUN}")
+    # Dense adds its bias (UNITS,) to (batch, UNITS) by rank broadcasting, which the suite's conftest refuses.
+    with jax.numpy_rank_promotion("allow"):
+        yield keras
+
+
+def _pinned() -> None:
+    installed = importlib.metadata.version("keras")
+    if installed != KERAS_VERSION:
+        pytest.fail(f"keras {installed} is installed; this was checked on keras {KERAS_VERSION}: recheck it, then "
+                    f"update this test")
+
+
+def _dense(keras, mode: str = "float8", scales=None):
+    """A quantized ``Dense`` and its unquantized twin, with the same weights (copied before ``quantize``)."""
+    layer = keras.layers.Dense(UNITS, name=NAME)
+    layer.build((None, IN))
+    twin = keras.layers.Dense(UNITS, name=NAME)
+    twin.build((None, IN))
+    twin.set_weights(layer.get_weights())
+    layer.quantize(mode)
+    if scales is not None:
+        for variable, value in zip((layer.inputs_scale, layer.kernel_scale, layer.outputs_grad_scale), scales):
+            variable.assign(value)
+    return layer, twin
+
+
+def _message(failure) -> str:
+    return str(failure.value).replace(os.sep, "/")
+
+
+def test_keras_float8_dense_is_one_fp8_matmul_with_e5m2_gradients(keras):
+    """Keras 3.15.1, jax 0.12.0.1: the structure the tests below rely on, read by qcheck undeclared."""
+    _pinned()
+    layer, _ = _dense(keras)
+    assert [v.path for v in layer.variables] == [
+        f"{NAME}/{v}" for v in ("kernel", "bias", "inputs_scale", "inputs_amax_history", "kernel_scale",
+                                "kernel_amax_history", "outputs_grad_scale", "outputs_grad_amax_history")]
+    (site,) = qcheck.coverage(layer, X)
+    assert (site.primitive, site.function, site.scope, site.quantized) == ("dot_general", "matmul", NAME, True)
+    assert site.lhs.dtype == site.rhs.dtype == "float8_e4m3fn", qcheck.format_coverage([site])
+    records = qcheck.assert_quantized(layer, X, backward=True)
+    (backward,) = [r for r in records if r.backward]
+    assert (backward.lhs_role, backward.lhs.dtype) == ("grad", "float8_e5m2"), qcheck.format_coverage(records)
+
+
+# -- 1. the grads role: Keras's e5m2 output gradients ----------------------------------------------------
+
+@pytest.mark.parametrize("scales", list(SCALES))
+def test_keras_float8_gradients_declared_e5m2_are_held_bitwise_should_pass(keras, scales):
+    """Keras 3.15.1, jax 0.12.0.1: the control. Declared as Keras computes them (e4m3fn forward, e5m2 output
+    gradients), check_layer passes, and the one gradient operand of the backward pass (the output gradient,
+    lhs of the input's gradient matmul) is held BITWISE, not by type: Keras's quantize-dequantize is traced
+    in the backward pass (the custom gradient's ``upstream / scale``, clipped, cast to e5m2), so qcheck finds
+    the cast's input and holds its codes to the referee's e5m2 codes of it, at the fresh layer's scale 1 and
+    at other scales alike. The weight operand of that matmul is not held there (check_layer holds only the
+    grads role on the backward pass: its hold is None); assert_quantized(backward=True) holds it too."""
+    layer, twin = _dense(keras, scales=SCALES[scales])
+    figures = qcheck.check_layer(layer, twin, X, declared=E5M2_GRADS)
+    print(qcheck.format_coverage(figures.backward))
+    print([(r.lhs_role, str(r.lhs_hold), r.rhs_role, str(r.rhs_hold)) for r in figures.backward])
+    assert list(figures.grad_rel_norms) == ["(input x)"]  # the weights are closed over: the input's gradient alone
+    (site,) = figures.backward  # the input's gradient matmul: output gradient x kernel
+    assert (site.lhs_role, site.rhs_role) == ("grad", "weight"), site
+    assert (site.lhs.dtype, site.rhs.dtype) == ("float8_e5m2", "float8_e4m3fn"), site
+    assert site.lhs_hold.strength == "bitwise" and site.rhs_hold is None, (site.lhs_hold, site.rhs_hold)
+    (forward,) = figures.coverage
+    assert forward.lhs_hold.strength == forward.rhs_hold.strength == "bitwise", (forward.lhs_hold, forward.rhs_hold)
+
+    records = qcheck.assert_quantized(layer, X, declared=E5M2_GRADS, backward=True)
+    assert [r.backward for r in records] == [False, True]
+    held = [h for r in records for h in (r.lhs_hold, r.rhs_hold)]
+    assert [h.strength for h in held] == ["bitwise"] * 4, held
+
+
+def test_keras_float8_gradients_declared_e4m3fn_should_fail_at_the_backward_site(keras):
+    """Keras 3.15.1, jax 0.12.0.1: the plant. Declared in the forward's type, Keras's e5m2 output gradients fail
+    at the backward site, through check_layer and through assert_quantized(backward=True)."""
+    layer, twin = _dense(keras)
+    with pytest.raises(AssertionError) as failure:
+        qcheck.check_layer(layer, twin, X, declared=E4M3_GRADS)
+    message = _message(failure)
+    assert "backward declared: assert_quantized: 1 of 2 matmuls differ from the declared quantization" in message
+    assert re.search(KERAS_SITE + r": lhs \(8, 16\) \[float8_e5m2\]", message), message
+    assert "lhs (grad) is cast to float8_e5m2; declared e4m3fn" in message, message
+    assert "coverage:" not in message, message  # the forward pass is as declared
+
+    with pytest.raises(AssertionError) as failure:
+        qcheck.assert_quantized(layer, X, declared=E4M3_GRADS, backward=True)
+    message = _message(failure)
+    assert message.startswith("assert_quantized: 1 of 2 matmuls differ from the declared quantization"), message
+    assert re.search(KERAS_SITE + r": lhs \(8, 16\) \[float8_e5m2\]", message), message
+    assert "lhs (grad) is cast to float8_e5m2; declared e4m3fn" in message, message
+
+
+# -- 2. a wrong fp8 flavour: declared e4m3fnuz on Keras's e4m3fn -----------------------------------------
+
+def test_keras_float8_declared_e4m3fn_should_pass(keras):
+    """Keras 3.15.1: the control. The forward site's input and kernel are held bitwise as e4m3fn."""
+    layer, twin = _dense(keras)
+    figures = qcheck.check_layer(layer, twin, X, declared=FP8)
+    (site,) = figures.coverage
+    assert site.lhs_hold.strength == site.rhs_hold.strength == "bitwise", (site.lhs_hold, site.rhs_hold)
+    assert figures.backward == ()  # no grads role declared
+    (site,) = qcheck.assert_quantized(layer, X, declared=FP8)
+    assert site.lhs_hold.strength == site.rhs_hold.strength == "bitwise"
+
+
+def test_keras_float8_declared_e4m3fnuz_should_fail_naming_the_flavour(keras):
+    """Keras 3.15.1: Keras has no fnuz type, so no Keras layer can carry this plant; declaring e4m3fnuz (the
+    flavour of AMD's MI300) on the stock float8 Dense stands for it, and fails naming both operands."""
+    layer, twin = _dense(keras)
+    with pytest.raises(AssertionError) as failure:
+        qcheck.check_layer(layer, twin, X, declared=FNUZ)
+    message = _message(failure)
+    assert "coverage: assert_quantized: 1 of 1 matmuls differ from the declared quantization" in message, message
+    assert re.search(KERAS_SITE + r": lhs \(8, 32\) \[float8_e4m3fn\]", message), message
+    for side in ("lhs (activation)", "rhs (weight)"):
+        assert f"{side} is cast to float8_e4m3fn; declared e4m3fnuz" in message, message
+
+    with pytest.raises(AssertionError, match=r"is cast to float8_e4m3fn; declared e4m3fnuz"):
+        qcheck.assert_quantized(layer, X, declared=FNUZ)
+
+
+# -- 3. no reader for Keras's quantization ----------------------------------------------------------------
+
+def test_keras_declared_true_is_a_one_line_error_naming_the_readers(keras):
+    """Keras 3.15.1: qcheck reads no declaration from a Keras layer (no Keras reader yet), so declared=True
+    is a usage error, one line, naming the readers it tried, not a pass."""
+    layer, twin = _dense(keras)
+    for entry, call in (("check_layer", lambda: qcheck.check_layer(layer, twin, X, declared=True)),
+                        ("assert_quantized", lambda: qcheck.assert_quantized(layer, X, declared=True))):
+        with pytest.raises(ValueError) as error:
+            call()
+        message = str(error.value)
+        assert re.match(rf"{entry}: declared=True, but no reader \((qcheck(, \w+)*)\) finds a declaration on it of "
+                        r"Dense; declare it by hand", message), message
+        assert "\n" not in message, message
+
+
+def test_keras_with_no_declared_argument_nothing_is_read(keras):
+    """Keras 3.15.1: undeclared, nothing is read and no site is held to a declaration; the figures say so."""
+    layer, twin = _dense(keras)
+    figures = qcheck.check_layer(layer, twin, X)
+    assert figures.declared is None and figures.declared_from.startswith("nothing read"), figures.declared_from
+    (site,) = figures.coverage
+    assert site.quantized and site.lhs_hold is None and site.rhs_hold is None
+    assert qcheck.coverage(layer, X).declared_from.startswith("nothing read")
