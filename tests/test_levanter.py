@@ -445,8 +445,9 @@ def test_planted_fnuz_router_fails_the_declaration_should_fail(lev, config, x, p
         qcheck.check_layer(as_layer(layer), as_layer(_build(lev, config, None)), x, skip=SPARE[1](),
                            declared=declared)
     message = str(failure.value)
-    assert message.startswith("check_layer: 1 check(s) failed:\n  coverage: "), message
-    assert "1 of 5 matmuls differ from the declared quantization" in message, message
+    assert "\n  coverage: assert_quantized: 1 of 5 matmuls differ from the declared quantization" in message, message
+    # And on the edge rows: clipped at e4m3fn's 448, the e4m3fnuz cast (largest 240) turns NaN.
+    assert "edges: token row with one value far beyond the format's range (1e5): not finite" in message, message
     assert re.search(r"lhs \(activation\) is cast to float8_e4m3fnuz; declared e4m3fn", message), message
     assert re.search(r"rhs \(weight\) is cast to float8_e4m3fnuz; declared e4m3fn", message), message
 
@@ -459,9 +460,13 @@ def test_planted_fnuz_fails_check_layer_with_no_declared_argument(lev, config, x
     assert "is cast to float8_e4m3fnuz; declared e4m3fn" in str(info.value), str(info.value)
     assert str(info.value).endswith("declared: read from the layer: haliax Fp8DotGeneralOp on 1 Linear layer(s): "
                                     "activations e4m3fn, weights e4m3fn, grads e5m2")
-    # Its control: with no declaration held (declared=False) the plant passes every check ("quantized somehow").
-    figures = qcheck.check_layer(layer, twin, x, skip=SPARE[1](), declared=False)
-    assert 0 < figures.rel_norm <= 0.22 and "float8_e4m3fnuz" in _router(figures.coverage).lhs.dtype
+    # With no declaration held (declared=False), the router is "quantized somehow" and only the edge row shows
+    # the plant: clipped at e4m3fn's 448, the e4m3fnuz cast (largest 240) turns NaN.
+    with pytest.raises(AssertionError) as info:
+        qcheck.check_layer(layer, twin, x, skip=SPARE[1](), declared=False)
+    failed = re.findall(r"\n  ([\w ]+?): ", str(info.value))
+    assert set(failed) == {"edges"}, str(info.value)
+    assert "token row with one value far beyond the format's range (1e5): not finite: the output" in str(info.value)
 
 
 def test_fp8_router_saturates_as_declared_should_pass(blocks, x):
@@ -578,3 +583,23 @@ def test_block_with_a_plant_fails_the_mixtral_referee_should_fail(blocks, config
                                              r"referee .*" + message):
         qcheck.assert_moe_matches_referee(block, referee_x, roles, style="mixtral", top_k=config.num_experts_per_tok,
                                           call=_named_call, output=0)
+
+
+# -- edge rows: a token row far beyond e4m3's range ----------------------------------------------------
+
+def test_planted_unsaturated_cast_fails_an_edge_row_naming_the_site_should_fail(lev, config, x, plant):
+    """``check_layer(layer, twin, x)`` on an ordinary normal ``x``: the token row holding one value of 1e5 (beyond
+    e4m3fn's 448 at haliax's fresh scale of 1) turns haliax's fp8 cast without its clip NaN, and the check names
+    the row and the router's site (marin-haliax 0.2.227.dev40316220070). The stock block, which clips, passes
+    every edge row, its codes held bitwise there (the control)."""
+    twin = as_layer(_build(lev, config, None))
+    figures = qcheck.check_layer(as_layer(_build(lev, config, "fp8")), twin, x, skip=SPARE[1]())
+    assert dict(figures.edges) == dict.fromkeys(("zeros", "tiny", "huge", "saturation"), "run, codes held bitwise")
+    plant(_unsaturated_quantize)
+    with pytest.raises(AssertionError) as failure:
+        qcheck.check_layer(as_layer(_build(lev, config, "fp8")), twin, x, skip=SPARE[1]())
+    message = str(failure.value)
+    row = "edges: token row with one value far beyond the format's range (1e5)"
+    assert f"{row}: not finite: the output" in message, message
+    assert re.search(re.escape(row) + r": site .*\(dot_general\): lhs \(activation\): codes are not e4m3fn's: 1 of "
+                     r"\d+ codes differ from the referee's; first at .*: nan where the referee gives 448", message), message

@@ -228,8 +228,13 @@ def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward:
 
 def _coverage(fn: Callable[..., Any], args: tuple, kwargs: dict, *, errors: bool, backward: bool,
               machinery: tuple[str, ...], declaration: Any, entry: str, what: str,
-              kernels: dict[str, KernelRoles] | None = None, warm: bool = True) -> list[MatmulRecord]:
-    """:func:`coverage` for the public call ``entry``: an error of ``fn`` (named ``what``) is a UserCodeError."""
+              kernels: dict[str, KernelRoles] | None = None, warm: bool = True, also: Sequence[tuple] = (),
+              also_out: list | None = None) -> list[MatmulRecord]:
+    """:func:`coverage` for the public call ``entry``: an error of ``fn`` (named ``what``) is a UserCodeError.
+
+    ``also``: other positional arguments of the same shapes (a forward pass with a declaration only); the one
+    compiled program runs on each, and ``also_out`` gets each one's records judged against the declaration.
+    """
     if not callable(fn):
         raise ValueError(f"{entry}: {what} must be callable or an flax.nnx.Module, got {type(fn).__name__}")
     with user_code(entry, what):
@@ -269,9 +274,16 @@ def _coverage(fn: Callable[..., Any], args: tuple, kwargs: dict, *, errors: bool
         # Only what is asked for: unreturned, the error figures' full-precision shadow computation is not compiled.
         return ([e for _, e in walker.errors] if errors else []), walker.quantizers if declaration is not None else []
 
+    program = jax.jit(evaluate)
     with user_code(entry, what):
-        figures, quantizers = jax.jit(evaluate)(jax.tree.leaves(inputs))
+        figures, quantizers = program(jax.tree.leaves(inputs))
     _misdeclared(walker, entry)
+    if also and declaration is not None and not backward and also_out is not None:
+        for other in also:
+            alt = (inputs[0], other, inputs[2]) if module is not None else (other, inputs[1])
+            with user_code(entry, what):
+                _, found = program(jax.tree.leaves(alt))  # the same shapes: no compile
+            also_out.append(judge(list(walker.records), declaration, _evidence(found, walker), walker.operands))
     records = list(walker.records)
     if not errors:
         records = [dataclasses.replace(r, no_error=r.no_error or "not computed (errors=False)") for r in records]
@@ -282,9 +294,16 @@ def _coverage(fn: Callable[..., Any], args: tuple, kwargs: dict, *, errors: bool
                 dataclasses.replace(records[i], no_error=NOT_RUN[e]))
     if declaration is None:
         return records
-    quantizers = [(np.asarray(x), np.asarray(c), None if d is None else (np.asarray(d), mul), stacked)
-                  for (x, c, d), mul, stacked in zip(quantizers, walker.multiplied, walker.stacked)]
-    return judge(records, declaration, quantizers, walker.operands)
+    judged = judge(records, declaration, _evidence(quantizers, walker), walker.operands)
+    if also_out is not None and also:
+        also_out.insert(0, judged)  # the given arguments' own, before the others'
+    return judged
+
+
+def _evidence(quantizers: Sequence[tuple[Any, Any, Any]], walker: Walker) -> list[tuple[Any, ...]]:
+    """The walk's quantizers as numpy values, each with its scale's form and what its leading axes enumerate."""
+    return [(np.asarray(x), np.asarray(c), None if d is None else (np.asarray(d), mul), stacked)
+            for (x, c, d), mul, stacked in zip(quantizers, walker.multiplied, walker.stacked)]
 
 
 def _misdeclared(walker: Walker, entry: str) -> None:
@@ -486,7 +505,8 @@ def quantized_records(fn: Callable[..., Any], args: tuple, kwargs: dict, *, skip
                       kernels: KernelRoles | Sequence[KernelRoles] | None = None, warm: bool = True,
                       backward: bool = False, accept_weaker: Any = None, entry: str = "assert_quantized",
                       declaration: Declaration | None = None, declared_from: str | None = None,
-                      stale_ok: bool = False) -> CoverageMap:
+                      stale_ok: bool = False, also: Sequence[tuple] = (), also_out: list | None = None
+                      ) -> CoverageMap:
     """:func:`assert_quantized` of ``fn(*args, **kwargs)``; ``warm=False``: ``fn`` and ``control``, NNX modules,
     are traced as they are, their caller having warmed them up (:func:`after_first_call`) where they were lazy.
     ``declared_from`` given: ``declaration`` is already resolved (the caller read it from its own layer)."""
@@ -501,7 +521,7 @@ def quantized_records(fn: Callable[..., Any], args: tuple, kwargs: dict, *, skip
     declared_kernels = as_kernel_roles(kernels, entry)
     records = _coverage(fn, args, kwargs, errors=False, backward=backward, machinery=machinery,
                         declaration=declaration, entry=entry, what="fn", kernels=declared_kernels,
-                        warm=warm)
+                        warm=warm, also=also, also_out=also_out)
     if declaration is not None:
         records = _accept(records, accept_weaker, entry, stale_ok)
     for i, r in enumerate(records):

@@ -41,9 +41,10 @@ import numpy as np
 from flax import linen, nnx
 
 from qcheck._coverage import (CoverageMap, Declaration, KernelRoles, MatmulRecord, SkipArg, after_first_call,
-                              as_kernel_roles, as_skips, graph_paths, mixed_formats, quantized_records,
+                              as_kernel_roles, as_skips, coverage, graph_paths, mixed_formats, quantized_records,
                               resolve_declaration, warmed_up)
 from qcheck._errors import user_code
+from qcheck.checks._edges import EDGE_ROWS, check_skip_edges, edge_rows
 from qcheck.checks._tracks import assert_tracks, rel_norm
 from qcheck.checks._uninitialized import uninitialized_reads, unspecified_buffers
 
@@ -104,6 +105,9 @@ class LayerFigures:
     declared_from: str = ""
     #: With a ``grads`` role declared: the backward pass's matmuls, each gradient operand's hold.
     backward: tuple[MatmulRecord, ...] = ()
+    #: Each edge row kind (zeros, tiny, huge, saturation): "run", "run, codes held bitwise" (under a declaration),
+    #: or why it was not (the user's reason, no fp8 format declared for the activations).
+    edges: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def worst_grad(self) -> tuple[str, float]:
@@ -483,6 +487,7 @@ class _Run:
     params: dict[str, np.ndarray]
     again: dict[str, np.ndarray] | None = None  # a second call, from the state the first left
     traced: _Traced | None = None  # the step: the uninitialized check reads its traced program
+    rerun: Callable[[jax.Array], Any] | None = None  # the same program on another x of x's shape: no compile
 
 
 def _run(what: str, traced: _Traced, x: jax.Array, output: Any, *, twice: bool) -> _Run:
@@ -502,8 +507,15 @@ def _run(what: str, traced: _Traced, x: jax.Array, output: Any, *, twice: bool) 
     grads = {p: np.asarray(v) for p, v in form.param_leaves(g_params).items()}
     grads[INPUT_GRAD] = np.asarray(g_x)
     params = {p: np.asarray(v) for p, v in form.param_leaves(form.params).items()}
+
+    def rerun(x_other: jax.Array) -> Any:
+        """(output leaves, parameter gradients, input gradient, state after) on ``x_other``, from the same state."""
+        flat_other = _fits(traced, program, jax.tree.leaves((form.params, form.rest, x_other)))
+        with user_code("check_layer", what):
+            return jax.tree.unflatten(out_tree, program(*flat_other))
+
     return _Run(dict(zip(names, map(np.asarray, leaves))), grads, params,
-                None if again is None else dict(zip(names, map(np.asarray, again))), traced)
+                None if again is None else dict(zip(names, map(np.asarray, again))), traced, rerun)
 
 
 # -- the check -------------------------------------------------------------------
@@ -596,6 +608,7 @@ def check_layer(
     call: Callable[[Any, jax.Array], Any] | None = None,
     kernels: KernelRoles | Sequence[KernelRoles] | None = None,
     accept_weaker: Any = None,
+    skip_edges: Mapping[str, str] | None = None,
 ) -> LayerFigures:
     """Check a quantized ``layer`` against its unquantized twin ``reference`` on input ``x``.
 
@@ -664,7 +677,15 @@ def check_layer(
       naming the odd site. The figures and every failure say what was held
       and where it was read (``declared_from``);
     * backward declared: with a ``grads`` role declared, the backward pass's
-      gradient operands are held to it the same way.
+      gradient operands are held to it the same way;
+    * edges: the layer's compiled program runs again (no compile) on ``x``
+      with its first token row replaced by each edge row (zeros, tiny
+      values, one value of 1e5, the declared fp8 format's
+      largest finite value): every output, gradient and state stays finite,
+      and under a declaration every site's codes are the referee's there too;
+      a failure names the row kind and the site. ``skip_edges`` turns a row
+      kind off with a reason (``{"zeros": "why"}``); ``LayerFigures.edges``
+      says how each ran.
 
     Each check is a row of :data:`SUB_CHECKS`, a function of what was run
     returning its failure lines.
@@ -688,6 +709,7 @@ def check_layer(
     x, skip_grads = _check_args(layer, reference, x, max_rel_norm, max_grad_rel_norm, skip, skip_grads, output)
     _check_call(layer, reference, call)
     as_kernel_roles(kernels, "check_layer")  # a misuse is check_layer's ValueError, before anything runs
+    edge_kinds = check_skip_edges(skip_edges)
     declaration, declared_from = resolve_declaration(layer, declared, "check_layer")
     if accept_weaker not in (None, False) and declaration is None:
         raise ValueError(f"check_layer: accept_weaker accepts weaker holds of a declaration, and none is held "
@@ -712,7 +734,8 @@ def check_layer(
                              f"reference output{f' {k}' if k else ''} has shape {ref.out[k].shape}")
 
     c = _Checked(form, twin, run, ref, x, declaration, declared_from, max_rel_norm, max_grad_rel_norm, skip,
-                 sorted(paths - skip_grads), tuple(machinery), kernels, accept_weaker)
+                 sorted(paths - skip_grads), tuple(machinery), kernels, accept_weaker,
+                 edges=edge_rows(x, declaration, edge_kinds))
     # A line may qualify its check's name (" (layer): ..."), else it follows it after a colon.
     failures = [name + (line if line.startswith(" (") else f": {line}")
                 for name, sub_check in SUB_CHECKS for line in sub_check(c)]
@@ -722,7 +745,8 @@ def check_layer(
                              + f"\ndeclared: {declared_from}")
     return LayerFigures(max(c.figures.values()), types.MappingProxyType(c.grad_figures),
                         CoverageMap(c.records, declaration, declared_from),
-                        types.MappingProxyType(c.figures), declaration, declared_from, tuple(c.backward_records))
+                        types.MappingProxyType(c.figures), declaration, declared_from, tuple(c.backward_records),
+                        types.MappingProxyType(c.edges_run))
 
 
 # -- the sub-checks: each a function of what check_layer ran, returning its failure lines -----------
@@ -745,7 +769,10 @@ class _Checked:
     machinery: tuple[str, ...]
     kernels: Any
     accept_weaker: Any
+    edges: dict[str, Any] = dataclasses.field(default_factory=dict)  # kind -> edge x, or why it is not run
     records: list[MatmulRecord] = dataclasses.field(default_factory=list)
+    edge_records: dict[str, list[MatmulRecord]] = dataclasses.field(default_factory=dict)
+    edges_run: dict[str, str] = dataclasses.field(default_factory=dict)
     backward_records: list[MatmulRecord] = dataclasses.field(default_factory=list)
     figures: dict[str, float] = dataclasses.field(default_factory=dict)
     grad_figures: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -757,10 +784,17 @@ def _coverage_lines(c: _Checked) -> list[str]:
         # The probes are as the steps ran: warmed up already where lazy, so coverage does not ask again. The
         # twin's coverage is the control of skip rules and of a declaration only: without them it is not traced.
         control = c.twin.probe if as_skips(c.skip, "check_layer") or c.declaration is not None else None
-        c.records = quantized_records(c.form.probe, (c.x,), {}, skip=c.skip, control=control,
-                                      machinery=c.machinery, kernels=c.kernels, warm=False,
-                                      accept_weaker=c.accept_weaker, entry="check_layer",
-                                      declaration=c.declaration, declared_from=c.declared_from)
+        rows = [k for k, v in c.edges.items() if not isinstance(v, str)]
+        judged: list[list[MatmulRecord]] = []
+        try:
+            c.records = quantized_records(c.form.probe, (c.x,), {}, skip=c.skip, control=control,
+                                          machinery=c.machinery, kernels=c.kernels, warm=False,
+                                          accept_weaker=c.accept_weaker, entry="check_layer",
+                                          declaration=c.declaration, declared_from=c.declared_from,
+                                          also=[(c.edges[k],) for k in rows], also_out=judged)
+        finally:
+            if judged:  # x's own records first, then the same program's codes on each edge row
+                c.edge_records = {"x": judged[0], **dict(zip(rows, judged[1:]))}
     except AssertionError as e:
         return [str(e).rsplit("\ndeclared: ", 1)[0]]
     return []
@@ -842,6 +876,55 @@ def _backward_declared_lines(c: _Checked) -> list[str]:
     return []
 
 
+def _edges_lines(c: _Checked) -> list[str]:
+    """The layer's program again on ``x`` with one token row replaced by each edge row (no compile): every
+    output, gradient and state finite, and under a declaration every site's codes bitwise the referee's."""
+    lines = []
+    # What already fails on x is the other checks' to say: here only what the edge row breaks anew.
+    normal = {i for i, r in enumerate(c.edge_records.get("x", [])) if r.findings}
+    finite_before = {**{name: not _nonfinite(v) for name, v in c.run.out.items()},
+                     **{path: not _nonfinite(v) for path, v in c.run.grads.items()}}
+    for kind, x_edge in c.edges.items():
+        if isinstance(x_edge, str):
+            c.edges_run[kind] = x_edge
+            continue
+        leaves, g_params, g_x, after = c.run.rerun(x_edge)
+        bad = [f"{'output ' + name if name else 'the output'} ({n} of {np.size(v)})"
+               for name, v in zip(c.run.out, leaves) if finite_before[name] and (n := _nonfinite(np.asarray(v)))]
+        bad += [f"gradient of {path} ({n} of {np.size(v)})"
+                for path, v in [*c.form.param_leaves(g_params).items(), (INPUT_GRAD, g_x)]
+                if finite_before.get(path, True) and (n := _nonfinite(np.asarray(v)))]
+        bad += [f"state {'/'.join(map(str, path))} ({n})" for path, v in jax.tree_util.tree_leaves_with_path(after)
+                if jnp.issubdtype(getattr(v, "dtype", np.int32), jnp.inexact) and (n := _nonfinite(np.asarray(v)))]
+        sites = [f"{r.scope or r.location} ({r.primitive}): " + "; ".join(r.findings)
+                 for i, r in enumerate(c.edge_records.get(kind, [])) if r.findings and i not in normal]
+        if bad and not sites:
+            sites = _first_nonfinite_site(c, x_edge)
+        c.edges_run[kind] = "run, codes held bitwise" if kind in c.edge_records else "run"
+        if bad or sites:
+            what = EDGE_ROWS[kind]
+            if bad:
+                lines.append(f"{what}: not finite: {', '.join(bad)}")
+            lines += [f"{what}: site {line}" for line in sites]
+    return lines
+
+
+def _first_nonfinite_site(c: _Checked, x_edge: jax.Array) -> list[str]:
+    """Where a row first turns non-finite, with nothing declared: the first matmul whose output is not finite
+    (one more program, on this failing path only)."""
+    try:
+        records = coverage(c.form.probe, x_edge, errors=True, declared=False, machinery=c.machinery,
+                           kernels=c.kernels)
+    except (AssertionError, ValueError):
+        return []
+    first = next((r for r in records if r.error is not None and not np.isfinite(r.error)), None)
+    if first is None:
+        return []
+    where = f"{first.scope} ({first.primitive} at {first.location})" if first.scope else (
+        f"{first.primitive} at {first.location} ({first.function})")
+    return [f"{where}: its output is the first not finite (lhs [{first.lhs}], rhs [{first.rhs}])"]
+
+
 #: check_layer's sub-checks, in the order their failures are listed: (name, function of what was run).
 SUB_CHECKS = (
     ("coverage", _coverage_lines),
@@ -851,6 +934,7 @@ SUB_CHECKS = (
     ("determinism", _determinism_lines),
     ("uninitialized", _uninitialized_lines),
     ("backward declared", _backward_declared_lines),
+    ("edges", _edges_lines),
 )
 
 

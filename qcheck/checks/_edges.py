@@ -1,0 +1,84 @@
+"""Inputs where quantizers break: ``x`` with one token row replaced by a zero row, tiny values, a huge value or
+values at the format's saturation edge.
+
+A normal draw never holds them, and the bugs live there: an all-zero row whose
+scale is 0 (then 0 / 0 = NaN), a tiny amax slipping past an ``== 0`` guard, a
+value beyond the format's range cast without saturation (NaN in e4m3fn), codes
+at the largest finite value. ``check_layer`` runs its compiled program again
+on each (no compile) and holds outputs, gradients and state finite, and, under
+a declaration, each site's codes bitwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from qcheck import formats
+from qcheck._choices import require_choice
+
+#: Each edge row kind, as a failure names it.
+EDGE_ROWS = {
+    "zeros": "token row of zeros",
+    "tiny": "token row of tiny values (around float32's smallest normal, and below it)",
+    "huge": "token row with one value far beyond the format's range (1e5)",
+    "saturation": "token row at the format's saturation edge (its largest finite value, both signs)",
+}
+#: Far beyond e4m3's 448 (and e4m3fnuz's 240, e5m2's 57344) at a fresh layer's scale of 1.
+HUGE = 1e5
+
+
+def check_skip_edges(skip_edges: Any) -> dict[str, str | None]:
+    """``check_layer``'s ``skip_edges``: each row kind with None (run it) or the user's reason not to."""
+    if skip_edges is None:
+        return dict.fromkeys(EDGE_ROWS)
+    if not isinstance(skip_edges, Mapping):
+        raise ValueError(f"check_layer: skip_edges must map row kinds ({', '.join(EDGE_ROWS)}) to reasons, got "
+                         f"{type(skip_edges).__name__}")
+    for kind, reason in skip_edges.items():
+        require_choice("edge row kind", kind, EDGE_ROWS, where="check_layer: skip_edges")
+        if not isinstance(reason, str) or not reason.strip():
+            raise ValueError(f"check_layer: skip_edges[{kind!r}] needs a reason (a non-empty str), got {reason!r}")
+    return {kind: (f"skipped: {skip_edges[kind]}" if kind in skip_edges else None) for kind in EDGE_ROWS}
+
+
+def _saturation(declaration: Any) -> float | None:
+    """The largest finite value of the activations' declared fp8 cast format, if one is declared."""
+    if declaration is None:
+        return None
+    fmt = declaration.roles.get("activations")
+    if fmt is None:
+        return None
+    record = formats.get_format(fmt.format)
+    if record.kind != "cast":
+        return None
+    return float(ml_dtypes.finfo(record.element).max)
+
+
+def edge_rows(x: jax.Array, declaration: Any, kinds: Mapping[str, str | None]) -> dict[str, Any]:
+    """Each row kind's ``x`` (its first token row replaced), or why it is not run."""
+    flat = np.array(x, dtype=np.asarray(x).dtype).reshape(-1, np.shape(x)[-1])
+    n = flat.shape[1]
+    tiny = float(np.finfo(np.float32).tiny)
+    top = _saturation(declaration)
+    rows = {
+        "zeros": np.zeros(n),
+        "tiny": np.where(np.arange(n) % 2 == 0, 4 * tiny, tiny / 8) * np.where(np.arange(n) % 4 < 2, 1, -1),
+        "huge": np.concatenate([[HUGE], flat[0, 1:]]),
+        "saturation": None if top is None else np.where(np.arange(n) % 2 == 0, top, -top),
+    }
+    out: dict[str, Any] = {}
+    for kind, skipped in kinds.items():
+        if skipped is not None:
+            out[kind] = skipped
+        elif rows[kind] is None:
+            out[kind] = "not run: no fp8 cast format declared for the activations"
+        else:
+            edged = flat.copy()
+            edged[0] = rows[kind].astype(flat.dtype)
+            out[kind] = jax.device_put(edged.reshape(np.shape(x)))
+    return out

@@ -1,0 +1,125 @@
+"""Edge rows: ``check_layer`` runs its compiled program again on ``x`` with one token row replaced by zeros, tiny
+values, one huge value and the format's saturation edge, where quantizers break.
+
+Should-pass / should-fail pairs on a user's own fp8 NNX layer, each failing on an ordinary normal ``x`` through
+the documented call, naming the row kind and the site: per-token current scaling without a zero guard (an
+all-zero row: scale 0, then 0 / 0 = NaN), and a delayed-scaling cast without saturation (a value of 1e5 at scale
+1: NaN in e4m3fn). Their guarded twins pass. qcheck's own layers pass every row, their codes held bitwise there.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import qcheck
+from qcheck.layers.moe import UNQUANTIZED_BY_DESIGN
+
+X = jax.random.normal(jax.random.key(1), (2, 8, 32))
+FP8 = {"weights": "e4m3fn", "activations": "e4m3fn"}
+ZEROS = "edges: token row of zeros"
+HUGE = "edges: token row with one value far beyond the format's range (1e5)"
+
+
+class UserFp8(nnx.Module):
+    """x @ w with both operands e4m3fn and straight-through gradients: per-token current scaling
+    (amax / 448 per row, with or without the zero guard) or delayed scaling at a fresh layer's scale of 1 (with
+    or without the clip to ±448 before the cast)."""
+
+    def __init__(self, *, delayed: bool = False, guard: bool = True, saturate: bool = True):
+        self.w = nnx.Param(jax.random.normal(jax.random.key(0), (32, 16)) / 6)
+        self.delayed, self.guard, self.saturate = delayed, guard, saturate
+
+    def quantize(self, v, per_row: bool):
+        if self.delayed:
+            scale = jnp.ones((1,) * v.ndim, v.dtype)
+        else:
+            scale = jnp.max(jnp.abs(v), axis=-1 if per_row else None, keepdims=True) / 448.0
+            if self.guard:
+                scale = jnp.where(scale > 0, scale, jnp.ones_like(scale))
+        y = v / scale
+        if self.saturate:
+            y = jnp.clip(y, -448.0, 448.0)
+        q = y.astype(jnp.float8_e4m3fn).astype(v.dtype) * scale
+        return v + jax.lax.stop_gradient(q - v)
+
+    def __call__(self, x):
+        return self.quantize(x, True) @ self.quantize(self.w[...], False)
+
+
+class Twin(nnx.Module):
+    def __init__(self, w):
+        self.w = nnx.Param(w)
+
+    def __call__(self, x):
+        return x @ self.w[...]
+
+
+def _check(layer, **kwargs):
+    return qcheck.check_layer(layer, Twin(layer.w[...]), X, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"delayed": True}], ids=["current scaling", "delayed scaling"])
+def test_guarded_saturating_fp8_layer_passes_every_edge_row_should_pass(kwargs):
+    figures = _check(UserFp8(**kwargs))
+    assert dict(figures.edges) == {"zeros": "run", "tiny": "run", "huge": "run",
+                                   "saturation": "not run: no fp8 cast format declared for the activations"}
+    # Declared, each row's codes are held bitwise too (the same compiled programs, run again).
+    figures = _check(UserFp8(**kwargs), declared=FP8)
+    assert set(figures.edges.values()) == {"run, codes held bitwise"}
+
+
+def test_no_zero_guard_fails_on_a_row_of_zeros_naming_the_site_should_fail():
+    with pytest.raises(AssertionError) as info:
+        _check(UserFp8(guard=False))
+    message = str(info.value)
+    assert f"{ZEROS}: not finite: the output (16 of 256)" in message, message
+    assert f"{ZEROS}: site dot_general at tests/test_edges.py:" in message and "(UserFp8.__call__): its output " \
+           "is the first not finite (lhs [float8_e4m3fn], rhs [float8_e4m3fn])" in message, message
+    # A tiny row slips past no guard either: its amax / 448 flushes to zero.
+    assert "edges: token row of tiny values" in message
+    # Declared, the site says what went wrong: its activation's scale is 0.
+    with pytest.raises(AssertionError, match=r"token row of zeros: site .*lhs \(activation\): its scale is 0 at 1 "
+                                             r"of 16 scale values \(codes NaN\)"):
+        _check(UserFp8(guard=False), declared=FP8)
+
+
+def test_cast_without_saturation_fails_on_a_huge_value_naming_the_site_should_fail():
+    with pytest.raises(AssertionError) as info:
+        _check(UserFp8(delayed=True, saturate=False))
+    message = str(info.value)
+    assert message.startswith("check_layer: 2 check(s) failed:\n") and f"{HUGE}: not finite: the output" in message
+    assert f"{HUGE}: site dot_general at tests/test_edges.py:" in message, message
+    with pytest.raises(AssertionError, match=r"far beyond the format's range \(1e5\): site .*lhs \(activation\): "
+                                             r"codes are not e4m3fn's: 1 of 512 codes differ from the referee's; "
+                                             r"first at \[0, 0, 0\]: nan where the referee gives 448"):
+        _check(UserFp8(delayed=True, saturate=False), declared=FP8)
+
+
+def test_a_row_kind_turned_off_with_a_reason_should_pass_and_say_so():
+    figures = _check(UserFp8(guard=False), skip_edges={"zeros": "zero rows never reach this layer",
+                                                       "tiny": "nor tiny ones"})
+    assert figures.edges["zeros"] == "skipped: zero rows never reach this layer" and figures.edges["huge"] == "run"
+
+
+@pytest.mark.parametrize("skip_edges, match", [
+    ({"zero": "x"}, r"^check_layer: skip_edges: unknown edge row kind 'zero'; valid edge row kinds: zeros, tiny, "
+                    r"huge, saturation$"),
+    ({"zeros": ""}, r"^check_layer: skip_edges\['zeros'\] needs a reason \(a non-empty str\), got ''$"),
+    (["zeros"], r"^check_layer: skip_edges must map row kinds \(zeros, tiny, huge, saturation\) to reasons, got list$"),
+])
+def test_skip_edges_usage_errors_are_one_line(skip_edges, match):
+    with pytest.raises(ValueError, match=match):
+        _check(UserFp8(), skip_edges=skip_edges)
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "int8", "nvfp4"])
+def test_qcheck_layers_pass_every_edge_row_with_their_codes_held_bitwise(recipe):
+    layer = qcheck.build_moe("mixtral", recipe, path="sparse")
+    twin = qcheck.copy_params_into(layer, qcheck.build_moe("mixtral", "none", path="sparse"))
+    x = jax.random.normal(jax.random.key(1), (2, 32, layer.config.emb))
+    figures = qcheck.check_layer(layer, twin, x, max_rel_norm=0.35, skip=qcheck.skip_functions(*UNQUANTIZED_BY_DESIGN))
+    ran = {k: v for k, v in figures.edges.items() if k != "saturation" or recipe == "fp8"}
+    assert set(ran.values()) == {"run, codes held bitwise"}, dict(figures.edges)
