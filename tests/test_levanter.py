@@ -602,4 +602,5 @@ def test_planted_unsaturated_cast_fails_an_edge_row_naming_the_site_should_fail(
     row = "edges: token row with one value far beyond the format's range (1e5)"
     assert f"{row}: not finite: the output" in message, message
     assert re.search(re.escape(row) + r": site .*\(dot_general\): lhs \(activation\): codes are not e4m3fn's: 1 of "
-                     r"\d+ codes differ from the referee's; first at .*: nan where the referee gives 448", message), message
+                     r"\d+ codes differ from the referee's; first at .*: nan where the referee gives 448", message), (
+        message)

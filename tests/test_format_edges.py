@@ -1,0 +1,92 @@
+"""Every number format on the inputs where quantizers break, against its numpy referee, bitwise.
+
+One row each (a block of 32 along the quantized axis): all zeros, tiny values around float32's smallest normal
+and below it (a subnormal amax that must not pass an ``== 0`` guard into 0 / 0), values at the format's largest
+finite code and beyond it (a cast that does not saturate gives NaN), and the largest float32 values (E8M0's top
+scale codes). A normal draw holds none of them. Each row: codes finite, an all-zero row's codes zero with finite
+scales, values beyond the range saturated to the largest code, and qcheck's quantizer equal to the referee's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from qcheck import formats, referees
+
+N = 32  # one MXFP8 block, two NVFP4 blocks
+TINY = float(np.finfo(np.float32).tiny)
+SIGNS = np.where(np.arange(N) % 2 == 0, 1.0, -1.0)
+
+
+def _top(fmt: formats.Format) -> float:
+    """The format's largest finite code value (at scale 1 for the cast formats)."""
+    if np.issubdtype(np.dtype(fmt.element), np.integer):
+        return float(np.iinfo(fmt.element).max)
+    return float(ml_dtypes.finfo(fmt.element).max)
+
+
+def rows(fmt: formats.Format) -> dict[str, np.ndarray]:
+    top = _top(fmt)
+    return {
+        "zeros": np.zeros(N),
+        "tiny": SIGNS * np.where(np.arange(N) % 4 < 2, 4 * TINY, TINY / 8),
+        "at the largest code": SIGNS * top,
+        "beyond the largest code": SIGNS * top * 4,
+        "float32's largest": SIGNS * float(np.finfo(np.float32).max) / 2,
+    }
+
+
+@functools.cache
+def quantizer(name: str):
+    return jax.jit(lambda x: formats.quantize(x, name, axis=-1))
+
+
+def _flt(codes) -> np.ndarray:
+    return np.asarray(codes).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt", formats.FORMATS, ids=lambda f: f.name)
+def test_every_format_on_its_edge_rows_matches_the_referee_and_stays_finite(fmt):
+    table = rows(fmt)
+    x = np.stack(list(table.values())).astype(np.float32)
+    q = quantizer(fmt.name)(jnp.asarray(x))
+    codes, scales = _flt(q.codes), {k: np.asarray(v, np.float32) for k, v in q.scales.items()}
+    ftz = jax.default_backend() == "cpu"
+    ref_codes, ref_scales = referees.reference_quantize(x, fmt.name, axis=-1, ftz=ftz)
+    # XLA may divide by a scale as a multiply by its reciprocal: the referee's model of that is the other answer.
+    _, xla_scales = referees.reference_quantize(x, fmt.name, axis=-1, ftz=ftz, xla_reciprocal=True)
+    for i, kind in enumerate(table):
+        assert np.all(np.isfinite(codes[i])), f"{fmt.name}, row {kind}: codes {codes[i][:4]} not finite"
+        for name, s in scales.items():
+            row = s[i] if s.ndim and s.shape[0] == x.shape[0] else s
+            assert np.all(np.isfinite(row)), f"{fmt.name}, row {kind}: {name} scale {row} not finite"
+    assert np.all(codes[0] == 0), f"{fmt.name}: an all-zero row's codes are {codes[0][:4]}"
+    if fmt.kind == "cast":  # scale 1: beyond the range is the largest code, saturated
+        assert np.array_equal(np.abs(codes[3]), np.full(N, _top(fmt), np.float32)), (fmt.name, codes[3][:4])
+    differ = ~((codes == _flt(ref_codes)) | (np.isnan(codes) & np.isnan(_flt(ref_codes))))
+    assert not differ.any(), (f"{fmt.name}: codes differ from the referee's on rows "
+                              f"{sorted({list(table)[i] for i in np.argwhere(differ)[:, 0]})}")
+    for name, s in scales.items():
+        assert any(np.array_equal(s, np.asarray(r[name], np.float32), equal_nan=True)
+                   for r in (ref_scales, xla_scales)), (
+            f"{fmt.name}: {name} scales {s.ravel()} differ from the referee's {np.ravel(ref_scales[name])}")
+
+
+def _no_zero_guard(x: np.ndarray) -> np.ndarray:
+    """A planted int8 quantizer without its zero guard: an all-zero row's scale is 0, its codes 0 / 0."""
+    scale = np.max(np.abs(x), axis=-1, keepdims=True) / 127
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.clip(np.round(x / scale), -127, 127)
+
+
+def test_a_quantizer_without_a_zero_guard_gives_nan_codes_on_the_zero_row_should_fail():
+    # The failing twin of the property above: what the zero row is there to catch.
+    x = np.stack(list(rows(formats.get_format("int8")).values())).astype(np.float32)
+    assert np.isnan(_no_zero_guard(x)[0]).all()
+    assert np.isfinite(_flt(quantizer("int8")(jnp.asarray(x)).codes)[0]).all()
