@@ -256,6 +256,8 @@ def _contracting(eqn: jcore.JaxprEqn) -> tuple[tuple[int, ...] | None, tuple[int
         return tuple(lc), tuple(rc)
     if eqn.primitive.name == "ragged_dot":  # lhs [m, k], rhs [groups, k, n]
         return (1,), (1,)
+    if eqn.primitive.name in ("scaled_matmul_wrapper", "scaled_matmul"):  # codes [batch, rows, k], both sides
+        return (2,), (2,)
     return None, None
 
 
@@ -359,6 +361,11 @@ class Walker:
                 grad = any(v.grad for v in ins)
                 return [_Val(o.quant, False, False, actual[i] if values else None, actual[i] if values else None,
                              grad=grad, casts=o.casts, data=o.data) for i, o in enumerate(mapped)]
+        if name == "optimization_barrier":  # each result is its operand, quantizer evidence and all
+            kept = [v.shadow if values and v.shadow is not v.actual else None for v in ins]
+            return [dataclasses.replace(v, actual=actual[i] if values else None,
+                                        shadow=(actual[i] if kept[i] is None else kept[i]) if values else None)
+                    for i, v in enumerate(ins)]
         if (ste := self.straight_through(eqn, ins, actual[0] if values and actual else None)) is not None:
             return [ste]
         quant = self.propagate(eqn, ins)
@@ -448,6 +455,10 @@ class Walker:
                 elif x.divisor is not None and ins[scale_at[0]].const:
                     # After the scale, a literal factor is the quantizer's own arithmetic (e2m1's half steps).
                     out.prescale, out.divisor, out.multiplied = x.prescale, x.divisor, x.multiplied
+                elif x.divisor is not None and name == "div" and not x.multiplied:
+                    # A second scale divided out (NVFP4's block scale after its global one): the quantizer's input
+                    # is still the value before the first, divided by both.
+                    out.prescale, out.divisor, out.multiplied = x.prescale, x.divisor * ins[1].actual, False
             elif name in ("clamp", "max", "min", "convert_element_type", "stop_gradient", "copy", "copy_p", "abs",
                           "neg"):  # abs, neg: a symmetric grid's magnitudes, the sign put back later
                 x = ins[1] if name == "clamp" else next((v for v in ins if not v.const), first)

@@ -37,6 +37,8 @@ quantized as on the dense path.
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 
 import jax
@@ -46,7 +48,8 @@ from flax import linen as nn
 
 from qcheck import formats
 from qcheck.adapters._ragged import ragged_dot_from_einsum
-from qcheck.recipes import DEFAULT_RECIPE_MAX_GRAD_REL_NORM, NVFP4_MAX_GRAD_REL_NORM, NVFP4_MAX_REL_NORM, Expect, Recipe
+from qcheck.recipes import (DEFAULT_RECIPE_MAX_GRAD_REL_NORM, NVFP4_MAX_GRAD_REL_NORM, NVFP4_MAX_REL_NORM, Expect,
+                            KnownDefect, Recipe)
 
 __all__ = ["JAX_MODES", "JaxScaledDotRecipe", "jax_mxfp8", "jax_nvfp4", "scaled_dot_general_runs"]
 
@@ -143,6 +146,20 @@ class JaxScaledDotSite(nn.Module):
         return ragged_dot_from_einsum(self._einsum, lhs, rhs, group_sizes)
 
 
+#: jax 0.12.0.1 on CPU, Mixtral's token-dropping dense layer: the dispatch and combine sites' all-zero blocks (the
+#: dropped tokens) read NaN codes where the referee gives 0. JAX's MXFP8 quantizer guards a zero scale with
+#: 2^-127 (``jnp.where(scale == 0, 5.877e-39, scale)``), a float32 subnormal, which XLA's CPU backend flushes to
+#: zero: 0 / 0. Seen in the program qcheck compiles to read each site's codes; the layer's own output stays
+#: finite (``tracks`` passes), so the compiled layer may fold the guard otherwise.
+JAX_MXFP8_ZERO_BLOCKS = KnownDefect(
+    library="jax", invariant="coverage", paths=("dense",), dropping=True,
+    reason="an all-zero MXFP8 block's scale is guarded with 2^-127, a subnormal XLA's CPU backend flushes: codes "
+           "0 / 0 = NaN",
+    match=r"codes are not mxfp8_jax's: \d+ of \d+ codes differ from the referee's; first at .*: nan where the "
+          r"referee gives 0 \(input 0\)",
+)
+
+
 class JaxScaledDotRecipe(Recipe):
     """A recipe whose every call site runs ``jax.nn.scaled_dot_general`` in ``mode`` ("mxfp8" or "nvfp4").
 
@@ -171,6 +188,9 @@ class JaxScaledDotRecipe(Recipe):
         # dropping layer's dispatch (g contracts two axes) and through the sparse path's einsum, in another
         # order than the referee's einsum vjp (1 ulp at 101 of 2048 dispatch DGRAD elements).
         self.expect = self.expect.narrow_backward(())
+        if mode == "mxfp8":
+            self.expect = dataclasses.replace(self.expect,
+                                              known_defects=self.expect.known_defects + (JAX_MXFP8_ZERO_BLOCKS,))
         self.mode = mode
 
     def site_module(self, name: str) -> nn.Module:

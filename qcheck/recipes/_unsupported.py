@@ -110,6 +110,8 @@ class KnownDefect:
     #: The models (qcheck.MODELS names) it shows on; empty: every model. A defect
     #: seen on one model's shapes only (qwix's sharded ragged_dot) declares that one.
     models: tuple[str, ...] = ()
+    #: Whether it shows on the token-dropping layer only (True), the dropless one only (False), or both (None).
+    dropping: bool | None = None
 
     def __post_init__(self):
         if isinstance(self.paths, str) or not self.paths:

@@ -38,7 +38,8 @@ def declared(recipe: Recipe, variant: Variant, invariant: str) -> Unsupported | 
                                            for i in invariants.INVARIANTS):
                 return u
     for d in recipe.expect.known_defects:
-        if variant.path in d.paths and invariant == d.invariant and (not d.models or variant.model in d.models):
+        if (variant.path in d.paths and invariant == d.invariant and (not d.models or variant.model in d.models)
+                and d.dropping in (None, variant.dropping)):
             return d
     return None
 
