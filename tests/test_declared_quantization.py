@@ -345,3 +345,25 @@ def test_own_layers_pass_their_recipes_declaration(name, model, path):
         assert not found, f"{name}-{model}-{path}: a correct site fails its own recipe's declaration: {found}"
     else:  # the library's known defect shows here too, as what it is
         assert found and all("shared across axis 0" in f for f in found), found
+
+
+# -- the diagnosis names another rule of the same width ----------------------------------------------------
+
+def _int8_aqt_rows(x):
+    """AQT's default int8 (absmax / 127.5, round half to even, clip ±127), one scale per row: qcheck's int8_aqt."""
+    amax = jnp.max(jnp.abs(x), axis=1, keepdims=True)
+    scale = jnp.where(amax == 0, 1.0, amax) / 127.5
+    codes = jnp.clip(jnp.round(x * jax.lax.reciprocal(scale)), -127, 127).astype(jnp.int8)
+    return codes.astype(jnp.float32) * scale
+
+
+@pytest.mark.parametrize("declared, other", [("int8", "int8_aqt"), ("int8_aqt", None)])
+def test_codes_of_another_int8_rule_are_named_should_fail(declared, other):
+    fn = lambda x: _int8_aqt_rows(x) @ W  # noqa: E731 - activations only: the weights stay float
+    if other is None:  # the control: declared as what it computes, it holds bitwise
+        (r,) = qcheck.assert_quantized(fn, X, declared={"activations": declared})
+        assert r.lhs_hold.bitwise
+        return
+    _assert_fails(fn, X, declared={"activations": declared},
+                  match=rf"codes are not {declared}'s: .*; they are {other}'s codes: another rule of the same kind "
+                        rf"and width")

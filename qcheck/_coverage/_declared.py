@@ -232,6 +232,12 @@ def _diagnose(x: np.ndarray, codes: np.ndarray, fmt: str, axes: tuple[int, ...])
     """What the layer's codes match instead of the declared ones."""
     if fmt in formats.FP8_SIBLINGS and _matches(x, codes, formats.FP8_SIBLINGS[fmt], axes):
         return f"they are {formats.FP8_SIBLINGS[fmt]}'s codes, the other fp8 flavour"
+    record = formats.get_format(fmt)
+    # Another rule of the same kind and width (int8 / int8_aqt / int8_qwix: absmax over 127 or 127.5).
+    for other in formats.FORMATS:
+        if (other.name != fmt and other.kind == record.kind and other.element == record.element
+                and other.block == record.block and _matches(x, codes, other.name, axes)):
+            return f"they are {other.name}'s codes: another rule of the same kind and width"
     kept = [a for a in range(x.ndim) if a not in axes]
     if formats.get_format(fmt).kind != "cast":  # a scale per slice, block or tensor
         if kept and _matches(x, codes, fmt, tuple(range(x.ndim))):
