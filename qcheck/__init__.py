@@ -67,6 +67,7 @@ __all__ = [
     "skip_where",
     "train",
     "warmed_up",
+    "weights",
 ]
 
 _WHERE = {
@@ -115,6 +116,7 @@ _WHERE = {
     "skip_where": "qcheck._coverage",
     "Skip": "qcheck._coverage",
     "warmed_up": "qcheck._coverage",
+    "weights": "qcheck._coverage",
     "UserCodeError": "qcheck._errors",
     "LayerFigures": "qcheck.checks",
     "check_layer": "qcheck.checks",
@@ -134,7 +136,7 @@ if TYPE_CHECKING:
     from qcheck import checks, formats, native, referees
     from qcheck.checks import LayerFigures, check_layer, copy_params_into, fp8_state
     from qcheck._coverage import (KernelRoles, MatmulRecord, Skip, coverage, format_coverage, skip_at,
-                                  skip_functions, skip_modules, skip_where, warmed_up)
+                                  skip_functions, skip_modules, skip_where, warmed_up, weights)
     from qcheck._errors import UserCodeError
     from qcheck.layers.trainer import train
     from qcheck.layers.bridge import QuantSite

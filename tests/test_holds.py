@@ -233,3 +233,39 @@ def test_output_gradients_as_declared_should_pass_bitwise(computed, declared):
     assert len(grads) == 1 and all(h.bitwise for h in grads), grads
     records = qcheck.assert_quantized(_fp8_matmul_grads_in(computed), X, declared=declared, backward=True)
     assert sum(r.backward for r in records) == 1
+
+
+# -- weights passed as arguments -------------------------------------------------------------------
+
+def _ptq(codes, scale, x):
+    """A matmul on post-training-quantized weights handed in as arguments: int8 codes and their scale."""
+    return _int8(x, 1) @ (codes.astype(jnp.float32) * scale)
+
+
+SCALE = jnp.max(jnp.abs(W), axis=0, keepdims=True) / 127
+CODES = jnp.clip(jnp.round(W / SCALE), -127, 127).astype(jnp.int8)
+WEIGHT_ONLY = {"weights": "int8", "activations": None}
+
+
+def test_weights_passed_as_arguments_take_the_weight_role_should_pass():
+    (r,) = qcheck.coverage(_ptq, qcheck.weights(CODES), qcheck.weights(SCALE), X)
+    assert (r.lhs_role, r.rhs_role) == ("activation", "weight")
+    # Marked, a weight-only declaration holds the activations to full precision, where this function quantizes
+    # them: the finding names the activation, and the weight (int8 codes that arrive so) is not one.
+    with pytest.raises(AssertionError, match=r"lhs \(activation\) is quantized \(int8\) but declared full precision"):
+        qcheck.assert_quantized(_ptq, qcheck.weights(CODES), qcheck.weights(SCALE), X, declared=WEIGHT_ONLY)
+
+
+def test_weights_unmarked_read_as_activations_and_a_role_declaration_misfires_should_fail():
+    (r,) = qcheck.coverage(_ptq, CODES, SCALE, X)
+    assert r.rhs_role == "activation"  # what the walk sees without the mark: every argument is data
+    with pytest.raises(AssertionError, match=r"rhs \(activation\) is quantized \(int8 input\) but declared full "
+                                             r"precision"):
+        qcheck.assert_quantized(_ptq, CODES, SCALE, X, declared=WEIGHT_ONLY)
+
+
+def test_weights_around_a_non_array_is_one_line():
+    with pytest.raises(ValueError, match=r"^qcheck.weights: \['lr'\] is a str, not an array \(numpy or JAX\); "
+                                         r"mark arrays only$"):
+        qcheck.weights({"lr": "0.1", "w": W})
+    assert qcheck.coverage(lambda w, x: x @ W, qcheck.weights([]), X)  # nothing to mark (Keras's frozen list)

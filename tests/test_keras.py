@@ -226,3 +226,21 @@ def test_keras_with_no_declared_argument_nothing_is_read(keras):
     (site,) = figures.coverage
     assert site.quantized and site.lhs_hold is None and site.rhs_hold is None
     assert qcheck.coverage(layer, X).declared_from.startswith("nothing read")
+
+
+def test_stateless_call_with_weights_marked_gives_the_kernel_its_role_should_pass(keras):
+    """Keras's documented stateless form, ``layer.stateless_call(trainable, non_trainable, x)``: the weights arrive
+    as arguments. Marked with ``qcheck.weights``, the kernel reads as a weight and the fp8 declaration holds
+    bitwise; unmarked (the should-fail twin), qcheck calls it an activation (Keras 3.15.1)."""
+    layer, _ = _dense(keras)
+    trainable = [v.value for v in layer.trainable_variables]
+    frozen = [v.value for v in layer.non_trainable_variables]
+
+    def call(trainable, frozen, x):
+        return layer.stateless_call(trainable, frozen, x)[0]
+
+    (marked,) = qcheck.coverage(call, qcheck.weights(trainable), qcheck.weights(frozen), X, declared=FP8)
+    assert (marked.lhs_role, marked.rhs_role) == ("activation", "weight"), marked
+    assert marked.findings == () and marked.rhs_hold.bitwise, marked
+    (unmarked,) = qcheck.coverage(call, trainable, frozen, X)
+    assert (unmarked.lhs_role, unmarked.rhs_role) == ("activation", "activation"), unmarked

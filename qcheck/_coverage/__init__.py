@@ -18,6 +18,7 @@ from qcheck._coverage._map import (CoverageMap, after_first_call, assert_quantiz
 from qcheck._coverage._readers import read_declaration, resolve_declaration
 from qcheck._coverage._scopes import MACHINERY, machinery_prefixes, user_frames
 from qcheck._coverage._skips import Skip, SkipArg, as_skips, skip_at, skip_functions, skip_modules, skip_where
+from qcheck._coverage._weights import Weights, weights
 
 __all__ = [
     "BLOCK_SCALED",
@@ -28,6 +29,7 @@ __all__ = [
     "MACHINERY",
     "MATMUL_PRIMITIVES",
     "VALUE_PRESERVING",
+    "Weights",
     "MatmulRecord",
     "OperandQuant",
     "Skip",
@@ -52,4 +54,5 @@ __all__ = [
     "skip_where",
     "user_frames",
     "warmed_up",
+    "weights",
 ]

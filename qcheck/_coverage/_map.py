@@ -18,6 +18,7 @@ from qcheck._coverage._records import MatmulRecord
 from qcheck._coverage._scopes import ModuleScopes
 from qcheck._coverage._skips import Skip, SkipArg, as_skips
 from qcheck._coverage._walk import NOT_RUN, Walker, Where, input_val
+from qcheck._coverage._weights import data_mask, unwrap
 
 
 class CoverageMap(list):
@@ -109,24 +110,26 @@ def _pure(fn: Callable[..., Any], args: tuple, kwargs: dict, warm: bool = True
     """
     from flax import nnx
 
+    # Arguments marked qcheck.weights(...): JAX sees their leaves, the function receives the trees themselves.
     if isinstance(fn, nnx.Module):
-        graphdef, state = nnx.split(warmed_up(fn, *args, **kwargs) if warm else fn)
+        graphdef, state = nnx.split(warmed_up(fn, *unwrap(args), **unwrap(kwargs)) if warm else fn)
 
         def call(state, args, kwargs):
             module = nnx.merge(graphdef, state)
             with ModuleScopes(module):
-                return module(*args, **kwargs)
+                return module(*unwrap(args), **unwrap(kwargs))
 
         return call, (state, args, kwargs), fn
-    return (lambda args, kwargs: fn(*args, **kwargs)), (args, kwargs), None
+    return (lambda args, kwargs: fn(*unwrap(args), **unwrap(kwargs))), (args, kwargs), None
 
 
 def _data_mask(inputs: tuple, module: Any) -> list[bool]:
-    """Per input leaf: True for the call's arguments, False for a module's state (parameters and the rest)."""
+    """Per input leaf: True for the call's arguments, False for a module's state (parameters and the rest) and
+    for arguments marked ``qcheck.weights``."""
     if module is None:
-        return [True] * len(jax.tree.leaves(inputs))
+        return data_mask(inputs)
     state, args, kwargs = inputs
-    return [False] * len(jax.tree.leaves(state)) + [True] * len(jax.tree.leaves((args, kwargs)))
+    return [False] * len(jax.tree.leaves(state)) + data_mask((args, kwargs))
 
 
 def _with_backward(pure: Callable[..., Any], inputs: tuple) -> tuple[Callable[..., Any], tuple, int]:
