@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -123,3 +124,12 @@ def test_qcheck_layers_pass_every_edge_row_with_their_codes_held_bitwise(recipe)
     figures = qcheck.check_layer(layer, twin, x, max_rel_norm=0.35, skip=qcheck.skip_functions(*UNQUANTIZED_BY_DESIGN))
     ran = {k: v for k, v in figures.edges.items() if k != "saturation" or recipe == "fp8"}
     assert set(ran.values()) == {"run, codes held bitwise"}, dict(figures.edges)
+
+
+def test_edge_rows_stay_finite_in_the_inputs_own_type():
+    # float16 tops out at 65504: the huge row's value is beyond every fp8 range and still a float16.
+    from qcheck.checks._edges import edge_rows, check_skip_edges
+
+    rows = edge_rows(X.astype(jnp.float16), None, check_skip_edges(None))
+    huge = np.asarray(rows["huge"]).reshape(-1, 32)[0, 0]
+    assert np.isfinite(huge) and huge > 448 and rows["huge"].dtype == jnp.float16

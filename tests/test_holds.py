@@ -269,3 +269,16 @@ def test_weights_around_a_non_array_is_one_line():
                                          r"mark arrays only$"):
         qcheck.weights({"lr": "0.1", "w": W})
     assert qcheck.coverage(lambda w, x: x @ W, qcheck.weights([]), X)  # nothing to mark (Keras's frozen list)
+
+
+def _in_empty_scan(body):
+    def scanned(x, w):
+        return jax.lax.scan(lambda c, _: (c, body(x, w)), 0.0, None, length=0)[1]
+    return scanned
+
+
+def test_a_body_that_ran_no_iteration_holds_no_codes_and_says_so_should_fail():
+    # A scan of length 0 runs its quantizers never: no codes to hold, so not bitwise (the control: length 2 above).
+    with pytest.raises(AssertionError, match=r"rhs \(weight\) held by its type only, not bitwise as int8 fixes its "
+                                             r"bits: inside a body that ran no iteration: no codes to hold"):
+        qcheck.assert_quantized(_Experts(False, _in_empty_scan), X, declared=INT8)

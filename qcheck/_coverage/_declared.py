@@ -426,7 +426,8 @@ def judge(records: Sequence[MatmulRecord], declaration: Declaration, quantizers:
             q, axes = evidence[i, side]
             x, codes, divisor, *rest = quantizers[q]
             stacked = rest[0] if rest else ()
-            hold = BITWISE
+            # A body that never ran (a scan of length 0, a mesh of no shard) holds no codes: not bitwise.
+            hold = Hold("type", "inside a body that ran no iteration: no codes to hold")
             for at, xi, ci, di in _instances(x, codes, divisor, stacked):
                 msg, hold = _judge_codes(xi, ci, di, fmt, axes)
                 if msg is not None:

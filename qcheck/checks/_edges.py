@@ -63,12 +63,14 @@ def edge_rows(x: jax.Array, declaration: Any, kinds: Mapping[str, str | None]) -
     """Each row kind's ``x`` (its first token row replaced), or why it is not run."""
     flat = np.array(x, dtype=np.asarray(x).dtype).reshape(-1, np.shape(x)[-1])
     n = flat.shape[1]
+    # Beyond every fp8 format's range, yet finite in x's own type (float16 tops out at 65504).
+    huge = min(HUGE, float(ml_dtypes.finfo(flat.dtype).max) / 2)
     tiny = float(np.finfo(np.float32).tiny)
     top = _saturation(declaration)
     rows = {
         "zeros": np.zeros(n),
         "tiny": np.where(np.arange(n) % 2 == 0, 4 * tiny, tiny / 8) * np.where(np.arange(n) % 4 < 2, 1, -1),
-        "huge": np.concatenate([[HUGE], flat[0, 1:]]),
+        "huge": np.concatenate([[huge], flat[0, 1:]]),
         "saturation": None if top is None else np.where(np.arange(n) % 2 == 0, top, -top),
     }
     out: dict[str, Any] = {}

@@ -884,6 +884,11 @@ def _edges_lines(c: _Checked) -> list[str]:
     normal = {i for i, r in enumerate(c.edge_records.get("x", [])) if r.findings}
     finite_before = {**{name: not _nonfinite(v) for name, v in c.run.out.items()},
                      **{path: not _nonfinite(v) for path, v in c.run.grads.items()}}
+    if any(not isinstance(v, str) for v in c.edges.values()):  # the state after x itself, as a baseline: no compile
+        after_x = c.run.rerun(c.x)[3]
+        finite_before.update({_state_path(path): not _nonfinite(np.asarray(v))
+                              for path, v in jax.tree_util.tree_leaves_with_path(after_x)
+                              if jnp.issubdtype(getattr(v, "dtype", np.int32), jnp.inexact)})
     for kind, x_edge in c.edges.items():
         if isinstance(x_edge, str):
             c.edges_run[kind] = x_edge
@@ -894,8 +899,9 @@ def _edges_lines(c: _Checked) -> list[str]:
         bad += [f"gradient of {path} ({n} of {np.size(v)})"
                 for path, v in [*c.form.param_leaves(g_params).items(), (INPUT_GRAD, g_x)]
                 if finite_before.get(path, True) and (n := _nonfinite(np.asarray(v)))]
-        bad += [f"state {'/'.join(map(str, path))} ({n})" for path, v in jax.tree_util.tree_leaves_with_path(after)
-                if jnp.issubdtype(getattr(v, "dtype", np.int32), jnp.inexact) and (n := _nonfinite(np.asarray(v)))]
+        bad += [f"{_state_path(path)} ({n})" for path, v in jax.tree_util.tree_leaves_with_path(after)
+                if jnp.issubdtype(getattr(v, "dtype", np.int32), jnp.inexact)
+                and finite_before.get(_state_path(path), True) and (n := _nonfinite(np.asarray(v)))]
         sites = [f"{r.scope or r.location} ({r.primitive}): " + "; ".join(r.findings)
                  for i, r in enumerate(c.edge_records.get(kind, [])) if r.findings and i not in normal]
         if bad and not sites:
@@ -907,6 +913,10 @@ def _edges_lines(c: _Checked) -> list[str]:
                 lines.append(f"{what}: not finite: {', '.join(bad)}")
             lines += [f"{what}: site {line}" for line in sites]
     return lines
+
+
+def _state_path(path: tuple[Any, ...]) -> str:
+    return "state " + "/".join(map(str, path))
 
 
 def _first_nonfinite_site(c: _Checked, x_edge: jax.Array) -> list[str]:
