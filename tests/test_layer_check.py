@@ -497,3 +497,16 @@ def test_check_layer_compiles_each_step_once_though_its_state_comes_back_sharded
         figures = check_layer(_ConstrainedState(True), _ConstrainedState(False), X[0])
     assert figures.rel_norm > 0
     assert sum(n for k, n in log.items() if k.startswith("jit(step)")) == 2, log
+
+
+def test_check_layer_under_a_declaration_compiles_no_program_of_its_own():
+    # The declared check reads each quantizer's input and codes, on x and on every edge row: the walk that
+    # records them is compiled into the layer's own step, so the check compiles what a user's own two steps
+    # do. x's shape is this test's alone, so no other test has compiled these programs in this process.
+    layer = qcheck.build_moe("mixtral", "fp8")
+    twin = copy_params_into(layer, qcheck.build_moe("mixtral", "none"))
+    x = np.random.default_rng(1).normal(size=(1, 24, 32)).astype(np.float32)
+    with counting_compilations() as log:
+        figures = check_layer(layer, twin, x, skip=MOE_FULL_PRECISION)
+    assert figures.declared is not None and "run, codes held bitwise" in figures.edges.values()
+    assert sum(log.values()) == 2 and all(k.startswith("jit(step)") for k in log), log

@@ -13,8 +13,9 @@ from qcheck._coverage._records import (BLOCK_SCALED, MATMUL_PRIMITIVES, VALUE_PR
                                        OperandQuant, call_body)
 from qcheck._coverage._declared import Declaration, Hold, as_declaration, mixed_formats
 from qcheck._coverage._kernels import KernelRoles, as_kernel_roles
-from qcheck._coverage._map import (CoverageMap, after_first_call, assert_quantized, coverage, format_coverage,
-                                   graph_paths, quantized_records, warmed_up)
+from qcheck._coverage._map import (CoverageMap, Prepared, after_first_call, assert_quantized, coverage,
+                                   format_coverage, graph_paths, machinery_tuple, prepare, quantized_records,
+                                   warmed_up)
 from qcheck._coverage._readers import read_declaration, resolve_declaration
 from qcheck._coverage._scopes import MACHINERY, machinery_prefixes, user_frames
 from qcheck._coverage._skips import Skip, SkipArg, as_skips, skip_at, skip_functions, skip_modules, skip_where
@@ -32,6 +33,7 @@ __all__ = [
     "Weights",
     "MatmulRecord",
     "OperandQuant",
+    "Prepared",
     "Skip",
     "SkipArg",
     "after_first_call",
@@ -44,7 +46,9 @@ __all__ = [
     "format_coverage",
     "graph_paths",
     "machinery_prefixes",
+    "machinery_tuple",
     "mixed_formats",
+    "prepare",
     "quantized_records",
     "read_declaration",
     "resolve_declaration",

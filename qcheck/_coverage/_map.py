@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qcheck._errors import user_code
+from qcheck._fingerprint import fingerprint
 from qcheck._coverage._declared import Declaration, judge, mixed_formats, weaker_holds
 from qcheck._coverage._kernels import KernelRoles, as_kernel_roles
 from qcheck._coverage._readers import resolve_declaration
@@ -161,7 +162,7 @@ def _with_backward(pure: Callable[..., Any], inputs: tuple) -> tuple[Callable[..
     return both, (diff, held, np.float32(1.0)), len(jax.tree.leaves((diff, held))), order
 
 
-def _machinery(machinery: Any, entry: str) -> tuple[str, ...]:
+def machinery_tuple(machinery: Any, entry: str) -> tuple[str, ...]:
     if isinstance(machinery, str) or not all(isinstance(m, str) and m for m in machinery):
         raise ValueError(f"{entry}: machinery must be a sequence of package names or paths, got {machinery!r}")
     return tuple(machinery)
@@ -218,7 +219,7 @@ def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward:
     and tokamax's TPU ``ragged_dot``) need none; any other kernel is recorded with its roles unknown. Where
     its roles say which axes it contracts, a kernel's code inputs are held bitwise like any matmul's.
     """
-    machinery = _machinery(machinery, "coverage")
+    machinery = machinery_tuple(machinery, "coverage")
     if backward and errors:
         raise ValueError("coverage: errors=True needs values, which the backward trace does not compute; "
                          "pass errors=False with backward=True")
@@ -229,15 +230,64 @@ def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward:
     return CoverageMap(records, declaration, read)
 
 
-def _coverage(fn: Callable[..., Any], args: tuple, kwargs: dict, *, errors: bool, backward: bool,
-              machinery: tuple[str, ...], declaration: Any, entry: str, what: str,
-              kernels: dict[str, KernelRoles] | None = None, warm: bool = True, also: Sequence[tuple] = (),
-              also_out: list | None = None) -> list[MatmulRecord]:
-    """:func:`coverage` for the public call ``entry``: an error of ``fn`` (named ``what``) is a UserCodeError.
+@dataclasses.dataclass
+class Prepared:
+    """A walk with values, traced and not yet run: ``evaluate`` of ``leaves`` computes its error figures and
+    its quantizers' evidence, in a program of its own (:func:`_coverage`) or inside another: check_layer
+    compiles it into the layer's own step, so it costs no compile of its own."""
 
-    ``also``: other positional arguments of the same shapes (a forward pass with a declaration only); the one
-    compiled program runs on each, and ``also_out`` gets each one's records judged against the declaration.
-    """
+    closed: Any  # the walked program (a ClosedJaxpr); its constants stay constants
+    ins: list  # its inputs as the walk sees them
+    leaves: list  # the flat inputs ``evaluate`` takes: the call's, in the walked program's order
+    outer: Where
+    machinery: tuple[str, ...]
+    kernels: dict[str, KernelRoles] | None
+    errors: bool
+    declaration: Any
+    entry: str
+    walker: Walker | None = None  # the last trace's: its records, quantizers and operands
+
+    def key(self) -> Any:
+        """What the program ``evaluate`` traces to depends on, besides its inputs' shapes (None: unhashable)."""
+        try:
+            key = (fingerprint(self.closed), tuple((v.data, v.grad) for v in self.ins), self.machinery,
+                   tuple(sorted((self.kernels or {}).items())), self.errors, self.declaration is not None)
+            hash(key)
+        except TypeError:
+            return None
+        return key
+
+    def evaluate(self, flat: Sequence[Any]) -> tuple[list, list]:
+        # A fresh walk each trace: a program traced again (a cached one's walk redone) holds no stale records.
+        self.walker = Walker(self.machinery, self.kernels)
+        vals = [dataclasses.replace(v, actual=x, shadow=x) for v, x in zip(self.ins, flat)]
+        self.walker.run(self.closed.jaxpr, self.closed.consts, vals, self.outer, values=True)
+        # Only what is asked for: unreturned, the error figures' full-precision shadow computation is not compiled.
+        return ([e for _, e in self.walker.errors] if self.errors else [],
+                self.walker.quantizers if self.declaration is not None else [])
+
+    def records(self, out: tuple[list, list]) -> list[MatmulRecord]:
+        """The walk's records, with the figures and the judgment of one run's outputs ``out``."""
+        _misdeclared(self.walker, self.entry)
+        figures, quantizers = out
+        records = list(self.walker.records)
+        if not self.errors:
+            records = [dataclasses.replace(r, no_error=r.no_error or "not computed (errors=False)") for r in records]
+        else:
+            for (i, _), e in zip(self.walker.errors, figures):
+                e = float(e)
+                records[i] = dataclasses.replace(records[i], error=e) if e not in NOT_RUN else (
+                    dataclasses.replace(records[i], no_error=NOT_RUN[e]))
+        if self.declaration is None:
+            return records
+        return judge(records, self.declaration, _evidence(quantizers, self.walker), self.walker.operands)
+
+
+def prepare(fn: Callable[..., Any], args: tuple, kwargs: dict, *, errors: bool, backward: bool,
+            machinery: tuple[str, ...], declaration: Any, entry: str, what: str,
+            kernels: dict[str, KernelRoles] | None = None, warm: bool = True) -> Prepared | list[MatmulRecord]:
+    """``fn`` traced for :func:`coverage` (an error of ``fn``, named ``what``, is a UserCodeError of ``entry``):
+    its records where it runs without values (no figure, no declaration), else the walk to run."""
     if not callable(fn):
         raise ValueError(f"{entry}: {what} must be callable or an flax.nnx.Module, got {type(fn).__name__}")
     with user_code(entry, what):
@@ -268,39 +318,33 @@ def _coverage(fn: Callable[..., Any], args: tuple, kwargs: dict, *, errors: bool
         walker.run(closed.jaxpr, closed.consts, ins, outer, values=False)
         _misdeclared(walker, entry)
         return walker.records
+    return Prepared(closed, ins, jax.tree.leaves(inputs), outer, machinery, kernels, errors, declaration, entry)
 
-    walker = Walker(machinery, kernels)
 
-    def evaluate(flat):
-        vals = [dataclasses.replace(v, actual=x, shadow=x) for v, x in zip(ins, flat)]
-        walker.run(closed.jaxpr, closed.consts, vals, outer, values=True)
-        # Only what is asked for: unreturned, the error figures' full-precision shadow computation is not compiled.
-        return ([e for _, e in walker.errors] if errors else []), walker.quantizers if declaration is not None else []
+def _coverage(fn: Callable[..., Any], args: tuple, kwargs: dict, *, errors: bool, backward: bool,
+              machinery: tuple[str, ...], declaration: Any, entry: str, what: str,
+              kernels: dict[str, KernelRoles] | None = None, warm: bool = True,
+              prepared: tuple[Prepared, Any, Sequence[Any]] | None = None,
+              also_out: list | None = None) -> list[MatmulRecord]:
+    """:func:`coverage` for the public call ``entry``: an error of ``fn`` (named ``what``) is a UserCodeError.
 
-    program = jax.jit(evaluate)
-    with user_code(entry, what):
-        figures, quantizers = program(jax.tree.leaves(inputs))
-    _misdeclared(walker, entry)
-    if also and declaration is not None and not backward and also_out is not None:
-        for other in also:
-            alt = (inputs[0], other, inputs[2]) if module is not None else (other, inputs[1])
-            with user_code(entry, what):
-                _, found = program(jax.tree.leaves(alt))  # the same shapes: no compile
-            also_out.append(judge(list(walker.records), declaration, _evidence(found, walker), walker.operands))
-    records = list(walker.records)
-    if not errors:
-        records = [dataclasses.replace(r, no_error=r.no_error or "not computed (errors=False)") for r in records]
-    if errors:
-        for (i, _), e in zip(walker.errors, figures):
-            e = float(e)
-            records[i] = dataclasses.replace(records[i], error=e) if e not in NOT_RUN else (
-                dataclasses.replace(records[i], no_error=NOT_RUN[e]))
-    if declaration is None:
-        return records
-    judged = judge(records, declaration, _evidence(quantizers, walker), walker.operands)
-    if also_out is not None and also:
-        also_out.insert(0, judged)  # the given arguments' own, before the others'
-    return judged
+    ``prepared``: the walk already run by the caller, inside a program of its own, as ``(walk, its outputs on
+    the call's arguments, its outputs on other arguments of the same shapes)``; ``also_out`` then gets each
+    other run's records judged against the declaration, after the call's own.
+    """
+    if prepared is None:
+        walk = prepare(fn, args, kwargs, errors=errors, backward=backward, machinery=machinery,
+                       declaration=declaration, entry=entry, what=what, kernels=kernels, warm=warm)
+        if not isinstance(walk, Prepared):
+            return walk
+        with user_code(entry, what):
+            out = jax.jit(walk.evaluate)(walk.leaves)
+        prepared = (walk, out, ())
+    walk, out, others = prepared
+    records = walk.records(out)
+    if also_out is not None and walk.declaration is not None:
+        also_out += [records] + [walk.records(o) for o in others]
+    return records
 
 
 def _evidence(quantizers: Sequence[tuple[Any, Any, Any]], walker: Walker) -> list[tuple[Any, ...]]:
@@ -508,11 +552,12 @@ def quantized_records(fn: Callable[..., Any], args: tuple, kwargs: dict, *, skip
                       kernels: KernelRoles | Sequence[KernelRoles] | None = None, warm: bool = True,
                       backward: bool = False, accept_weaker: Any = None, entry: str = "assert_quantized",
                       declaration: Declaration | None = None, declared_from: str | None = None,
-                      stale_ok: bool = False, also: Sequence[tuple] = (), also_out: list | None = None
-                      ) -> CoverageMap:
+                      stale_ok: bool = False, prepared: tuple[Prepared, Any, Sequence[Any]] | None = None,
+                      also_out: list | None = None) -> CoverageMap:
     """:func:`assert_quantized` of ``fn(*args, **kwargs)``; ``warm=False``: ``fn`` and ``control``, NNX modules,
     are traced as they are, their caller having warmed them up (:func:`after_first_call`) where they were lazy.
-    ``declared_from`` given: ``declaration`` is already resolved (the caller read it from its own layer)."""
+    ``declared_from`` given: ``declaration`` is already resolved (the caller read it from its own layer).
+    ``prepared``, ``also_out``: :func:`_coverage`'s, a walk the caller ran inside its own program."""
     __tracebackhide__ = True
     rules = as_skips(skip, entry)
     if declared_from is None:
@@ -520,11 +565,11 @@ def quantized_records(fn: Callable[..., Any], args: tuple, kwargs: dict, *, skip
     if accept_weaker not in (None, False) and declaration is None:
         raise ValueError(f"{entry}: accept_weaker accepts weaker holds of a declaration, and none is held "
                          f"({declared_from})")
-    machinery = _machinery(machinery, entry)
+    machinery = machinery_tuple(machinery, entry)
     declared_kernels = as_kernel_roles(kernels, entry)
     records = _coverage(fn, args, kwargs, errors=False, backward=backward, machinery=machinery,
                         declaration=declaration, entry=entry, what="fn", kernels=declared_kernels,
-                        warm=warm, also=also, also_out=also_out)
+                        warm=warm, prepared=prepared, also_out=also_out)
     if declaration is not None:
         records = _accept(records, accept_weaker, entry, stale_ok)
     for i, r in enumerate(records):

@@ -18,9 +18,11 @@ second call runs the same program. It is cached on the module's graph
 definition where it hashes and on the traced program, so a second check of a
 layer of the same structure compiles nothing. A program holding a
 ``jax.lax.empty`` buffer costs one more: its filled copies. Coverage traces
-each layer's forward pass once more (and, with ``declared``, compiles it with
-its quantizers' values recorded); a lazy NNX module costs one small program
-more, the call that builds it, on a copy.
+each layer's forward pass once more; under a declaration, the walk that records
+its quantizers' values (and, with ``grads`` declared, the backward pass's) is
+compiled into the layer's own program, which computes the forward pass they
+share once, and the edge rows run that one program again. A lazy NNX module
+costs one small program more, the call that builds it, on a copy.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import hashlib
 import sys
 import types
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -40,10 +41,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen, nnx
 
-from qcheck._coverage import (CoverageMap, Declaration, KernelRoles, MatmulRecord, SkipArg, after_first_call,
-                              as_kernel_roles, as_skips, coverage, graph_paths, mixed_formats, quantized_records,
-                              resolve_declaration, warmed_up)
+from qcheck._coverage import (CoverageMap, Declaration, KernelRoles, MatmulRecord, Prepared, SkipArg,
+                              after_first_call, as_kernel_roles, as_skips, coverage, graph_paths, machinery_tuple,
+                              mixed_formats, prepare, quantized_records, resolve_declaration, warmed_up)
 from qcheck._errors import user_code
+from qcheck._fingerprint import fingerprint
 from qcheck.checks._edges import EDGE_ROWS, check_skip_edges, edge_rows
 from qcheck.checks._tracks import assert_tracks, rel_norm
 from qcheck.checks._uninitialized import uninitialized_reads, unspecified_buffers
@@ -383,28 +385,6 @@ def _step(form: _Form, output: Any, names: list[str]) -> Callable[..., Any]:
     return step
 
 
-def _consts(jaxpr: Any) -> list[Any]:
-    """Every constant of a traced program, its inner programs' included (their values are not in its text)."""
-    found = list(getattr(jaxpr, "consts", ()) or ())
-    for eqn in getattr(getattr(jaxpr, "jaxpr", jaxpr), "eqns", ()):
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                if hasattr(sub, "eqns") or hasattr(sub, "consts"):
-                    found += _consts(sub)
-    return found
-
-
-def _fingerprint(jaxpr: Any) -> str:
-    """What the traced program computes: its text and its constants' bits."""
-    digest = hashlib.blake2b(str(jaxpr).encode(), digest_size=16)
-    for c in _consts(jaxpr):
-        a = np.asarray(jax.random.key_data(c) if jnp.issubdtype(getattr(c, "dtype", np.float32), jax.dtypes.prng_key)
-                       else c)
-        digest.update(f"{a.dtype}{a.shape}".encode())
-        digest.update(np.ascontiguousarray(a).tobytes())
-    return digest.hexdigest()
-
-
 @dataclasses.dataclass
 class _Traced:
     """A layer's step, traced once: the one trace its program, its names and the uninitialized check read."""
@@ -436,7 +416,8 @@ def _trace(what: str, layer: Any, x: jax.Array, call: Any, output: Any) -> _Trac
         return _traced_step(what, form, x, output)
 
 
-def _program(traced: _Traced, output: Any, flat: list[Any]) -> Any:
+def _program(traced: _Traced, output: Any, flat: list[Any], walks: Sequence[tuple[Prepared, list[int]]] = ()
+             ) -> Any:
     """The traced step compiled for the flat arguments ``flat`` (``jax.jit``, ahead of time).
 
     Compiled from the one trace, and run by both calls of a layer whatever
@@ -445,18 +426,30 @@ def _program(traced: _Traced, output: Any, flat: list[Any]) -> Any:
     for an equal form, an equal traced program and the same placement of the
     arguments: code changed between two checks (a monkeypatched helper, a
     rebuilt module) is never served the program of the old code.
+
+    ``walks``: coverage's walks with values, each with where its inputs are among ``flat`` (past its end: one
+    more argument). The one program also runs each and returns its outputs after the step's, so the
+    quantizer evidence of the declared check costs no compile of its own; where the walk repeats the
+    step's forward pass on the same arguments, XLA computes it once.
     """
     # output=None (every leaf) is a key like any other: _hashable's None means "not hashable" only for a form's key.
     key = _hashable((traced.form.key, output)) if traced.form.key is not None else None
     if key is not None:  # what jax.jit's own cache would hold apart besides the program: placement, matmul precision
-        key = _hashable((key, _fingerprint(traced.closed), tuple(getattr(v, "sharding", None) for v in flat),
+        key = _hashable((key, fingerprint(traced.closed), tuple(getattr(v, "sharding", None) for v in flat),
                          jax.config.jax_default_matmul_precision))
+    if key is not None and walks:
+        walk_keys = tuple((w.key(), tuple(at)) for w, at in walks)
+        key = _hashable((key, walk_keys)) if all(k is not None for k, _ in walk_keys) else None
     if key is not None and key in _PROGRAMS:
+        for w, at in walks:  # the walks' records come from their trace: traced again, compiled never
+            jax.eval_shape(w.evaluate, [flat[i] for i in at])
         return _PROGRAMS[key]
     run = jcore.jaxpr_as_fun(traced.closed)
+    n = len(traced.closed.in_avals)
 
     def step(*leaves: Any) -> Any:  # the name JAX's compile log shows
-        return run(*leaves)
+        out = run(*leaves[:n])
+        return (out, [w.evaluate([leaves[i] for i in at]) for w, at in walks]) if walks else out
 
     program = jax.jit(step).lower(*flat).compile()
     if key is not None:
@@ -466,18 +459,19 @@ def _program(traced: _Traced, output: Any, flat: list[Any]) -> Any:
     return program
 
 
-def _fits(traced: _Traced, program: Any, flat: list[Any]) -> list[Any] | None:
-    """``flat`` placed as ``program`` takes its arguments; None where their types are not the traced step's."""
+def _fits(traced: _Traced, program: Any, flat: list[Any], extra: Sequence[Any] = ()) -> list[Any] | None:
+    """``flat`` placed as ``program`` takes its arguments, then ``extra`` as they were; None where their types
+    are not the traced step's."""
     avals = traced.closed.in_avals
     if len(flat) != len(avals) or any((tuple(np.shape(v)), jnp.result_type(v)) != (tuple(a.shape), a.dtype)
                                       for v, a in zip(flat, avals)):
         return None
     shardings = jax.tree.leaves(program.input_shardings[0])
-    if len(shardings) != len(flat):
+    if len(shardings) != len(flat) + len(extra):
         return None
     # A state the step constrained (MaxText's NamedSharding) is moved only where it differs in fact.
     return [jax.device_put(v, s) if isinstance(v, jax.Array) and v.committed
-            and not v.sharding.is_equivalent_to(s, v.ndim) else v for v, s in zip(flat, shardings)]
+            and not v.sharding.is_equivalent_to(s, v.ndim) else v for v, s in zip(flat, shardings)] + list(extra)
 
 
 @dataclasses.dataclass
@@ -487,35 +481,65 @@ class _Run:
     params: dict[str, np.ndarray]
     again: dict[str, np.ndarray] | None = None  # a second call, from the state the first left
     traced: _Traced | None = None  # the step: the uninitialized check reads its traced program
-    rerun: Callable[[jax.Array], Any] | None = None  # the same program on another x of x's shape: no compile
+    # The same program on another x of x's shape, from the same state (no compile): ((output leaves, parameter
+    # gradients, input gradient, state after), each walk's outputs).
+    rerun: Callable[[jax.Array], Any] | None = None
+    after: Any = None  # the state the first call left
+    walked: list = dataclasses.field(default_factory=list)  # each walk's outputs on x
 
 
-def _run(what: str, traced: _Traced, x: jax.Array, output: Any, *, twice: bool) -> _Run:
+def _placed(walks: Sequence[Prepared], flat: list[Any], x_at: int) -> tuple[list[tuple[Prepared, list[int]]], list]:
+    """Where each walk's inputs are among the step's ``flat`` arguments (the same arrays: the same inputs), and
+    the ones that are not, as more arguments. A walk must read x where the step does: the edge rows replace it."""
+    at = {id(v): i for i, v in enumerate(flat)}
+    extra: list[Any] = []
+    placed = []
+    for w in walks:
+        where = []
+        for leaf in w.leaves:
+            if id(leaf) not in at:
+                at[id(leaf)] = len(flat) + len(extra)
+                extra.append(leaf)
+            where.append(at[id(leaf)])
+        if x_at not in where:
+            raise RuntimeError("check_layer: qcheck's coverage walk does not read the layer's x (a bug of qcheck)")
+        placed.append((w, where))
+    return placed, extra
+
+
+def _run(what: str, traced: _Traced, x: jax.Array, output: Any, *, twice: bool, walks: Sequence[Prepared] = ()
+         ) -> _Run:
     form, names = traced.form, traced.names
     flat, tree = jax.tree.flatten((form.params, form.rest, x))
+    placed, extra = _placed(walks, flat, len(flat) - 1)
     out_tree = jax.tree.structure(traced.shapes)
+
+    def split(result: Any) -> tuple[Any, list]:
+        return (result if not walks else result[0]), (result[1] if walks else [])
+
     with user_code("check_layer", what):
-        program = _program(traced, output, flat)
-        leaves, g_params, g_x, after = jax.tree.unflatten(out_tree, program(*flat))
+        program = _program(traced, output, flat + extra, placed)
+        result, walked = split(program(*flat, *extra))
+        leaves, g_params, g_x, after = jax.tree.unflatten(out_tree, result)
         again = None
         if twice:
             flat_again, tree_again = jax.tree.flatten((form.params, after, x))
-            fitted = _fits(traced, program, flat_again) if tree_again == tree else None
+            fitted = _fits(traced, program, flat_again, extra) if tree_again == tree else None
             # A state of another structure or type than the one the step was traced with: its own program.
-            again = (jax.tree.unflatten(out_tree, program(*fitted))[0] if fitted is not None
+            again = (jax.tree.unflatten(out_tree, split(program(*fitted))[0])[0] if fitted is not None
                      else jax.jit(_step(form, output, []))(form.params, after, x)[0])
     grads = {p: np.asarray(v) for p, v in form.param_leaves(g_params).items()}
     grads[INPUT_GRAD] = np.asarray(g_x)
     params = {p: np.asarray(v) for p, v in form.param_leaves(form.params).items()}
 
     def rerun(x_other: jax.Array) -> Any:
-        """(output leaves, parameter gradients, input gradient, state after) on ``x_other``, from the same state."""
-        flat_other = _fits(traced, program, jax.tree.leaves((form.params, form.rest, x_other)))
+        flat_other = _fits(traced, program, jax.tree.leaves((form.params, form.rest, x_other)), extra)
         with user_code("check_layer", what):
-            return jax.tree.unflatten(out_tree, program(*flat_other))
+            result, walked_other = split(program(*flat_other))
+        return jax.tree.unflatten(out_tree, result), walked_other
 
     return _Run(dict(zip(names, map(np.asarray, leaves))), grads, params,
-                None if again is None else dict(zip(names, map(np.asarray, again))), traced, rerun)
+                None if again is None else dict(zip(names, map(np.asarray, again))), traced, rerun, after, walked)
 
 
 # -- the check -------------------------------------------------------------------
@@ -721,7 +745,8 @@ def check_layer(
         raise ValueError(f"check_layer: skip_grads names {sorted(unknown)}, which are not parameters; "
                          f"parameter paths: {', '.join(sorted(paths)) or '(none)'}")
 
-    run = _run("layer", traced, x, output, twice=True)
+    walks = _walks(form, x, declaration, machinery, kernels)
+    run = _run("layer", traced, x, output, twice=True, walks=list(walks.values()))
     ref = _run("reference", traced_twin, x, output, twice=False)
     _compare_params(run, ref, skip_grads)
     if list(run.out) != list(ref.out):
@@ -735,7 +760,7 @@ def check_layer(
 
     c = _Checked(form, twin, run, ref, x, declaration, declared_from, max_rel_norm, max_grad_rel_norm, skip,
                  sorted(paths - skip_grads), tuple(machinery), kernels, accept_weaker,
-                 edges=edge_rows(x, declaration, edge_kinds))
+                 edges=edge_rows(x, declaration, edge_kinds), walks=walks)
     # A line may qualify its check's name (" (layer): ..."), else it follows it after a colon.
     failures = [name + (line if line.startswith(" (") else f": {line}")
                 for name, sub_check in SUB_CHECKS for line in sub_check(c)]
@@ -776,6 +801,36 @@ class _Checked:
     backward_records: list[MatmulRecord] = dataclasses.field(default_factory=list)
     figures: dict[str, float] = dataclasses.field(default_factory=dict)
     grad_figures: dict[str, float] = dataclasses.field(default_factory=dict)
+    walks: dict[str, Prepared] = dataclasses.field(default_factory=dict)  # "forward"/"backward" -> the walk
+    reruns: dict[str, Any] = dataclasses.field(default_factory=dict)  # edge kind -> the layer's run on its row
+
+    def rerun(self, kind: str) -> Any:
+        """The layer's program on the edge row ``kind`` (once, for every sub-check that reads it)."""
+        if kind not in self.reruns:
+            self.reruns[kind] = self.run.rerun(self.edges[kind])
+        return self.reruns[kind]
+
+    def walked(self, which: str, kinds: Sequence[str] = ()) -> tuple[Prepared, Any, list[Any]] | None:
+        """The walk ``which`` as the layer's program ran it: on x, then on each edge row of ``kinds``."""
+        if which not in self.walks:
+            return None
+        at = list(self.walks).index(which)
+        return self.walks[which], self.run.walked[at], [self.rerun(k)[1][at] for k in kinds]
+
+
+def _walks(form: _Form, x: jax.Array, declaration: Declaration | None, machinery: Collection[str],
+           kernels: Any) -> dict[str, Prepared]:
+    """Coverage's walks with values that the layer's own program runs (no compile of their own): the forward
+    pass's under a declaration, and the backward pass's where ``grads`` are declared."""
+    if declaration is None:
+        return {}
+    common = dict(errors=False, machinery=machinery_tuple(machinery, "check_layer"), entry="check_layer",
+                  what="fn", kernels=as_kernel_roles(kernels, "check_layer"), warm=False)
+    walks = {"forward": prepare(form.probe, (x,), {}, backward=False, declaration=declaration, **common)}
+    if declaration.roles.get("grads", None) is not None:
+        grads = Declaration({"grads": declaration.roles["grads"]}, declaration.source)
+        walks["backward"] = prepare(form.probe, (x,), {}, backward=True, declaration=grads, **common)
+    return walks
 
 
 def _coverage_lines(c: _Checked) -> list[str]:
@@ -791,7 +846,7 @@ def _coverage_lines(c: _Checked) -> list[str]:
                                           machinery=c.machinery, kernels=c.kernels, warm=False,
                                           accept_weaker=c.accept_weaker, entry="check_layer",
                                           declaration=c.declaration, declared_from=c.declared_from,
-                                          also=[(c.edges[k],) for k in rows], also_out=judged)
+                                          prepared=c.walked("forward", rows), also_out=judged)
         finally:
             if judged:  # x's own records first, then the same program's codes on each edge row
                 c.edge_records = {"x": judged[0], **dict(zip(rows, judged[1:]))}
@@ -862,11 +917,12 @@ def _backward_declared_lines(c: _Checked) -> list[str]:
     bitwise (the other roles are the forward pass's coverage check's)."""
     if c.declaration is None or c.declaration.roles.get("grads", None) is None:
         return []
-    grads = Declaration({"grads": c.declaration.roles["grads"]}, c.declaration.source)
+    walk = c.walked("backward")
     try:
         records = quantized_records(c.form.probe, (c.x,), {}, machinery=c.machinery, kernels=c.kernels, warm=False,
                                     backward=True, accept_weaker=c.accept_weaker, stale_ok=True, skip=c.skip,
-                                    entry="check_layer", declaration=grads, declared_from=c.declared_from)
+                                    entry="check_layer", declaration=walk[0].declaration,
+                                    declared_from=c.declared_from, prepared=walk)
     except AssertionError as e:
         return [str(e).rsplit("\ndeclared: ", 1)[0]]
     c.backward_records = [r for r in records if r.backward]
@@ -884,16 +940,14 @@ def _edges_lines(c: _Checked) -> list[str]:
     normal = {i for i, r in enumerate(c.edge_records.get("x", [])) if r.findings}
     finite_before = {**{name: not _nonfinite(v) for name, v in c.run.out.items()},
                      **{path: not _nonfinite(v) for path, v in c.run.grads.items()}}
-    if any(not isinstance(v, str) for v in c.edges.values()):  # the state after x itself, as a baseline: no compile
-        after_x = c.run.rerun(c.x)[3]
-        finite_before.update({_state_path(path): not _nonfinite(np.asarray(v))
-                              for path, v in jax.tree_util.tree_leaves_with_path(after_x)
-                              if jnp.issubdtype(getattr(v, "dtype", np.int32), jnp.inexact)})
+    finite_before.update({_state_path(path): not _nonfinite(np.asarray(v))  # the state x itself left
+                          for path, v in jax.tree_util.tree_leaves_with_path(c.run.after)
+                          if jnp.issubdtype(getattr(v, "dtype", np.int32), jnp.inexact)})
     for kind, x_edge in c.edges.items():
         if isinstance(x_edge, str):
             c.edges_run[kind] = x_edge
             continue
-        leaves, g_params, g_x, after = c.run.rerun(x_edge)
+        leaves, g_params, g_x, after = c.rerun(kind)[0]
         bad = [f"{'output ' + name if name else 'the output'} ({n} of {np.size(v)})"
                for name, v in zip(c.run.out, leaves) if finite_before[name] and (n := _nonfinite(np.asarray(v)))]
         bad += [f"gradient of {path} ({n} of {np.size(v)})"
