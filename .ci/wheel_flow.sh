@@ -13,7 +13,7 @@ step() { echo; echo "+ [wheel] $*"; }
 
 step "build the wheel"
 "$py" -m pip wheel -q --no-deps -w "$work/dist" "$repo"
-wheel=$(ls "$work"/dist/qcheck-*.whl)
+wheel=$(ls "$work"/dist/qcheck_jax-*.whl)
 step "install it into a fresh environment: $(basename "$wheel")"
 "$py" -m venv "$work/venv"
 # shellcheck disable=SC1091

@@ -14,6 +14,9 @@ import re
 
 #: The distributions whose versions qcheck's code depends on.
 CHECKED = ("jax", "flax")
+#: qcheck's own distribution (the import name stays ``qcheck``; ``qcheck`` on the package index is another
+#: project, a data validator of 2020).
+DISTRIBUTION = "qcheck-jax"
 
 
 def _release(version: str) -> tuple[int, ...]:
@@ -32,7 +35,7 @@ def _release(version: str) -> tuple[int, ...]:
 def _minimums() -> dict[str, str]:
     """``{distribution: minimum}`` from qcheck's own metadata; empty when qcheck runs uninstalled."""
     try:
-        requires = importlib.metadata.requires("qcheck") or []
+        requires = importlib.metadata.requires(DISTRIBUTION) or []
     except importlib.metadata.PackageNotFoundError:
         return {}
     found = {}

@@ -25,8 +25,8 @@ EQN = "bd,de->be"
 #: The optional extras qcheck's tests use: extra -> (the module a test imports, how to install it).
 #: A test needing one skips, naming it, where it is missing: `pip install -e '.[test]'` alone passes.
 EXTRAS = {
-    "aqt": ("aqt.jax.v2", "pip install 'qcheck[aqt]'"),
-    "qwix": ("qwix", "pip install 'qcheck[qwix]'"),
+    "aqt": ("aqt.jax.v2", "pip install 'qcheck-jax[aqt]'"),
+    "qwix": ("qwix", "pip install 'qcheck-jax[qwix]'"),
     # Equinox is no extra of qcheck's: qcheck checks Equinox modules without depending on it.
     "equinox": ("equinox", "pip install equinox, or run them in the Levanter environment: .ci/levanter.sh env VENV"),
     # MaxText is no extra of qcheck's: it lives in its own environment (tox, a stage of .ci/run).

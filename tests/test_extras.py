@@ -30,8 +30,8 @@ def test_an_installed_extra_runs_should_pass(fake_extras):
 
 
 def test_the_extras_name_their_install_command():
-    assert helpers.extra_skip_reason("qwix") == "needs the qwix extra: pip install 'qcheck[qwix]'"
-    assert helpers.extra_skip_reason("aqt") == "needs the aqt extra: pip install 'qcheck[aqt]'"
+    assert helpers.extra_skip_reason("qwix") == "needs the qwix extra: pip install 'qcheck-jax[qwix]'"
+    assert helpers.extra_skip_reason("aqt") == "needs the aqt extra: pip install 'qcheck-jax[aqt]'"
     assert helpers.extra_skip_reason("maxtext").startswith("needs the maxtext extra: pip install maxtext")
     assert helpers.extra_skip_reason("gemma").startswith("needs the gemma extra: gemma 4.0.1 in its own environment: "
                                                          ".ci/gemma.sh env VENV")

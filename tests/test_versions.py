@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from qcheck._versions import DISTRIBUTION
+
 FIRST_USES = {
     "a public name": "import qcheck; qcheck.coverage",
     "qcheck.checks": "import qcheck.checks",
@@ -40,7 +42,7 @@ def _run(code: str, path: Path | None) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def old_jax(tmp_path_factory) -> Path:
     try:
-        importlib.metadata.requires("qcheck")
+        importlib.metadata.requires(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("qcheck runs uninstalled: the supported versions come from its installed metadata")
     root = tmp_path_factory.mktemp("easydel_env")

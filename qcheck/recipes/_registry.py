@@ -42,7 +42,6 @@ _entry_points_state = "unloaded"  # -> "loading" -> "loaded"
 #: Recipes qcheck itself ships (its built-ins and its own entry points): their
 #: golden cases ship inside the package.
 _BUILTIN: set[str] = set()
-_QCHECK_DIST = "qcheck"
 
 
 def register_recipe(recipe: Recipe) -> Recipe:
@@ -149,12 +148,18 @@ def _load_entry_points() -> None:
     _entry_points_state = "loading"
     try:
         eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+        seen = set()
         for ep in sorted(eps, key=lambda e: (e.dist.name if e.dist else "", e.name)):
+            # One entry point seen twice is one plug-in installed twice (qcheck's own metadata left behind under
+            # its old distribution name, "qcheck", beside "qcheck-jax"): its recipes are registered once.
+            if (ep.name, ep.value) in seen:
+                continue
+            seen.add((ep.name, ep.value))
             where = f"entry point {ep.name} = {ep.value!r} (group {ENTRY_POINT_GROUP})"
             try:
                 before = set(_REGISTRY)
                 _register_all(ep.load(), where)
-                if ep.dist is not None and ep.dist.name == _QCHECK_DIST:
+                if ep.value.partition(":")[0].split(".")[0] == "qcheck":  # a module of qcheck's own: it ships
                     _BUILTIN.update(set(_REGISTRY) - before)
             except Exception as e:
                 raise RuntimeError(f"qcheck could not load recipes from {where}: {type(e).__name__}: {e}") from e
