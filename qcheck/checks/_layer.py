@@ -27,34 +27,28 @@ costs one small program more, the call that builds it, on a copy.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import functools
-import sys
 import types
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
-from flax import linen, nnx
 
 from qcheck._coverage import (CoverageMap, Declaration, KernelRoles, MatmulRecord, Prepared, SkipArg,
-                              after_first_call, as_kernel_roles, as_skips, coverage, graph_paths, machinery_tuple,
-                              mixed_formats, prepare, quantized_records, resolve_declaration, warmed_up)
+                              as_kernel_roles, as_skips, coverage, machinery_tuple, mixed_formats, prepare,
+                              quantized_records, resolve_declaration)
 from qcheck._errors import user_code
-from qcheck._fingerprint import fingerprint
+from qcheck.checks._copy_params import copy_params_into
 from qcheck.checks._edges import EDGE_ROWS, check_skip_edges, edge_rows
+from qcheck.checks._layer_forms import Form, call_module, equinox_params, is_module, path_name
+from qcheck.checks._layer_programs import INPUT_GRAD, Run, run_step, trace_step
 from qcheck.checks._tracks import assert_tracks, rel_norm
 from qcheck.checks._uninitialized import uninitialized_reads, unspecified_buffers
 
 __all__ = ["DEFAULT_MAX_GRAD_REL_NORM", "INPUT_GRAD", "LayerFigures", "call_module", "check_layer", "copy_params_into",
            "equinox_params"]
-
-#: The key of the gradient with respect to the input ``x`` in :attr:`LayerFigures.grad_rel_norms`.
-INPUT_GRAD = "(input x)"
 
 #: The default bound on each gradient's relative norm against the twin's.
 #: Measured with :func:`check_layer` on qcheck's own layers against their
@@ -128,420 +122,6 @@ class LayerFigures:
 
 # -- a layer in any form, as pure functions ----------------------------------------
 
-def _path(path: tuple[Any, ...]) -> str:
-    parts = []
-    for k in path:
-        k = getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
-        parts.append(str(k))
-    return "/".join(parts)
-
-
-def _leaf_name(path: tuple[Any, ...]) -> str:
-    return jax.tree_util.keystr(path)
-
-
-@dataclasses.dataclass
-class _Form:
-    """A layer as ``apply(params, rest, x) -> (out, rest_after)`` with its parameters and other state."""
-
-    kind: str
-    params: Any
-    rest: Any
-    apply: Callable[[Any, Any, jax.Array], tuple[Any, Any]]
-    key: Any  # what the compiled program is cached on (None: not hashable, no cache)
-    probe: Any  # what coverage traces: an NNX module or a function of x
-
-    def param_leaves(self, tree: Any) -> dict[str, Any]:
-        if self.kind == "nnx":
-            return {_path(p): v[...] for p, v in nnx.to_flat_state(tree)}
-        if self.kind == "equinox":
-            return _equinox_params(tree)
-        return {_path(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def _hashable(key: Any) -> Any:
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
-
-
-def _is_linen_pair(layer: Any) -> bool:
-    return (isinstance(layer, tuple) and len(layer) == 2 and isinstance(layer[0], linen.Module)
-            and isinstance(layer[1], Mapping))
-
-
-def _equinox(layer: Any) -> Any:
-    """The ``equinox`` package where ``layer`` is an Equinox module, else None.
-
-    Never imports it: Equinox is no dependency of qcheck's, and an Equinox
-    module exists only once its package is loaded.
-    """
-    eqx = sys.modules.get("equinox")
-    return eqx if eqx is not None and isinstance(layer, eqx.Module) else None
-
-
-def _named_array_type() -> Any:
-    """haliax's ``NamedArray`` (a pytree around its ``.array``), or a type nothing is, where haliax is not loaded."""
-    haliax = sys.modules.get("haliax")
-    return getattr(haliax, "NamedArray", _NoType)
-
-
-class _NoType:
-    pass
-
-
-def _overwritten_state_types() -> tuple[type, ...]:
-    """haliax's quantized dot ops: fp8 scales and amax histories, inexact arrays that are state, not parameters.
-
-    Levanter's train step overwrites them with their "gradient" instead of
-    training them (``haliax.quantization.partition_for_grad_overwrite``), as
-    NNX keeps fp8 state out of ``nnx.Param``; the twin has none of them.
-    """
-    quantization = sys.modules.get("haliax.quantization")
-    found = (getattr(quantization, n, None) for n in ("CustomGradientAccumulation", "OverwriteWithGradient"))
-    return tuple(t for t in found if isinstance(t, type))
-
-
-def _equinox_split(eqx: Any, module: Any) -> tuple[Any, Any]:
-    """An Equinox module as ``(parameters, the rest)``: its inexact-array leaves but haliax's quantization state."""
-    overwritten = _overwritten_state_types()
-    return eqx.partition(module, lambda v: not isinstance(v, overwritten) and eqx.is_inexact_array(v),
-                         is_leaf=lambda v: isinstance(v, overwritten))
-
-
-def _equinox_params(params: Any) -> dict[str, Any]:
-    """The leaves of ``_equinox_split``'s parameters by path; a NamedArray named as its field, not its ``.array``."""
-    named = _named_array_type()
-    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda v: isinstance(v, named))[0]
-    leaves = ((p, v.array if isinstance(v, named) else v) for p, v in flat)
-    return {_path(p): v for p, v in leaves if v is not None}
-
-
-def _call(module: Any, x: jax.Array) -> Any:
-    return module(x)
-
-
-class _Called(nnx.Module):
-    """An NNX module called as ``call(module, x)``: what the warm-up and coverage call.
-
-    The module sits under its class's name, so that coverage scopes read as a
-    Linen module's and an Equinox module's do (``Block/proj``).
-    """
-
-    def __init__(self, module: nnx.Module, call: Callable[[Any, jax.Array], Any]):
-        self.called = type(module).__name__ + ("_" if type(module).__name__ in ("called", "fn", "module") else "")
-        self.fn = call
-        setattr(self, self.called, module)
-
-    @property
-    def module(self) -> nnx.Module:
-        return getattr(self, self.called)
-
-    def __call__(self, x: jax.Array) -> Any:
-        return self.fn(self.module, x)
-
-
-class _Grown(Exception):
-    """Tracing an NNX module's step found that its call creates submodules or variables: it is lazy."""
-
-
-def _form(layer: Any, x: jax.Array, call: Callable[[Any, jax.Array], Any] | None = None,
-          warm: bool | None = None) -> _Form:
-    """``layer`` as pure functions; ``call(module, x)`` calls a module (NNX, Linen, Equinox), not a function of x.
-
-    An NNX module whose first call creates submodules is taken as that call
-    leaves it, on a copy. ``warm``: None asks whether it does by tracing one
-    call (:func:`qcheck.warmed_up`); False takes the module as it is, and its
-    ``apply`` raises ``_Grown`` while being traced if the call builds
-    something (the caller's own trace asks, and nothing is traced twice);
-    True takes the copy after one call.
-    """
-    if isinstance(layer, nnx.Module):
-        probe = layer if call is None else _Called(layer, call)
-        probe = warmed_up(probe, x) if warm is None else after_first_call(probe, x) if warm else probe
-        module = probe if call is None else probe.module
-        graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-        fn = call or _call
-        paths = graph_paths(module) if warm is False else None
-
-        def apply(params, rest, x):
-            m = nnx.merge(graphdef, params, rest, copy=True)
-            out = fn(m, x)
-            if paths is not None and graph_paths(m) != paths:
-                raise _Grown
-            _, _, after = nnx.split(m, nnx.Param, ...)
-            return out, after
-
-        return _Form("nnx", params, rest, apply, _hashable(("nnx", graphdef, fn)),
-                     module if call is None else _Called(module, call))
-    if _is_linen_pair(layer):
-        module, variables = layer
-        params = variables.get("params", {})
-        rest = {k: v for k, v in variables.items() if k != "params"}
-        mutable = sorted(rest) or False
-
-        def apply(params, rest, x):
-            result = module.apply({"params": params, **rest}, x, mutable=mutable, method=call)
-            out, after = result if mutable else (result, {})
-            return out, {**rest, **after}
-
-        return _Form("linen", params, rest, apply, _hashable(("linen", module, call)),
-                     lambda x: apply(params, rest, x)[0])
-    if (eqx := _equinox(layer)) is not None:
-        params, rest = _equinox_split(eqx, layer)
-        arrays, static = eqx.partition(rest, eqx.is_array)  # jit's arguments hold arrays only
-        fn = call or _call
-
-        def apply(params, arrays, x):
-            return fn(eqx.combine(params, arrays, static), x), arrays
-
-        key = ("equinox", jax.tree_util.tree_structure(static), tuple(jax.tree_util.tree_leaves(static)), fn)
-        return _Form("equinox", params, arrays, apply, _hashable(key), functools.partial(fn, layer))
-
-    def apply_fn(params, rest, x):
-        return layer(x), rest
-
-    return _Form("function", {}, {}, apply_fn, _hashable(("function", layer)), layer)
-
-
-def equinox_params(module: Any) -> dict[str, jax.Array] | None:
-    """An Equinox module's parameters by path, as check_layer names them (``experts/w1/weight``: a haliax
-    NamedArray by its field, as its array; haliax's fp8 state left out); None where ``module`` is no Equinox module."""
-    eqx = _equinox(module)
-    return None if eqx is None else _equinox_params(_equinox_split(eqx, module)[0])
-
-
-def call_module(layer: Any, x: jax.Array, call: Callable[[Any, jax.Array], Any] | None = None) -> Any:
-    """A module (NNX, a Linen pair, Equinox) run on ``x`` as check_layer runs it, forward only: ``call(module, x)``
-    (default ``module(x)``) as one jitted program on a copy of its state, the module left as it was.
-
-    Returns the output with each haliax NamedArray as its array.
-    """
-    form = _form(layer, x, call)
-    out = jax.jit(form.apply)(form.params, form.rest, x)[0]
-    named = _named_array_type()
-    return jax.tree_util.tree_map(lambda v: v.array if isinstance(v, named) else v, out,
-                                  is_leaf=lambda v: isinstance(v, named))
-
-
-class _NoOutput(Exception):
-    pass
-
-
-def _select(out: Any, output: Any) -> list[tuple[str, jax.Array]]:
-    """The floating-point leaves of ``out`` that ``output`` selects, by name."""
-    if output is None:
-        picked, prefix = out, ()
-    elif callable(output):
-        picked, prefix = output(out), ()
-    else:
-        try:
-            picked = out[output]
-        except (KeyError, IndexError, TypeError) as e:
-            raise _NoOutput(f"output={output!r} does not index the output ({type(e).__name__}: {e})") from None
-        prefix = (jax.tree_util.SequenceKey(output) if isinstance(output, int) else jax.tree_util.DictKey(output),)
-    named = _named_array_type()  # a haliax NamedArray: its array, named by its place in the output
-    flat = jax.tree_util.tree_flatten_with_path(picked, is_leaf=lambda v: isinstance(v, named))[0]
-    leaves = [(_leaf_name(prefix + tuple(p)), v) for p, v in ((p, v.array if isinstance(v, named) else v)
-                                                              for p, v in flat)
-              if hasattr(v, "shape") and hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.floating)]
-    if not leaves:
-        raise _NoOutput(f"output={output!r} selects no floating-point array of the output ({_describe(out)})")
-    return leaves
-
-
-def _describe(out: Any) -> str:
-    leaves = jax.tree_util.tree_flatten_with_path(out, is_leaf=lambda v: v is None)[0]
-    shown = [f"{_leaf_name(p) or 'the output'} {'None' if v is None else getattr(v, 'dtype', type(v).__name__)}"
-             f"{list(v.shape) if hasattr(v, 'shape') else ''}" for p, v in leaves[:8]]
-    return ", ".join(shown) or "no leaves"
-
-
-def _loss(leaves: list[jax.Array]) -> jax.Array:
-    # A fixed scalar of every compared output, so each element sends back a gradient.
-    return sum(jnp.mean(jnp.square(v.astype(jnp.float32))) for v in leaves)
-
-
-_PROGRAMS: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-
-
-def _step(form: _Form, output: Any, names: list[str]) -> Callable[..., Any]:
-    """The layer's forward and backward pass as one function; tracing it fills ``names`` with the output's leaves."""
-
-    def step(params, rest, x):
-        def loss(params, x):
-            out, after = form.apply(params, rest, x)
-            # Selected on the output's shapes first, as on its values nothing fails: a tracer's index clamps.
-            shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype) if hasattr(v, "shape") else v, out)
-            names[:] = [n for n, _ in _select(shapes, output)]
-            leaves = _select(out, output)
-            return _loss([v for _, v in leaves]), ([v for _, v in leaves], after)
-
-        (_, (leaves, after)), (g_params, g_x) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
-        return leaves, g_params, g_x, after
-
-    return step
-
-
-@dataclasses.dataclass
-class _Traced:
-    """A layer's step, traced once: the one trace its program, its names and the uninitialized check read."""
-
-    form: _Form
-    closed: Any  # the step as a ClosedJaxpr of the flat (params, rest, x)
-    shapes: Any  # its output (leaves, parameter gradients, input gradient, state after) as ShapeDtypeStructs
-    names: list[str]  # the compared output leaves
-
-
-def _traced_step(what: str, form: _Form, x: jax.Array, output: Any) -> _Traced:
-    names: list[str] = []
-    try:
-        with user_code("check_layer", what, passthrough=(_NoOutput, _Grown)):
-            closed, shapes = jax.make_jaxpr(_step(form, output, names), return_shape=True)(form.params, form.rest, x)
-    except _NoOutput as e:
-        raise ValueError(f"check_layer: {what}'s {e}") from None
-    return _Traced(form, closed, shapes, names)
-
-
-def _trace(what: str, layer: Any, x: jax.Array, call: Any, output: Any) -> _Traced:
-    """``layer`` as pure functions, its step traced: once, and for a lazy NNX module once more, on a copy after
-    its first call (the first trace is what finds it lazy: nothing traces the layer only to ask)."""
-    form = _traceable(what, lambda: _form(layer, x, call, warm=False))
-    try:
-        return _traced_step(what, form, x, output)
-    except _Grown:
-        form = _traceable(what, lambda: _form(layer, x, call, warm=True))
-        return _traced_step(what, form, x, output)
-
-
-def _program(traced: _Traced, output: Any, flat: list[Any], walks: Sequence[tuple[Prepared, list[int]]] = ()
-             ) -> Any:
-    """The traced step compiled for the flat arguments ``flat`` (``jax.jit``, ahead of time).
-
-    Compiled from the one trace, and run by both calls of a layer whatever
-    sharding the state its first call left comes with (plain ``jax.jit``
-    would compile the step again for it). A compiled program is reused only
-    for an equal form, an equal traced program and the same placement of the
-    arguments: code changed between two checks (a monkeypatched helper, a
-    rebuilt module) is never served the program of the old code.
-
-    ``walks``: coverage's walks with values, each with where its inputs are among ``flat`` (past its end: one
-    more argument). The one program also runs each and returns its outputs after the step's, so the
-    quantizer evidence of the declared check costs no compile of its own; where the walk repeats the
-    step's forward pass on the same arguments, XLA computes it once.
-    """
-    # output=None (every leaf) is a key like any other: _hashable's None means "not hashable" only for a form's key.
-    key = _hashable((traced.form.key, output)) if traced.form.key is not None else None
-    if key is not None:  # what jax.jit's own cache would hold apart besides the program: placement, matmul precision
-        key = _hashable((key, fingerprint(traced.closed), tuple(getattr(v, "sharding", None) for v in flat),
-                         jax.config.jax_default_matmul_precision))
-    if key is not None and walks:
-        walk_keys = tuple((w.key(), tuple(at)) for w, at in walks)
-        key = _hashable((key, walk_keys)) if all(k is not None for k, _ in walk_keys) else None
-    if key is not None and key in _PROGRAMS:
-        for w, at in walks:  # the walks' records come from their trace: traced again, compiled never
-            jax.eval_shape(w.evaluate, [flat[i] for i in at])
-        return _PROGRAMS[key]
-    run = jcore.jaxpr_as_fun(traced.closed)
-    n = len(traced.closed.in_avals)
-
-    def step(*leaves: Any) -> Any:  # the name JAX's compile log shows
-        out = run(*leaves[:n])
-        return (out, [w.evaluate([leaves[i] for i in at]) for w, at in walks]) if walks else out
-
-    program = jax.jit(step).lower(*flat).compile()
-    if key is not None:
-        _PROGRAMS[key] = program
-        while len(_PROGRAMS) > 64:
-            _PROGRAMS.popitem(last=False)
-    return program
-
-
-def _fits(traced: _Traced, program: Any, flat: list[Any], extra: Sequence[Any] = ()) -> list[Any] | None:
-    """``flat`` placed as ``program`` takes its arguments, then ``extra`` as they were; None where their types
-    are not the traced step's."""
-    avals = traced.closed.in_avals
-    if len(flat) != len(avals) or any((tuple(np.shape(v)), jnp.result_type(v)) != (tuple(a.shape), a.dtype)
-                                      for v, a in zip(flat, avals)):
-        return None
-    shardings = jax.tree.leaves(program.input_shardings[0])
-    if len(shardings) != len(flat) + len(extra):
-        return None
-    # A state the step constrained (MaxText's NamedSharding) is moved only where it differs in fact.
-    return [jax.device_put(v, s) if isinstance(v, jax.Array) and v.committed
-            and not v.sharding.is_equivalent_to(s, v.ndim) else v for v, s in zip(flat, shardings)] + list(extra)
-
-
-@dataclasses.dataclass
-class _Run:
-    out: dict[str, np.ndarray]  # output leaf name -> value
-    grads: dict[str, np.ndarray]  # parameter path -> gradient; INPUT_GRAD -> the input's
-    params: dict[str, np.ndarray]
-    again: dict[str, np.ndarray] | None = None  # a second call, from the state the first left
-    traced: _Traced | None = None  # the step: the uninitialized check reads its traced program
-    # The same program on another x of x's shape, from the same state (no compile): ((output leaves, parameter
-    # gradients, input gradient, state after), each walk's outputs).
-    rerun: Callable[[jax.Array], Any] | None = None
-    after: Any = None  # the state the first call left
-    walked: list = dataclasses.field(default_factory=list)  # each walk's outputs on x
-
-
-def _placed(walks: Sequence[Prepared], flat: list[Any], x_at: int) -> tuple[list[tuple[Prepared, list[int]]], list]:
-    """Where each walk's inputs are among the step's ``flat`` arguments (the same arrays: the same inputs), and
-    the ones that are not, as more arguments. A walk must read x where the step does: the edge rows replace it."""
-    at = {id(v): i for i, v in enumerate(flat)}
-    extra: list[Any] = []
-    placed = []
-    for w in walks:
-        where = []
-        for leaf in w.leaves:
-            if id(leaf) not in at:
-                at[id(leaf)] = len(flat) + len(extra)
-                extra.append(leaf)
-            where.append(at[id(leaf)])
-        if x_at not in where:
-            raise RuntimeError("check_layer: qcheck's coverage walk does not read the layer's x (a bug of qcheck)")
-        placed.append((w, where))
-    return placed, extra
-
-
-def _run(what: str, traced: _Traced, x: jax.Array, output: Any, *, twice: bool, walks: Sequence[Prepared] = ()
-         ) -> _Run:
-    form, names = traced.form, traced.names
-    flat, tree = jax.tree.flatten((form.params, form.rest, x))
-    placed, extra = _placed(walks, flat, len(flat) - 1)
-    out_tree = jax.tree.structure(traced.shapes)
-
-    def split(result: Any) -> tuple[Any, list]:
-        return (result if not walks else result[0]), (result[1] if walks else [])
-
-    with user_code("check_layer", what):
-        program = _program(traced, output, flat + extra, placed)
-        result, walked = split(program(*flat, *extra))
-        leaves, g_params, g_x, after = jax.tree.unflatten(out_tree, result)
-        again = None
-        if twice:
-            flat_again, tree_again = jax.tree.flatten((form.params, after, x))
-            fitted = _fits(traced, program, flat_again, extra) if tree_again == tree else None
-            # A state of another structure or type than the one the step was traced with: its own program.
-            again = (jax.tree.unflatten(out_tree, split(program(*fitted))[0])[0] if fitted is not None
-                     else jax.jit(_step(form, output, []))(form.params, after, x)[0])
-    grads = {p: np.asarray(v) for p, v in form.param_leaves(g_params).items()}
-    grads[INPUT_GRAD] = np.asarray(g_x)
-    params = {p: np.asarray(v) for p, v in form.param_leaves(form.params).items()}
-
-    def rerun(x_other: jax.Array) -> Any:
-        flat_other = _fits(traced, program, jax.tree.leaves((form.params, form.rest, x_other)), extra)
-        with user_code("check_layer", what):
-            result, walked_other = split(program(*flat_other))
-        return jax.tree.unflatten(out_tree, result), walked_other
-
-    return _Run(dict(zip(names, map(np.asarray, leaves))), grads, params,
-                None if again is None else dict(zip(names, map(np.asarray, again))), traced, rerun, after, walked)
-
-
 # -- the check -------------------------------------------------------------------
 
 def _nonfinite(x: np.ndarray) -> int:
@@ -554,16 +134,12 @@ def _grad_rel_norm(g: np.ndarray, ref: np.ndarray) -> float:
     return rel_norm(g, ref)
 
 
-def _is_module(layer: Any) -> bool:
-    return isinstance(layer, nnx.Module) or _is_linen_pair(layer) or _equinox(layer) is not None
-
-
 def _check_call(layer: Any, reference: Any, call: Any) -> None:
     if call is None:
         return
     if not callable(call) or isinstance(call, type):
         raise ValueError(f"check_layer: call must be a function (module, x) -> output, got {type(call).__name__}")
-    if not (_is_module(layer) or _is_module(reference)):
+    if not (is_module(layer) or is_module(reference)):
         raise ValueError("check_layer: call is how a module is called on x, and neither layer nor reference is a "
                          "module (an flax.nnx.Module, a (linen.Module, variables) pair or an equinox.Module): "
                          "a function of x is called as it is")
@@ -572,7 +148,7 @@ def _check_call(layer: Any, reference: Any, call: Any) -> None:
 def _check_args(layer: Any, reference: Any, x: Any, max_rel_norm: float, max_grad_rel_norm: float,
                 skip: Any, skip_grads: Any, output: Any) -> tuple[jax.Array, frozenset[str]]:
     for name, fn in (("layer", layer), ("reference", reference)):
-        if not (_is_module(fn) or (callable(fn) and not isinstance(fn, type))):
+        if not (is_module(fn) or (callable(fn) and not isinstance(fn, type))):
             raise ValueError(f"check_layer: {name} must be an flax.nnx.Module, a (linen.Module, variables) pair, "
                              f"an equinox.Module or a function of x, got {type(fn).__name__}")
     if not isinstance(x, (np.ndarray, jax.Array)) or not jnp.issubdtype(x.dtype, jnp.floating):
@@ -594,13 +170,7 @@ def _check_args(layer: Any, reference: Any, x: Any, max_rel_norm: float, max_gra
     return (x if isinstance(x, jax.Array) else jax.device_put(x)), frozenset(skip_grads)
 
 
-def _traceable(what: str, fn: Callable[[], Any]) -> Any:
-    """``fn()``, the layer's own code: any error of it is one UserCodeError naming the argument."""
-    with user_code("check_layer", what):
-        return fn()
-
-
-def _compare_params(run: _Run, ref: _Run, skip_grads: frozenset[str]) -> None:
+def _compare_params(run: Run, ref: Run, skip_grads: frozenset[str]) -> None:
     only_layer = sorted(set(run.params) - set(ref.params) - skip_grads)
     only_ref = sorted(set(ref.params) - set(run.params) - skip_grads)
     if only_layer or only_ref:
@@ -738,7 +308,8 @@ def check_layer(
     if accept_weaker not in (None, False) and declaration is None:
         raise ValueError(f"check_layer: accept_weaker accepts weaker holds of a declaration, and none is held "
                          f"({declared_from})")
-    traced, traced_twin = _trace("layer", layer, x, call, output), _trace("reference", reference, x, call, output)
+    traced = trace_step("layer", layer, x, call, output)
+    traced_twin = trace_step("reference", reference, x, call, output)
     form, twin = traced.form, traced_twin.form
     paths = {p for f in (form, twin) for p in f.param_leaves(f.params)}
     if unknown := skip_grads - paths:
@@ -746,8 +317,8 @@ def check_layer(
                          f"parameter paths: {', '.join(sorted(paths)) or '(none)'}")
 
     walks = _walks(form, x, declaration, machinery, kernels)
-    run = _run("layer", traced, x, output, twice=True, walks=list(walks.values()))
-    ref = _run("reference", traced_twin, x, output, twice=False)
+    run = run_step("layer", traced, x, output, twice=True, walks=list(walks.values()))
+    ref = run_step("reference", traced_twin, x, output, twice=False)
     _compare_params(run, ref, skip_grads)
     if list(run.out) != list(ref.out):
         leaves = [", ".join(k or "the output" for k in r.out) for r in (run, ref)]
@@ -780,10 +351,10 @@ def check_layer(
 class _Checked:
     """What the sub-checks read: both layers as run, the declaration, the options; and what they measure."""
 
-    form: _Form
-    twin: _Form
-    run: _Run
-    ref: _Run
+    form: Form
+    twin: Form
+    run: Run
+    ref: Run
     x: jax.Array
     declaration: Declaration | None
     declared_from: str
@@ -818,7 +389,7 @@ class _Checked:
         return self.walks[which], self.run.walked[at], [self.rerun(k)[1][at] for k in kinds]
 
 
-def _walks(form: _Form, x: jax.Array, declaration: Declaration | None, machinery: Collection[str],
+def _walks(form: Form, x: jax.Array, declaration: Declaration | None, machinery: Collection[str],
            kernels: Any) -> dict[str, Prepared]:
     """Coverage's walks with values that the layer's own program runs (no compile of their own): the forward
     pass's under a declaration, and the backward pass's where ``grads`` are declared."""
@@ -1002,7 +573,7 @@ SUB_CHECKS = (
 )
 
 
-def _uninitialized(what: str, form: _Form, run: _Run, x: jax.Array, machinery: Collection[str]) -> str | None:
+def _uninitialized(what: str, form: Form, run: Run, x: jax.Array, machinery: Collection[str]) -> str | None:
     """Whether the program ``run`` compiled reads memory it never wrote (``jax.lax.empty``'s); None if not.
 
     The jaxpr is the one trace the program was compiled from; only a program
@@ -1016,7 +587,7 @@ def _uninitialized(what: str, form: _Form, run: _Run, x: jax.Array, machinery: C
         out_names = [f"output{f' {n}' if n else ''}" for n in run.out]
 
         def name(path: tuple[Any, ...]) -> str:  # (leaves, parameter gradients, input gradient, state after)
-            at = _path(path[1:]).removesuffix("/value")  # an NNX Variable's array
+            at = path_name(path[1:]).removesuffix("/value")  # an NNX Variable's array
             if path[0].idx == 0:
                 return out_names[path[1].idx]
             return {1: f"gradient of {at}", 2: "gradient of the input x"}.get(path[0].idx, f"state after the call {at}")
@@ -1026,73 +597,3 @@ def _uninitialized(what: str, form: _Form, run: _Run, x: jax.Array, machinery: C
 
 
 # -- the twin ---------------------------------------------------------------------
-
-def copy_params_into(layer: Any, reference: Any) -> Any:
-    """Copy every ``nnx.Param`` of ``layer`` into ``reference`` at the same path; return ``reference``.
-
-    ``reference`` is the unquantized twin the user built with their own
-    constructor. Only parameters travel: quantization state (fp8 scales and amax
-    histories, ``qcheck.layers.bridge.Fp8Meta``), RNG streams and any other non-Param
-    leaf stay as each module has them, and the layer may have such leaves the
-    reference lacks. Every Param path of either module must exist in the other
-    with the same shape and dtype, else a ``ValueError`` names the first that
-    does not (in sorted path order) and lists both modules' Param paths.
-
-    Two Equinox modules: the parameters are those :func:`check_layer`
-    compares (inexact-array leaves by path, not haliax's quantization state),
-    and, Equinox modules being immutable, a copy of ``reference`` holding
-    them is returned.
-    """
-    kinds = []
-    for name, m in (("layer", layer), ("reference", reference)):
-        kinds.append("nnx" if isinstance(m, nnx.Module) else "equinox" if _equinox(m) is not None else None)
-        if kinds[-1] is None:
-            raise ValueError(f"copy_params_into: {name} must be an flax.nnx.Module or an equinox.Module, "
-                             f"got {type(m).__name__}")
-    if kinds[0] != kinds[1]:
-        raise ValueError(f"copy_params_into: layer and reference must both be NNX modules or both Equinox modules, "
-                         f"got {type(layer).__name__} ({kinds[0]}) and {type(reference).__name__} ({kinds[1]})")
-    if kinds[0] == "nnx":
-        src = {_path(p): v[...] for p, v in nnx.to_flat_state(nnx.state(layer, nnx.Param))}
-        dst_state = nnx.state(reference, nnx.Param)
-        dst = {_path(p): v[...] for p, v in nnx.to_flat_state(dst_state)}
-        word = "Params"
-    else:
-        eqx = _equinox(reference)
-        src = _equinox_params(_equinox_split(eqx, layer)[0])
-        dst_params, dst_rest = _equinox_split(eqx, reference)
-        dst = _equinox_params(dst_params)
-        word = "parameters"
-
-    def listing() -> str:
-        return f"layer {word}: {', '.join(src) or '(none)'}; reference {word}: {', '.join(dst) or '(none)'}"
-
-    for path in sorted(set(src) | set(dst)):
-        if path not in dst:
-            raise ValueError(f"copy_params_into: layer parameter {path} has no counterpart in reference ({listing()})")
-        if path not in src:
-            raise ValueError(f"copy_params_into: reference parameter {path} has no counterpart in layer ({listing()})")
-        a, b = src[path], dst[path]
-        if a.shape != b.shape or a.dtype != b.dtype:
-            raise ValueError(f"copy_params_into: parameter {path} is {a.dtype}{list(a.shape)} in layer but "
-                             f"{b.dtype}{list(b.shape)} in reference ({listing()})")
-
-    def copied(old: Any, new: Any) -> Any:
-        # device_put copies a numpy leaf (one changed in place later must not reach the twin) and keeps
-        # the twin's own sharding.
-        return jax.device_put(new, old.sharding) if isinstance(old, jax.Array) else np.array(new)
-
-    if kinds[0] == "equinox":
-        named = _named_array_type()
-
-        def put(path: Any, v: Any) -> Any:
-            if isinstance(v, named):  # the NamedArray keeps its axes, its array is the layer's
-                return v if v.array is None else jax.tree_util.tree_map(lambda old: copied(old, src[_path(path)]), v)
-            return copied(v, src[_path(path)])
-
-        params = jax.tree_util.tree_map_with_path(put, dst_params, is_leaf=lambda v: isinstance(v, named))
-        return eqx.combine(params, dst_rest)
-    for p, v in nnx.to_flat_state(dst_state):
-        v.set_value(copied(v[...], src[_path(p)]))
-    nnx.update(reference, dst_state)
-    return reference

@@ -1,0 +1,259 @@
+"""A layer as check_layer runs it: an NNX module, a Linen module with its variables, an Equinox module or a
+function of x, each as pure functions of its parameters, the rest of its state and x; and what of its output
+is compared."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen, nnx
+
+from qcheck._coverage import after_first_call, graph_paths, warmed_up
+from qcheck._errors import user_code
+
+
+def path_name(path: tuple[Any, ...]) -> str:
+    parts = []
+    for k in path:
+        k = getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
+        parts.append(str(k))
+    return "/".join(parts)
+
+
+def _leaf_name(path: tuple[Any, ...]) -> str:
+    return jax.tree_util.keystr(path)
+
+
+@dataclasses.dataclass
+class Form:
+    """A layer as ``apply(params, rest, x) -> (out, rest_after)`` with its parameters and other state."""
+
+    kind: str
+    params: Any
+    rest: Any
+    apply: Callable[[Any, Any, jax.Array], tuple[Any, Any]]
+    key: Any  # what the compiled program is cached on (None: not hashable, no cache)
+    probe: Any  # what coverage traces: an NNX module or a function of x
+
+    def param_leaves(self, tree: Any) -> dict[str, Any]:
+        if self.kind == "nnx":
+            return {path_name(p): v[...] for p, v in nnx.to_flat_state(tree)}
+        if self.kind == "equinox":
+            return equinox_param_leaves(tree)
+        return {path_name(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def hashable(key: Any) -> Any:
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _is_linen_pair(layer: Any) -> bool:
+    return (isinstance(layer, tuple) and len(layer) == 2 and isinstance(layer[0], linen.Module)
+            and isinstance(layer[1], Mapping))
+
+
+def equinox_of(layer: Any) -> Any:
+    """The ``equinox`` package where ``layer`` is an Equinox module, else None.
+
+    Never imports it: Equinox is no dependency of qcheck's, and an Equinox
+    module exists only once its package is loaded.
+    """
+    eqx = sys.modules.get("equinox")
+    return eqx if eqx is not None and isinstance(layer, eqx.Module) else None
+
+
+def named_array_type() -> Any:
+    """haliax's ``NamedArray`` (a pytree around its ``.array``), or a type nothing is, where haliax is not loaded."""
+    haliax = sys.modules.get("haliax")
+    return getattr(haliax, "NamedArray", _NoType)
+
+
+class _NoType:
+    pass
+
+
+def _overwritten_state_types() -> tuple[type, ...]:
+    """haliax's quantized dot ops: fp8 scales and amax histories, inexact arrays that are state, not parameters.
+
+    Levanter's train step overwrites them with their "gradient" instead of
+    training them (``haliax.quantization.partition_for_grad_overwrite``), as
+    NNX keeps fp8 state out of ``nnx.Param``; the twin has none of them.
+    """
+    quantization = sys.modules.get("haliax.quantization")
+    found = (getattr(quantization, n, None) for n in ("CustomGradientAccumulation", "OverwriteWithGradient"))
+    return tuple(t for t in found if isinstance(t, type))
+
+
+def equinox_split(eqx: Any, module: Any) -> tuple[Any, Any]:
+    """An Equinox module as ``(parameters, the rest)``: its inexact-array leaves but haliax's quantization state."""
+    overwritten = _overwritten_state_types()
+    return eqx.partition(module, lambda v: not isinstance(v, overwritten) and eqx.is_inexact_array(v),
+                         is_leaf=lambda v: isinstance(v, overwritten))
+
+
+def equinox_param_leaves(params: Any) -> dict[str, Any]:
+    """The leaves of ``equinox_split``'s parameters by path; a NamedArray named as its field, not its ``.array``."""
+    named = named_array_type()
+    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda v: isinstance(v, named))[0]
+    leaves = ((p, v.array if isinstance(v, named) else v) for p, v in flat)
+    return {path_name(p): v for p, v in leaves if v is not None}
+
+
+def _call(module: Any, x: jax.Array) -> Any:
+    return module(x)
+
+
+class _Called(nnx.Module):
+    """An NNX module called as ``call(module, x)``: what the warm-up and coverage call.
+
+    The module sits under its class's name, so that coverage scopes read as a
+    Linen module's and an Equinox module's do (``Block/proj``).
+    """
+
+    def __init__(self, module: nnx.Module, call: Callable[[Any, jax.Array], Any]):
+        self.called = type(module).__name__ + ("_" if type(module).__name__ in ("called", "fn", "module") else "")
+        self.fn = call
+        setattr(self, self.called, module)
+
+    @property
+    def module(self) -> nnx.Module:
+        return getattr(self, self.called)
+
+    def __call__(self, x: jax.Array) -> Any:
+        return self.fn(self.module, x)
+
+
+class Grown(Exception):
+    """Tracing an NNX module's step found that its call creates submodules or variables: it is lazy."""
+
+
+def form_of(layer: Any, x: jax.Array, call: Callable[[Any, jax.Array], Any] | None = None,
+          warm: bool | None = None) -> Form:
+    """``layer`` as pure functions; ``call(module, x)`` calls a module (NNX, Linen, Equinox), not a function of x.
+
+    An NNX module whose first call creates submodules is taken as that call
+    leaves it, on a copy. ``warm``: None asks whether it does by tracing one
+    call (:func:`qcheck.warmed_up`); False takes the module as it is, and its
+    ``apply`` raises ``Grown`` while being traced if the call builds
+    something (the caller's own trace asks, and nothing is traced twice);
+    True takes the copy after one call.
+    """
+    if isinstance(layer, nnx.Module):
+        probe = layer if call is None else _Called(layer, call)
+        probe = warmed_up(probe, x) if warm is None else after_first_call(probe, x) if warm else probe
+        module = probe if call is None else probe.module
+        graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+        fn = call or _call
+        paths = graph_paths(module) if warm is False else None
+
+        def apply(params, rest, x):
+            m = nnx.merge(graphdef, params, rest, copy=True)
+            out = fn(m, x)
+            if paths is not None and graph_paths(m) != paths:
+                raise Grown
+            _, _, after = nnx.split(m, nnx.Param, ...)
+            return out, after
+
+        return Form("nnx", params, rest, apply, hashable(("nnx", graphdef, fn)),
+                     module if call is None else _Called(module, call))
+    if _is_linen_pair(layer):
+        module, variables = layer
+        params = variables.get("params", {})
+        rest = {k: v for k, v in variables.items() if k != "params"}
+        mutable = sorted(rest) or False
+
+        def apply(params, rest, x):
+            result = module.apply({"params": params, **rest}, x, mutable=mutable, method=call)
+            out, after = result if mutable else (result, {})
+            return out, {**rest, **after}
+
+        return Form("linen", params, rest, apply, hashable(("linen", module, call)),
+                     lambda x: apply(params, rest, x)[0])
+    if (eqx := equinox_of(layer)) is not None:
+        params, rest = equinox_split(eqx, layer)
+        arrays, static = eqx.partition(rest, eqx.is_array)  # jit's arguments hold arrays only
+        fn = call or _call
+
+        def apply(params, arrays, x):
+            return fn(eqx.combine(params, arrays, static), x), arrays
+
+        key = ("equinox", jax.tree_util.tree_structure(static), tuple(jax.tree_util.tree_leaves(static)), fn)
+        return Form("equinox", params, arrays, apply, hashable(key), functools.partial(fn, layer))
+
+    def apply_fn(params, rest, x):
+        return layer(x), rest
+
+    return Form("function", {}, {}, apply_fn, hashable(("function", layer)), layer)
+
+
+def equinox_params(module: Any) -> dict[str, jax.Array] | None:
+    """An Equinox module's parameters by path, as check_layer names them (``experts/w1/weight``: a haliax
+    NamedArray by its field, as its array; haliax's fp8 state left out); None where ``module`` is no Equinox module."""
+    eqx = equinox_of(module)
+    return None if eqx is None else equinox_param_leaves(equinox_split(eqx, module)[0])
+
+
+def call_module(layer: Any, x: jax.Array, call: Callable[[Any, jax.Array], Any] | None = None) -> Any:
+    """A module (NNX, a Linen pair, Equinox) run on ``x`` as check_layer runs it, forward only: ``call(module, x)``
+    (default ``module(x)``) as one jitted program on a copy of its state, the module left as it was.
+
+    Returns the output with each haliax NamedArray as its array.
+    """
+    form = form_of(layer, x, call)
+    out = jax.jit(form.apply)(form.params, form.rest, x)[0]
+    named = named_array_type()
+    return jax.tree_util.tree_map(lambda v: v.array if isinstance(v, named) else v, out,
+                                  is_leaf=lambda v: isinstance(v, named))
+
+
+class NoOutput(Exception):
+    pass
+
+
+def select_output(out: Any, output: Any) -> list[tuple[str, jax.Array]]:
+    """The floating-point leaves of ``out`` that ``output`` selects, by name."""
+    if output is None:
+        picked, prefix = out, ()
+    elif callable(output):
+        picked, prefix = output(out), ()
+    else:
+        try:
+            picked = out[output]
+        except (KeyError, IndexError, TypeError) as e:
+            raise NoOutput(f"output={output!r} does not index the output ({type(e).__name__}: {e})") from None
+        prefix = (jax.tree_util.SequenceKey(output) if isinstance(output, int) else jax.tree_util.DictKey(output),)
+    named = named_array_type()  # a haliax NamedArray: its array, named by its place in the output
+    flat = jax.tree_util.tree_flatten_with_path(picked, is_leaf=lambda v: isinstance(v, named))[0]
+    leaves = [(_leaf_name(prefix + tuple(p)), v) for p, v in ((p, v.array if isinstance(v, named) else v)
+                                                              for p, v in flat)
+              if hasattr(v, "shape") and hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.floating)]
+    if not leaves:
+        raise NoOutput(f"output={output!r} selects no floating-point array of the output ({_describe(out)})")
+    return leaves
+
+
+def _describe(out: Any) -> str:
+    leaves = jax.tree_util.tree_flatten_with_path(out, is_leaf=lambda v: v is None)[0]
+    shown = [f"{_leaf_name(p) or 'the output'} {'None' if v is None else getattr(v, 'dtype', type(v).__name__)}"
+             f"{list(v.shape) if hasattr(v, 'shape') else ''}" for p, v in leaves[:8]]
+    return ", ".join(shown) or "no leaves"
+
+
+def is_module(layer: Any) -> bool:
+    return isinstance(layer, nnx.Module) or _is_linen_pair(layer) or equinox_of(layer) is not None
+
+
+def traceable(what: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``, the layer's own code: any error of it is one UserCodeError naming the argument."""
+    with user_code("check_layer", what):
+        return fn()

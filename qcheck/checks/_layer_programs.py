@@ -1,0 +1,206 @@
+"""A layer's step (forward and backward pass, the state after the call) traced once and compiled once, ahead of
+time, and kept for a layer of the same structure; coverage's walks with values compiled into it."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jcore
+import jax.numpy as jnp
+import numpy as np
+
+from qcheck._coverage import Prepared
+from qcheck._errors import user_code
+from qcheck._fingerprint import fingerprint
+from qcheck.checks._layer_forms import Form, Grown, NoOutput, form_of, hashable, select_output, traceable
+
+
+#: The key of the gradient with respect to the input ``x`` in ``LayerFigures.grad_rel_norms``.
+INPUT_GRAD = "(input x)"
+
+
+def _loss(leaves: list[jax.Array]) -> jax.Array:
+    # A fixed scalar of every compared output, so each element sends back a gradient.
+    return sum(jnp.mean(jnp.square(v.astype(jnp.float32))) for v in leaves)
+
+
+_PROGRAMS: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+
+
+def _step(form: Form, output: Any, names: list[str]) -> Callable[..., Any]:
+    """The layer's forward and backward pass as one function; tracing it fills ``names`` with the output's leaves."""
+
+    def step(params, rest, x):
+        def loss(params, x):
+            out, after = form.apply(params, rest, x)
+            # Selected on the output's shapes first, as on its values nothing fails: a tracer's index clamps.
+            shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype) if hasattr(v, "shape") else v, out)
+            names[:] = [n for n, _ in select_output(shapes, output)]
+            leaves = select_output(out, output)
+            return _loss([v for _, v in leaves]), ([v for _, v in leaves], after)
+
+        (_, (leaves, after)), (g_params, g_x) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+        return leaves, g_params, g_x, after
+
+    return step
+
+
+@dataclasses.dataclass
+class _Traced:
+    """A layer's step, traced once: the one trace its program, its names and the uninitialized check read."""
+
+    form: Form
+    closed: Any  # the step as a ClosedJaxpr of the flat (params, rest, x)
+    shapes: Any  # its output (leaves, parameter gradients, input gradient, state after) as ShapeDtypeStructs
+    names: list[str]  # the compared output leaves
+
+
+def _traced_step(what: str, form: Form, x: jax.Array, output: Any) -> _Traced:
+    names: list[str] = []
+    try:
+        with user_code("check_layer", what, passthrough=(NoOutput, Grown)):
+            closed, shapes = jax.make_jaxpr(_step(form, output, names), return_shape=True)(form.params, form.rest, x)
+    except NoOutput as e:
+        raise ValueError(f"check_layer: {what}'s {e}") from None
+    return _Traced(form, closed, shapes, names)
+
+
+def trace_step(what: str, layer: Any, x: jax.Array, call: Any, output: Any) -> _Traced:
+    """``layer`` as pure functions, its step traced: once, and for a lazy NNX module once more, on a copy after
+    its first call (the first trace is what finds it lazy: nothing traces the layer only to ask)."""
+    form = traceable(what, lambda: form_of(layer, x, call, warm=False))
+    try:
+        return _traced_step(what, form, x, output)
+    except Grown:
+        form = traceable(what, lambda: form_of(layer, x, call, warm=True))
+        return _traced_step(what, form, x, output)
+
+
+def _program(traced: _Traced, output: Any, flat: list[Any], walks: Sequence[tuple[Prepared, list[int]]] = ()
+             ) -> Any:
+    """The traced step compiled for the flat arguments ``flat`` (``jax.jit``, ahead of time).
+
+    Compiled from the one trace, and run by both calls of a layer whatever
+    sharding the state its first call left comes with (plain ``jax.jit``
+    would compile the step again for it). A compiled program is reused only
+    for an equal form, an equal traced program and the same placement of the
+    arguments: code changed between two checks (a monkeypatched helper, a
+    rebuilt module) is never served the program of the old code.
+
+    ``walks``: coverage's walks with values, each with where its inputs are among ``flat`` (past its end: one
+    more argument). The one program also runs each and returns its outputs after the step's, so the
+    quantizer evidence of the declared check costs no compile of its own; where the walk repeats the
+    step's forward pass on the same arguments, XLA computes it once.
+    """
+    # output=None (every leaf) is a key like any other: hashable's None means "not hashable" only for a form's key.
+    key = hashable((traced.form.key, output)) if traced.form.key is not None else None
+    if key is not None:  # what jax.jit's own cache would hold apart besides the program: placement, matmul precision
+        key = hashable((key, fingerprint(traced.closed), tuple(getattr(v, "sharding", None) for v in flat),
+                         jax.config.jax_default_matmul_precision))
+    if key is not None and walks:
+        walk_keys = tuple((w.key(), tuple(at)) for w, at in walks)
+        key = hashable((key, walk_keys)) if all(k is not None for k, _ in walk_keys) else None
+    if key is not None and key in _PROGRAMS:
+        for w, at in walks:  # the walks' records come from their trace: traced again, compiled never
+            jax.eval_shape(w.evaluate, [flat[i] for i in at])
+        return _PROGRAMS[key]
+    run = jcore.jaxpr_as_fun(traced.closed)
+    n = len(traced.closed.in_avals)
+
+    def step(*leaves: Any) -> Any:  # the name JAX's compile log shows
+        out = run(*leaves[:n])
+        return (out, [w.evaluate([leaves[i] for i in at]) for w, at in walks]) if walks else out
+
+    program = jax.jit(step).lower(*flat).compile()
+    if key is not None:
+        _PROGRAMS[key] = program
+        while len(_PROGRAMS) > 64:
+            _PROGRAMS.popitem(last=False)
+    return program
+
+
+def _fits(traced: _Traced, program: Any, flat: list[Any], extra: Sequence[Any] = ()) -> list[Any] | None:
+    """``flat`` placed as ``program`` takes its arguments, then ``extra`` as they were; None where their types
+    are not the traced step's."""
+    avals = traced.closed.in_avals
+    if len(flat) != len(avals) or any((tuple(np.shape(v)), jnp.result_type(v)) != (tuple(a.shape), a.dtype)
+                                      for v, a in zip(flat, avals)):
+        return None
+    shardings = jax.tree.leaves(program.input_shardings[0])
+    if len(shardings) != len(flat) + len(extra):
+        return None
+    # A state the step constrained (MaxText's NamedSharding) is moved only where it differs in fact.
+    return [jax.device_put(v, s) if isinstance(v, jax.Array) and v.committed
+            and not v.sharding.is_equivalent_to(s, v.ndim) else v for v, s in zip(flat, shardings)] + list(extra)
+
+
+@dataclasses.dataclass
+class Run:
+    out: dict[str, np.ndarray]  # output leaf name -> value
+    grads: dict[str, np.ndarray]  # parameter path -> gradient; INPUT_GRAD -> the input's
+    params: dict[str, np.ndarray]
+    again: dict[str, np.ndarray] | None = None  # a second call, from the state the first left
+    traced: _Traced | None = None  # the step: the uninitialized check reads its traced program
+    # The same program on another x of x's shape, from the same state (no compile): ((output leaves, parameter
+    # gradients, input gradient, state after), each walk's outputs).
+    rerun: Callable[[jax.Array], Any] | None = None
+    after: Any = None  # the state the first call left
+    walked: list = dataclasses.field(default_factory=list)  # each walk's outputs on x
+
+
+def _placed(walks: Sequence[Prepared], flat: list[Any], x_at: int) -> tuple[list[tuple[Prepared, list[int]]], list]:
+    """Where each walk's inputs are among the step's ``flat`` arguments (the same arrays: the same inputs), and
+    the ones that are not, as more arguments. A walk must read x where the step does: the edge rows replace it."""
+    at = {id(v): i for i, v in enumerate(flat)}
+    extra: list[Any] = []
+    placed = []
+    for w in walks:
+        where = []
+        for leaf in w.leaves:
+            if id(leaf) not in at:
+                at[id(leaf)] = len(flat) + len(extra)
+                extra.append(leaf)
+            where.append(at[id(leaf)])
+        if x_at not in where:
+            raise RuntimeError("check_layer: qcheck's coverage walk does not read the layer's x (a bug of qcheck)")
+        placed.append((w, where))
+    return placed, extra
+
+
+def run_step(what: str, traced: _Traced, x: jax.Array, output: Any, *, twice: bool, walks: Sequence[Prepared] = ()
+         ) -> Run:
+    form, names = traced.form, traced.names
+    flat, tree = jax.tree.flatten((form.params, form.rest, x))
+    placed, extra = _placed(walks, flat, len(flat) - 1)
+    out_tree = jax.tree.structure(traced.shapes)
+
+    def split(result: Any) -> tuple[Any, list]:
+        return (result if not walks else result[0]), (result[1] if walks else [])
+
+    with user_code("check_layer", what):
+        program = _program(traced, output, flat + extra, placed)
+        result, walked = split(program(*flat, *extra))
+        leaves, g_params, g_x, after = jax.tree.unflatten(out_tree, result)
+        again = None
+        if twice:
+            flat_again, tree_again = jax.tree.flatten((form.params, after, x))
+            fitted = _fits(traced, program, flat_again, extra) if tree_again == tree else None
+            # A state of another structure or type than the one the step was traced with: its own program.
+            again = (jax.tree.unflatten(out_tree, split(program(*fitted))[0])[0] if fitted is not None
+                     else jax.jit(_step(form, output, []))(form.params, after, x)[0])
+    grads = {p: np.asarray(v) for p, v in form.param_leaves(g_params).items()}
+    grads[INPUT_GRAD] = np.asarray(g_x)
+    params = {p: np.asarray(v) for p, v in form.param_leaves(form.params).items()}
+
+    def rerun(x_other: jax.Array) -> Any:
+        flat_other = _fits(traced, program, jax.tree.leaves((form.params, form.rest, x_other)), extra)
+        with user_code("check_layer", what):
+            result, walked_other = split(program(*flat_other))
+        return jax.tree.unflatten(out_tree, result), walked_other
+
+    return Run(dict(zip(names, map(np.asarray, leaves))), grads, params,
+                None if again is None else dict(zip(names, map(np.asarray, again))), traced, rerun, after, walked)
