@@ -133,7 +133,7 @@ def test_a_bug_in_qcheck_s_own_walk_is_not_blamed_on_the_code_under_check(monkey
         return x.astype(jnp.float8_e4m3fn).astype(jnp.float32) @ W.astype(jnp.float8_e4m3fn).astype(jnp.float32)
 
     qcheck.coverage(fp8_matmul, X, errors=True)
-    monkeypatch.setattr("qcheck._coverage._walk._widest", None)  # the walk itself now fails
+    monkeypatch.setattr("qcheck._coverage._chain.widest_float", None)  # the walk itself now fails
     with pytest.raises(TypeError, match="'NoneType' object is not callable") as info:
         qcheck.coverage(fp8_matmul, X, errors=True)
     assert not isinstance(info.value, qcheck.UserCodeError)

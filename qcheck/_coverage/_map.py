@@ -18,7 +18,8 @@ from qcheck._coverage._readers import resolve_declaration
 from qcheck._coverage._records import MatmulRecord
 from qcheck._coverage._scopes import ModuleScopes
 from qcheck._coverage._skips import Skip, SkipArg, as_skips
-from qcheck._coverage._walk import NOT_RUN, Walker, Where, input_val
+from qcheck._coverage._values import NOT_RUN, Where, input_val
+from qcheck._coverage._walk import Walker
 from qcheck._coverage._weights import data_mask, unwrap
 
 
