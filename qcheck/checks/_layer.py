@@ -260,7 +260,7 @@ def check_layer(
       ``QuantizationAwareWrapper``, haliax's dot ops:
       ``qcheck._coverage._readers.READERS``); ``declared=True`` fails where
       nothing is read, ``declared=False`` holds nothing; or given: a recipe
-      name, a ``qcheck.Recipe``, or a mapping of roles to formats,
+      or format name, a ``qcheck.Recipe``, or a mapping of roles to formats,
       ``{"weights": "int8", "activations": None}``. The types its operands are
       cast to, and their codes bitwise against the referee's codes of the
       quantizer's input at the declared granularity
