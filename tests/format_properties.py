@@ -48,6 +48,8 @@ class Format:
     #: maps onto (its scale is absmax / int_edge, from the definition).
     int_codes: tuple[int, int] | None = None
     int_edge: float = 127.0
+    #: For integer formats: what the format adds to a block's absmax before scaling (Keras's epsilon).
+    int_epsilon: float = 0.0
     #: Blocks whose absmax is below this come back zero (a limit with its own test).
     min_amax: float = 0.0
 
@@ -97,6 +99,9 @@ FORMATS = (
            min_amax=2 * 127.5 * 2.0**-126),
     Format("int8_qwix", block=32, idempotent_ulps=None, int_codes=(-128, 127), int_edge=127.5,
            min_amax=2 * 127.5 * 2.0**-63),
+    # Keras: an encode scale 127 / (absmax + 1e-7). Below an absmax of 254e-7 its top code is under 126.5, so a
+    # second qdq takes another scale (tiny slices have their own test); above it, a second qdq keeps the codes.
+    Format("int8_keras", block=32, idempotent_ulps=None, int_codes=(-127, 127), int_epsilon=1e-7, min_amax=1e-3),
     Format("e4m3fn", block=32, idempotent_ulps=0, dtype=np.dtype(ml_dtypes.float8_e4m3fn)),
     Format("e4m3fnuz", block=32, idempotent_ulps=0, dtype=np.dtype(ml_dtypes.float8_e4m3fnuz), fnuz=True),
     Format("e5m2", block=32, idempotent_ulps=0, dtype=np.dtype(ml_dtypes.float8_e5m2)),
@@ -216,12 +221,13 @@ def assert_monotonic(qdq: Qdq, x: np.ndarray, fmt: Format) -> None:
 
 
 def _decode_scales(out: np.ndarray, fmt: Format, x: np.ndarray) -> np.ndarray:
-    """The per-block step: an integer format's from its definition, absmax(x) / int_edge;
+    """The per-block step: an integer format's from its definition, (absmax(x) + int_epsilon) / int_edge;
     NVFP4's read off the output itself, whose largest code is the format's max."""
     if fmt.int_codes is not None:
         # Not read off the output: qwix's -absmax may land on -127 or -128 (its quotient
         # is within an ulp of -127.5), so the output does not say which code it is.
-        return np.max(np.abs(_blocks(x, fmt)), axis=-1, keepdims=True).astype(np.float64) / fmt.int_edge
+        amax = np.max(np.abs(_blocks(x, fmt)), axis=-1, keepdims=True).astype(np.float64)
+        return (amax + fmt.int_epsilon) / fmt.int_edge
     top = np.max(np.abs(_blocks(out, fmt)), axis=-1, keepdims=True)
     return top / formats.E2M1_MAX
 

@@ -240,12 +240,24 @@ def test_declaration_that_the_unquantized_twin_satisfies_should_fail():
     ({"weights": {"format": "int8", "axes": 0}}, r"must be a format name, None, or"),
     ({"weights": {"format": "int8", "per": "last"}}, r"per must be a tuple of axes"),
     ({"lhs": "int8", "weights": "int8"}, r"by role .* or by position .*, not both"),
-    ("no_such_recipe", r"no_such_recipe"),
-    (3, r"declared must be a recipe name, a qcheck.Recipe or a mapping"),
+    ("no_such_recipe", r"^declared: unknown recipe 'no_such_recipe'; registered recipes: none, .*; formats: .*"
+                       r"int8_keras"),
+    (3, r"declared must be a recipe or format name, a qcheck.Recipe or a mapping"),
 ])
 def test_declaration_usage_errors_name_the_argument(declared, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as info:
         as_declaration(declared, "declared")
+    assert "\n" not in str(info.value)
+
+
+def test_a_format_name_declares_it_on_weights_and_activations():
+    declaration = as_declaration("e4m3fn", "declared")
+    assert {k: v.format for k, v in declaration.roles.items()} == {"weights": "e4m3fn", "activations": "e4m3fn"}
+    assert declaration.source == "format 'e4m3fn' on weights and activations"
+    qcheck.assert_quantized(fp8_matmul, X, declared="e4m3fn")  # should pass: both operands e4m3fn
+    with pytest.raises(AssertionError, match=r"declared e4m3fnuz"):  # should fail: the other flavour
+        qcheck.assert_quantized(fp8_matmul, X, declared="e4m3fnuz")
+    assert as_declaration("int8", "declared").source == "recipe 'int8'"  # a recipe's name is the recipe first
 
 
 def test_check_layer_reads_the_declaration_of_qcheck_layers():
@@ -305,7 +317,7 @@ def test_check_layer_mixed_formats_within_a_role_should_fail():
 
 def test_check_layer_declared_true_with_nothing_to_read_is_one_line():
     with pytest.raises(ValueError, match=r"^check_layer: declared=True, but no reader \(qcheck, MaxText, gemma, "
-                                         r"haliax\) finds a declaration on it of function; declare it by hand: "
+                                         r"haliax, Keras\) finds a declaration on it of function; declare it by hand: "
                                          r"declared='fp8' \(a recipe\) or declared=\{'weights': 'int8', "
                                          r"'activations': 'int8'\}$") as info:
         qcheck.check_layer(_sites(E4M3FN, E4M3FN, E4M3FN), _twin(3), X, declared=True)
@@ -367,3 +379,34 @@ def test_codes_of_another_int8_rule_are_named_should_fail(declared, other):
     _assert_fails(fn, X, declared={"activations": declared},
                   match=rf"codes are not {declared}'s: .*; they are {other}'s codes: another rule of the same kind "
                         rf"and width")
+
+
+# -- a reader's stored codes: weights a library keeps only as codes (Keras's quantize("int8")) ---------------
+
+def _stored_int8(x, codes, scale):
+    """Keras's int8 call in small: the input quantized in the call by int8_keras, the kernel given as stored codes."""
+    q = formats.quantize(x, "int8_keras", axis=-1)
+    return (q.codes.astype(jnp.int32) @ codes.astype(jnp.int32)).astype(jnp.float32) / (q.scales["slice"] * scale)
+
+
+def test_stored_weights_a_reader_declares_are_held_by_type_accepted_with_its_reason_should_pass():
+    """A reader that says the library stores a role's codes (Declaration.stored) accepts their hold by type, with
+    its reason; the activations are still held bitwise."""
+    from qcheck._coverage._declared import Declaration, RoleFormat
+
+    kernel = formats.quantize(W, "int8_keras", axis=0)
+    decl = Declaration({"weights": RoleFormat("int8_keras"), "activations": RoleFormat("int8_keras")}, "a reader",
+                       stored={"weights": "stored as codes"})
+    codes, scale = qcheck.weights(kernel.codes), qcheck.weights(kernel.scales["slice"])
+    (site,) = qcheck.assert_quantized(_stored_int8, X, codes, scale, declared=decl)
+    assert site.lhs_hold.bitwise and (site.rhs_hold.strength, site.rhs_hold.accepted_by) == ("type", "stored as codes")
+
+
+def test_stored_weights_declared_by_hand_fail_held_by_type_only():
+    """The should-fail twin: the same declaration by hand (no stored role) fails, saying the kernel's codes are held
+    by their type only."""
+    kernel = formats.quantize(W, "int8_keras", axis=0)
+    with pytest.raises(AssertionError, match=r"rhs \(weight\) held by its type only, not bitwise as int8_keras fixes "
+                                             r"its bits: its codes do not trace back to a quantizer"):
+        qcheck.assert_quantized(_stored_int8, X, qcheck.weights(kernel.codes), qcheck.weights(kernel.scales["slice"]),
+                                declared={"weights": "int8_keras", "activations": "int8_keras"})

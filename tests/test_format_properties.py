@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 
-from qcheck import formats
+from qcheck import formats, referees
 from tests import format_properties as fp
 
 VALUES = fp.VALUES
@@ -68,6 +68,48 @@ def test_absmax_over_127_5_is_not_idempotent(fmt):
     strict = dataclasses.replace(fp.BY_NAME[fmt], idempotent_ulps=4)
     with pytest.raises(AssertionError, match=rf"{fmt}: qdq\(qdq\(x\)\) moved .* ulps, allowed 4\)"):
         fp.assert_idempotent(jitted(fmt), PROBE, strict)
+
+
+def _keras_codes(x):
+    """Keras 3.15.1's int8 codes, written here from keras/src/quantizers/quantizers.py (abs_max_quantize):
+    clip(round(x · 127 / (absmax + 1e-7)), -127, 127) per row, in float32."""
+    scale = np.float32(127) / (np.max(np.abs(x), axis=-1, keepdims=True) + np.float32(1e-7))
+    return np.clip(np.round(x * scale), -127, 127)
+
+
+def test_int8_keras_keeps_an_all_zero_row_zero_where_no_epsilon_gives_nan():
+    # Keras's epsilon is its zero guard: a zero row's scale is 127 / 1e-7 (finite) and its codes 0. The
+    # should-fail twin, the same rule with no epsilon (127 / 0 = inf, 0 · inf = NaN), fails the same property.
+    x = PROBE.copy()
+    x[1] = 0.0
+    out = jitted("int8_keras")(x)
+    assert not np.any(out[1]) and np.all(np.isfinite(out))
+    q = formats.quantize(x, "int8_keras")
+    assert not np.any(np.asarray(q.codes)[1]) and float(np.asarray(q.scales["slice"])[1, 0]) == np.float32(127 / 1e-7)
+    fp.assert_finite(jitted("int8_keras"), x, fp.BY_NAME["int8_keras"])
+
+    def no_epsilon(x):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            scale = np.float32(127) / np.max(np.abs(x), axis=-1, keepdims=True)
+            return (np.clip(np.round(x * scale), -127, 127) / scale).astype(np.float32)
+
+    with pytest.raises(AssertionError, match="non-finite outputs"):
+        fp.assert_finite(no_epsilon, x, fp.BY_NAME["int8_keras"])
+
+
+@pytest.mark.parametrize("amax", [1e-5, 1e-6, 1e-8])
+def test_int8_keras_on_a_tiny_amax_reaches_fewer_codes_than_int8(amax):
+    # Limit of Keras's int8: the epsilon is 1e-7 of absolute value, so a row of small values maps its absmax below
+    # 127 (126 near 1e-5, 115 at 1e-6, 9 at 1e-8): its codes are not int8's (absmax / 127 reaches ±127). The
+    # codes equal Keras's rule written here and the referee's, bitwise.
+    x = (np.linspace(-1.0, 1.0, 128, dtype=np.float32).reshape(fp.SHAPE) * np.float32(amax)).astype(np.float32)
+    codes = np.asarray(jax.jit(lambda v: formats.quantize(v, "int8_keras").codes)(x))
+    top = int(np.round(127 * np.float32(amax) / (np.float32(amax) + np.float32(1e-7))))
+    assert np.array_equal(codes, _keras_codes(x)) and int(np.abs(codes).max()) == top < 127
+    ref, _ = referees.reference_quantize(x, "int8_keras", ftz=jax.default_backend() == "cpu")
+    assert np.array_equal(codes, ref)
+    assert not np.array_equal(codes, np.asarray(formats.quantize(x, "int8").codes))  # int8 reaches ±127
+    assert int(np.abs(np.asarray(formats.quantize(x, "int8").codes)).max()) == 127
 
 
 # -- failing twins: each property on the quantizer bug it exists for -------------
@@ -168,16 +210,21 @@ def _row_amax(x):
         (fp.assert_sign_symmetric, "int8_qwix", lambda x: jitted("int8_qwix")(x + 0.5), r"qdq\(-x\) != -qdq\(x\)"),
         # +absmax kept at 128 (no saturating cast): the codes are off the int8 grid.
         (fp.assert_on_grid, "int8_qwix", _absmax_int8(127.5, -128, 128), "off the grid"),
+        # Keras's scale without the epsilon's 1e-7 on a row of amax 1e-6: codes 127 at the format's step
+        # (absmax + 1e-7) / 127 are off its grid (127 · 1.1 = 139.7, past the top code).
+        (fp.assert_on_grid, "int8_keras", _absmax_int8(127.0, -127, 127), "off the grid"),
     ],
     ids=["no-saturation", "wrong-flavour-grid", "wrong-flavour-negzero", "asymmetric", "truncation",
          "drifting-scale", "zero-leak", "reversed", "off-grid", "far-from-neighbours",
          "mx-nearest-scale", "mx-no-saturation", "mx-block-16", "current-stale-amax", "current-row-amax",
-         "aqt-edge-128", "aqt-wrapping-cast", "qwix-asymmetric", "qwix-unsaturated-128"],
+         "aqt-edge-128", "aqt-wrapping-cast", "qwix-asymmetric", "qwix-unsaturated-128", "keras-no-epsilon"],
 )
 def test_property_fails_on_its_bug(prop, fmt, broken, message):
     x = PROBE.copy()
     if prop is fp.assert_sign_symmetric and fmt == "e4m3fnuz":
         x[0, :4] = [-1e-6, 1e-6, -3e-7, 3e-7]  # tiny values that e4m3fn rounds to -0.0
+    if fmt == "int8_keras":
+        x[3] = x[3] * np.float32(1e-6 / 600.3)  # a row of amax 1e-6, where the epsilon is a tenth of the scale
     if fmt == "mxfp8":
         # Block amaxes whose mantissa is past e4m3's 1.75 (448 = 1.75 · 2^8): row 1's 500
         # saturates at its scale 2^0; row 2's first half, 240, would at a 16-block's 2^-1.

@@ -130,7 +130,10 @@ def test_aqt_ragged_dot_shared_weight_scale_fails_exact_naming_it():
     "kwargs, match",
     [(dict(arithmetic="fixed"), r"unknown arithmetic 'fixed'; valid: float, integer"),
      (dict(arithmetic="integer", lhs_format="e4m3fn", rhs_format="int8_aqt"),
-      r"arithmetic='integer' needs integer formats \(int8, int8_aqt, int8_qwix\), got e4m3fn")],
+      r"arithmetic='integer' needs integer formats \(int8, int8_aqt, int8_qwix\), got e4m3fn"),
+     # Keras's int8 stores an encode scale, which Keras divides by: not the integer reference's arithmetic.
+     (dict(arithmetic="integer", lhs_format="int8_keras", rhs_format="int8_keras"),
+      r"arithmetic='integer' needs integer formats \(int8, int8_aqt, int8_qwix\), got int8_keras, int8_keras")],
 )
 def test_integer_exact_bad_input(kwargs, match):
     eqn, lhs_shape, rhs_shape = SITES[0][1:4]

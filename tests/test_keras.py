@@ -24,8 +24,15 @@ backward pass the output gradient quantize-dequantized the same way to e5m2.
 * a wrong fp8 flavour: Keras has no fnuz type, so no Keras layer can plant it; declared
   e4m3fnuz, the stock float8 Dense fails, "is cast to float8_e4m3fn; declared e4m3fnuz",
   and declared e4m3fn (the control) it passes;
-* qcheck has no reader for Keras's quantization yet: ``declared=True`` is a one-line
-  ValueError naming the readers tried, and with no ``declared=`` nothing is read.
+* the Keras reader: undeclared (or ``declared=True``), a quantized layer is held to the mode
+  ``quantize()`` recorded on it (float8: e4m3fn, e5m2 gradients; int8: ``int8_keras``, Keras's
+  own rule with its 1e-7 epsilon, the stored int8 kernel held by its type, accepted by the reader);
+  an unquantized one reads nothing (``declared=True`` a one-line ValueError naming the readers);
+* int8 on small activations (absmax near 1e-5): declared ``int8``, the correct layer fails naming
+  ``int8_keras``; a quantizer without the epsilon, read as Keras int8, fails naming ``int8``;
+* raw ``keras.ops.einsum`` experts on ``add_weight`` kernels (keras-hub's MoE experts) stay
+  float32 under ``model.quantize("int8")`` and fail the read declaration, named; the all-
+  ``EinsumDense`` control passes.
 
 Sites are located inside Keras (``keras/src/backend/jax/numpy.py``, function ``matmul``),
 scoped by the layer's name.
@@ -202,30 +209,177 @@ def test_keras_float8_declared_e4m3fnuz_should_fail_naming_the_flavour(keras):
         qcheck.assert_quantized(layer, X, declared=FNUZ)
 
 
-# -- 3. no reader for Keras's quantization ----------------------------------------------------------------
+# -- 3. the Keras reader: the mode quantize() recorded, read by default --------------------------------------
 
-def test_keras_declared_true_is_a_one_line_error_naming_the_readers(keras):
-    """Keras 3.15.1: qcheck reads no declaration from a Keras layer (no Keras reader yet), so declared=True
-    is a usage error, one line, naming the readers it tried, not a pass."""
-    layer, twin = _dense(keras)
-    for entry, call in (("check_layer", lambda: qcheck.check_layer(layer, twin, X, declared=True)),
-                        ("assert_quantized", lambda: qcheck.assert_quantized(layer, X, declared=True))):
+def test_keras_unquantized_declared_true_is_a_one_line_error_naming_the_readers(keras):
+    """Keras 3.15.1: an unquantized Dense records no quantization mode, so nothing is read: declared=True is a
+    usage error, one line, naming the readers it tried (Keras's among them), not a pass."""
+    _, twin = _dense(keras)
+    other = keras.layers.Dense(UNITS, name=NAME)
+    other.build((None, IN))
+    for entry, call in (("check_layer", lambda: qcheck.check_layer(twin, other, X, declared=True)),
+                        ("assert_quantized", lambda: qcheck.assert_quantized(twin, X, declared=True))):
         with pytest.raises(ValueError) as error:
             call()
         message = str(error.value)
-        assert re.match(rf"{entry}: declared=True, but no reader \((qcheck(, \w+)*)\) finds a declaration on it of "
-                        r"Dense; declare it by hand", message), message
+        assert re.match(rf"{entry}: declared=True, but no reader \((qcheck(, \w+)*, Keras)\) finds a declaration on "
+                        r"it of Dense; declare it by hand", message), message
         assert "\n" not in message, message
 
 
-def test_keras_with_no_declared_argument_nothing_is_read(keras):
-    """Keras 3.15.1: undeclared, nothing is read and no site is held to a declaration; the figures say so."""
+def test_keras_unquantized_with_no_declared_argument_nothing_is_read(keras):
+    """Keras 3.15.1: undeclared, an unquantized Dense reads nothing (the figures say so) and its float32 matmul
+    fails coverage as ever."""
+    _, twin = _dense(keras)
+    assert qcheck.coverage(twin, X).declared_from.startswith("nothing read"), qcheck.coverage(twin, X).declared_from
+    with pytest.raises(AssertionError, match=r"1 of 1 matmuls reach full precision"):
+        qcheck.assert_quantized(twin, X)
+
+
+def test_keras_float8_with_no_declared_argument_the_quantize_mode_is_read_should_pass(keras):
+    """Keras 3.15.1: undeclared, the float8 Dense is held to what quantize('float8') recorded on it (its
+    QuantizedFloat8DTypePolicy): e4m3fn forward, e5m2 output gradients, each operand bitwise, forward and
+    backward, as declared=True reads it too."""
     layer, twin = _dense(keras)
     figures = qcheck.check_layer(layer, twin, X)
-    assert figures.declared is None and figures.declared_from.startswith("nothing read"), figures.declared_from
-    (site,) = figures.coverage
-    assert site.quantized and site.lhs_hold is None and site.rhs_hold is None
-    assert qcheck.coverage(layer, X).declared_from.startswith("nothing read")
+    assert figures.declared_from == "read from the layer: Keras quantize('float8') on 1 layer(s) (Dense)", \
+        figures.declared_from
+    assert str(figures.declared).startswith("activations e4m3fn, weights e4m3fn, grads e5m2"), figures.declared
+    (forward,) = figures.coverage
+    (backward,) = figures.backward
+    assert forward.lhs_hold.bitwise and forward.rhs_hold.bitwise and backward.lhs_hold.bitwise, figures.backward
+    assert qcheck.check_layer(layer, twin, X, declared=True).declared_from == figures.declared_from
+    records = qcheck.assert_quantized(layer, X, backward=True)
+    assert [h.strength for r in records for h in (r.lhs_hold, r.rhs_hold)] == ["bitwise"] * 4
+
+
+# -- 4. int8: Keras's own rule, int8_keras --------------------------------------------------------------------
+
+#: Small activations (absmax near 1e-5), where Keras's epsilon moves codes: its top code is 126, not 127.
+SMALL = (X * 1e-5).astype(np.float32)
+INT8_KERAS = {"weights": "int8_keras", "activations": "int8_keras"}
+#: Keras stores an int8 kernel as codes (no float kernel is left): by hand, its hold by type is accepted so.
+KERNEL = qcheck.skip_functions("matmul")
+
+
+def test_keras_int8_dense_declared_int8_keras_holds_the_activations_bitwise_should_pass(keras):
+    """Keras 3.15.1: the control. Keras's int8 Dense quantizes its input in the call by abs_max_quantize
+    (clip(round(x · 127 / (absmax + 1e-7)), -127, 127), keras/src/quantizers/quantizers.py:98-119) and
+    multiplies it by the int8 kernel codes quantize() stored. Declared int8_keras, the input's codes are held
+    bitwise on small and ordinary activations; the stored kernel is held by its type (int8), accepted by name.
+    Undeclared, the reader declares the same and accepts the kernel's hold itself, saying why."""
+    layer, twin = _dense(keras, "int8")
+    for x in (X, SMALL):
+        (site,) = qcheck.assert_quantized(layer, x, declared=INT8_KERAS, accept_weaker=KERNEL)
+        assert site.lhs_hold.bitwise and site.rhs_hold.strength == "type", (site.lhs_hold, site.rhs_hold)
+        assert site.rhs_hold.accepted_by == "skip_functions('matmul')", site.rhs_hold
+        (read,) = qcheck.assert_quantized(layer, x)
+        assert read.lhs_hold.bitwise and read.rhs_hold.accepted_by.startswith("the Keras reader: "), read.rhs_hold
+    figures = qcheck.check_layer(layer, twin, SMALL, max_rel_norm=0.05)
+    assert figures.declared_from == "read from the layer: Keras quantize('int8') on 1 layer(s) (Dense)"
+    assert str(figures.declared).startswith("activations int8_keras, weights int8_keras"), figures.declared
+    # By hand, the stored kernel is held by its type only, and that fails until it is accepted.
+    with pytest.raises(AssertionError, match=r"rhs \(weight\) held by its type only, not bitwise as int8_keras"):
+        qcheck.assert_quantized(layer, SMALL, declared=INT8_KERAS)
+
+
+def test_keras_int8_dense_on_small_activations_declared_int8_fails_naming_int8_keras(keras):
+    """Keras 3.15.1: the false alarm of the issue, now diagnosed. On activations of absmax near 1e-5 Keras's
+    epsilon moves codes, so declared int8 (absmax / 127) the correct Keras layer fails, and the failure names the
+    rule its codes follow: int8_keras."""
+    layer, _ = _dense(keras, "int8")
+    with pytest.raises(AssertionError) as failure:
+        qcheck.assert_quantized(layer, SMALL, declared={"weights": "int8", "activations": "int8"},
+                                accept_weaker=KERNEL)
+    message = _message(failure)
+    assert re.search(r"lhs \(activation\): codes are not int8's: \d+ of 256 codes differ from the referee's", message)
+    assert "they are int8_keras's codes: another rule of the same kind and width" in message, message
+
+
+def test_keras_int8_dense_with_a_quantizer_missing_the_epsilon_fails_naming_int8(keras):
+    """Keras 3.15.1: the other way. A Dense whose input quantizer was replaced by one that leaves out Keras's
+    epsilon (absmax / 127: qcheck's int8, Keras's calling convention, an encode scale) is read as Keras int8, and
+    fails on small activations naming int8 as the rule its codes follow."""
+    layer, _ = _dense(keras, "int8")
+
+    def no_epsilon(x, axis=-1):
+        q = qcheck.formats.quantize(x, "int8", axis=axis)
+        return q.codes, 1.0 / q.scales["slice"]
+
+    layer.inputs_quantizer = no_epsilon
+    with pytest.raises(AssertionError) as failure:
+        qcheck.assert_quantized(layer, SMALL)
+    message = _message(failure)
+    assert "lhs (activation): codes are not int8_keras's:" in message, message
+    assert "they are int8's codes: another rule of the same kind and width" in message, message
+    assert message.endswith("declared: read from the fn: Keras quantize('int8') on 1 layer(s) (Dense)"), message
+
+
+# -- 5. what Keras's quantize() does not reach: raw einsums on add_weight kernels (keras-hub's MoE experts) ------
+
+def _moe(keras, raw_experts: bool):
+    """A Keras MoE-shaped model: a Dense router, 4 experts and a Dense output. ``raw_experts``: the experts are
+    ``add_weight`` kernels multiplied by ``keras.ops.einsum`` (keras-hub's Mixtral, mixtral_decoder.py:154-171),
+    a leaf layer quantize() cannot reach; else an ``EinsumDense`` (the control)."""
+
+    class RawExperts(keras.layers.Layer):
+        def build(self, input_shape):
+            self.kernel = self.add_weight(shape=(4, IN, UNITS), name="kernel")
+
+        def call(self, x):
+            return keras.ops.einsum("bd,edh->beh", x, self.kernel)  # the expert matmul
+
+    inputs = keras.Input((IN,))
+    router = keras.layers.Dense(4, name="router")(inputs)
+    experts = (RawExperts(name="experts") if raw_experts else
+               keras.layers.EinsumDense("bd,edh->beh", output_shape=(4, UNITS), name="experts"))(inputs)
+    weighted = keras.ops.einsum("be,beh->bh", keras.ops.softmax(router), experts)  # the combine: full precision
+    model = keras.Model(inputs, keras.layers.Dense(UNITS, name="out")(weighted))
+    return model
+
+
+def _quantized_moe(keras, raw_experts: bool):
+    model = _moe(keras, raw_experts)
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.quantize("int8")
+    return model, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+
+INPUT_WARNING = "Layer InputLayer does not have a `quantize` method implemented."
+COMBINE = qcheck.skip_modules("be,beh->bh")  # the combine, outside any layer: Keras scopes it by its equation
+
+
+def test_keras_int8_model_all_layers_reached_passes_the_read_declaration_should_pass(keras):
+    """Keras 3.15.1: the control. Router, experts (EinsumDense) and output quantized by model.quantize('int8'):
+    every matmul but the combine holds the read int8_keras, activations bitwise; no warning but InputLayer's."""
+    model, warned = _quantized_moe(keras, raw_experts=False)
+    assert warned == [INPUT_WARNING], warned  # Keras warns for every leaf it cannot quantize, InputLayer too
+    records = qcheck.assert_quantized(model, X, skip=COMBINE)
+    assert records.declared_from == "read from the fn: Keras quantize('int8') on 3 layer(s) (Dense, EinsumDense)"
+    held = [r for r in records if not r.scope.endswith("be,beh->bh")]
+    assert [r.scope.split("/")[1] for r in held] == ["router", "experts", "out"], qcheck.format_coverage(records)
+    assert all(r.lhs_hold.bitwise for r in held), qcheck.format_coverage(records)
+
+
+def test_keras_int8_model_raw_einsum_experts_stay_float32_and_fail_the_read_declaration(keras):
+    """Keras 3.15.1: the keras-hub experts defect in small. model.quantize('int8') reaches the Dense router and
+    output only; the experts layer's NotImplementedError becomes one UserWarning (beside InputLayer's), and its
+    einsum multiplies
+    float32 x float32. Read by default, the declaration holds every matmul of the model, so coverage fails
+    naming the experts' einsum (at the model's line, with keras as machinery) and nothing else."""
+    model, warned = _quantized_moe(keras, raw_experts=True)
+    assert warned == [INPUT_WARNING, "Layer RawExperts does not have a `quantize` method implemented."], warned
+    with pytest.raises(AssertionError) as failure:
+        qcheck.assert_quantized(model, X, skip=COMBINE, machinery=("keras",))
+    message = _message(failure)
+    assert "assert_quantized: 1 of 4 matmuls" in message, message
+    assert re.search(r"dot_general at \S*tests/test_keras\.py:\d+ \(.*RawExperts\.call\), "
+                     r"in functional(_\d+)?/experts/", message), message
+    assert "lhs (activation) reaches the matmul in full precision; declared int8_keras" in message, message
+    assert "rhs (weight) reaches the matmul in full precision; declared int8_keras" in message, message
+    assert message.endswith("declared: read from the fn: Keras quantize('int8') on 2 layer(s) (Dense)"), message
 
 
 def test_stateless_call_with_weights_marked_gives_the_kernel_its_role_should_pass(keras):
@@ -244,3 +398,16 @@ def test_stateless_call_with_weights_marked_gives_the_kernel_its_role_should_pas
     assert marked.findings == () and marked.rhs_hold.bitwise, marked
     (unmarked,) = qcheck.coverage(call, trainable, frozen, X)
     assert (unmarked.lhs_role, unmarked.rhs_role) == ("activation", "activation"), unmarked
+
+
+def test_keras_reader_imports_nothing_from_keras(keras):
+    """The Keras reader reads only a Keras layer, which has imported Keras: reading any other layer (here a
+    function, in a fresh process where Keras is installed) leaves keras unimported."""
+    import subprocess
+    import sys
+
+    code = ("import sys, qcheck; import numpy as np; "
+            "qcheck.coverage(lambda x: x @ np.ones((4, 2), np.float32), np.ones((2, 4), np.float32)); "
+            "sys.exit('keras imported' if 'keras' in sys.modules else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr

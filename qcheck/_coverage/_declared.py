@@ -68,11 +68,17 @@ class Declaration:
 
     ``kernels``: roles of the matmuls inside opaque kernels by kernel name, where the library quantizes them
     its own way (MaxText's megablox ``gmm`` quantizes with its own qwix rule whatever the config's AQT).
+
+    ``stored``: roles (``weights``) whose codes the library stores already quantized, by the reason: a reader
+    sets it where the library keeps no float values to hold them to (Keras's ``quantize("int8")`` replaces the
+    kernel by its int8 codes). An operand of such a role whose codes trace back to no quantizer is held by its
+    type, accepted with that reason (the hold says so); everything else about it is held as declared.
     """
 
     roles: Mapping[str, RoleFormat | None]
     source: str = "given"
     kernels: Mapping[str, Mapping[str, RoleFormat | None]] = dataclasses.field(default_factory=dict)
+    stored: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def for_operand(self, side: str, role: str, kernel: str | None = None) -> tuple[bool, RoleFormat | None]:
         """``(declared, format)`` for an operand at ``side`` ("lhs"/"rhs") with data-flow ``role`` (of ``kernel``)."""
@@ -121,11 +127,14 @@ def _role_format(key: str, value: Any, what: str) -> RoleFormat | None:
 
 
 def as_declaration(spec: Any, what: str = "declared") -> Declaration:
-    """A :class:`Declaration` from a registered recipe's name, a ``qcheck.Recipe``, or a mapping by role.
+    """A :class:`Declaration` from a registered recipe's name, a format's name, a ``qcheck.Recipe``, or a mapping
+    by role.
 
     A recipe declares its ``lhs`` format for activations, its ``rhs`` format
     for weights (qcheck's call sites take the activation first) and its
-    ``grad`` format, if any, for gradients.
+    ``grad`` format, if any, for gradients. A format's name (one no recipe
+    takes: ``"int8_keras"``, ``"e4m3fn"``) declares it for weights and
+    activations alike.
     """
     from qcheck.recipes import Recipe, get_recipe
 
@@ -135,7 +144,11 @@ def as_declaration(spec: Any, what: str = "declared") -> Declaration:
         try:
             spec = get_recipe(spec)
         except (KeyError, ValueError) as e:
-            raise ValueError(f"{what}: {e.args[0] if e.args else e}") from None
+            if spec in formats.format_names():
+                return Declaration({"weights": RoleFormat(spec), "activations": RoleFormat(spec)},
+                                   f"format {spec!r} on weights and activations")
+            raise ValueError(f"{what}: {e.args[0] if e.args else e}; formats: "
+                             f"{', '.join(formats.format_names())}") from None
     if isinstance(spec, Recipe):
         if not spec.quantized:
             return Declaration({"weights": None, "activations": None}, f"recipe {spec.name!r}")
@@ -155,8 +168,8 @@ def as_declaration(spec: Any, what: str = "declared") -> Declaration:
             raise ValueError(f"{what}: declare operands by role (weights, activations, grads) or by position "
                              f"(lhs, rhs), not both")
         return Declaration({k: _role_format(k, v, what) for k, v in spec.items()})
-    raise ValueError(f"{what} must be a recipe name, a qcheck.Recipe or a mapping of roles ({', '.join(ROLES)}) "
-                     f"to format names; got {type(spec).__name__}")
+    raise ValueError(f"{what} must be a recipe or format name, a qcheck.Recipe or a mapping of roles "
+                     f"({', '.join(ROLES)}) to format names; got {type(spec).__name__}")
 
 
 # -- what a format's codes are -------------------------------------------------------
@@ -233,7 +246,8 @@ def _diagnose(x: np.ndarray, codes: np.ndarray, fmt: str, axes: tuple[int, ...])
     if fmt in formats.FP8_SIBLINGS and _matches(x, codes, formats.FP8_SIBLINGS[fmt], axes):
         return f"they are {formats.FP8_SIBLINGS[fmt]}'s codes, the other fp8 flavour"
     record = formats.get_format(fmt)
-    # Another rule of the same kind and width (int8 / int8_aqt / int8_qwix: absmax over 127 or 127.5).
+    # Another rule of the same kind and width (int8 / int8_aqt / int8_qwix / int8_keras: absmax over 127 or 127.5,
+    # or Keras's 127 over absmax + 1e-7).
     for other in formats.FORMATS:
         if (other.name != fmt and other.kind == record.kind and other.element == record.element
                 and other.block == record.block and _matches(x, codes, other.name, axes)):
@@ -421,7 +435,8 @@ def judge(records: Sequence[MatmulRecord], declaration: Declaration, quantizers:
                              f"{', '.join(sorted(want))}")
                 continue
             if (i, side) not in evidence:
-                holds[side] = Hold("type", _no_evidence(r))
+                stored = declaration.stored.get(_ROLE_OF.get(role, role)) if not r.opaque else None
+                holds[side] = Hold("type", _no_evidence(r), accepted_by=stored)
                 continue
             q, axes = evidence[i, side]
             x, codes, divisor, *rest = quantizers[q]

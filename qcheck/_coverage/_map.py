@@ -203,8 +203,8 @@ def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward:
     ``declared``: what the matmuls' operands are meant to be. By default
     (None) it is read from ``fn`` where its library states one
     (``qcheck._coverage._readers.READERS``: qcheck's layers, MaxText's config,
-    gemma's wrapper, haliax's ops); True reads it and fails where nothing is
-    read; False holds nothing; or give it: a recipe name, a ``qcheck.Recipe``,
+    gemma's wrapper, haliax's ops, Keras's quantize mode); True reads it and fails where nothing is
+    read; False holds nothing; or give it: a recipe or format name, a ``qcheck.Recipe``,
     or a mapping of roles to formats (:mod:`qcheck._coverage._declared`).
     Each record then carries its operands' declared formats, how strongly
     each was held (``lhs_hold``/``rhs_hold``: bitwise, type or none, and why)

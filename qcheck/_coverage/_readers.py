@@ -174,6 +174,77 @@ def _haliax(layer: Any) -> Declaration | None:
                        f"haliax {name} on {len(ops)} Linear layer(s): {', '.join(f'{k} {v}' for k, v in roles)}")
 
 
+#: Keras 3.15.1's ``layer.quantize(mode)`` / ``model.quantize(mode)``, as each layer it reached records it
+#: (``Layer.quantization_mode``, read off the layer's ``QuantizedDTypePolicy``; keras/src/layers/layer.py:842).
+#: ``int8``: ``Dense``/``EinsumDense`` quantize the input in the call and store the kernel as int8 codes, both by
+#: ``abs_max_quantize`` (an encode scale 127 / (absmax + 1e-7), codes ±127: qcheck's ``int8_keras``;
+#: keras/src/quantizers/quantizers.py:67-119, dense.py:469-488, 781-813); the backward pass multiplies the float
+#: output gradient by the dequantized kernel: no grads role. ``float8``: delayed-scaling e4m3fn on the input and
+#: the kernel, the output gradient e5m2 (dense.py ``_float8_call``).
+KERAS_MODES = {
+    "int8": {"activations": "int8_keras", "weights": "int8_keras"},
+    "float8": {"activations": "e4m3fn", "weights": "e4m3fn", "grads": "e5m2"},
+}
+#: Why a Keras int8 kernel is held by its type: quantize() stored its codes and kept no float kernel.
+KERAS_STORED = "the Keras reader: quantize('int8') stores the kernel as int8 codes, keeping no float kernel"
+_KERAS_EPSILON = 1e-7  # keras.backend.epsilon(), abs_max_quantize's default
+
+
+def _keras_int8(quantizer: Any) -> bool:
+    """Whether ``quantizer`` is Keras's ``AbsMaxQuantizer`` with its int8 defaults: qcheck's ``int8_keras``."""
+    return (type(quantizer).__name__ == "AbsMaxQuantizer" and type(quantizer).__module__.startswith("keras.")
+            and tuple(getattr(quantizer, "value_range", ())) == (-127, 127)
+            and getattr(quantizer, "epsilon", None) == _KERAS_EPSILON
+            and getattr(quantizer, "output_dtype", None) == "int8")
+
+
+def _keras_int8_activations(layer: Any) -> str | None:
+    """``int8_keras`` or ``"none"`` (weight-only) as the layer's ``quantization_config`` configures its inputs, or
+    None where it configures a quantizer that is not int8_keras (nothing is read then)."""
+    config = getattr(layer, "quantization_config", None)
+    if config is not None and getattr(config, "weight_quantizer", None) is not None \
+            and not _keras_int8(config.weight_quantizer):
+        return None
+    if config is None:
+        return "int8_keras"  # Dense/EinsumDense's default: AbsMaxQuantizer()
+    activations = getattr(config, "activation_quantizer", None)
+    if activations is None:
+        return "none"
+    return "int8_keras" if _keras_int8(activations) else None
+
+
+def _keras(layer: Any) -> Declaration | None:
+    # A Keras layer or model (a user's subclass too): keras is never imported here, a Keras layer has imported it.
+    if "keras" not in sys.modules or isinstance(layer, type):
+        return None
+    if not any(c.__module__.startswith("keras.") for c in type(layer).__mro__):
+        return None
+    flatten = getattr(layer, "_flatten_layers", None)
+    layers = flatten(include_self=True, recursive=True) if callable(flatten) else [layer]
+    reached: dict[str, list[Any]] = {}
+    for sub in layers:
+        mode = getattr(sub, "quantization_mode", None)
+        if mode is not None:
+            reached.setdefault(str(mode), []).append(sub)
+    if len(reached) != 1:
+        return None  # nothing quantized (nothing to read), or several modes: no one declaration
+    mode, subs = reached.popitem()
+    roles: dict[str, RoleFormat | None] = {k: RoleFormat(v) for k, v in KERAS_MODES.get(mode, {}).items()}
+    if not roles:
+        return None  # int4, gptq, awq: no qcheck format for their packed codes
+    stored = {}
+    if mode == "int8":
+        activations = {_keras_int8_activations(sub) for sub in subs}
+        if len(activations) != 1 or None in activations:
+            return None  # quantizers configured otherwise than Keras's int8, or mixed: nothing to read
+        if activations.pop() == "none":
+            roles["activations"] = None
+        stored = {"weights": KERAS_STORED}
+    names = sorted({type(sub).__name__ for sub in subs})
+    return Declaration(roles, f"Keras quantize({mode!r}) on {len(subs)} layer(s) ({', '.join(names)})",
+                       stored=stored)
+
+
 #: (library, what is read, reader): the first reader that returns a declaration wins.
 READERS: tuple[tuple[str, str, Callable[[Any], Declaration | None]], ...] = (
     ("qcheck", "MoE.recipe_name: the recipe the layer was built with", _qcheck_moe),
@@ -184,6 +255,8 @@ READERS: tuple[tuple[str, str, Callable[[Any], Declaration | None]], ...] = (
               "last axis", _gemma),
     ("haliax", "Fp8DotGeneralOp's fwd/rev dtypes and Int8DotGeneralOp's AQT config, as quantize_linear_layers "
                "sets them on the layer's Linears (a pytree: an Equinox module, or a Partial holding it)", _haliax),
+    ("Keras", "the mode quantize() recorded on the layers it reached (Layer.quantization_mode: int8, with its "
+              "quantization_config; float8): every matmul of the layer or model held to it", _keras),
 )
 
 

@@ -124,7 +124,7 @@ def assert_format_matches_referee(
     uniforms = None if rng is None else nvfp4_uniforms(rng, x.shape, axis)
     ftz = jax.default_backend() == "cpu"
     codes, scales = referees.reference_quantize(x, fmt, axis=axis, uniforms=uniforms, ftz=ftz, xla_reciprocal=True)
-    want = referees.reference_dequantize(codes, scales, fmt, axis=axis, ftz=ftz)
+    want = referees.reference_dequantize(codes, scales, fmt, axis=axis, ftz=ftz, xla_reciprocal=True)
     _first_difference(fmt, "codes", q.codes, codes)
     if set(q.scales) != set(scales):
         raise AssertionError(f"{fmt}: scales {sorted(q.scales)}, the referee's {sorted(scales)}")

@@ -34,7 +34,9 @@ def quantize(
     ``preserve_max_val=True``). ``int8_aqt`` is AQT v2's default int8: absmax /
     127.5, x · (1 / scale) clipped to ±127. ``int8_qwix`` is qwix's: absmax /
     127.5, x / scale with a saturating cast, codes -128..127, and slices whose
-    scale is below 2^-63 (float32) come back zero. The fp8 formats are the element type at scale 1,
+    scale is below 2^-63 (float32) come back zero. ``int8_keras`` is Keras's: an encode scale 127 / (absmax
+    + 1e-7), x · scale clipped to ±127, so an all-zero slice stays zero and a slice of values near 1e-5
+    reaches only ±126. The fp8 formats are the element type at scale 1,
     and the ``*_current`` formats scale the whole tensor by fmax / amax, so
     ``axis`` does not change them. ``nvfp4`` (blocks of 16) and ``mxfp8`` (blocks
     of 32) flatten ``axis`` into blocks, a ValueError if that is not a whole

@@ -9,12 +9,15 @@ from jax import Array
 from qcheck.formats._quantized import Codes, Quantized
 from qcheck.formats._record import Format
 
-__all__ = ["INT8_EDGE", "INT8_MAX", "int8_aqt_quantize", "int8_dequantize", "int8_qwix_quantize", "int8_quantize"]
+__all__ = ["INT8_EDGE", "INT8_MAX", "KERAS_EPSILON", "int8_aqt_quantize", "int8_dequantize", "int8_keras_dequantize",
+           "int8_keras_quantize", "int8_qwix_quantize", "int8_quantize"]
 
 INT8_MAX = 127
 #: AQT v2's default int8 (``preserve_max_val=False``) and qwix's int8 both map a
 #: slice's absmax onto the edge of the last int8 bucket, 127.5, not onto 127.
 INT8_EDGE = 127.5
+#: Keras's ``backend.epsilon()`` (keras 3.15.1), which ``abs_max_quantize`` adds to a slice's absmax.
+KERAS_EPSILON = 1e-7
 
 
 def int8_quantize(x: Array, axes: tuple[int, ...], fmt: Format, rng: Array | None) -> Codes:
@@ -59,6 +62,26 @@ def int8_qwix_quantize(x: Array, axes: tuple[int, ...], fmt: Format, rng: Array 
     scale = jnp.where(scale < float(jnp.finfo(x.dtype).tiny) ** 0.5, jnp.ones_like(scale), scale)
     codes = jnp.clip(jnp.round(x / scale), -INT8_MAX - 1, INT8_MAX)
     return codes.astype(jnp.int8), {"slice": scale.astype(jnp.promote_types(x.dtype, jnp.float32))}
+
+
+def int8_keras_quantize(x: Array, axes: tuple[int, ...], fmt: Format, rng: Array | None) -> Codes:
+    # Keras 3.15.1's int8 (keras/src/quantizers/quantizers.py, abs_max_quantize, value_range (-127, 127)),
+    # op for op: an encode scale 127 / (absmax + epsilon) in x's dtype, x · scale rounded half to even,
+    # clipped to ±127. The epsilon keeps an all-zero slice finite (scale 1.27e9, codes 0) and makes a slice of
+    # small values (absmax near 1e-5) reach fewer codes than ±127. The stored scale is Keras's: x ≈ codes / scale.
+    amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
+    scale = jnp.divide(INT8_MAX, amax + KERAS_EPSILON).astype(x.dtype)
+    codes = jnp.clip(jnp.round(x * scale), -INT8_MAX, INT8_MAX)
+    return codes.astype(jnp.int8), {"slice": scale.astype(jnp.promote_types(x.dtype, jnp.float32))}
+
+
+def int8_keras_dequantize(q: Quantized, fmt: Format) -> Array:
+    # Keras divides by its encode scale (Dense's int8 call: the product over inputs_scale · kernel_scale). XLA
+    # computes a division by a broadcast operand as a product with its reciprocal, and where it sees the scale's
+    # own division (127 / (absmax + eps)) in the same program it reorders the two; the barrier keeps the first
+    # rewrite only, so qdq's bits are code · float32(1 / scale) in every program (the referee's xla_reciprocal).
+    scale = jax.lax.optimization_barrier(q.scales["slice"])
+    return (q.codes.astype(scale.dtype) / scale).astype(q.dtype)
 
 
 def int8_dequantize(q: Quantized, fmt: Format) -> Array:

@@ -24,6 +24,8 @@ class Quantized:
     - ``int8``, ``int8_aqt``, ``int8_qwix``: ``"slice"``, float32 (float64
       for a float64 ``x``), ``x``'s shape with ``axis`` kept as 1:
       x ≈ codes · slice.
+    - ``int8_keras``: ``"slice"`` as above, but Keras's encode scale
+      127 / (absmax + 1e-7): x ≈ codes / slice.
     - fp8 formats: none (scale 1).
     - ``*_current``: ``"tensor"``, a float32 scalar, the encode scale
       fmax / amax: x ≈ codes · (1 / tensor).

@@ -33,7 +33,8 @@ class Format:
     checks' probes must tell each apart. ``quantize(x, axes, format, rng)``
     returns the codes (nvfp4's as float32 values, stored as e2m1 by
     :func:`~qcheck.formats.quantize`) and scales; ``dequantize(q, format)``
-    maps them back. ``stochastic``: whether it takes ``rng``.
+    maps them back. ``stochastic``: whether it takes ``rng``. ``divides``: its stored scale is an encode
+    scale, x ≈ codes / scale (Keras's int8), where the others' ``slice`` scale multiplies.
     """
 
     name: str
@@ -46,6 +47,7 @@ class Format:
     quantize: Callable[[Array, tuple[int, ...], Format, Array | None], Codes]
     dequantize: Callable[[Quantized, Format], Array]
     stochastic: bool = False
+    divides: bool = False
 
     @property
     def per_axis(self) -> bool:

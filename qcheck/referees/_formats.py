@@ -33,8 +33,8 @@ import numpy as np
 
 from qcheck.referees._choice import choice
 
-__all__ = ["CURRENT_SCALE_CAP", "QWIX_MIN_SCALE", "referee_format_names", "reference_dequantize", "reference_qdq",
-           "reference_quantize"]
+__all__ = ["CURRENT_SCALE_CAP", "KERAS_EPSILON", "QWIX_MIN_SCALE", "referee_format_names", "reference_dequantize",
+           "reference_qdq", "reference_quantize"]
 
 _F32 = np.float32
 
@@ -53,6 +53,7 @@ _INT8_BOUND = 127  # [def] symmetric int8: codes in [-127, 127], -128 unused
 # get_symmetric_bound(int8): absmax maps onto the edge of the last bucket, 127 + 0.5.
 _INT8_EDGE = _F32(127.5)
 QWIX_MIN_SCALE = _F32(2.0**-63)  # [def] qwix: sqrt(float32 tiny) = sqrt(2^-126)
+KERAS_EPSILON = _F32(1e-7)  # [def] Keras: backend.epsilon(), added to a slice's absmax
 _NVFP4_BLOCK = 16  # [def] NVIDIA NVFP4: 16 e2m1 elements share one e4m3 scale
 _MX_BLOCK = 32  # [def] OCP MX v1.0: k = 32 elements share one e8m0 scale
 CURRENT_SCALE_CAP = _F32(2.0**126)  # [qcheck] formats.CURRENT_MAX_SCALE: 1/cap stays a normal float32
@@ -157,6 +158,15 @@ def _int8_qwix(x: np.ndarray, axes: tuple[int, ...], *, ftz: bool, xla_reciproca
     scale = np.where(scale < QWIX_MIN_SCALE, _F32(1), scale).astype(_F32)  # [def] qwix: a scale below 2^-63 is 1
     # [def] qwix: round half to even, then a saturating cast to int8: codes -128..127.
     codes = np.clip(np.round(flush(_divide(x, scale, xla_reciprocal), ftz)), -_INT8_BOUND - 1, _INT8_BOUND)
+    return codes.astype(np.int8), {"slice": scale}
+
+
+def _int8_keras(x: np.ndarray, axes: tuple[int, ...], *, ftz: bool, xla_reciprocal: bool, uniforms: np.ndarray | None):
+    # [def] Keras abs_max_quantize: an encode scale 127 / (absmax + epsilon), in float32.
+    amax = np.max(np.abs(x), axis=axes, keepdims=True)
+    scale = flush(_F32(_INT8_BOUND) / (amax + KERAS_EPSILON), ftz).astype(_F32)
+    # [def] x times the scale, rounded half to even, clipped to ±127.
+    codes = np.clip(np.round(flush((x * scale).astype(_F32), ftz)), -_INT8_BOUND, _INT8_BOUND)
     return codes.astype(np.int8), {"slice": scale}
 
 
@@ -293,6 +303,13 @@ def _by_slice(c: np.ndarray, scales: dict[str, np.ndarray], axes: tuple[int, ...
         return c * scales["slice"]
 
 
+def _over_slice(c: np.ndarray, scales: dict[str, np.ndarray], axes: tuple[int, ...], fmt: str,
+                xla_reciprocal: bool = False) -> np.ndarray:
+    # [def] Keras: x = code / encode scale ([XLA] or code times the float32 reciprocal of the scale, as XLA
+    # computes a division by a broadcast operand). A zero slice's scale 1.27e9 has a normal reciprocal.
+    return _divide(c, scales["slice"], xla_reciprocal)
+
+
 def _as_is(c: np.ndarray, scales: dict[str, np.ndarray], axes: tuple[int, ...], fmt: str) -> np.ndarray:
     return c  # [def] scale 1
 
@@ -349,6 +366,7 @@ _REFEREES: dict[str, _Referee] = {
     "mxfp8_jax": _Referee(_mxfp8_jax, _by_e8m0_block),
     "int8_aqt": _Referee(_int8_aqt, _by_slice),
     "int8_qwix": _Referee(_int8_qwix, _by_slice),
+    "int8_keras": _Referee(_int8_keras, _over_slice),
 }
 _NAMES = tuple(_REFEREES)
 
@@ -399,12 +417,17 @@ def reference_quantize(
 
 
 def reference_dequantize(
-    codes: np.ndarray, scales: dict[str, np.ndarray], fmt: str, *, axis: int | tuple[int, ...] = -1, ftz: bool = False
+    codes: np.ndarray, scales: dict[str, np.ndarray], fmt: str, *, axis: int | tuple[int, ...] = -1, ftz: bool = False,
+    xla_reciprocal: bool = False,
 ) -> np.ndarray:
-    """The float32 values ``codes`` and ``scales`` stand for."""
+    """The float32 values ``codes`` and ``scales`` stand for; ``xla_reciprocal`` models XLA's rewrite of a
+    division by the scale (``int8_keras``'s, the one format that divides) as a product with its reciprocal."""
     choice("format", fmt, _NAMES)
     c = np.asarray(codes).astype(_F32)
-    out = _REFEREES[fmt].dequantize(c, scales, _axes(axis, c.ndim), fmt)
+    dequantize = _REFEREES[fmt].dequantize
+    if dequantize is _over_slice:
+        dequantize = functools.partial(_over_slice, xla_reciprocal=xla_reciprocal)
+    out = dequantize(c, scales, _axes(axis, c.ndim), fmt)
     return flush(np.asarray(out, _F32), ftz)
 
 
@@ -419,4 +442,4 @@ def reference_qdq(
 ) -> np.ndarray:
     """Quantize then dequantize ``x`` (float32) in ``fmt``, in float32; see :func:`reference_quantize`."""
     codes, scales = reference_quantize(x, fmt, axis=axis, uniforms=uniforms, ftz=ftz, xla_reciprocal=xla_reciprocal)
-    return reference_dequantize(codes, scales, fmt, axis=axis, ftz=ftz)
+    return reference_dequantize(codes, scales, fmt, axis=axis, ftz=ftz, xla_reciprocal=xla_reciprocal)
