@@ -844,3 +844,28 @@ def test_qwix_int8_recipe_dense_path_is_exact_in_integer_arithmetic_should_pass(
 
     verdict = run_cell(_qwix_int8_case(model, "dense"), "exact")
     assert verdict.status == "pass", verdict.detail
+
+
+# -- JAX's scaled_dot_general --------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a fact of scaled_matmul's CPU lowering")
+def test_jax_scaled_matmul_on_cpu_zeroes_a_block_whose_e8m0_scale_is_code_0():
+    # jax 0.11.2 and 0.12.0.1 (the first with a CPU lowering): a block of 2^-124 and 0 takes the e8m0 scale code 0,
+    # 2^-127, and codes 8 that stand for 2^-124 (the referee's, and qcheck's mxfp8_jax); scaled_matmul's CPU
+    # lowering casts that scale to float32, a subnormal XLA flushes, so the product is 0, not the referee's ~7.5e-37.
+    # The suite's `edges` declares it for jax_mxfp8 (JAX_MXFP8_TINY_BLOCKS).
+    from qcheck import referees
+    from qcheck.adapters import scaled_dot_general_runs
+
+    if not scaled_dot_general_runs():
+        pytest.skip(f"jax {jax.__version__} has no CPU lowering for scaled_matmul (jax 0.10.2)")
+    tiny = np.where(np.arange(32) % 2 == 0, 4 * np.finfo(np.float32).tiny, 0).astype(np.float32).reshape(1, 1, 32)
+    ones = np.ones((1, 1, 32), np.float32)
+    config = jax.nn.get_scaled_dot_general_config("mxfp8")
+    got = jax.jit(lambda a, b: jax.nn.scaled_dot_general(a, b, (((2,), (2,)), ((0,), (0,))), configs=[config] * 3))(
+        tiny, ones)
+    codes, scales = referees.reference_quantize(tiny, "mxfp8_jax", axis=-1, ftz=True)
+    assert np.asarray(scales["block"]).view(np.uint8).item() == 0 and codes.astype(np.float32).max() == 8
+    want = float(np.sum(referees.reference_qdq(tiny, "mxfp8_jax", axis=-1, ftz=True)))
+    assert want > 1e-37 and float(np.asarray(got).item()) == 0.0, (want, got)

@@ -28,18 +28,20 @@ from flax import nnx
 from flax.linen import fp8_ops
 
 import qcheck
-from qcheck import check_layer, checks, get_recipe
+from qcheck import check_layer, checks, formats, get_recipe
 from qcheck.adapters import JaxScaledDotRecipe, scaled_dot_general_runs
 from qcheck.adapters._jax import JaxScaledDotSite, einsum_dimension_numbers
 from qcheck.checks._layer import INPUT_GRAD
 from qcheck.checks._layer_backward import assert_layer_sites_backward_exact
 from qcheck.checks._site import assert_layer_sites_exact
+from qcheck.formats._blocks import normalize_axis, to_blocks
 from qcheck.layers import step
 from qcheck.layers.bridge import QuantSite
 from qcheck.layers.moe import MODELS, MoE
 from qcheck.recipes import ApplyRngs, DelayedScalingFp8, Expect, Recipe, Reference, registered
 from qcheck.recipes._fp8 import DelayedScalingFp8Site
-from qcheck.recipes._sites import FormatSite, SiteOps
+from qcheck.recipes._nvfp4 import NVFP4, NVFP4Site, quantizer_key
+from qcheck.recipes._sites import FormatSite, SiteOps, fake_quant_matmul
 from qcheck.suite import cases, golden, invariants
 from tests.helpers import (CHECK_LAYER_X, MOE_FULL_PRECISION, NaNBackwardMoE, SkipGradFp8, WrongAxesNVFP4,
                            assert_quantizers_draw_their_own_bits, nvfp4_dgrad, sparse_moe, unpermute_moe)
@@ -84,6 +86,98 @@ class Unsaturated(Recipe):
 
     def site_module(self, name):
         return UnsaturatedSite()
+
+
+# The edge shapes (issue 48), each in one of qcheck's own quantizers; `exact` and `tracks` see only normal inputs.
+
+
+def planted_nvfp4_qdq(x, axis, bug: str):
+    """qcheck's nvfp4 qdq (``nvfp4_quantize`` then ``nvfp4_dequantize``, op for op) with one bug planted:
+    "no zero guard" (a block whose e4m3 scale is 0 still divides by it: 0 · (s_enc / 0) = NaN), "amax guard" (the
+    guard asks the block's amax, which a tiny block passes while its scale rounds to 0: s_enc / 0 = inf), "global
+    scale on the block scales" (s_enc sets the block scales but never multiplies the data, as JAX's before e1f12ba4)."""
+    blocks, restore = to_blocks(x.astype(jnp.float32), normalize_axis(axis, x.ndim), formats.NVFP4_BLOCK, "nvfp4")
+    amax = jnp.max(jnp.abs(blocks))
+    representable = amax > formats.NVFP4_MIN_AMAX
+    s_enc = jnp.where(representable, jnp.float32(formats.NVFP4_RANGE) / amax, jnp.float32(1.0))
+    block_amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+    s_block = formats.saturating_cast(block_amax * (s_enc / formats.E2M1_MAX), E4M3FN)
+    s_block = jnp.where(representable, s_block, jnp.zeros_like(s_block)).astype(jnp.float32)
+    nonzero = {"no zero guard": jnp.ones_like(s_block, bool), "amax guard": block_amax > 0}.get(bug, s_block > 0)
+    encode = jnp.broadcast_to(s_enc, s_block.shape) / jnp.where(nonzero, s_block, 1.0)
+    decode = jnp.ones_like(encode) / encode
+    if bug == "global scale on the block scales":
+        encode = jnp.ones_like(encode) / jnp.where(nonzero, s_block, 1.0)
+    q = formats.round_e2m1(jnp.clip(blocks * encode, -formats.E2M1_MAX, formats.E2M1_MAX))
+    q = jnp.where(nonzero, q, jnp.zeros_like(q))
+    return restore(jnp.where(nonzero, q * decode, 0.0)).astype(x.dtype)
+
+
+def e8m0_read_as_exponent_bits(x, axis):
+    """qcheck's mxfp8 codes and scales, the e8m0 scale decoded as the float32 whose exponent field its bits are
+    (JAX's e8m0_to_dtype without its special case): code 0, 2^-127, reads as 0.0 and zeroes its block."""
+    q = formats.quantize(x, "mxfp8", axis=axis)
+    blocks, restore = to_blocks(q.codes.astype(jnp.float32), q.axis, formats.MX_BLOCK, "mxfp8")
+    bits = jax.lax.bitcast_convert_type(q.scales["block"], jnp.uint8)[..., None]
+    return restore(blocks * jax.lax.bitcast_convert_type(bits.astype(jnp.uint32) << 23, jnp.float32)).astype(x.dtype)
+
+
+class _PlantedNVFP4Site(NVFP4Site):
+    bug: str = ""
+
+    def matmul(self, op, lhs, rhs, axes):
+        key = quantizer_key(self.make_rng("params"), f"{self.quantizer}/dgrad")
+        return fake_quant_matmul(op, lhs, rhs, key, q_lhs=lambda x: planted_nvfp4_qdq(x, axes.lhs, self.bug),
+                                 q_rhs=lambda x: planted_nvfp4_qdq(x, axes.rhs, self.bug),
+                                 q_dgrad=lambda g, k: formats.qdq(g, "nvfp4", axis=axes.dgrad, rng=k),
+                                 q_wgrad=lambda g: formats.qdq(g, "nvfp4", axis=axes.wgrad))
+
+
+class PlantedNVFP4(NVFP4):
+    def __init__(self, bug: str):
+        super().__init__("nvfp4_" + bug.replace(" ", "_"))
+        self.bug = bug
+
+    def site_module(self, name):
+        return _PlantedNVFP4Site(quantizer=name, bug=self.bug)
+
+
+class _E8M0ExponentBitsSite(FormatSite):
+    def matmul(self, op, lhs, rhs, axes):
+        return fake_quant_matmul(op, lhs, rhs, None, q_lhs=lambda x: e8m0_read_as_exponent_bits(x, axes.lhs),
+                                 q_rhs=lambda x: e8m0_read_as_exponent_bits(x, axes.rhs),
+                                 q_dgrad=lambda g, _: formats.qdq(g, "mxfp8", axis=axes.dgrad),
+                                 q_wgrad=lambda g: formats.qdq(g, "mxfp8", axis=axes.wgrad))
+
+
+class E8M0ExponentBits(Recipe):
+    def __init__(self):
+        super().__init__("mxfp8_e8m0_exponent_bits", lhs="mxfp8", rhs="mxfp8", grad="mxfp8")
+
+    def site_module(self, name):
+        return _E8M0ExponentBitsSite(lhs="mxfp8", rhs="mxfp8", grad="mxfp8")
+
+
+class _UnclippedFp8Site(DelayedScalingFp8Site):
+    """qcheck's delayed-scaling fp8 site whose operand cast drops Flax's clip to the format's range."""
+
+    def quantize_operands(self, lhs, rhs, axes):
+        q_lhs, q_rhs = super().quantize_operands(lhs, rhs, axes)  # the amax histories and scales as they were
+
+        def unclipped(x, q, scale):  # the forward values of the cast without its clip: NaN beyond 448
+            return q + jax.lax.stop_gradient((x / scale).astype(self.e4m3_dtype).astype(x.dtype) * scale - q)
+
+        return (unclipped(lhs, q_lhs, self.input_scale.value[0].astype(lhs.dtype)),
+                unclipped(rhs, q_rhs, self.kernel_scale.value[0].astype(rhs.dtype)))
+
+
+class UnclippedFp8(DelayedScalingFp8):
+    def __init__(self):
+        super().__init__("fp8_unclipped", e4m3_dtype=E4M3FN, e5m2_dtype=jnp.float8_e5m2)
+
+    def site_module(self, name):
+        return _UnclippedFp8Site(amax_history_length=self.amax_history_length, e4m3_dtype=self.e4m3_dtype,
+                                 e5m2_dtype=self.e5m2_dtype)
 
 
 class ForwardWritesHistory(QuantSite):
@@ -783,6 +877,25 @@ def run_train(message: str) -> Catch:
     return Catch(invariants.run_train, lambda case: (case,), message)
 
 
+def edges(case: cases.Case, message: str) -> Catch:
+    """The ``edges`` invariant on the planted ``case``: ``message`` follows its prefix (over lines)."""
+    return Catch(invariants.run_edges, lambda planted: (planted,), rf"(?s)^{case.id}: assert_layer_edges: {message}")
+
+
+def hides_from_exact_and_tracks(case: cases.Case) -> None:
+    invariants.run_exact(case)  # each site bitwise the referee's on its probes and in the layer's forward on x
+    invariants.run_tracks(case)
+
+
+def zeros_still_guarded(message: str, case) -> None:
+    assert "token row of zeros" not in message  # a zero block's amax is 0 too: only the tiny block slips past
+
+
+def codes_mostly_zero_in_qchecks_nvfp4(message: str, case) -> None:
+    q = np.asarray(planted_nvfp4_qdq(jnp.asarray(X), -1, "global scale on the block scales"))
+    assert np.mean(q == 0) > 0.9  # the claim, on the layer's own input
+
+
 def sites_independent(message: str) -> Catch:
     return Catch(invariants.assert_sites_independent, lambda broken: (broken,), message, {"label": "bug"})
 
@@ -838,6 +951,11 @@ NO_MIX = (r"the layer's output there is no mix of the referee's expert outputs \
           r"norm\): its experts compute otherwise")
 NANOO_E4M3FN = cases.Case("nanoo_fp8_e4m3fn", DENSE)
 HALVES, TWICE, UNROLLED = (cases.Case(name, DENSE) for name in ("fp8_halves", "fp8_twice", "fp8_unrolled"))
+NO_ZERO_GUARD, AMAX_GUARD, BLOCK_SCALES_ONLY, E8M0_BITS, UNCLIPPED = (cases.Case(name, DENSE) for name in (
+    "nvfp4_no_zero_guard", "nvfp4_amax_guard", "nvfp4_global_scale_on_the_block_scales", "mxfp8_e8m0_exponent_bits",
+    "fp8_unclipped"))
+#: What the referee's message says of a site's first differing element.
+DIFFERS = r"differs from the referee-quantized reference at \d+ of \d+ elements, first at \([\d, ]+\): "
 
 CATALOGUE = [
     Bug("exact_catches_a_silently_unquantized_call_site",
@@ -891,6 +1009,48 @@ CATALOGUE = [
                r"equals both operands in JAX's nvfp4 before e1f12ba4 \(the global scale divides the block scales but "
                r"not the data, so its e2m1 codes are mostly zero\) bitwise", {"label": "bug"}),),
         then=codes_mostly_zero, marks=(needs_scaled_matmul,)),
+    # The edge shapes of issue 48, in qcheck's own quantizers: inputs a normal draw never holds.
+    Bug("edges_catches_an_nvfp4_quantizer_without_a_zero_guard",
+        "NVFP4 without its zero guard: an all-zero block's scale is 0, its codes 0 · (s_enc / 0) = NaN "
+        "(`exact` and `tracks` pass)", "`edges` (token row of zeros)",
+        lambda p: planted_case(p, PlantedNVFP4("no zero guard")),
+        (edges(NO_ZERO_GUARD, r"token row of zeros: not finite: the output \(32 of 2048\), gradient of gate.*"
+                              r"\ntoken row of zeros: site 'wi_0' einsum 'BSM,EMH->BSEH' \(nvfp4 x nvfp4\): "
+                              + DIFFERS + r"got np\.float32\(nan\), expected np\.float32\(0\.0\)"),),
+        control=hides_from_exact_and_tracks),
+    Bug("edges_catches_an_nvfp4_guard_on_the_amax_that_a_tiny_block_slips_past",
+        "NVFP4 guarded on the block's amax, not its scale: a tiny block passes the guard while its e4m3 scale "
+        "rounds to 0, and s_enc / 0 overflows (codes NaN; `exact` and `tracks` pass)", "`edges` (token row of tiny "
+        "values)",
+        lambda p: planted_case(p, PlantedNVFP4("amax guard")),
+        (edges(AMAX_GUARD, r"token row of tiny values \(around float32's smallest normal, and below it\): not "
+                           r"finite: gradient of wi_0 .*site 'wi_0' einsum 'BSM,EMH->BSEH' \(nvfp4 x nvfp4\): "
+                           + DIFFERS + r"got np\.float32\(nan\)"),),
+        control=hides_from_exact_and_tracks, then=zeros_still_guarded),
+    Bug("edges_catches_a_delayed_scaling_fp8_cast_without_saturation",
+        "qcheck's delayed-scaling fp8 site casting without its clip: at a fresh scale of 1, an input of 1e5 "
+        "becomes NaN (`tracks` passes)", "`edges` (a value beyond the range; `exact`'s probes too)",
+        lambda p: planted_case(p, UnclippedFp8()),
+        (edges(UNCLIPPED, r"token row with one value far beyond the format's range \(1e5\): not finite: the output "
+                          r"\(32 of 2048\), .*site 'wi_0' einsum 'BSM,EMH->BSEH' \(e4m3fn x e4m3fn\): " + DIFFERS
+                          + r"got np\.float32\(nan\)"),),
+        control=invariants.run_tracks),
+    Bug("edges_catches_an_e8m0_scale_code_0_decoded_as_zero",
+        "MXFP8's E8M0 scale code 0 (2^-127) read as a float32 exponent field, 0.0: a block of tiny values "
+        "multiplies as 0 (`exact` and `tracks` pass)", "`edges` (token row of tiny values)",
+        lambda p: planted_case(p, E8M0ExponentBits()),
+        (edges(E8M0_BITS, r"token row of tiny values .*: site 'wi_0' einsum 'BSM,EMH->BSEH' \(mxfp8 x mxfp8\): "
+                          + DIFFERS + r"got np\.float32\(0\.0\), expected np\.float32\(-?[\d.]+e-3\d\)"),),
+        control=hides_from_exact_and_tracks),
+    # The JAX bug above in qcheck's own NVFP4: it shows on any input, so `edges` leaves it to `exact`.
+    Bug("exact_catches_nvfp4_with_its_global_scale_on_the_block_scales_only",
+        "qcheck's NVFP4 with its tensor scale applied to the block scales, not the data (codes mostly 0)",
+        "`exact`, `tracks`", lambda p: planted_case(p, PlantedNVFP4("global scale on the block scales")),
+        (Catch(invariants.run_exact, lambda case: (case,),
+               rf"^{BLOCK_SCALES_ONLY.id}: assert_site_exact: site 'wi_0' einsum 'BSM,EMH->BSEH' \(nvfp4 x nvfp4\): "
+               + DIFFERS + r"got np\.float32\(0\.0\)"),
+         Catch(invariants.run_tracks, lambda case: (case,), r"relative norm 1\.0000 exceeds the bound 0\.35")),
+        then=codes_mostly_zero_in_qchecks_nvfp4),
     # configs=None falls back to lax.dot_general (since jax ae29f63e; before, it quantized to MXFP8
     # silently): every expert matmul in full precision, while the recipe declares nvfp4_jax.
     Bug("coverage_catches_scaled_dot_general_called_without_configs",

@@ -102,8 +102,8 @@ def test_matrix_names_the_refusal_and_the_defect_in_notes():
     cells = {n: c.status for n, c in row.cells.items()}
     # AQT's shared weight scale shows twice: the coverage map holds the codes to int8_aqt, exact the products.
     assert cells == {"sites": "pass", "coverage": "known", "exact": "known", "backward": "unsupported",
-                     "tracks": "pass", "grads": "unsupported", "state": "n/a", "train": "n/a", "rng": "n/a",
-                     "sharded": "pass", "referee": "n/a", "golden": "pass"}, cells
+                     "tracks": "pass", "grads": "unsupported", "edges": "pass", "state": "n/a", "train": "n/a",
+                     "rng": "n/a", "sharded": "pass", "referee": "n/a", "golden": "pass"}, cells
     assert row.ok
     table = matrix.format_table([row])
     assert "known defect [1]" in table and "known defect [2]" in table and "not supported [3]" in table

@@ -133,3 +133,35 @@ def test_edge_rows_stay_finite_in_the_inputs_own_type():
     rows = edge_rows(X.astype(jnp.float16), None, check_skip_edges(None))
     huge = np.asarray(rows["huge"]).reshape(-1, 32)[0, 0]
     assert np.isfinite(huge) and huge > 448 and rows["huge"].dtype == jnp.float16
+
+
+# -- the suite's `edges` invariant: the same rows on each case's compiled programs ----------------------------------
+# Its should-fail twins are the catalogue's edge rows (tests/test_catalogue.py: a block without a zero guard, a guard
+# on the amax, a cast without its clip, an e8m0 code 0 read as zero); its should-pass controls, every recipe's
+# `edges` cell of the suite.
+
+
+@pytest.mark.parametrize("fmt, top", [("e4m3fn", 448.0), ("int8", 127.0), ("nvfp4", 6.0), ("mxfp8", 448.0)])
+def test_the_saturation_row_sits_at_the_declared_formats_largest_code(fmt, top):
+    rows = qcheck.checks.format_edge_rows(X, fmt, dict.fromkeys(qcheck.checks.EDGE_ROWS))
+    row = np.asarray(rows["saturation"]).reshape(-1, 32)
+    assert np.array_equal(np.abs(row[0]), np.full(32, top, np.float32)) and np.array_equal(row[1:], X.reshape(-1, 32)[1:])
+
+
+class _UndeclaredInt8(qcheck.Recipe):
+    """int8 at every site, declared nowhere (no lhs=/rhs=): a plug-in ``exact`` cannot hold."""
+
+    def site_module(self, name):
+        from qcheck.recipes._sites import FormatSite
+
+        return FormatSite(lhs="int8", rhs="int8")
+
+
+def test_the_suite_runs_three_rows_where_no_format_is_declared_and_says_why_should_pass():
+    from qcheck.suite import cases, invariants
+
+    rows = qcheck.checks.format_edge_rows(X, None, dict.fromkeys(qcheck.checks.EDGE_ROWS))
+    assert rows["saturation"] == "not run: no activation format declared, so no largest code to sit at"
+    with qcheck.registered(_UndeclaredInt8("int8_undeclared")):
+        case = cases.Case("int8_undeclared", cases.Variant("mixtral", "dense", False))
+        assert invariants.run_edges(case) == 3  # finite on the other three; no codes to hold

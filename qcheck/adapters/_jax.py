@@ -159,6 +159,22 @@ JAX_MXFP8_ZERO_BLOCKS = KnownDefect(
           r"referee gives 0 \(input 0\)",
 )
 
+#: jax 0.11.2 and 0.12.0.1 on CPU, every dropless layer: a block of tiny values (amax below 2^-119: the ``edges``
+#: invariant's token row of tiny values) takes the e8m0 scale code 0, 2^-127, with codes that stand for it
+#: (8 for 2^-124, as the referee's). ``scaled_matmul``'s CPU lowering then casts the scale to float32, a subnormal
+#: XLA's CPU backend flushes to zero: the whole block multiplies as 0 (the referee's products, about 1e-38, come
+#: out 0), the shape of the E8M0 code-0 decode that zeroed TransformerEngine's MXFP8 blocks. On the dropping layer
+#: the dispatch quantizes the tiny row with the rest of its block, and no block is tiny. Shown on JAX's own call by
+#: ``test_jax_scaled_matmul_on_cpu_zeroes_a_block_whose_e8m0_scale_is_code_0`` (tests/test_adapters.py).
+JAX_MXFP8_TINY_BLOCKS = KnownDefect(
+    library="jax", invariant="edges", paths=("dense", "sparse"), dropping=False,
+    reason="on CPU, scaled_matmul decodes the e8m0 scale code 0 (2^-127) as a float32 subnormal, which XLA's CPU "
+           "backend flushes: a block of tiny values multiplies as 0",
+    match=r"token row of tiny values .*: site 'wi_0' (einsum 'BSM,EMH->BSEH'|ragged_dot) \(mxfp8_jax x mxfp8_jax\): "
+          r"differs from the referee-quantized reference at \d+ of \d+ elements, first at .*: got np\.float32\(0\.0\), "
+          r"expected np\.float32\(-?[\d.]+e-3\d\)",
+)
+
 
 class JaxScaledDotRecipe(Recipe):
     """A recipe whose every call site runs ``jax.nn.scaled_dot_general`` in ``mode`` ("mxfp8" or "nvfp4").
@@ -189,8 +205,10 @@ class JaxScaledDotRecipe(Recipe):
         # order than the referee's einsum vjp (1 ulp at 101 of 2048 dispatch DGRAD elements).
         self.expect = self.expect.narrow_backward(())
         if mode == "mxfp8":
-            self.expect = dataclasses.replace(self.expect,
-                                              known_defects=self.expect.known_defects + (JAX_MXFP8_ZERO_BLOCKS,))
+            # The tiny blocks' defect is the CPU lowering's cast of the scale; a GPU's kernel applies it.
+            cpu = (JAX_MXFP8_TINY_BLOCKS,) if jax.default_backend() == "cpu" else ()
+            self.expect = dataclasses.replace(
+                self.expect, known_defects=self.expect.known_defects + (JAX_MXFP8_ZERO_BLOCKS, *cpu))
         self.mode = mode
 
     def site_module(self, name: str) -> nn.Module:

@@ -17,8 +17,9 @@ Besides the assertions, the parts they are made of, for a harness that runs
 many checks in one program: each exact check's judgement (``judge_*``, a pure
 verdict over values computed elsewhere, raised as the check by
 :func:`judged_as`), the recorders of a layer's site calls
-(:func:`record_site_calls`, :func:`record_site_grads`) and the probes that
-make the checks sharp.
+(:func:`record_site_calls`, :func:`record_site_grads`), the probes that
+make the checks sharp, and the edge rows where quantizers break
+(:data:`EDGE_ROWS`, :func:`format_edge_rows`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from qcheck._coverage import assert_quantized, coverage
 from qcheck.checks._amax import assert_amax_histories_follow_operands
 from qcheck.checks._assertion import assertion, judged_as
 from qcheck.checks._backward import assert_site_backward_exact, judge_site_backward, site_grads
+from qcheck.checks._edges import EDGE_ROWS, format_edge_rows
 from qcheck.checks._figures import Figures
 from qcheck.checks._fp8_native import assert_fp8_dtypes_native, assert_recipe_fp8_native, declared_operand_fp8_dtypes
 from qcheck.checks._fp8_state import assert_fp8_state_matches, fp8_state, history_rolls
@@ -47,6 +49,7 @@ from qcheck.checks._uninitialized import assert_no_uninitialized_reads
 from qcheck.recipes import Einsum, Matmul, Ragged
 
 __all__ = [
+    "EDGE_ROWS",
     "Einsum",
     "Figures",
     "LayerFigures",
@@ -80,6 +83,7 @@ __all__ = [
     "coverage",
     "declared_operand_fp8_dtypes",
     "entry_params",
+    "format_edge_rows",
     "fp8_state",
     "history_rolls",
     "judge_fresh_cast",

@@ -51,34 +51,55 @@ def _saturation(declaration: Any) -> float | None:
     if declaration is None:
         return None
     fmt = declaration.roles.get("activations")
-    if fmt is None:
+    if fmt is None or formats.get_format(fmt.format).kind != "cast":
         return None
-    record = formats.get_format(fmt.format)
-    if record.kind != "cast":
-        return None
-    return float(ml_dtypes.finfo(record.element).max)
+    return largest_code(fmt.format)
+
+
+def largest_code(fmt: str) -> float:
+    """The largest finite value of format ``fmt``'s element type (448 for e4m3fn, 127 for int8, 6 for nvfp4's e2m1).
+
+    At a fixed scale of 1 (the fp8 casts) it is the saturation edge; where the
+    format scales each slice, block or tensor to its own amax, a row of it is
+    that amax (the rest of the input being smaller) and is coded as the
+    largest code.
+    """
+    element = np.dtype(formats.get_format(fmt).element)
+    return float(np.iinfo(element).max if np.issubdtype(element, np.integer) else ml_dtypes.finfo(element).max)
 
 
 def edge_rows(x: jax.Array, declaration: Any, kinds: Mapping[str, str | None]) -> dict[str, Any]:
     """Each row kind's ``x`` (its first token row replaced), or why it is not run."""
+    top = _saturation(declaration)
+    return _rows(x, "not run: no fp8 cast format declared for the activations" if top is None else top, kinds)
+
+
+def format_edge_rows(x: jax.Array, fmt: str | None, kinds: Mapping[str, str | None]) -> dict[str, Any]:
+    """:func:`edge_rows` for a layer whose activations are quantized in format ``fmt``: the saturation row at
+    its :func:`largest_code`, whatever its kind (None: no format known, that row not run)."""
+    return _rows(x, "not run: no activation format declared, so no largest code to sit at" if fmt is None
+                 else largest_code(fmt), kinds)
+
+
+def _rows(x: jax.Array, top: float | str, kinds: Mapping[str, str | None]) -> dict[str, Any]:
+    """Each row kind's ``x``, the saturation row at ``top`` (or ``top`` says why it is not run)."""
     flat = np.array(x, dtype=np.asarray(x).dtype).reshape(-1, np.shape(x)[-1])
     n = flat.shape[1]
     # Beyond every fp8 format's range, yet finite in x's own type (float16 tops out at 65504).
     huge = min(HUGE, float(ml_dtypes.finfo(flat.dtype).max) / 2)
     tiny = float(np.finfo(np.float32).tiny)
-    top = _saturation(declaration)
     rows = {
         "zeros": np.zeros(n),
         "tiny": np.where(np.arange(n) % 2 == 0, 4 * tiny, tiny / 8) * np.where(np.arange(n) % 4 < 2, 1, -1),
         "huge": np.concatenate([[huge], flat[0, 1:]]),
-        "saturation": None if top is None else np.where(np.arange(n) % 2 == 0, top, -top),
+        "saturation": top if isinstance(top, str) else np.where(np.arange(n) % 2 == 0, top, -top),
     }
     out: dict[str, Any] = {}
     for kind, skipped in kinds.items():
         if skipped is not None:
             out[kind] = skipped
-        elif rows[kind] is None:
-            out[kind] = "not run: no fp8 cast format declared for the activations"
+        elif isinstance(rows[kind], str):
+            out[kind] = rows[kind]
         else:
             edged = flat.copy()
             edged[0] = rows[kind].astype(flat.dtype)

@@ -22,11 +22,12 @@ from qcheck.suite._referee import assert_layer_matches_referee
 from qcheck.suite._sharded import (SHARDED_ATOL, SHARDED_RTOL, assert_layer_sharded,
                                    assert_layer_sharded_matches, assert_sharded_matches)
 from qcheck.suite.cases import Case, Variant, grad_leaves, train_step_runs
-from qcheck.suite.invariants import (backward, coverage, exact, golden, grads, referee, rng, sharded, sites, state,
-                                     tracks, train)
+from qcheck.suite.invariants import (backward, coverage, edges, exact, golden, grads, referee, rng, sharded, sites,
+                                     state, tracks, train)
 from qcheck.suite.invariants._programs import case_site_runs, site_runs
 from qcheck.suite.invariants.backward import assert_sites_backward_exact
 from qcheck.suite.invariants.coverage import assert_layer_fp8_native, assert_layer_quantized
+from qcheck.suite.invariants.edges import assert_layer_edges
 from qcheck.suite.invariants.exact import assert_sites_cast_exact, assert_sites_exact
 from qcheck.suite.invariants.grads import assert_grads_track
 from qcheck.suite.invariants.paths import PATHS_ATOL, PATHS_MAX_ABS, PATHS_RTOL, assert_paths_agree, run_paths
@@ -54,6 +55,7 @@ __all__ = [
     "TRAIN_RTOL",
     "assert_fp8_state_moves_only_in_backward",
     "assert_grads_track",
+    "assert_layer_edges",
     "assert_layer_fp8_native",
     "assert_layer_matches_referee",
     "assert_layer_quantized",
@@ -77,6 +79,7 @@ __all__ = [
     "rng_entry_params",
     "run_backward",
     "run_coverage",
+    "run_edges",
     "run_exact",
     "run_golden",
     "run_grads",
@@ -95,6 +98,7 @@ __all__ = [
 run_sites, run_coverage, run_exact, run_backward = sites.run, coverage.run, exact.run, backward.run
 run_tracks, run_grads, run_state, run_train = tracks.run, grads.run, state.run, train.run
 run_rng, run_sharded, run_referee, run_golden = rng.run, sharded.run, referee.run, golden.run
+run_edges = edges.run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +112,7 @@ class Invariant:
 
 
 #: One module per invariant, in the matrix's column order.
-_MODULES = (sites, coverage, exact, backward, tracks, grads, state, train, rng, sharded, referee, golden)
+_MODULES = (sites, coverage, exact, backward, tracks, grads, edges, state, train, rng, sharded, referee, golden)
 
 INVARIANTS: tuple[Invariant, ...] = tuple(
     Invariant(m.__name__.rsplit(".", 1)[1], m.applies, m.run, m.doc) for m in _MODULES)

@@ -1,9 +1,11 @@
-"""The one program of a case's fresh layer that ``exact``, ``backward`` and ``train`` read, and where ``exact``
-applies (the program is built for whichever of them apply)."""
+"""The one program of a case's fresh layer that ``exact``, ``backward``, ``train`` and ``edges`` read, and where
+``exact`` applies (the program is built for whichever of them apply)."""
 
 from __future__ import annotations
 
 import functools
+
+import jax
 
 from qcheck.layers.moe import MoE
 from qcheck.recipes import Recipe, get_recipe
@@ -23,13 +25,17 @@ def case_site_runs(case: Case) -> SiteRuns:
     return site_runs(cases_mod.layer(case), get_recipe(case.recipe), case.variant)
 
 
-def site_runs(layer: MoE, recipe: Recipe, variant: Variant) -> SiteRuns:
-    """:func:`case_site_runs` for any layer of ``variant``: the one program, for the checks that apply."""
+def site_runs(layer: MoE, recipe: Recipe, variant: Variant, x: jax.Array | None = None) -> SiteRuns:
+    """:func:`case_site_runs` for any layer of ``variant``: the one program, for the checks that apply.
+
+    ``x``: the layer's passes on another input of the case input's shape and type (``edges``' rows), the same
+    compiled program run again.
+    """
     from qcheck import checks
 
     exact, backward = exact_applies(recipe, variant), backward_applies(recipe, variant)
     through = backward and checks.through_layer_applies(recipe)
-    x = cases_mod.layer_input(variant.model)
+    x = cases_mod.layer_input(variant.model) if x is None else x
     return _site_programs.run_sites(
         layer,
         forward=_site_programs.exact_probes(layer, recipe) if exact else [],

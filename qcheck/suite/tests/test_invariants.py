@@ -21,6 +21,7 @@ _NAMES = {
     "backward": "test_fresh_sites_gradients_equal_referee_gradient_matmuls_bitwise",
     "tracks": "test_layer_tracks_unquantized_twin",
     "grads": "test_train_step_gradients_track_unquantized_twin",
+    "edges": "test_layer_stays_finite_and_exact_on_edge_rows",
     "state": "test_fp8_state_moves_only_in_backward",
     "train": "test_reference_trainer_keeps_fp8_state_through_microbatches_and_the_optimizer",
     "rng": "test_rng_state_is_flat_across_depth_and_private_control_grows",
