@@ -411,3 +411,30 @@ def test_keras_reader_imports_nothing_from_keras(keras):
             "sys.exit('keras imported' if 'keras' in sys.modules else 0)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+# -- 6. edge rows: a quantizer without its zero guard ---------------------------------------------------------
+
+def test_keras_int8_dense_passes_every_edge_row_held_bitwise_should_pass(keras):
+    """Keras 3.15.1: the control. Keras's epsilon is its zero guard: on a token row of zeros (and of tiny
+    values) its scale stays finite, 127 / 1e-7, and its codes are the referee's 0, held bitwise there."""
+    layer, twin = _dense(keras, "int8")
+    figures = qcheck.check_layer(layer, twin, X, declared=INT8_KERAS, accept_weaker=KERNEL)
+    assert {k: figures.edges[k] for k in ("zeros", "tiny", "huge")} == dict.fromkeys(
+        ("zeros", "tiny", "huge"), "run, codes held bitwise"), figures.edges
+
+
+def test_keras_int8_dense_without_its_zero_guard_fails_the_row_of_zeros_naming_the_site(keras):
+    """Keras 3.15.1, a plant in Keras's own quantizer: the Dense's input AbsMaxQuantizer with epsilon 0 (no
+    zero guard). On an ordinary x nothing shows. On a token row of zeros its scale is 127 / 0 = inf and its
+    codes NaN cast to int8: XLA's CPU makes them 0, the referee's codes, and the output stays finite (0 / inf),
+    so only the scale tells; check_layer fails there, naming the row kind and the site."""
+    layer, twin = _dense(keras, "int8")
+    layer.inputs_quantizer.epsilon = 0.0
+    qcheck.assert_quantized(layer, X, declared=INT8_KERAS, accept_weaker=KERNEL)  # x itself: nothing shows
+    with pytest.raises(AssertionError) as failure:
+        qcheck.check_layer(layer, twin, X, declared=INT8_KERAS, accept_weaker=KERNEL)
+    message = _message(failure)
+    assert re.search(r"edges: token row of zeros: site " + NAME + r" \(dot_general\): lhs \(activation\): its "
+                     r"scale is not finite at 1 of 8 scale values", message), message
+    assert "tracks" not in message and "coverage" not in message, message  # on x itself the layer passes

@@ -319,16 +319,19 @@ def _judge_codes(x: np.ndarray, codes: np.ndarray, divisor: Any, fmt: RoleFormat
     x = np.asarray(x, np.float32)
     if x.shape != np.shape(codes):
         return None, Hold("type", f"the quantizer's input {x.shape} and its codes {np.shape(codes)} differ in shape")
-    if fmt.format in _FP8_DIVIDED and divisor is not None:
+    if divisor is not None:
         scale, multiplied = divisor
         scale = np.asarray(scale, np.float32)
         broken = ~np.isfinite(scale) if multiplied else (~np.isfinite(scale)) | (scale == 0)
         if np.any(broken):
-            # A zero amax with no guard (0 / 0), or a tiny one past an "== 0" guard: codes NaN or inf follow.
+            # A zero amax with no guard (0 / 0), or a tiny one past an "== 0" guard: codes NaN or inf follow. In
+            # every format: an integer cast of a NaN code is whatever the backend makes of it (0 on XLA's CPU, so
+            # the codes can even match), never a code the format defines.
             what = "0" if not multiplied and np.any(scale == 0) else "not finite"
             return (f"its scale is {what} at {int(np.count_nonzero(broken))} of {scale.size} scale values (codes "
                     f"{'NaN' if what == '0' else 'not finite'}): a scale must be finite and nonzero"), BITWISE
-        x = (x * scale if multiplied else x / scale).astype(np.float32)
+        if fmt.format in _FP8_DIVIDED:
+            x = (x * scale if multiplied else x / scale).astype(np.float32)
     if fmt.per is not None:
         keep = {a % x.ndim for a in fmt.per}
         red = tuple(a for a in range(x.ndim) if a not in keep)
