@@ -370,3 +370,37 @@ def test_qwix_ragged_dot_crashes_on_mxfp8_and_nvfp4_rules(qtype, tile_size, erro
         return
     with pytest.raises(ValueError, match=error):
         qwix.quantize_model(_Experts(rhs), qwix.QtProvider([rule]), lhs, gs)
+
+
+# -- asymmetric (zero-point) int8: qwix's minmax calibration --------------------------------------------------
+
+def _qwix_minmax(x):
+    """qwix 0.1.8's asymmetric int8 of ``x`` per row (calibration_method="minmax": codes, a scale and a zero
+    point, dequantized as (q - zp) · s in qarray.dequantize), dequantized."""
+    from qwix._src.core import qarray
+
+    how = qarray.HowToQuantize(qtype=jnp.int8, channelwise_axes=(0,), tiled_axes={}, calibration_method="minmax")
+    return qarray.dequantize(qarray.quantize(x, how))
+
+
+W_ZP = np.random.default_rng(3).normal(size=(32, 16)).astype(F32)
+X_ZP = (np.random.default_rng(4).normal(size=(8, 32)) + 0.5).astype(F32)
+
+
+def test_qwix_zero_point_int8_reads_as_quantized_should_pass():
+    """qwix 0.1.8: a zero point subtracted from the codes keeps them on their grid, shifted per row; the operand
+    reads int8, not full precision (the false alarm on a correct layer the issue names)."""
+    import qcheck
+
+    (r,) = qcheck.coverage(lambda x: _qwix_minmax(x) @ W_ZP, X_ZP)
+    assert r.lhs.dtype == "int8" and not r.rhs.dtype, (r.lhs, r.rhs)
+
+
+def test_codes_minus_a_full_size_value_read_full_precision_should_fail():
+    """The control: what is subtracted from the codes is as large as they are (not a zero point, one per slice),
+    so the operand is off any grid and reads full precision."""
+    import qcheck
+
+    offset = np.random.default_rng(5).normal(size=X_ZP.shape).astype(F32)
+    with pytest.raises(AssertionError, match=r"1 of 1 matmuls reach full precision"):
+        qcheck.assert_quantized(lambda x: (_qwix_minmax(x) - offset) @ _qwix_minmax(W_ZP.T).T, X_ZP, declared=False)

@@ -201,6 +201,16 @@ class QuantizerChains:
             return None
         size = eqn.outvars[0].aval.size
         scale = [v.scale or v.const or var.aval.size < size for v, var in zip(ins, eqn.invars)]
+        if rule == "shift":
+            # Integer codes and their zero point (one per slice, or a constant): an affine grid, as a GEMM on the
+            # codes computes it with a correction term. A float format has no zero point: fp8 values plus 1.0 are
+            # no fp8 operand; nor are two full-size values (x + (q - x)) a shift.
+            def integer(v: Val) -> bool:
+                return v.quant is not None and np.issubdtype(np.dtype(v.quant.dtype or "float32"), np.integer)
+
+            if integer(ins[0]) and scale[1]:
+                return ins[0].quant
+            return ins[1].quant if name == "add" and integer(ins[1]) and scale[0] else None
         if name == "div":
             return ins[0].quant if scale[1] or ins[1].quant else None
         (lhs, rhs), (lhs_scale, rhs_scale) = ins, scale

@@ -23,7 +23,8 @@ through value-preserving ops only:
   sharding constraints), sign (neg, abs: the grids are symmetric), saturation
   against a constant (max/min/clamp), a conversion that does not narrow,
   multiplication or division by a scale (a scalar or a value broadcast from
-  fewer elements: per-tensor, per-channel, per-block), ``select_n``, and the
+  fewer elements: per-tensor, per-channel, per-block), adding or subtracting
+  a zero point to integer codes (asymmetric quantization), ``select_n``, and the
   boundaries of jit/pjit, closed_call, remat, custom_jvp/custom_vjp (forward),
   scan, while and cond (inner invars map to outer values).
 * anything else (``add``, a matmul, a reduction, ...) yields full precision.
@@ -104,6 +105,10 @@ VALUE_PRESERVING: dict[str, tuple[str, tuple[int, ...] | slice, str]] = {
     "select_n": ("all", slice(1, None), "each case quantized or constant (masked zeros)"),
     "mul": ("scale", (0, 1), "dequantization: codes times their scale"),
     "div": ("scale", (0,), "dequantization: codes over their inverse scale"),
+    # Asymmetric quantization (qwix's minmax calibration: (q - zp) · s): integer codes' zero point is a value
+    # broadcast from fewer elements, like a scale; the codes stay on their grid, shifted per slice.
+    "sub": ("shift", (0, 1), "dequantization: codes minus their zero point"),
+    "add": ("shift", (0, 1), "dequantization: codes plus a per-slice offset"),
 }
 
 #: Primitives whose body is not a call on the eqn's own values, though its avals may match them: a shard_map's
