@@ -869,3 +869,26 @@ def test_jax_scaled_matmul_on_cpu_zeroes_a_block_whose_e8m0_scale_is_code_0():
     assert np.asarray(scales["block"]).view(np.uint8).item() == 0 and codes.astype(np.float32).max() == 8
     want = float(np.sum(referees.reference_qdq(tiny, "mxfp8_jax", axis=-1, ftz=True)))
     assert want > 1e-37 and float(np.asarray(got).item()) == 0.0, (want, got)
+
+
+def test_jax_nvfp4_divides_an_all_zero_block_by_its_zero_scale():
+    # jax 0.11.2 and 0.12.0.1: JAX's NVFP4 quantizer (jax/_src/cudnn/scaled_matmul_stablehlo.py, quantize) takes
+    # an all-zero block's scale clip(amax / 6, 0, 448) = 0 and divides the block by it: 0 / 0. The coverage check,
+    # which holds every scale finite and nonzero, names it on JAX's own call; a block of ones (the control) passes.
+    # The suite declares it for jax_nvfp4's dropping layer, whose dropped tokens are such blocks
+    # (JAX_NVFP4_ZERO_BLOCKS).
+    from qcheck.adapters import scaled_dot_general_runs
+
+    if not scaled_dot_general_runs():
+        pytest.skip(f"jax {jax.__version__} has no CPU lowering for scaled_matmul (jax 0.10.2)")
+    config = jax.nn.get_scaled_dot_general_config("nvfp4", global_scale=np.float32(1.0))
+    ones = np.ones((1, 4, 32), np.float32)
+    with_zeros = np.concatenate([np.zeros((1, 1, 32), np.float32), np.ones((1, 1, 32), np.float32)], axis=1)
+
+    def matmul(a, b):
+        return jax.nn.scaled_dot_general(a, b, (((2,), (2,)), ((0,), (0,))), configs=[config] * 3)
+
+    qcheck.assert_quantized(matmul, ones, ones, declared="nvfp4_jax")  # should pass: no zero block
+    with pytest.raises(AssertionError, match=r"lhs \(activation\): its scale is 0 at 2 of 4 scale values \(codes "
+                                             r"NaN\): a scale must be finite and nonzero"):
+        qcheck.assert_quantized(matmul, with_zeros, ones, declared="nvfp4_jax")

@@ -159,6 +159,18 @@ JAX_MXFP8_ZERO_BLOCKS = KnownDefect(
           r"referee gives 0 \(input 0\)",
 )
 
+#: jax 0.11.2 and 0.12.0.1, Mixtral's token-dropping dense layer: the dropped tokens' all-zero NVFP4 blocks take
+#: the block scale clip(amax / 6, 0, 448) = 0, and JAX's quantizer divides by it (``scaled_x = x /
+#: scales_q``, jax/_src/cudnn/scaled_matmul_stablehlo.py ``quantize``): 0 / 0, whose cast to e2m1 is whatever
+#: the backend makes of a NaN (-0 on CPU). The block decodes to 0 all the same (its scale is 0), so the output
+#: stays finite; the coverage check holds every scale finite and nonzero. Shown on JAX's own call by
+#: ``test_jax_nvfp4_divides_an_all_zero_block_by_its_zero_scale`` (tests/test_adapters.py).
+JAX_NVFP4_ZERO_BLOCKS = KnownDefect(
+    library="jax", invariant="coverage", paths=("dense",), dropping=True,
+    reason="an all-zero NVFP4 block's scale is 0 and JAX's quantizer divides by it: codes 0 / 0",
+    match=r"its scale is 0 at \d+ of \d+ scale values \(codes NaN\)",
+)
+
 #: jax 0.11.2 and 0.12.0.1 on CPU, every dropless layer: a block of tiny values (amax below 2^-119: the ``edges``
 #: invariant's token row of tiny values) takes the e8m0 scale code 0, 2^-127, with codes that stand for it
 #: (8 for 2^-124, as the referee's). ``scaled_matmul``'s CPU lowering then casts the scale to float32, a subnormal
@@ -204,6 +216,9 @@ class JaxScaledDotRecipe(Recipe):
         # dropping layer's dispatch (g contracts two axes) and through the sparse path's einsum, in another
         # order than the referee's einsum vjp (1 ulp at 101 of 2048 dispatch DGRAD elements).
         self.expect = self.expect.narrow_backward(())
+        if mode == "nvfp4":
+            self.expect = dataclasses.replace(self.expect,
+                                              known_defects=self.expect.known_defects + (JAX_NVFP4_ZERO_BLOCKS,))
         if mode == "mxfp8":
             # The tiny blocks' defect is the CPU lowering's cast of the scale; a GPU's kernel applies it.
             cpu = (JAX_MXFP8_TINY_BLOCKS,) if jax.default_backend() == "cpu" else ()
