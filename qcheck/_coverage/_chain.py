@@ -140,7 +140,7 @@ class QuantizerChains:
             out.qid, out.axis_map, out.live = qids[0], maps.pop(), all(v.live for v in cases)
             if out.live and out.axis_map == identity:
                 o, _, d = self.quantizers[out.qid]
-                self.quantizers[out.qid] = (o, out.actual, d)
+                self.quantizers[out.qid] = (o, out.actual, _guarded(d, ins))
             return
         origins = {id(self.quantizers[q][0]) for q in qids}
         divisors = {id(self.quantizers[q][2]) for q in qids}
@@ -242,3 +242,21 @@ class QuantizerChains:
                     for i, x in enumerate(vals)]
         out = eqn.primitive.bind(*vals, **eqn.params)
         return out[0] if eqn.primitive.multiple_results else out  # one output, bound as a list (split)
+
+
+def _guarded(divisor: Any, ins: list[Val]) -> Any:
+    """The scale a guard leaves in use: where ``select_n`` picks a literal code (``where(scale > 0, x / scale, 0)``),
+    the scale there divided nothing that reached the matmul, so it reads as 1 and is not held finite and nonzero."""
+    which = ins[0].actual
+    literal = [i for i, v in enumerate(ins[1:]) if v.const]
+    if divisor is None or which is None or not literal:
+        return divisor
+    # jnp, not numpy: the walk runs traced inside the layer's step, where the values are tracers.
+    d = jnp.asarray(divisor)
+    picked = jnp.isin(jnp.asarray(which).astype(jnp.int32), jnp.asarray(literal))
+    if d.ndim != picked.ndim or any(a not in (1, b) for a, b in zip(d.shape, picked.shape)):
+        return divisor
+    # A scale broadcast along an axis is unused only where every element it scales took the literal.
+    picked = jnp.all(picked, axis=tuple(i for i, n in enumerate(d.shape) if n == 1 and picked.shape[i] != 1),
+                     keepdims=True)
+    return jnp.where(picked, jnp.ones_like(d), d)
