@@ -239,6 +239,17 @@ def assert_fp8_state_matches(
     differing leaf, both figures at its first differing entry, their ratio
     and the likely cause. Returns the fp8 state after ``step_a``.
     """
+    before, params_before = _checked_arguments(step_a, step_b, state, rtol)
+    after = {name: _stepped(step, name, state, batch, before, params_before)
+             for name, step in (("step_a", step_a), ("step_b", step_b))}
+    rows, diffs = _differing_rows(before, after["step_a"], after["step_b"], rtol)
+    if rows:
+        raise AssertionError(_failure(rows, diffs, len(before), rtol))
+    return after["step_a"]
+
+
+def _checked_arguments(step_a: Any, step_b: Any, state: Any, rtol: float) -> tuple[dict, dict]:
+    """The fp8 state and the parameters ``state`` holds, after the arguments' usage errors."""
     for name, step in (("step_a", step_a), ("step_b", step_b)):
         if not callable(step):
             raise TypeError(f"{name} must be a callable step(state, batch) -> new_state, "
@@ -253,25 +264,29 @@ def assert_fp8_state_matches(
     params_before = _params(state)
     if not params_before:
         raise ValueError("state holds no floating-point parameters besides its fp8 state")
+    return before, params_before
 
-    after: dict[str, dict[str, np.ndarray]] = {}
-    for name, step in (("step_a", step_a), ("step_b", step_b)):
-        new = _run(step, name, state, batch)
-        got = fp8_state(new, required=False)
-        if sorted(got) != sorted(before):
-            missing, extra = sorted(set(before) - set(got)), sorted(set(got) - set(before))
-            raise AssertionError(f"{name}'s new state holds other fp8 leaves than the state it was given "
-                                 f"(missing {missing or 'none'}, new {extra or 'none'})")
-        params = _params(new)
-        if not any(k in params_before and not np.array_equal(params[k], params_before[k]) for k in params):
-            raise AssertionError(f"{name} moved no parameter ({len(params_before)} leaves): a step that "
-                                 "changes nothing passes nothing")
-        if all(np.array_equal(got[k], before[k]) for k in before):
-            raise AssertionError(f"{name} left all {len(before)} fp8 leaves as they were: the fp8 state "
-                                 "was not written back (dropped from the step's result?)")
-        after[name] = got
 
-    a_state, b_state = after["step_a"], after["step_b"]
+def _stepped(step: Any, name: str, state: Any, batch: Any, before: dict, params_before: dict) -> dict:
+    """The fp8 state after ``step``, which must keep the same leaves, move a parameter and write the state."""
+    new = _run(step, name, state, batch)
+    got = fp8_state(new, required=False)
+    if sorted(got) != sorted(before):
+        missing, extra = sorted(set(before) - set(got)), sorted(set(got) - set(before))
+        raise AssertionError(f"{name}'s new state holds other fp8 leaves than the state it was given "
+                             f"(missing {missing or 'none'}, new {extra or 'none'})")
+    params = _params(new)
+    if not any(k in params_before and not np.array_equal(params[k], params_before[k]) for k in params):
+        raise AssertionError(f"{name} moved no parameter ({len(params_before)} leaves): a step that "
+                             "changes nothing passes nothing")
+    if all(np.array_equal(got[k], before[k]) for k in before):
+        raise AssertionError(f"{name} left all {len(before)} fp8 leaves as they were: the fp8 state "
+                             "was not written back (dropped from the step's result?)")
+    return got
+
+
+def _differing_rows(before: dict, a_state: dict, b_state: dict, rtol: float) -> tuple[list, list]:
+    """One row per differing leaf (where, step_a's figure, step_b's, a cause if one is certain), and the leaves."""
     rows: list[tuple[str, float, float, str | None]] = []
     diffs = []
     for key in sorted(before):
@@ -295,9 +310,10 @@ def assert_fp8_state_matches(
                         f"{'not rolled' if kb == 0 else f'rolled {kb} times'} in one step "
                         "(Flax rolls each history once per step)")
         rows.append((f"{key}[{i}]" if a.size > 1 else key, fa, fb, roll))
+    return rows, diffs
 
-    if not rows:
-        return a_state
+
+def _failure(rows: list, diffs: list, n_leaves: int, rtol: float) -> str:
     pattern = _pattern(diffs) if len(diffs) == len(rows) and not any(why for *_, why in rows) else None
 
     def line(where, fa, fb, why):
@@ -312,5 +328,5 @@ def assert_fp8_state_matches(
     shown = lines[:12] + ([f"... and {len(lines) - 12} more"] if len(lines) > 12 else [])
     tolerance = "bitwise" if rtol == 0 else f"rtol {rtol:g}"
     cause = f"; likely cause: {pattern}" if pattern else ""
-    raise AssertionError(f"{len(rows)} of {len(before)} fp8 leaves differ between step_a and step_b "
-                         f"({tolerance}){cause}:\n  " + "\n  ".join(shown))
+    return (f"{len(rows)} of {n_leaves} fp8 leaves differ between step_a and step_b "
+            f"({tolerance}){cause}:\n  " + "\n  ".join(shown))

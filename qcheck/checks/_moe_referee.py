@@ -227,6 +227,25 @@ def _run(layer: Any, x: jax.Array, output: Any, *, module: bool, call: Any) -> A
     return output(out) if callable(output) else out[output]
 
 
+def _parameters(layer: Any, call: Any, weights: Any) -> tuple[bool, dict[str, np.ndarray]]:
+    """Whether ``layer`` is a module, and its parameters by path: a module's own, or a function's ``weights``."""
+    eqx_found = equinox_params(layer)
+    module = isinstance(layer, nnx.Module) or eqx_found is not None
+    if module:
+        if weights is not None:
+            raise ValueError("weights is for a layer given as a function of x; a module's parameters are its own")
+        return True, module_params(layer) if eqx_found is None else {p: np.asarray(v) for p, v in eqx_found.items()}
+    if callable(layer) and not isinstance(layer, type):
+        if call is not None:
+            raise ValueError("call is how a module is called on x; a layer given as a function of x is called as it is")
+        if weights is None:
+            raise ValueError("a layer given as a function of x takes its parameters from weights= (a pytree; "
+                             "params names paths into it), which is missing")
+        return False, {_path(p): np.asarray(v) for p, v in jax.tree_util.tree_flatten_with_path(weights)[0]}
+    raise ValueError(f"layer must be an flax.nnx.Module, an equinox.Module or a function of x, "
+                     f"got {type(layer).__name__}")
+
+
 @assertion
 def assert_moe_matches_referee(
     layer: Any,
@@ -281,22 +300,7 @@ def assert_moe_matches_referee(
     require_choice("style", style, MOE_STYLES)
     if call is not None and (not callable(call) or isinstance(call, type)):
         raise ValueError(f"call must be a function (module, x) -> output, got {type(call).__name__}")
-    eqx_found = equinox_params(layer)
-    module = isinstance(layer, nnx.Module) or eqx_found is not None
-    if module:
-        if weights is not None:
-            raise ValueError("weights is for a layer given as a function of x; a module's parameters are its own")
-        found = module_params(layer) if eqx_found is None else {p: np.asarray(v) for p, v in eqx_found.items()}
-    elif callable(layer) and not isinstance(layer, type):
-        if call is not None:
-            raise ValueError("call is how a module is called on x; a layer given as a function of x is called as it is")
-        if weights is None:
-            raise ValueError("a layer given as a function of x takes its parameters from weights= (a pytree; "
-                             "params names paths into it), which is missing")
-        found = {_path(p): np.asarray(v) for p, v in jax.tree_util.tree_flatten_with_path(weights)[0]}
-    else:
-        raise ValueError(f"layer must be an flax.nnx.Module, an equinox.Module or a function of x, "
-                         f"got {type(layer).__name__}")
+    module, found = _parameters(layer, call, weights)
     if not isinstance(params, Mapping) or not params:
         raise ValueError(f"params must map the layer's parameter paths to roles; its parameter paths: "
                          f"{', '.join(found) or '(none: pass weights= for a function)'}")
