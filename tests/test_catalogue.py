@@ -11,8 +11,10 @@ docs/catalogue.md's table is rendered from the rows: ``python -m tests.test_cata
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
+import itertools
 import json
 import re
 from collections.abc import Callable, Mapping
@@ -43,6 +45,7 @@ from qcheck.recipes._fp8 import DelayedScalingFp8Site
 from qcheck.recipes._nvfp4 import NVFP4, NVFP4Site, quantizer_key
 from qcheck.recipes._sites import FormatSite, SiteOps, fake_quant_matmul
 from qcheck.suite import cases, golden, invariants
+from qcheck.suite.cells import run_cell
 from tests.helpers import (CHECK_LAYER_X, MOE_FULL_PRECISION, NaNBackwardMoE, SkipGradFp8, WrongAxesNVFP4,
                            assert_quantizers_draw_their_own_bits, nvfp4_dgrad, sparse_moe, unpermute_moe)
 
@@ -610,10 +613,29 @@ def two_sites_one_scale(p: Planting) -> MoE:
     return broken
 
 
-def planted_case(p: Planting, planted: Recipe) -> cases.Case:
-    """``planted`` registered for the row (as a user's --recipes module would), and its dense Mixtral case."""
+def planted_case(p: Planting, planted: Recipe, variant: cases.Variant = DENSE) -> cases.Case:
+    """``planted`` registered for the row (as a user's --recipes module would), and its case (dense Mixtral)."""
     p.enter(registered(planted))
-    return cases.Case(planted.name, DENSE)
+    return cases.Case(planted.name, variant)
+
+
+_PLANTED = itertools.count()
+
+
+def layer_case(p: Planting, broken: MoE, like: str, variant: cases.Variant = DENSE) -> cases.Case:
+    """A case whose fresh layer is ``broken``: recipe ``like`` registered for the row under a name of its own (so
+    no cached program of another row is served), its case built as ``broken``, as the cell builds its layer."""
+    planted = copy.copy(get_recipe(like))
+    planted.name = f"planted{next(_PLANTED)}_{like}"
+    p.enter(registered(planted))
+    case, real = cases.Case(planted.name, variant), cases.layer
+    p.monkeypatch.setattr(cases, "layer", lambda c: broken if c == case else real(c))
+    return case
+
+
+def as_case(build: Callable[[Planting], MoE], like: str, variant: cases.Variant = DENSE) -> Callable:
+    """A row's plant: the layer ``build`` plants, as the fresh layer of a case of recipe ``like`` (:func:`layer_case`)."""
+    return lambda p: layer_case(p, build(p), like, variant)
 
 
 def reused_case(p: Planting, halves: bool) -> cases.Case:
@@ -760,7 +782,8 @@ def codes_mostly_zero(message: str, planted) -> None:
     assert np.mean(codes.astype(np.float32) == 0) > 0.99
 
 
-def tracks_within_bound(broken: MoE) -> None:
+def tracks_within_bound(case: cases.Case) -> None:
+    broken = cases.layer(case)
     # One expert matmul in full precision, on one path: the layer lands inside its bound, unlike its twin.
     assert checks.assert_tracks(step.apply(broken, X)[0], none_output("sparse"), max_rel_norm=0.22) < 0.22
 
@@ -783,13 +806,15 @@ def outputs_alone_are_blind(build) -> None:
     assert invariants.assert_sharded_matches(cases.layer_output(SHARDED_CASE), blind, label="blind") == 0.0
 
 
-def each_site_and_the_forward_healthy(broken: MoE) -> None:
+def each_site_and_the_forward_healthy(case: cases.Case) -> None:
+    broken = cases.layer(case)
     invariants.assert_sites_backward_exact(broken, get_recipe("fp8"), label="probes")  # each site alone is fine
     assert_layer_sites_exact(broken, X, "fp8", label="forward")  # and so is the forward
     assert_layer_sites_backward_exact(layer("fp8", path="sparse"), X, "fp8", label="healthy")
 
 
-def quantized_tracks_its_twin(broken: MoE) -> None:
+def quantized_tracks_its_twin(case: cases.Case) -> None:
+    broken = cases.layer(case)
     # The bug is in code the quantized layer and its twin share: int8 tracks the planted twin, as check_layer sees.
     x = cases.layer_input(broken.config.model)
     int8 = type(broken)(broken.config, get_recipe("int8"), rngs=nnx.Rngs(cases.SEED))
@@ -833,30 +858,26 @@ class Bug:
     marks: tuple = ()
 
 
-def cast_exact(dtype, message: str) -> Catch:
-    return Catch(invariants.assert_sites_cast_exact, lambda broken: (broken, dtype), message, {"label": "bug"})
+def _run_cell(case: cases.Case, column: str) -> None:
+    __tracebackhide__ = True
+    verdict = run_cell(case, column)
+    verdict.raise_failure()
+    raise AssertionError(f"{case.id} {column}: {verdict.status}, not a failure")  # pytest.raises' match then fails
 
 
-def sites_exact(recipe: str, message: str) -> Catch:
-    return Catch(invariants.assert_sites_exact, lambda broken: (broken, get_recipe(recipe)), message, {"label": "bug"})
+def cell(column: str, message: str) -> Catch:
+    """The invariant ``column`` on the planted case, as every front end runs it (:func:`run_cell`): its message
+    follows the case id and ``column``'s check."""
+    return Catch(_run_cell, lambda case: (case, column), message)
 
 
 def layer_sites_exact(recipe: str, message: str, **kwargs) -> Catch:
-    return Catch(assert_layer_sites_exact, lambda broken: (broken, X, recipe), message, kwargs)
+    """The public check on the planted case's layer, as a user calls it on theirs."""
+    return Catch(assert_layer_sites_exact, lambda case: (cases.layer(case), X, recipe), message, kwargs)
 
 
-def backward_exact(recipe: str, message: str) -> Catch:
-    return Catch(invariants.assert_sites_backward_exact, lambda broken: (broken, get_recipe(recipe)), message,
-                 {"label": "bug"})
-
-
-def fp8_state_only_in_backward(message: str) -> Catch:
-    return Catch(invariants.assert_fp8_state_moves_only_in_backward, lambda broken: (broken, X), message,
-                 {"label": "bug"})
-
-
-def layer_quantized(message: str) -> Catch:
-    return Catch(invariants.assert_layer_quantized, lambda broken: (broken, X), message, {"label": "bug"})
+#: The id of a case :func:`layer_case` planted: what a planted row's cell messages start with.
+PLANTED = r"planted\d+_[\w-]+"
 
 
 def grads_track(message: str, distinct: bool = True) -> Catch:
@@ -874,12 +895,12 @@ def _bitwise(message: str) -> None:
 
 
 def run_train(message: str) -> Catch:
-    return Catch(invariants.run_train, lambda case: (case,), message)
+    return cell("train", message)
 
 
 def edges(case: cases.Case, message: str) -> Catch:
     """The ``edges`` invariant on the planted ``case``: ``message`` follows its prefix (over lines)."""
-    return Catch(invariants.run_edges, lambda planted: (planted,), rf"(?s)^{case.id}: assert_layer_edges: {message}")
+    return cell("edges", rf"(?s)^{case.id}: assert_layer_edges: {message}")
 
 
 def hides_from_exact_and_tracks(case: cases.Case) -> None:
@@ -896,8 +917,6 @@ def codes_mostly_zero_in_qchecks_nvfp4(message: str, case) -> None:
     assert np.mean(q == 0) > 0.9  # the claim, on the layer's own input
 
 
-def sites_independent(message: str) -> Catch:
-    return Catch(invariants.assert_sites_independent, lambda broken: (broken,), message, {"label": "bug"})
 
 
 def sharded_matches(message: str) -> Catch:
@@ -912,13 +931,10 @@ def golden_check(message: str, case=None, error: type[Exception] = AssertionErro
 
 
 def referee(message: str) -> Catch:
-    """The ``referee`` invariant's check (at the case table's tolerance) and the public check, on the planted layer."""
-    rtol, atol = DENSE.referee_tolerance
-    return Catch(invariants.assert_layer_matches_referee,
-                 lambda broken: (broken, np.asarray(cases.layer_input(broken.config.model))),
-                 r"^bug: assert_layer_matches_referee: token \(\d+, \d+\) "
-                 r"differs from the float64 referee by [\d.]+ of its norm .*; worst at "
-                 r"output\[\d+, \d+, \d+\]: .*" + message, {"rtol": rtol, "atol": atol, "label": "bug"})
+    """The ``referee`` invariant on the planted case (at the case table's tolerance)."""
+    return cell("referee", rf"^{PLANTED}: assert_layer_matches_referee: token \(\d+, \d+\) "
+                           r"differs from the float64 referee by [\d.]+ of its norm .*; worst at "
+                           r"output\[\d+, \d+, \d+\]: .*" + message)
 
 
 def moe_referee(model: str, message: str) -> Catch:
@@ -926,7 +942,7 @@ def moe_referee(model: str, message: str) -> Catch:
     roles = {"gate": "router", "wi_0": "gate", "wi_1": "up", "wo": "down"}
     if MODELS[model].router == "gemma":
         roles["per_expert_scale"] = "expert_scale"
-    return Catch(checks.assert_moe_matches_referee, lambda broken: (broken, cases.layer_input(model), roles),
+    return Catch(checks.assert_moe_matches_referee, lambda case: (cases.layer(case), cases.layer_input(model), roles),
                  r"^assert_moe_matches_referee: token \(\d+, \d+\) differs from the float64 referee .*" + message,
                  {"style": MODELS[model].router, "top_k": MODELS[model].top_k})
 
@@ -959,55 +975,65 @@ DIFFERS = r"differs from the referee-quantized reference at \d+ of \d+ elements,
 
 CATALOGUE = [
     Bug("exact_catches_a_silently_unquantized_call_site",
-        "an fp8 call site that silently stopped quantizing", "`exact`, `tracks` (not bitwise equal)",
-        lambda p: fp8_with({"wi_1": "none"}), (cast_exact(E4M3FN, "site 'wi_1'.*silently unquantized"),)),
+        "an fp8 call site that silently stopped quantizing", "`exact`",
+        lambda p: layer_case(p, fp8_with({"wi_1": "none"}), "fp8"),
+        (cell("exact", r"^planted\d+_fp8-mixtral-dense: assert_site_exact: site 'wi_1' einsum 'BSM,EMH->BSEH' "
+                       r"\(e4m3fn x e4m3fn\): " + DIFFERS + r".*; it equals the unquantized matmul bitwise$"),)),
     Bug("exact_catches_nanoo_built_on_flax_fp8einsum",
         "NANOO fp8 built on `flax.linen.Fp8Einsum`, which ignores `e4m3_dtype`", "`exact` (wrong fp8 flavour)",
-        lambda p: MoE(MODELS["mixtral"], FlaxFp8EinsumNanoo(), rngs=nnx.Rngs(0)),
-        (cast_exact(E4M3FNUZ, "site 'wi_0'.*wrong fp8 flavour"),)),
+        lambda p: planted_case(p, FlaxFp8EinsumNanoo()),
+        (cell("exact", r"^flax_fp8einsum_nanoo-mixtral-dense: assert_site_exact: site 'wi_0' einsum 'BSM,EMH->BSEH' "
+                       r"\(e4m3fnuz x e4m3fnuz\): .*it equals both operands in e4m3fn instead of e4m3fnuz bitwise$"),)),
     Bug("exact_catches_the_wrong_flavour_on_the_sparse_path",
-        "the wrong e4m3 flavour on the sparse (ragged_dot) path", "`exact` via `assert_fresh_cast_exact` on `Ragged`",
-        lambda p: cases.layer(cases.Case("fp8", SPARSE)),
-        (cast_exact(E4M3FNUZ, "ragged_dot differs.*wrong fp8 flavour"),)),
+        "the wrong e4m3 flavour on the sparse (ragged_dot) path", "`exact` (on `ragged_dot`)",
+        lambda p: layer_case(p, cases.layer(cases.Case("fp8", SPARSE)), "nanoo_fp8", SPARSE),
+        (cell("exact", r"^planted\d+_nanoo_fp8-mixtral-sparse: assert_site_exact: site 'wi_0' ragged_dot "
+                       r"\(e4m3fnuz x e4m3fnuz\): .*it equals both operands in e4m3fn instead of e4m3fnuz bitwise$"),)),
     Bug("exact_catches_a_cast_without_saturation",
         "a cast without saturation (e4m3 overflow becomes NaN)", "`exact`",
-        lambda p: MoE(MODELS["mixtral"], Unsaturated(), capacity_factor=1.0, rngs=nnx.Rngs(0)),
-        (cast_exact(E4M3FN, "site 'dispatch'.*unsaturated cast"),)),
+        lambda p: planted_case(p, Unsaturated(), cases.Variant("mixtral", "dense", True)),
+        (cell("exact", r"^unsaturated_fp8-mixtral-dense-drop: assert_site_exact: site 'dispatch' einsum "
+                       r"'BSM,BSEC->EBCM' \(e4m3fn x e4m3fn\): .*got np\.float32\(nan\).*; it has \d+ non-finite "
+                       r"values where the reference has none \(a cast without saturation overflows to NaN\)$"),)),
     Bug("exact_and_state_catch_a_fresh_scale_that_is_not_one",
-        "a fresh layer whose scale is not 1", "`exact`, `state`", nanoo_scale_two,
-        (cast_exact(E4M3FNUZ, "site 'wo'.*scale not 1"),
-         fp8_state_only_in_backward(r"^bug: assert_fp8_state_moves_only_in_backward: fresh layer has scales != 1 "
-                                    r".*sites\.wo\.kernel_scale"))),
+        "a fresh layer whose scale is not 1", "`exact`, `state`",
+        lambda p: layer_case(p, nanoo_scale_two(p), "nanoo_fp8"),
+        (cell("exact", r"^planted\d+_nanoo_fp8-mixtral-dense: assert_site_exact: site 'wo' einsum 'BSEH,EHM->BSEM' "
+                       r"\(e4m3fnuz x e4m3fnuz\): " + DIFFERS),
+         cell("state", r"^planted\d+_nanoo_fp8-mixtral-dense: assert_fp8_state_moves_only_in_backward: fresh layer "
+                       r"has scales != 1 .*sites\.wo\.kernel_scale"))),
     Bug("exact_catches_an_int8_site_unquantized_on_the_token_dropping_path",
         "an int8 call site that skips quantization on the token-dropping path only", "`exact` (through the layer)",
-        lambda p: layer(DropSkipsInt8(), dropping=True),
-        (layer_sites_exact("int8", r"bug: assert_layer_sites_exact: site 'wi_0' einsum 'EBCM,EMH->EBCH' "
-                           r"\(int8 x int8\).*equals the unquantized matmul bitwise", label="bug"),),
+        lambda p: layer_case(p, layer(DropSkipsInt8(), dropping=True), "int8", cases.Variant("mixtral", "dense", True)),
+        (cell("exact", r"^planted\d+_int8-mixtral-dense-drop: assert_site_exact: site 'wi_0' einsum 'EBCM,EMH->EBCH' "
+                       r"\(int8 x int8\).*equals the unquantized matmul bitwise"),),
         control=lambda broken: invariants.assert_sites_exact(layer(DropSkipsInt8()), get_recipe("int8"),
                                                              label="dense")),
     Bug("exact_catches_mxfp8_weights_blocked_along_the_wrong_axes",
         "MXFP8 weights blocked along the wrong axes (the default axis=-1)", "`exact`",
-        lambda p: layer(WrongAxesMxfp8()),
-        (sites_exact("mxfp8", r"bug: assert_site_exact: site 'wi_0' einsum 'BSM,EMH->BSEH' \(mxfp8 x mxfp8\).*"
-                     r"equals rhs in mxfp8 along the wrong axes \(2,\)"),
-         layer_sites_exact("mxfp8", r"site 'wi_0' einsum 'BSM,EMH->BSEH' \(mxfp8 x mxfp8\).*"
-                           r"equals rhs in mxfp8 along the wrong axes \(2,\)"))),
+        lambda p: layer_case(p, layer(WrongAxesMxfp8()), "mxfp8"),
+        (cell("exact", r"^planted\d+_mxfp8-mixtral-dense: assert_site_exact: site 'wi_0' einsum 'BSM,EMH->BSEH' "
+                       r"\(mxfp8 x mxfp8\).*equals rhs in mxfp8 along the wrong axes \(2,\)"),)),
     Bug("exact_catches_a_layer_calling_wi_0_where_wi_1_belongs",
-        "a layer calling site 'wi_0' where 'wi_1' belongs (each site alone exact)", "`exact` (through the layer)",
-        lambda p: layer("int8", cls=WiZeroTwice),
-        (layer_sites_exact("int8", r"bug: assert_layer_sites_exact: site 'wi_1' was never called .*"
-                           r"wi_0 x2, wi_1 x0, wo x1", label="bug"),),
-        control=lambda broken: invariants.assert_sites_exact(broken, get_recipe("int8"), label="probes")),
+        "a layer calling site 'wi_0' where 'wi_1' belongs (each site alone exact)",
+        "`exact` (through the layer), `assert_layer_sites_exact`",
+        lambda p: layer_case(p, layer("int8", cls=WiZeroTwice), "int8"),
+        (cell("exact", r"^planted\d+_int8-mixtral-dense: record_site_grads: site 'wi_0' is called more than once in "
+                       r"one forward pass; another call site uses its wrapper"),
+         layer_sites_exact("int8", r"bug: assert_layer_sites_exact: site 'wi_1' was never called .*"
+                           r"wi_0 x2, wi_1 x0, wo x1", label="bug")),
+        control=lambda case: invariants.assert_sites_exact(cases.layer(case), get_recipe("int8"), label="probes")),
     # jax commit e1f12ba4 (July 2025) fixed it; JAX's own tests missed it, their reference being a matmul
     # of the same dequantized tensors. Here the referee quantizes independently.
     Bug("exact_catches_jax_nvfp4_global_scale_applied_to_block_scales_not_data",
         "JAX's nvfp4 before e1f12ba4: the global scale applied to the block scales, not the data (codes mostly 0)",
         "`exact` (names the rule)",
-        lambda p: layer(_jax_nvfp4_before_e1f12ba4()),
-        (Catch(invariants.assert_sites_exact, lambda broken: (broken, _jax_nvfp4_before_e1f12ba4()),
-               r"bug: assert_site_exact: site 'wi_0' einsum 'BSM,EMH->BSEH' \(nvfp4_jax x nvfp4_jax\): differs .*it "
+        lambda p: planted_case(p, _jax_nvfp4_before_e1f12ba4()),
+        (cell("exact",
+               r"^jax_nvfp4_e1f12ba4-mixtral-dense: assert_site_exact: site 'wi_0' einsum 'BSM,EMH->BSEH' "
+               r"\(nvfp4_jax x nvfp4_jax\): differs .*it "
                r"equals both operands in JAX's nvfp4 before e1f12ba4 \(the global scale divides the block scales but "
-               r"not the data, so its e2m1 codes are mostly zero\) bitwise", {"label": "bug"}),),
+               r"not the data, so its e2m1 codes are mostly zero\) bitwise"),),
         then=codes_mostly_zero, marks=(needs_scaled_matmul,)),
     # The edge shapes of issue 48, in qcheck's own quantizers: inputs a normal draw never holds.
     Bug("edges_catches_an_nvfp4_quantizer_without_a_zero_guard",
@@ -1046,67 +1072,69 @@ CATALOGUE = [
     Bug("exact_catches_nvfp4_with_its_global_scale_on_the_block_scales_only",
         "qcheck's NVFP4 with its tensor scale applied to the block scales, not the data (codes mostly 0)",
         "`exact`, `tracks`", lambda p: planted_case(p, PlantedNVFP4("global scale on the block scales")),
-        (Catch(invariants.run_exact, lambda case: (case,),
+        (cell("exact",
                rf"^{BLOCK_SCALES_ONLY.id}: assert_site_exact: site 'wi_0' einsum 'BSM,EMH->BSEH' \(nvfp4 x nvfp4\): "
                + DIFFERS + r"got np\.float32\(0\.0\)"),
-         Catch(invariants.run_tracks, lambda case: (case,), r"relative norm 1\.0000 exceeds the bound 0\.35")),
+         cell("tracks", r"relative norm 1\.0000 exceeds the bound 0\.35")),
         then=codes_mostly_zero_in_qchecks_nvfp4),
     # configs=None falls back to lax.dot_general (since jax ae29f63e; before, it quantized to MXFP8
     # silently): every expert matmul in full precision, while the recipe declares nvfp4_jax.
     Bug("coverage_catches_scaled_dot_general_called_without_configs",
         "`jax.nn.scaled_dot_general` called with `configs=None` (full-precision `dot_general`)", "`coverage`",
-        lambda p: layer(_PlantedJax("jax_no_configs", JaxNoConfigs)),
-        (layer_quantized(r"3 of 5 matmuls differ from the declared quantization \(activations nvfp4_jax, weights "
+        lambda p: planted_case(p, _PlantedJax("jax_no_configs", JaxNoConfigs)),
+        (cell("coverage", r"3 of 5 matmuls differ from the declared quantization \(activations nvfp4_jax, weights "
                          r"nvfp4_jax \(the layer's recipe 'jax_no_configs'\)\):\n  dot_general at .*lhs \(\d+, \d+, "
                          r"\d+\) \[full precision\].*\n    lhs \(activation\) reaches the matmul in full precision; "
                          r"declared nvfp4_jax"),)),
     Bug("state_catches_a_forward_pass_that_writes_amax_history",
-        "a forward pass that writes fp8 state", "`state`", forward_writes_history,
-        (fp8_state_only_in_backward(r"^bug: assert_fp8_state_moves_only_in_backward: a forward pass changed fp8 "
+        "a forward pass that writes fp8 state", "`state`", as_case(forward_writes_history, "fp8"),
+        (cell("state", rf"^{PLANTED}: assert_fp8_state_moves_only_in_backward: a forward pass changed fp8 "
                                     r"state at \['sites\.wo\.input_amax_history'\]"),)),
     Bug("state_catches_a_layer_that_lost_its_fp8_state",
         "an fp8 layer that lost its scales and histories", "`state`",
-        lambda p: cases.layer(cases.Case("int8", DENSE)),
-        (fp8_state_only_in_backward("^bug: assert_fp8_state_moves_only_in_backward: the layer has no fp8 scales "
-                                    "or amax histories"),)),
+        as_case(lambda p: cases.layer(cases.Case("int8", DENSE)), "fp8"),
+        (cell("state", rf"^{PLANTED}: assert_fp8_state_moves_only_in_backward: the layer has no fp8 scales "
+                       "or amax histories"),)),
     # One expert matmul multiplying in full precision, on one path: the layer still lands well inside
     # its bound and differs from its twin, so tracks passes.
     Bug("coverage_catches_one_call_site_unquantized_on_the_sparse_path",
         "one call site multiplying in full precision on the sparse path only (`tracks` passes)", "`coverage`",
-        lambda p: fp8_with({"wo": "none"}, path="sparse"),
-        (layer_quantized(r"1 of 5 matmuls differ from the declared quantization .*\n  ragged_dot_general at "
+        as_case(lambda p: fp8_with({"wo": "none"}, path="sparse"), "fp8", SPARSE),
+        (cell("coverage", r"1 of 5 matmuls differ from the declared quantization .*\n  ragged_dot_general at "
                          r"qcheck/layers/moe.py:\d+ \(MoE._sparse\).*\[full precision\]\n    lhs \(activation\) "
                          r"reaches the matmul in full precision; declared e4m3fn"),),
         control=tracks_within_bound, then=names_one_ragged_dot_of_wo),
     Bug("coverage_catches_a_layer_that_quantizes_nothing_listing_every_expert_matmul",
         "a layer that quantizes nothing: every expert matmul listed with its line", "`coverage`",
-        lambda p: cases.layer(cases.Case("none", cases.Variant("mixtral", "dense", True))),
-        (layer_quantized(r"5 of 8 matmuls reach full precision"),), then=lists_every_expert_matmul_in_order),
+        as_case(lambda p: cases.layer(cases.Case("none", cases.Variant("mixtral", "dense", True))), "fp8",
+                cases.Variant("mixtral", "dense", True)),
+        (cell("coverage", r"5 of 8 matmuls reach full precision"),), then=lists_every_expert_matmul_in_order),
     # The forward pass is bitwise unchanged, so exact, tracks and golden all pass.
     Bug("backward_catches_fp8_output_gradients_cast_to_e4m3_not_e5m2",
         "fp8 output gradients cast to e4m3 instead of e5m2 (the forward pass unchanged)", "`backward`",
-        lambda p: with_planted_site("fp8", DelayedScalingFp8("fp8", e4m3_dtype=E4M3FN, e5m2_dtype=E4M3FN)),
-        (backward_exact("fp8", r"bug site 'wo': .*dgrad \(g in float8_e5m2\).*equals the gradient with g in "
+        as_case(lambda p: with_planted_site("fp8", DelayedScalingFp8("fp8", e4m3_dtype=E4M3FN, e5m2_dtype=E4M3FN)),
+                "fp8"),
+        (cell("backward", rf"^{PLANTED} site 'wo': .*dgrad \(g in float8_e5m2\).*equals the gradient with g in "
                         r"float8_e4m3fn \(the forward flavour\)"),),
-        control=lambda broken: invariants.assert_sites_cast_exact(broken, E4M3FN, label="forward")),
+        control=lambda case: invariants.assert_sites_exact(cases.layer(case), get_recipe("fp8"), label="forward")),
     Bug("backward_catches_nvfp4_blocking_the_input_gradient_along_the_weight_gradient_axes",
         "NVFP4 blocking the input gradient's copy of g along the weight-gradient axes", "`backward`",
-        lambda p: with_planted_site("nvfp4", WrongAxesNVFP4(), path="sparse"),
-        (backward_exact("nvfp4", r"bug site 'wo': .*dgrad \(g in nvfp4 along axes \(1,\), stochastic\).*along the "
+        as_case(lambda p: with_planted_site("nvfp4", WrongAxesNVFP4(), path="sparse"), "nvfp4", SPARSE),
+        (cell("backward", rf"^{PLANTED} site 'wo': .*dgrad \(g in nvfp4 along axes \(1,\), stochastic\).*along the "
                         r"wgrad axes \(0,\) bitwise"),)),
     Bug("backward_catches_a_gradient_that_skipped_quantization",
         "a gradient that skipped quantization", "`backward`",
-        lambda p: with_planted_site("nanoo_fp8", SkipGradFp8("nanoo_fp8", e4m3_dtype=E4M3FNUZ,
-                                                             e5m2_dtype=jnp.float8_e5m2fnuz)),
-        (backward_exact("nanoo_fp8", r"bug site 'wo': .*dgrad \(g in float8_e5m2fnuz\).*equals the gradient with "
+        as_case(lambda p: with_planted_site("nanoo_fp8", SkipGradFp8("nanoo_fp8", e4m3_dtype=E4M3FNUZ,
+                                                                     e5m2_dtype=jnp.float8_e5m2fnuz)), "nanoo_fp8"),
+        (cell("backward", rf"^{PLANTED} site 'wo': .*dgrad \(g in float8_e5m2fnuz\).*equals the gradient with "
                         r"unquantized g bitwise"),)),
     Bug("backward_catches_a_layer_taking_a_weights_gradient_around_its_site",
         "a layer taking a weight's gradient around its site (straight through, sparse path)",
-        "`backward` (through the layer)", lambda p: layer("fp8", path="sparse", cls=StraightThroughWo),
-        (Catch(assert_layer_sites_backward_exact, lambda broken: (broken, X, "fp8"),
-               r"bug: assert_layer_sites_backward_exact: the layer's gradient of its parameter 'wo' is not the gradient "
+        "`backward` (through the layer)", as_case(lambda p: layer("fp8", path="sparse", cls=StraightThroughWo), "fp8", SPARSE),
+        (cell("backward",
+               rf"^{PLANTED}: assert_layer_sites_backward_exact: the layer's gradient of its parameter 'wo' is not the gradient "
                r"its site gave \(they differ at \d+ of 16384 elements; the site's is all zeros\): the layer takes that "
-               r"weight's gradient from elsewhere", {"label": "bug"}),),
+               r"weight's gradient from elsewhere"),),
         control=each_site_and_the_forward_healthy),
     # Before any figure: a twin with other weights would fail tracks and gradients for the wrong reason.
     Bug("check_layer_catches_a_twin_with_other_weights",
@@ -1135,19 +1163,19 @@ CATALOGUE = [
                {"skip": MOE_FULL_PRECISION}),),
         control=tracking_alone_misses_unwritten_rows),
     Bug("grads_catches_nan_gradients_from_an_unguarded_empty_amax_history",
-        "NaN gradients from an unguarded delayed scale (empty amax history)", "`grads` (finite)",
+        "NaN gradients from an unguarded delayed scale (empty amax history)", "`assert_grads_track` (`grads`'s check: finite)",
         planted_grads("empty_history"),
         (grads_track(r"^bug: assert_grads_track: gradient of \w+ \(float32\) has \d+ non-finite values of \d+"),)),
     # The forward pass is a healthy e4m3fn layer: tracks passes; only the gradients are flushed.
     Bug("grads_catches_output_gradients_cast_to_e4m3_at_scale_1",
         "output gradients cast to e4m3 at scale 1, most flushed to 0 (the forward pass unchanged)",
-        "`grads` (gradient bound)", planted_grads("e4m3_scale_1"),
+        "`assert_grads_track` (`grads`'s check: gradient bound)", planted_grads("e4m3_scale_1"),
         (grads_track(r"^bug: assert_grads_track: gradient of \w+ \(float32\) is 0\.[6-9]\d* "
                      r"from the none twin's \(relative norm; bound "
                      r"0\.3\); \d+ of \d+ values are 0"),)),
     # A recipe that declares no gradient quantization (distinct=False): all of them equal is still a fallback.
     Bug("grads_catches_a_layer_that_fell_back_to_full_precision",
-        "an fp8 layer whose every site fell back: gradients bitwise equal to the twin's", "`grads` (not bitwise equal)",
+        "an fp8 layer whose every site fell back: gradients bitwise equal to the twin's", "`assert_grads_track` (`grads`'s check: not bitwise equal)",
         fell_back_grads,
         (grads_track(r"^bug: assert_grads_track: gradient of gate \(float32\) is bitwise equal to the none twin's"),
          grads_track(r"^bug: assert_grads_track: every gradient is bitwise equal to the none twin's "
@@ -1201,7 +1229,7 @@ CATALOGUE = [
     # The relation's rounding tolerance, taken only where the layer's output rounds by batch, still catches it.
     Bug("train_catches_a_site_reused_on_two_halves_where_the_layer_output_rounds_by_batch",
         "an fp8 site applying one op to each half of its input, in a layer whose output rounds otherwise in "
-        "microbatches", "`train` (batch == microbatches, to rounding)",
+        "microbatches", "`assert_layer_trains` (`train`'s check: batch == microbatches, to rounding)",
         lambda p: {"bug": rounded_by_batch(_ReusedFp8(halves=True)), "healthy": rounded_by_batch(get_recipe("fp8"))},
         (Catch(invariants.assert_layer_trains, lambda planted: (planted["bug"], X),
                r"(?s)^bug \(one batch vs 2 microbatches\): assert_fp8_state_matches: 3 of 18 fp8 leaves differ.*\n  "
@@ -1226,8 +1254,8 @@ CATALOGUE = [
                      r"was not rolled \(each history rolls "
                      r"once per step, newest amax at 0\)"),)),
     Bug("tracks_catches_a_layer_whose_quantization_silently_fell_away",
-        "a layer whose quantization fell away everywhere", "`tracks`", lambda p: step.apply(fp8_fallen_back(), X)[0],
-        (Catch(checks.assert_tracks, lambda out: (out, none_output()), "bitwise equal to the unquantized reference"),)),
+        "a layer whose quantization fell away everywhere", "`tracks`", as_case(fp8_fallen_back, "fp8"),
+        (cell("tracks", rf"^{PLANTED}: .*bitwise equal to the unquantized reference"),)),
     # exact, backward and tracks follow the declaration, which agrees with the site: only the hardware
     # it targets (MI300, fnuz types) says the flavour is wrong; the second check sees the program alone.
     Bug("coverage_catches_nanoo_declared_and_built_in_e4m3fn",
@@ -1235,24 +1263,24 @@ CATALOGUE = [
         "`coverage` (fp8 types against the target hardware)",
         lambda p: planted_case(p, DelayedScalingFp8(NANOO_E4M3FN.recipe, e4m3_dtype=E4M3FN,
                                                     e5m2_dtype=jnp.float8_e5m2fnuz, expect=Expect(fp8_target="mi300"))),
-        (Catch(invariants.run_coverage, lambda case: (case,),
+        (cell("coverage",
                rf"^{NANOO_E4M3FN.id}: assert_recipe_fp8_native: .*target 'mi300'.*: lhs float8_e4m3fn"),
          Catch(checks.assert_fp8_dtypes_native, lambda case: (cases.layer(case), X),
                r"not native to target 'mi300' \(native fp8: float8_e4m3fnuz, float8_e5m2fnuz\):\n  forward: "
                r"dot_general at qcheck/layers/moe.py:\d+ \(MoE._dense\): lhs cast to float8_e4m3fn",
                {"target": "mi300"}))),
     Bug("sites_catches_two_names_bound_to_one_site",
-        "two call-site names bound to one wrapper", "`sites`", two_names_one_site,
-        (sites_independent("^bug: assert_sites_independent: sites 'wi_0' and 'wi_1' are one object"),)),
+        "two call-site names bound to one wrapper", "`sites`", as_case(two_names_one_site, "fp8"),
+        (cell("sites", rf"^{PLANTED}: assert_sites_independent: sites 'wi_0' and 'wi_1' are one object"),)),
     Bug("sites_catches_two_sites_sharing_a_scale",
-        "two call sites sharing a scale", "`sites`", two_sites_one_scale,
-        (sites_independent(r"^bug: assert_sites_independent: sites 'wi_0' and 'wo' share state \(input_scale\)"),)),
+        "two call sites sharing a scale", "`sites`", as_case(two_sites_one_scale, "fp8"),
+        (cell("sites", rf"^{PLANTED}: assert_sites_independent: sites 'wi_0' and 'wo' share state \(input_scale\)"),)),
     Bug("sites_catches_streams_kept_by_a_recipe_that_never_draws",
         "RNG streams kept by the sites of a recipe that never draws", "`sites`",
-        lambda p: MoE(MODELS["mixtral"], get_recipe("fp8"), rngs=nnx.Rngs(0), apply_rngs=ApplyRngs.PRIVATE),
-        (Catch(invariants.assert_sites_carry_no_rng_stream, lambda broken: (broken,),
-               r"^bug: assert_sites_carry_no_rng_stream: sites \['wi_0', 'wi_1', 'wo'\] "
-               r"of a recipe that never draws carry", {"label": "bug"}),)),
+        as_case(lambda p: MoE(MODELS["mixtral"], get_recipe("fp8"), rngs=nnx.Rngs(0), apply_rngs=ApplyRngs.PRIVATE),
+                "fp8"),
+        (cell("sites", rf"^{PLANTED}: assert_sites_carry_no_rng_stream: sites \['wi_0', 'wi_1', 'wo'\] "
+                       r"of a recipe that never draws carry"),)),
     Bug("paths_agree_catches_a_sparse_routing_bug",
         "a sparse router that forgets to renormalize", "dense == sparse", dropping_twin,
         (Catch(invariants.assert_paths_agree, lambda out: (out["dense"], out["sparse"]),
@@ -1261,24 +1289,24 @@ CATALOGUE = [
     # them; before the referee only the golden files of the unquantized layer could.
     Bug("referee_catches_a_mixtral_router_taking_the_softmax_over_all_experts_before_top_k",
         "Mixtral's router taking the softmax over all experts before top-k (the chosen weights not renormalised)",
-        "`referee`, `assert_moe_matches_referee`", planted_layer(SoftmaxBeforeTopK, "mixtral"),
+        "`referee`, `assert_moe_matches_referee`", as_case(planted_layer(SoftmaxBeforeTopK, "mixtral"), "none", cases.Variant("mixtral", "dense", False)),
         (referee(SAME_EXPERTS), moe_referee("mixtral", SAME_EXPERTS)), control=quantized_tracks_its_twin),
     Bug("referee_catches_a_gemma_router_that_does_not_renormalise",
         "Gemma's router without the renormalisation of the chosen experts' probabilities",
-        "`referee`, `assert_moe_matches_referee`", planted_layer(UnrenormalizedGemma, "gemma"),
+        "`referee`, `assert_moe_matches_referee`", as_case(planted_layer(UnrenormalizedGemma, "gemma"), "none", cases.Variant("gemma", "dense", False)),
         (referee(SAME_EXPERTS), moe_referee("gemma", SAME_EXPERTS)), control=quantized_tracks_its_twin),
     Bug("referee_catches_the_activation_swapped_silu_for_gelu",
         "the experts' activation swapped (GELU in Mixtral, where SiLU belongs)",
-        "`referee`, `assert_moe_matches_referee`", planted_layer(SwappedActivation, "mixtral"),
+        "`referee`, `assert_moe_matches_referee`", as_case(planted_layer(SwappedActivation, "mixtral"), "none", cases.Variant("mixtral", "dense", False)),
         (referee(NO_MIX), moe_referee("mixtral", NO_MIX)), control=quantized_tracks_its_twin),
     # The seed's bug: every wrapper keeps its fork, so the step's RNG state grows per layer.
     Bug("rng_catches_a_forked_stream_per_layer",
-        "a forked RNG stream per wrapper per layer under SHARED", "`rng`",
+        "a forked RNG stream per wrapper per layer under SHARED", "`assert_rng_state_constant` (`rng`'s check)",
         lambda p: invariants.rng_entry_params("mixtral", "nvfp4", depths=(1, 2), apply_rngs=ApplyRngs.PRIVATE),
         (Catch(invariants.assert_rng_state_constant, lambda forked: ({n: c["u32"] for n, c in forked.items()},),
                r"^bug: assert_rng_state_constant: RNG state grows with depth .*\{1: 8, 2: 14\}", {"label": "bug"}),)),
     Bug("rng_control_catches_a_measurement_that_sees_nothing",
-        "an RNG measurement that sees nothing", "`rng`'s PRIVATE control", lambda p: {1: 2, 2: 2, 8: 2},
+        "an RNG measurement that sees nothing", "`assert_rng_state_grows` (`rng`'s PRIVATE control)", lambda p: {1: 2, 2: 2, 8: 2},
         (Catch(invariants.assert_rng_state_grows, lambda u32: (u32,),
                "^bug: assert_rng_state_grows: forced PRIVATE, u32 entry parameters should grow", {"label": "bug"}),)),
     Bug("reused_stochastic_rounding_bits_are_visible",
@@ -1319,14 +1347,15 @@ CATALOGUE = [
                       r"128 differ"),),
         control=fed_e4m3_codes),
     Bug("sharded_catches_experts_reassembled_in_the_wrong_order",
-        "expert shards reassembled in the wrong order, on a mesh only", "`sharded`", mesh_only_reassembly,
+        "expert shards reassembled in the wrong order, on a mesh only",
+        "`assert_layer_sharded_matches` (`sharded`'s check)", mesh_only_reassembly,
         (sharded_matches(r"^bug: assert_sharded_matches: the sharded layer differs "
                          r"from the single-device one at \d+ of 2048 values, by up to "
                          r".*\(rtol 1e-05, atol 1e-06\)"),),
         control=layer_alone_is_healthy),
     Bug("sharded_catches_a_twin_built_without_its_mesh",
         "a sharded twin built without its mesh (its output equals the single-device one)",
-        "`sharded` (twin not sharded)", unsharded_twin,
+        "`assert_layer_sharded_matches` (`sharded`'s check: twin not sharded)", unsharded_twin,
         (sharded_matches(r"^bug: assert_layer_sharded: the sharded twin is not sharded: weight 'wi_0' "
                          r"\(float32\[8, 32, 64\]\) is "
                          r"SingleDeviceSharding on 1 device\(s\), not on the 4-way 'expert' mesh of 8 devices \(built "
@@ -1365,6 +1394,16 @@ def test_catalogue_rows_are_distinct_and_each_names_a_check():
     names = [row.name for row in CATALOGUE]
     assert len(set(names)) == len(names), sorted(n for n in names if names.count(n) > 1)
     assert all(row.catches and all(callable(c.check) for c in row.catches) for row in CATALOGUE)
+
+
+def test_each_row_crediting_an_invariant_is_caught_through_its_cell():
+    # A row naming a column of the matrix (before any parenthesis) is caught as the matrix would show it: run_cell
+    # on a case. A row whose bug the case table cannot build (planted gradients, counts, a mesh) credits the check.
+    columns = {i.name for i in invariants.INVARIANTS}
+    for row in CATALOGUE:
+        credited = {c for c in re.findall(r"`([\w.]+)`", row.caught_by.split("(")[0]) if c in columns}
+        through = {c.args(None)[1] for c in row.catches if c.check is _run_cell}
+        assert credited <= through, f"{row.name} credits {sorted(credited - through)} but is not caught through it"
 
 
 def test_readme_shows_the_catalogue():

@@ -58,6 +58,7 @@ from qcheck.checks._assertion import assertion
 from qcheck.checks._bits import as_float32, bitwise_equal
 from qcheck.checks._mismatch import mismatch, refuse_known_bugs
 from qcheck.checks._probes import PARTING_BINADES, part_fibres, probe_nvfp4, probe_operands
+from qcheck.checks._tracks import count_nonfinite
 from qcheck.recipes import (EINSUM_LAYOUTS, EINSUM_PARTIAL_SUMS, Einsum, Matmul, MatmulAxes, Ragged, Recipe, as_matmul,
                             get_recipe)
 from qcheck.referees import LIBRARY_RULES, MATMUL_MODES, SCALE_ORDERS, Blocks, flush
@@ -219,6 +220,9 @@ def _check(site: str, mm: Matmul, lhs, rhs, got, lhs_fmt: str, rhs_fmt: str, *, 
         if not integer and (lib := next((desc for desc, bug in _library_neighbours(mm, lhs, rhs, lhs_fmt, rhs_fmt)
                                          if bitwise_equal(got, bug)), None)):
             return f"it equals {lib} bitwise"
+        if count_nonfinite(got) > count_nonfinite(want):
+            return (f"it has {count_nonfinite(got)} non-finite values where the reference has "
+                    f"{count_nonfinite(want) or 'none'} (a cast without saturation overflows to NaN)")
         return (f"it matches no known bug; relative norm to the reference "
                 f"{float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)):.3g}")
 

@@ -28,7 +28,7 @@ from qcheck.suite.invariants._programs import case_site_runs, site_runs
 from qcheck.suite.invariants.backward import assert_sites_backward_exact
 from qcheck.suite.invariants.coverage import assert_layer_fp8_native, assert_layer_quantized
 from qcheck.suite.invariants.edges import assert_layer_edges
-from qcheck.suite.invariants.exact import assert_sites_cast_exact, assert_sites_exact
+from qcheck.suite.invariants.exact import assert_sites_exact
 from qcheck.suite.invariants.grads import assert_grads_track
 from qcheck.suite.invariants.paths import PATHS_ATOL, PATHS_MAX_ABS, PATHS_RTOL, assert_paths_agree, run_paths
 from qcheck.suite.invariants.rng import (RNG_CONTROL_DEPTHS, RNG_DEPTHS, RNG_MODELS, assert_rng_state_constant,
@@ -69,7 +69,6 @@ __all__ = [
     "assert_sharded_matches",
     "assert_sites_backward_exact",
     "assert_sites_carry_no_rng_stream",
-    "assert_sites_cast_exact",
     "assert_sites_exact",
     "assert_sites_independent",
     "case_site_runs",
