@@ -213,7 +213,10 @@ def _make_paths_test(model: str, dropping: bool) -> Callable[[InvariantTestCase]
         __tracebackhide__ = True
         from qcheck.suite import invariants
 
-        self._qcheck(invariants.run_paths, (model, dropping), {}, None)
+        from qcheck.suite.cells import run_cell
+
+        self._qcheck(lambda: run_cell(invariants.paths_case(model, dropping), invariants.PATHS).raise_failure(), (),
+                     {}, None)
 
     drop = "with" if dropping else "no"
     test.__doc__ = f"qcheck: dense and sparse compute the same function ({model}, {drop} dropping)."

@@ -1,5 +1,6 @@
 """``python -m qcheck``: the matrix the seeds tabulate by hand."""
 
+import dataclasses
 import io
 import json
 import re
@@ -151,10 +152,10 @@ def test_dense_sparse_rows_report_a_failure(capsys, monkeypatch):
     from qcheck.suite import cli
     from qcheck.suite import invariants
 
-    def broken(model, dropping):
-        raise AssertionError(f"none-{model}: dense and sparse differ by up to 0.5")
+    def broken(case):
+        raise AssertionError(f"none-{case.variant.model}: dense and sparse differ by up to 0.5")
 
-    monkeypatch.setattr(invariants, "run_paths", broken)
+    monkeypatch.setattr(invariants, "PATHS", dataclasses.replace(invariants.PATHS, run=broken))
     assert cli.paths_agree_failures(("gemma",)) == ["none-gemma", "none-gemma-drop"]
     assert "dense == sparse  none-gemma         FAIL none-gemma: dense and sparse differ" in capsys.readouterr().out
 

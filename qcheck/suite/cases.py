@@ -40,11 +40,10 @@ __all__ = [
     "layer",
     "layer_input",
     "layer_output",
-    "backward_applies",
     "forward_output",
     "grad_leaves",
     "gradient_tiles",
-    "grads_applies",
+    "has_gradients",
     "train_step_runs",
     "layer_step",
     "mesh",
@@ -91,7 +90,7 @@ class Variant:
 #: seven more layers to compile would add coverage of one axis length. Dropping
 #: on the sparse path only zeroes some combine weights, with the sparse path's
 #: call sites. Both still run, on both models, for ``none``: dense dropping
-#: against sparse dropping (invariants.run_paths).
+#: against sparse dropping (invariants.PATHS).
 DROP_MODELS = ("mixtral",)
 VARIANTS: tuple[Variant, ...] = tuple(
     Variant(m, p, d)
@@ -140,8 +139,9 @@ def cases(
     ]
 
 
-def grads_applies(recipe: Recipe, variant: Variant) -> bool:
-    """Whether the case trains (``grads``, gradients in golden): every quantized recipe, where gradients exist.
+def has_gradients(recipe: Recipe, variant: Variant) -> bool:
+    """Whether the case's layer has gradients to take: a quantized case trains where it has (``grads``, gradients in
+    golden).
 
     Not where the recipe's library refuses gradients on the path (a declared
     cell, :mod:`qcheck.suite._declared`), nor where the gradient format's blocks
@@ -149,21 +149,9 @@ def grads_applies(recipe: Recipe, variant: Variant) -> bool:
     runs over batch x capacity tokens per expert (2 x 8 = 16), fewer than
     MXFP8's 32.
     """
-    if not recipe.quantized:
-        return False
     if any(u.kind == "gradient" and variant.path in u.paths for u in recipe.expect.unsupported):
         return False
     return gradient_tiles(recipe, variant)
-
-
-def backward_applies(recipe: Recipe, variant: Variant) -> bool:
-    """Whether ``backward`` runs: where the case trains, on the recipe's ``backward_paths``.
-
-    A library recipe narrows ``backward_paths`` where qcheck has no exact
-    reference for its gradients; its gradients are still held to the ``none``
-    twin's by ``grads``.
-    """
-    return variant.path in recipe.expect.backward_paths and grads_applies(recipe, variant)
 
 
 def gradient_tiles(recipe: Recipe, variant: Variant) -> bool:
@@ -176,7 +164,7 @@ def gradient_tiles(recipe: Recipe, variant: Variant) -> bool:
 
 def train_step_runs(recipe: Recipe, variant: Variant) -> bool:
     """Whether the case's train step runs: ``none`` always, quantized recipes where ``grads`` applies."""
-    return not recipe.quantized or grads_applies(recipe, variant)
+    return not recipe.quantized or has_gradients(recipe, variant)
 
 
 @functools.cache

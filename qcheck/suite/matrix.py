@@ -72,14 +72,6 @@ class Row:
         return all(c.status != "fail" for c in self.cells.values())
 
 
-def _run(check, *args) -> Cell:
-    try:
-        figure = check(*args)
-    except Exception as e:  # noqa: BLE001 - a cell reports any failure, as the seeds' table does
-        return Cell("fail", f"{type(e).__name__}: {e}")
-    return Cell("pass", figure=figure)
-
-
 def _cell(inv: invariants.Invariant, case: Case) -> Cell:
     verdict = run_cell(case, inv)  # the exception stays here: a worker sends back what pickles
     return Cell(verdict.status, verdict.detail, verdict.figure)
@@ -138,11 +130,11 @@ class PathsRow:
 
 
 def _paths_row(model: str, dropping: bool) -> PathsRow:
-    return PathsRow(model, dropping, _run(lambda _: invariants.run_paths(model, dropping), None))
+    return PathsRow(model, dropping, _cell(invariants.PATHS, invariants.paths_case(model, dropping)))
 
 
 def run_paths_agree(models: tuple[str, ...], *, executor: Executor | None = None) -> list[PathsRow]:
-    """:func:`~qcheck.invariants.run_paths` per model, without and with dropping."""
+    """:data:`~qcheck.suite.invariants.PATHS` per model, without and with dropping."""
     pairs = [(m, d) for m in models for d in (False, True)]
     run = map if executor is None else executor.map
     return list(run(_paths_row, *zip(*pairs)))

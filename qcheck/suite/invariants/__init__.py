@@ -6,8 +6,8 @@ and the README's table show it), ``applies(recipe, variant)`` and ``run(case)``,
 which raises ``AssertionError`` (prefixed with the case id and, where it
 applies, the call site) when the invariant is broken and returns the figure it
 measured. :data:`INVARIANTS` is their table, in the matrix's column order, and
-``run_<name>`` each one's ``run``; ``paths`` (dense == sparse) compares two
-cases, so it is a row of its own.
+``run_<name>`` each one's ``run``; :data:`PATHS` (dense == sparse) compares two
+cases, so it is a row of its own, run through :func:`~qcheck.suite.cells.run_cell` as the columns are.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from qcheck.suite.invariants.coverage import assert_layer_fp8_native, assert_lay
 from qcheck.suite.invariants.edges import assert_layer_edges
 from qcheck.suite.invariants.exact import assert_sites_exact
 from qcheck.suite.invariants.grads import assert_grads_track
-from qcheck.suite.invariants.paths import PATHS_ATOL, PATHS_MAX_ABS, PATHS_RTOL, assert_paths_agree, run_paths
+from qcheck.suite.invariants import paths
+from qcheck.suite.invariants.paths import PATHS_ATOL, PATHS_MAX_ABS, PATHS_RTOL, assert_paths_agree, paths_case
 from qcheck.suite.invariants.rng import (RNG_CONTROL_DEPTHS, RNG_DEPTHS, RNG_MODELS, assert_rng_state_constant,
                                          assert_rng_state_grows, assert_rng_state_matches_twin, rng_entry_params)
 from qcheck.suite.invariants.sites import assert_sites_carry_no_rng_stream, assert_sites_independent
@@ -41,6 +42,7 @@ from qcheck.suite.invariants.train import (TRAIN_MAX_NORM, TRAIN_MICROBATCHES, T
 __all__ = [
     "INVARIANTS",
     "Invariant",
+    "PATHS",
     "PATHS_ATOL",
     "PATHS_MAX_ABS",
     "PATHS_RTOL",
@@ -75,6 +77,7 @@ __all__ = [
     "fp8_meta_leaves",
     "grad_leaves",
     "output_rows_differ",
+    "paths_case",
     "rng_entry_params",
     "run_backward",
     "run_coverage",
@@ -82,7 +85,6 @@ __all__ = [
     "run_exact",
     "run_golden",
     "run_grads",
-    "run_paths",
     "run_referee",
     "run_rng",
     "run_sharded",
@@ -115,6 +117,10 @@ _MODULES = (sites, coverage, exact, backward, tracks, grads, edges, state, train
 
 INVARIANTS: tuple[Invariant, ...] = tuple(
     Invariant(m.__name__.rsplit(".", 1)[1], m.applies, m.run, m.doc) for m in _MODULES)
+
+
+#: Dense == sparse: the unquantized layer's two paths compared, a row of its own beside the columns.
+PATHS = Invariant("paths", paths.applies, paths.run, paths.doc)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,18 +1,28 @@
-"""The one program of a case's fresh layer that ``exact``, ``backward``, ``train`` and ``edges`` read, and where
-``exact`` applies (the program is built for whichever of them apply)."""
+"""The one program of a case's fresh layer that ``exact``, ``backward``, ``train`` and ``edges`` read, built for
+whichever of the invariants it serves apply (:data:`SERVES`: each of those modules registers its own ``applies``)."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 
 from qcheck.layers.moe import MoE
 from qcheck.recipes import Recipe, get_recipe
 from qcheck.suite import cases as cases_mod
-from qcheck.suite.cases import Case, Variant, backward_applies
+from qcheck.suite.cases import Case, Variant
 from qcheck.suite import _site_programs
 from qcheck.suite._site_programs import SiteRuns
+
+#: The invariants the one program serves, "exact" and "backward", each by the ``applies`` its module registers
+#: when it is imported (their modules import this one, so it cannot import them).
+SERVES: dict[str, Callable[[Recipe, Variant], bool]] = {}
+
+
+def serves(name: str, recipe: Recipe, variant: Variant) -> bool:
+    """Whether invariant ``name`` (registered in :data:`SERVES`) applies to ``recipe`` on ``variant``."""
+    return SERVES[name](recipe, variant)
 
 
 @functools.cache
@@ -33,7 +43,7 @@ def site_runs(layer: MoE, recipe: Recipe, variant: Variant, x: jax.Array | None 
     """
     from qcheck import checks
 
-    exact, backward = exact_applies(recipe, variant), backward_applies(recipe, variant)
+    exact, backward = serves("exact", recipe, variant), serves("backward", recipe, variant)
     through = backward and checks.through_layer_applies(recipe)
     x = cases_mod.layer_input(variant.model) if x is None else x
     return _site_programs.run_sites(
@@ -43,7 +53,3 @@ def site_runs(layer: MoE, recipe: Recipe, variant: Variant, x: jax.Array | None 
         x=x if exact or through else None, capture=exact,
         layer_g=checks.probe_grad(7, x.shape) if through else None)
 
-
-def exact_applies(recipe: Recipe, variant: Variant) -> bool:
-    # Recipes that declare operand formats (lhs=/rhs=) or a cast dtype.
-    return recipe.lhs is not None or recipe.reference.cast_dtype is not None

@@ -7,9 +7,10 @@ from qcheck.checks import assertion, judged_as
 from qcheck.layers.moe import MoE
 from qcheck.recipes import Recipe, get_recipe
 from qcheck.suite import cases as cases_mod
-from qcheck.suite.cases import Case, Variant, backward_applies
+from qcheck.suite.cases import Case, Variant
 from qcheck.suite import _site_programs
 from qcheck.suite._site_programs import SiteRuns
+from qcheck.suite.invariants import _programs, grads
 from qcheck.suite.invariants._programs import case_site_runs
 
 #: What the invariant holds, in one line (the CLI's help and the README's table show it).
@@ -57,4 +58,13 @@ def run(case: Case) -> None:
 
 
 def applies(recipe: Recipe, variant: Variant) -> bool:
-    return backward_applies(recipe, variant)
+    """Where the case trains (``grads`` applies), on the recipe's ``backward_paths``.
+
+    A library recipe narrows ``backward_paths`` where qcheck has no exact
+    reference for its gradients; its gradients are still held to the ``none``
+    twin's by ``grads``.
+    """
+    return variant.path in recipe.expect.backward_paths and grads.applies(recipe, variant)
+
+
+_programs.SERVES["backward"] = applies

@@ -22,8 +22,8 @@ from qcheck.layers import step
 from qcheck.layers.moe import MoE
 from qcheck.recipes import Recipe, get_recipe
 from qcheck.suite import cases as cases_mod
-from qcheck.suite.cases import Case, Variant, backward_applies, grad_leaves, train_step_runs
-from qcheck.suite.invariants._programs import exact_applies, site_runs
+from qcheck.suite.cases import Case, Variant, grad_leaves, train_step_runs
+from qcheck.suite.invariants._programs import serves, site_runs
 
 #: What the invariant holds, in one line (the CLI's help and the README's table show it).
 doc = ("the layer's compiled programs again, on its input with one token row of zeros, of tiny values, with a "
@@ -45,8 +45,8 @@ def _finite_values(layer: MoE, recipe: Recipe, variant: Variant, x) -> dict[str,
 
 def _holds_sites(recipe: Recipe, variant: Variant) -> bool:
     # Where the one program of the case's sites records the layer's passes (site_runs).
-    return exact_applies(recipe, variant) or (backward_applies(recipe, variant)
-                                              and checks.through_layer_applies(recipe))
+    return serves("exact", recipe, variant) or (serves("backward", recipe, variant)
+                                                and checks.through_layer_applies(recipe))
 
 
 def _site_failures(layer: MoE, recipe: Recipe, variant: Variant, x) -> dict[str, str]:
@@ -85,7 +85,7 @@ def assert_layer_edges(layer: MoE, recipe: Recipe, variant: Variant, *, label: s
     __tracebackhide__ = True
     x = cases_mod.layer_input(variant.model)
     holds = _holds_sites(recipe, variant)
-    fmt = checks.operand_formats(recipe)[0] if exact_applies(recipe, variant) else None
+    fmt = checks.operand_formats(recipe)[0] if serves("exact", recipe, variant) else None
     rows = checks.format_edge_rows(x, fmt, dict.fromkeys(checks.EDGE_ROWS))
     finite_before = {k: _nonfinite(v) == 0 for k, v in _finite_values(layer, recipe, variant, x).items()}
     failing_before = _site_failures(layer, recipe, variant, x) if holds else {}

@@ -7,10 +7,11 @@ from qcheck.checks import assertion, judged_as
 from qcheck.layers.moe import MoE
 from qcheck.recipes import Recipe, get_recipe
 from qcheck.suite import cases as cases_mod
-from qcheck.suite.cases import Case
+from qcheck.suite.cases import Case, Variant
 from qcheck.suite import _site_programs
 from qcheck.suite._site_programs import SiteRuns
-from qcheck.suite.invariants._programs import case_site_runs, exact_applies
+from qcheck.suite.invariants import _programs
+from qcheck.suite.invariants._programs import case_site_runs
 
 #: What the invariant holds, in one line (the CLI's help and the README's table show it).
 doc = ("each call site of a fresh layer equals, bitwise, the matmul of its operands quantized by the numpy referee"
@@ -57,4 +58,9 @@ def run(case: Case) -> None:
               recipe, label=case.id)
 
 
-applies = exact_applies
+def applies(recipe: Recipe, variant: Variant) -> bool:
+    """Recipes that declare operand formats (``lhs=``/``rhs=``) or a cast dtype: the formats a site is held to."""
+    return recipe.lhs is not None or recipe.reference.cast_dtype is not None
+
+
+_programs.SERVES["exact"] = applies

@@ -8,7 +8,7 @@ from qcheck import checks
 from qcheck.checks import assertion
 from qcheck.recipes import Recipe, get_recipe
 from qcheck.suite import cases as cases_mod
-from qcheck.suite.cases import Case, Variant, grad_leaves, grads_applies
+from qcheck.suite.cases import Case, Variant, grad_leaves, has_gradients
 
 #: What the invariant holds, in one line (the CLI's help and the README's table show it).
 doc = ("one train step: every parameter's gradient is finite and within the recipe's gradient bound of the twin's "
@@ -70,5 +70,6 @@ def run(case: Case) -> float:
 
 
 def applies(recipe: Recipe, variant: Variant) -> bool:
-    # Wherever the case trains; `backward` only where an exact reference exists too.
-    return grads_applies(recipe, variant)
+    """Every quantized recipe, wherever its case has gradients (:func:`~qcheck.suite.cases.has_gradients`); the
+    ``backward`` invariant only where an exact reference exists too."""
+    return recipe.quantized and has_gradients(recipe, variant)

@@ -12,7 +12,7 @@ from qcheck.layers.moe import MoE
 from qcheck.recipes import Recipe, get_recipe
 from qcheck.suite import cases as cases_mod
 from qcheck.suite.cases import Case, Variant, train_step_runs
-from qcheck.suite.invariants._programs import case_site_runs, exact_applies
+from qcheck.suite.invariants._programs import case_site_runs, serves
 
 #: What the invariant holds, in one line (the CLI's help and the README's table show it).
 doc = ("`qcheck.train`, the reference trainer, leaves the same fp8 state after a step on the batch as over 2 "
@@ -127,6 +127,6 @@ def run(case: Case) -> None:
     """:func:`assert_layer_trains` on the case's fresh layer, its sites' operands from :func:`case_site_runs`."""
     __tracebackhide__ = True
     recipe = get_recipe(case.recipe)
-    calls = case_site_runs(case).calls if exact_applies(recipe, case.variant) else None
+    calls = case_site_runs(case).calls if serves("exact", recipe, case.variant) else None
     assert_layer_trains(cases_mod.layer(case), cases_mod.layer_input(case.variant.model), label=case.id,
                         calls=calls)

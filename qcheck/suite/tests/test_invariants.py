@@ -47,7 +47,8 @@ for _invariant in invariants.INVARIANTS:
 
 
 def test_dense_and_sparse_compute_the_same_function(qcheck_paths):
-    invariants.run_paths(*qcheck_paths)
+    __tracebackhide__ = True
+    run_cell(invariants.paths_case(*qcheck_paths), invariants.PATHS).raise_failure()
 
 
 def test_declared_library_refusals_and_defects_still_hold(qcheck_declared):
