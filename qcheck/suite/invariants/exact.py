@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from qcheck import checks
-from qcheck.checks import assertion, judged_as
+from qcheck.checks import harness
+from qcheck.checks.harness import assertion, judged_as
 from qcheck.layers.moe import MoE
 from qcheck.recipes import Recipe, get_recipe
 from qcheck.suite import cases as cases_mod
@@ -26,8 +27,8 @@ def assert_sites_cast_exact(layer: MoE, cast_dtype, *, label: str = "") -> None:
               for i, (name, spec) in enumerate(layer.site_specs(BATCH, SEQ).items())]
     runs = _site_programs.run_sites(layer, forward=probes)  # one program for all sites
     for p in probes:
-        judged_as(checks.assert_fresh_cast_exact, checks.judge_fresh_cast, p.matmul, p.lhs, p.rhs, runs.forward[p.site],
-                  cast_dtype=cast_dtype, label=f"{label} site {p.site!r}")
+        judged_as(checks.assert_fresh_cast_exact, harness.judge_fresh_cast, p.matmul, p.lhs, p.rhs,
+                  runs.forward[p.site], cast_dtype=cast_dtype, label=f"{label} site {p.site!r}")
 
 
 @assertion
@@ -42,11 +43,11 @@ def assert_sites_exact(layer: MoE, recipe: Recipe, runs: SiteRuns | None = None,
     (``runs``: one that also served other checks, :func:`case_site_runs`).
     """
     __tracebackhide__ = True
-    lhs_fmt, rhs_fmt = checks.operand_formats(recipe)
+    lhs_fmt, rhs_fmt = harness.operand_formats(recipe)
     probes = _site_programs.exact_probes(layer, recipe)
     runs = runs or _site_programs.run_sites(layer, forward=probes)
     for p in probes:
-        judged_as(checks.assert_site_exact, checks.judge_site_exact, p.matmul, p.lhs, p.rhs, runs.forward[p.site],
+        judged_as(checks.assert_site_exact, harness.judge_site_exact, p.matmul, p.lhs, p.rhs, runs.forward[p.site],
                   lhs_format=lhs_fmt, rhs_format=rhs_fmt, site=p.site, arithmetic=recipe.reference.matmul, label=label)
 
 
@@ -54,7 +55,7 @@ def run(case: Case) -> None:
     """Every site exact in the recipe's declared formats: on probes, and through one forward pass of the layer.
 
     :func:`assert_sites_exact` on the case's fresh layer, then
-    :func:`qcheck.checks.judge_site_calls` on the site calls of
+    :func:`qcheck.checks.harness.judge_site_calls` on the site calls of
     its forward pass on the case's input, which sees a layer that skips a
     site, calls another site's wrapper, or skips quantization at one call site
     on one path. Both read :func:`case_site_runs`.
@@ -63,7 +64,7 @@ def run(case: Case) -> None:
     layer, recipe = cases_mod.layer(case), get_recipe(case.recipe)
     runs = case_site_runs(case)
     assert_sites_exact(layer, recipe, runs, label=case.id)
-    judged_as(checks.assert_layer_sites_exact, checks.judge_site_calls, tuple(layer.sites.keys()), runs.calls,
+    judged_as(checks.assert_layer_sites_exact, harness.judge_site_calls, tuple(layer.sites.keys()), runs.calls,
               recipe, label=case.id)
 
 
