@@ -25,7 +25,7 @@ from jax.typing import ArrayLike
 
 from qcheck import formats
 from qcheck._choices import require_choice
-from qcheck.checks import cast_reference
+from qcheck.checks.harness import cast_reference
 
 __all__ = [
     "BLOCK_SCALED_FORMATS",

@@ -9,6 +9,7 @@ from flax import linen as nn
 from flax import nnx
 
 from qcheck import checks, get_recipe
+from qcheck.checks import harness
 from qcheck.layers.bridge import QuantSite
 
 E4M3FN, E4M3FNUZ = jnp.float8_e4m3fn, jnp.float8_e4m3fnuz
@@ -160,8 +161,8 @@ def test_fresh_ragged_cast_exact_should_pass_and_fail():
 
 def test_cast_reference_saturates_instead_of_overflowing_to_nan():
     x = np.array([464.01, -1e9, 241.0, 1.0], np.float32)
-    np.testing.assert_array_equal(checks.cast_reference(x, E4M3FN), [448.0, -448.0, 240.0, 1.0])
-    np.testing.assert_array_equal(checks.cast_reference(x, E4M3FNUZ), [240.0, -240.0, 240.0, 1.0])
+    np.testing.assert_array_equal(harness.cast_reference(x, E4M3FN), [448.0, -448.0, 240.0, 1.0])
+    np.testing.assert_array_equal(harness.cast_reference(x, E4M3FNUZ), [240.0, -240.0, 240.0, 1.0])
     assert np.isnan(x.astype(ml_dtypes.float8_e4m3fn)[0])  # what the clip protects against
 
 
@@ -172,14 +173,14 @@ def test_entry_params_counts_parameters_by_element_type():
     def fn(x, key, n):
         return x * 2, jax.random.fold_in(key, n)
 
-    counts = checks.entry_params(fn, jnp.ones((3, 4)), jax.random.key(0), jnp.int32(1))
+    counts = harness.entry_params(fn, jnp.ones((3, 4)), jax.random.key(0), jnp.int32(1))
     assert counts == {"f32": 1, "s32": 1, "u32": 1, "total": 3}
-    raw = checks.entry_params(fn, jnp.ones(3), jax.random.PRNGKey(0), jnp.int32(1))
+    raw = harness.entry_params(fn, jnp.ones(3), jax.random.PRNGKey(0), jnp.int32(1))
     assert raw["u32"] == 1
 
 
 def test_entry_params_does_not_count_unused_arguments():
-    assert checks.entry_params(lambda x, unused: x + 1, jnp.ones(2), jnp.ones(5)) == {"f32": 1, "total": 1}
+    assert harness.entry_params(lambda x, unused: x + 1, jnp.ones(2), jnp.ones(5)) == {"f32": 1, "total": 1}
 
 
 def _stack_of_wrappers(n: int, share: bool):
@@ -200,7 +201,7 @@ def _step_params(n: int, share: bool) -> int:
             x = s(EQN, x, jnp.ones((32, 32)))
         return x, nnx.state(stack)
 
-    return checks.entry_params(step, state, jnp.ones((2, 32)))["u32"]
+    return harness.entry_params(step, state, jnp.ones((2, 32)))["u32"]
 
 
 def test_entry_params_sees_a_forked_stream_per_wrapper():

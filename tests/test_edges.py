@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 import qcheck
+from qcheck.checks import harness
 from qcheck.layers.moe import UNQUANTIZED_BY_DESIGN
 
 X = jax.random.normal(jax.random.key(1), (2, 8, 32))
@@ -143,7 +144,7 @@ def test_edge_rows_stay_finite_in_the_inputs_own_type():
 
 @pytest.mark.parametrize("fmt, top", [("e4m3fn", 448.0), ("int8", 127.0), ("nvfp4", 6.0), ("mxfp8", 448.0)])
 def test_the_saturation_row_sits_at_the_declared_formats_largest_code(fmt, top):
-    rows = qcheck.checks.format_edge_rows(X, fmt, dict.fromkeys(qcheck.checks.EDGE_ROWS))
+    rows = harness.format_edge_rows(X, fmt, dict.fromkeys(harness.EDGE_ROWS))
     row = np.asarray(rows["saturation"]).reshape(-1, 32)
     assert np.array_equal(np.abs(row[0]), np.full(32, top, np.float32)) and np.array_equal(row[1:], X.reshape(-1, 32)[1:])
 
@@ -160,7 +161,7 @@ class _UndeclaredInt8(qcheck.Recipe):
 def test_the_suite_runs_three_rows_where_no_format_is_declared_and_says_why_should_pass():
     from qcheck.suite import cases, invariants
 
-    rows = qcheck.checks.format_edge_rows(X, None, dict.fromkeys(qcheck.checks.EDGE_ROWS))
+    rows = harness.format_edge_rows(X, None, dict.fromkeys(harness.EDGE_ROWS))
     assert rows["saturation"] == "not run: no activation format declared, so no largest code to sit at"
     with qcheck.registered(_UndeclaredInt8("int8_undeclared")):
         case = cases.Case("int8_undeclared", cases.Variant("mixtral", "dense", False))

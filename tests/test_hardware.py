@@ -3,7 +3,7 @@
 On an fp8 GPU the fp8 einsums must run the native fp8 GEMM, and on Blackwell
 the block formats the native block-scaled dot: each test reads the compiled
 program for that kernel, then holds its result to a float64 emulation of the
-same codes within ``checks.NATIVE_GEMM_TOL`` (see there for why that bound).
+same codes within ``qcheck.checks.harness.NATIVE_GEMM_TOL`` (see there for why that bound).
 """
 
 import functools
@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from qcheck import build_moe, checks, formats, get_recipe, hardware, native, recipe_names
+from qcheck.checks import harness
 from qcheck.layers import step
 from qcheck.suite import cases
 from tests.helpers import NATIVE_EQN, documented_scaled_matmul, native_operands, unquantized_product
@@ -131,7 +132,7 @@ def test_with_a_native_kernel_the_native_tests_pass(cpu_as_gpu, monkeypatch, tes
     monkeypatch.setattr(native, "native_gemm_calls", lambda text: ["pretended native GEMM"])
     figures = _recording(monkeypatch, "assert_native_matches_emulation")
     test(arg)
-    assert len(figures) == 1 and 0 <= figures[0] <= checks.NATIVE_GEMM_TOL, figures
+    assert len(figures) == 1 and 0 <= figures[0] <= harness.NATIVE_GEMM_TOL, figures
 
 
 def test_the_layer_test_runs_on_the_stand_in(cpu_as_gpu, monkeypatch):

@@ -1,6 +1,8 @@
 """The public surface, kept honest: what each public module exports resolves, its lazy table and its
-``TYPE_CHECKING`` imports name exactly its ``__all__``, the top-level ``qcheck`` re-exports every
-assertion of ``qcheck.checks``, and README and docs code import only public names.
+``TYPE_CHECKING`` imports name exactly its ``__all__`` (each name from its table's module), the top-level
+``qcheck`` re-exports every assertion of ``qcheck.checks``, ``qcheck.checks`` offers the checks, their figures
+and operands and nothing else (the suite's parts are ``qcheck.checks.harness``), and README and docs code
+import only public names.
 
 Each rule is an ``assert_*`` function here with a control: a fake module or a fake text that breaks it.
 """
@@ -20,26 +22,36 @@ import qcheck
 ROOT = Path(__file__).parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
-#: (module, its lazy table's name or None, the submodules its ``__getattr__`` imports by name).
+#: (module, its lazy table's name or None): a lazy table maps each name to the module it loads from.
 PUBLIC = [
-    ("qcheck", "_WHERE", ("checks", "formats", "native", "referees")),
-    ("qcheck.adapters", "_LAZY", ()),
-    ("qcheck.checks", None, ()),
-    ("qcheck.recipes", None, ()),
-    ("qcheck.referees", None, ()),
-    ("qcheck.formats", None, ()),
-    ("qcheck.layers.moe", None, ()),
+    ("qcheck", "_WHERE"),
+    ("qcheck.adapters", "_LAZY"),
+    ("qcheck.checks", None),
+    ("qcheck.checks.harness", None),
+    ("qcheck.recipes", None),
+    ("qcheck.referees", None),
+    ("qcheck.formats", None),
+    ("qcheck.layers.moe", None),
 ]
+
+#: What ``qcheck.checks`` offers besides its ``assert_*`` checks, by kind: the one list a name joins to be
+#: offered there. A part that only qcheck's suite calls goes to ``qcheck.checks.harness`` instead.
+CHECKS_OFFERS = {
+    "check": {"check_layer", "coverage"},
+    "its setup": {"copy_params_into"},
+    "figure": {"Figures", "LayerFigures", "fp8_state", "rel_norm"},
+    "operand": {"Einsum", "Matmul", "Ragged", "probe_grad", "probe_operands"},
+}
 
 
 def _source(module: types.ModuleType) -> ast.Module:
     return ast.parse(Path(module.__file__).read_text())
 
 
-def _type_checking_imports(tree: ast.Module) -> set[str]:
-    """The names bound by the imports under the module's top-level ``if TYPE_CHECKING:``."""
+def _type_checking_imports(tree: ast.Module) -> set[tuple[str, str]]:
+    """(module, name) of each name bound by the imports under the module's top-level ``if TYPE_CHECKING:``."""
     blocks = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]
-    return {alias.asname or alias.name for block in blocks for node in ast.walk(block)
+    return {(node.module, alias.asname or alias.name) for block in blocks for node in ast.walk(block)
             if isinstance(node, ast.ImportFrom) for alias in node.names}
 
 
@@ -71,23 +83,42 @@ def assert_exports_resolve(module: types.ModuleType) -> None:
     assert not missing, f"{module.__name__}.__all__ names {missing}, which do not resolve"
 
 
-def assert_lazy_table_is_all(module: types.ModuleType, tree: ast.Module, table: str, submodules: tuple) -> None:
-    """The lazy table's keys, the submodules loaded by name and the eager imports are ``__all__``; the
-    ``TYPE_CHECKING`` imports name every lazily loaded one (so type checkers see what users get)."""
-    lazy = set(getattr(module, table)) | set(submodules)
-    offered = lazy | _eager_imports(tree) | _defined(tree)
+def assert_lazy_table_is_all(module: types.ModuleType, tree: ast.Module, table: str) -> None:
+    """The lazy table's keys and the eager imports are ``__all__``; the ``TYPE_CHECKING`` imports are the
+    table, each name imported from the module the table loads it from (so type checkers see what users get)."""
+    lazy = {(where, name) for name, where in getattr(module, table).items()}
+    offered = {name for _, name in lazy} | _eager_imports(tree) | _defined(tree)
     assert offered == set(module.__all__), (
         f"{module.__name__}: {table} and its imports differ from __all__: only offered "
         f"{sorted(offered - set(module.__all__))}, only in __all__ {sorted(set(module.__all__) - offered)}")
     typed = _type_checking_imports(tree)
-    assert typed == lazy, (f"{module.__name__}: TYPE_CHECKING imports differ from the lazy names: only imported "
-                           f"{sorted(typed - lazy)}, never imported {sorted(lazy - typed)}")
+    assert typed == lazy, (
+        f"{module.__name__}: TYPE_CHECKING imports differ from {table}: imported "
+        f"{sorted(f'{n} from {m}' for m, n in typed - lazy)}, the table says "
+        f"{sorted(f'{n} from {m}' for m, n in lazy - typed)}")
 
 
 def assert_package_exports_its_imports(module: types.ModuleType, tree: ast.Module) -> None:
     """A package ``__init__`` imports a public name to export it: one left out of ``__all__`` is forgotten."""
     forgotten = _eager_imports(tree) - set(module.__all__)
     assert not forgotten, f"{module.__name__} imports {sorted(forgotten)} but leaves them out of __all__"
+
+
+def assert_checks_offer_checks_only(checks: types.ModuleType, harness: types.ModuleType,
+                                    offers: dict[str, set[str]]) -> None:
+    """``dir(qcheck.checks)`` is ``__all__``: its ``assert_*`` checks and the names ``offers`` lists by kind,
+    each listed name offered; none of them is also the harness's."""
+    public = set(dir(checks)) - {n for n in dir(checks) if n.startswith("_")}
+    assert public == set(checks.__all__), (f"dir({checks.__name__}) differs from __all__: "
+                                           f"{sorted(public ^ set(checks.__all__))}")
+    listed = set().union(*offers.values())
+    other = sorted(n for n in public - listed if not n.startswith("assert_"))
+    assert not other, (f"{checks.__name__} offers {other}, neither a check (assert_*) nor listed in CHECKS_OFFERS "
+                       f"({', '.join(offers)}): a part only the suite calls belongs in {harness.__name__}")
+    gone = sorted(listed - public)
+    assert not gone, f"CHECKS_OFFERS lists {gone}, which {checks.__name__} does not offer"
+    both = sorted(public & set(harness.__all__))
+    assert not both, f"{both} offered by both {checks.__name__} and {harness.__name__}: each name has one place"
 
 
 def assert_top_level_checks_are_the_checks(top: types.ModuleType, checks: types.ModuleType) -> None:
@@ -150,14 +181,14 @@ def assert_code_blocks_import_public_names(text: str, where: str) -> int:
 # -- the rules on qcheck itself ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, table, submodules", PUBLIC, ids=[row[0] for row in PUBLIC])
-def test_public_module_exports_resolve_and_match_its_tables(name, table, submodules):
+@pytest.mark.parametrize("name, table", PUBLIC, ids=[row[0] for row in PUBLIC])
+def test_public_module_exports_resolve_and_match_its_tables(name, table):
     module = importlib.import_module(name)
     assert_exports_resolve(module)
     tree = _source(module)
     if table is not None:
-        assert_lazy_table_is_all(module, tree, table, submodules)
-    elif Path(module.__file__).name == "__init__.py":
+        assert_lazy_table_is_all(module, tree, table)
+    elif Path(module.__file__).name == "__init__.py" or not _defined(tree):  # a package, or one of re-exports
         assert_package_exports_its_imports(module, tree)
 
 
@@ -169,6 +200,12 @@ def test_the_readme_imports_unquantized_by_design_from_a_public_name():
 
 def test_qcheck_re_exports_every_assertion_of_qcheck_checks():
     assert_top_level_checks_are_the_checks(qcheck, qcheck.checks)
+
+
+def test_qcheck_checks_offers_the_checks_their_figures_and_operands_only():
+    from qcheck.checks import harness
+
+    assert_checks_offer_checks_only(qcheck.checks, harness, CHECKS_OFFERS)
 
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
@@ -201,13 +238,41 @@ def test_a_name_in_all_that_does_not_resolve_should_fail():
 def test_a_lazy_table_or_type_checking_import_out_of_step_should_fail():
     healthy = "from fake._x import eager\nif TYPE_CHECKING:\n    from fake._y import lazy\n"
     module, tree = _fake("fake", healthy, __all__=["eager", "lazy"], _WHERE={"lazy": "fake._y"})
-    assert_lazy_table_is_all(module, tree, "_WHERE", ())
+    assert_lazy_table_is_all(module, tree, "_WHERE")
     module.__all__ = ["eager", "lazy", "new"]  # exported, never made lazy
     with pytest.raises(AssertionError, match=r"only in __all__ \['new'\]"):
-        assert_lazy_table_is_all(module, tree, "_WHERE", ())
+        assert_lazy_table_is_all(module, tree, "_WHERE")
     module.__all__, module._WHERE = ["eager", "lazy", "new"], {"lazy": "fake._y", "new": "fake._y"}
-    with pytest.raises(AssertionError, match=r"TYPE_CHECKING imports differ .*never imported \['new'\]"):
-        assert_lazy_table_is_all(module, tree, "_WHERE", ())
+    with pytest.raises(AssertionError, match=r"TYPE_CHECKING imports differ .*the table says \['new from fake._y'\]"):
+        assert_lazy_table_is_all(module, tree, "_WHERE")
+    module.__all__, module._WHERE = ["eager", "lazy"], {"lazy": "fake._z"}  # typed from another module
+    with pytest.raises(AssertionError, match=r"imported \['lazy from fake._y'\], the table says "
+                                             r"\['lazy from fake._z'\]"):
+        assert_lazy_table_is_all(module, tree, "_WHERE")
+
+
+def test_qcheck_checks_offering_a_harness_part_should_fail():
+    def fake(offered: list[str], name: str = "checks") -> types.ModuleType:
+        checks = types.ModuleType(name)
+        checks.__all__ = offered
+        vars(checks).update(dict.fromkeys(offered, object()))
+        return checks
+
+    harness = fake(["judge_x"], "harness")
+    offers = {"figure": {"Figures"}}
+    assert_checks_offer_checks_only(fake(["assert_x", "Figures"]), harness, offers)
+    with pytest.raises(AssertionError, match=r"^checks offers \['record_calls'\], neither a check \(assert_\*\) "
+                                             r"nor listed in CHECKS_OFFERS \(figure\): .* belongs in harness"):
+        assert_checks_offer_checks_only(fake(["assert_x", "Figures", "record_calls"]), harness, offers)
+    with pytest.raises(AssertionError, match=r"^CHECKS_OFFERS lists \['Figures'\], which checks does not offer"):
+        assert_checks_offer_checks_only(fake(["assert_x"]), harness, offers)
+    with pytest.raises(AssertionError, match=r"^\['judge_x'\] offered by both checks and harness"):
+        assert_checks_offer_checks_only(fake(["assert_x", "Figures", "judge_x"]), harness, {"figure": {"Figures",
+                                                                                                       "judge_x"}})
+    unlisted = fake(["assert_x", "Figures"])
+    unlisted.extra = object()  # in dir(), left out of __all__
+    with pytest.raises(AssertionError, match=r"^dir\(checks\) differs from __all__: \['extra'\]"):
+        assert_checks_offer_checks_only(unlisted, harness, offers)
 
 
 def test_a_package_importing_a_name_it_does_not_export_should_fail():

@@ -10,7 +10,8 @@ import pytest
 from flax import nnx
 
 import qcheck
-from qcheck import checks, formats
+from qcheck import formats
+from qcheck.checks import harness
 from qcheck.layers import step
 from qcheck.suite import cases, invariants
 from qcheck.suite.cli import main
@@ -165,7 +166,7 @@ def test_unrolled_decoder_runs_a_train_step_whose_lowered_entry_params_match_the
     lowered = jax.jit(step.train_step_fn(graphdef)).lower(*args)
     out = lowered.compile()(*args)
     assert np.isfinite(float(out.loss))
-    assert checks.lowered_entry_params(lowered) == checks.lowered_entry_params(lowered, compile=True)
+    assert harness.lowered_entry_params(lowered) == harness.lowered_entry_params(lowered, compile=True)
 
 
 def test_rng_cli_shows_flat_shared_and_growing_private(capsys):
@@ -183,7 +184,7 @@ def test_rng_cli_shows_flat_shared_and_growing_private(capsys):
 
 def _u32_of_unrolled(stack) -> int:
     graphdef, *state = step.split_for_step(stack)
-    counts = checks.entry_params(step.train_step_fn(graphdef), *state, cases.layer_input("mixtral"), compile=False)
+    counts = harness.entry_params(step.train_step_fn(graphdef), *state, cases.layer_input("mixtral"), compile=False)
     return counts.get("u32", 0)
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from qcheck import referees
-from qcheck.checks import Figures, assertion, compare_with_referee, module_params, referee_weights
+from qcheck.checks import Figures
+from qcheck.checks.harness import assertion, compare_with_referee, module_params, referee_weights
 from qcheck.layers import step
 from qcheck.layers.moe import MoE
 

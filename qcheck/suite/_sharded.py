@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from qcheck.checks import assertion
+from qcheck.checks.harness import assertion
 from qcheck.layers import step
 from qcheck.layers.moe import MoE
 

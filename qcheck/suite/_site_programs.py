@@ -5,9 +5,9 @@ programs: a forward program per site for ``exact``'s probes, a ``jax.vjp``
 program per site for ``backward``'s, and a recorded forward pass of the layer.
 Here one jitted program runs them all for a layer — every site on its forward
 probes, every site's vjp on its backward probes, the layer's forward pass
-with each site's operands recorded (:func:`qcheck.checks.record_site_calls`),
+with each site's operands recorded (:func:`qcheck.checks.harness.record_site_calls`),
 and one backward pass of the layer with each site's gradients recorded
-(:func:`qcheck.checks.record_site_grads`)
+(:func:`qcheck.checks.harness.record_site_grads`)
 — and the checks judge its results (each check's judgement of computed
 values, under the check's name). Each site runs exactly as it does alone
 (the same merge of its fresh state, the same call), so the references stay
@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from qcheck import checks
+from qcheck.checks import harness
 from qcheck.layers.moe import MoE
 from qcheck.recipes import Matmul, Recipe
 from qcheck.suite.cases import BATCH, SEQ
@@ -52,18 +53,18 @@ class SiteRuns:
 
     forward: dict[str, np.ndarray]
     grads: dict[str, tuple[np.ndarray, np.ndarray]]
-    calls: list[checks.SiteCall] | None
+    calls: list[harness.SiteCall] | None
     key: jax.Array
-    grad_calls: list[checks.SiteGradCall] | None = None
+    grad_calls: list[harness.SiteGradCall] | None = None
 
 
 def exact_probes(layer: MoE, recipe: Recipe) -> list[Probe]:
     """Each site's probe for ``exact``: operands that tell the reference from every neighbouring bug."""
-    lhs_fmt, rhs_fmt = checks.operand_formats(recipe)
+    lhs_fmt, rhs_fmt = harness.operand_formats(recipe)
     out = []
     for i, (name, spec) in enumerate(layer.site_specs(BATCH, SEQ).items()):
         axes = spec.matmul.axes(len(spec.lhs_shape), len(spec.rhs_shape))
-        lhs, rhs = checks.probe_site_operands(i, spec.lhs_shape, spec.rhs_shape, axes,
+        lhs, rhs = harness.probe_site_operands(i, spec.lhs_shape, spec.rhs_shape, axes,
                                               lhs_format=lhs_fmt, rhs_format=rhs_fmt,
                                               spread="mxfp8_jax" in (lhs_fmt, rhs_fmt))
         out.append(Probe(name, spec.matmul.regrouped(i), lhs, rhs))
@@ -77,9 +78,9 @@ def backward_probes(layer: MoE, recipe: Recipe) -> list[Probe]:
         axes = spec.matmul.axes(len(spec.lhs_shape), len(spec.rhs_shape))
         out_shape = spec.matmul.out_shape(spec.lhs_shape, spec.rhs_shape)
         if recipe.grad == "nvfp4":  # probes on which NVFP4 decodes exactly in any order XLA picks
-            lhs = checks.probe_nvfp4(i, spec.lhs_shape, axes.lhs)
-            rhs = checks.probe_nvfp4(i + 100, spec.rhs_shape, axes.rhs)
-            g = checks.probe_nvfp4(i + 200, out_shape, axes.dgrad, axes.wgrad)
+            lhs = harness.probe_nvfp4(i, spec.lhs_shape, axes.lhs)
+            rhs = harness.probe_nvfp4(i + 100, spec.rhs_shape, axes.rhs)
+            g = harness.probe_nvfp4(i + 200, out_shape, axes.dgrad, axes.wgrad)
         else:
             lhs, rhs = checks.probe_operands(i, spec.lhs_shape, spec.rhs_shape)
             g = checks.probe_grad(i, out_shape)
@@ -95,10 +96,10 @@ def _program(graphdef, forward: tuple, backward: tuple, capture: bool, state, x,
     outs = {}
     for name, (mm, lhs, rhs, _) in zip(forward, fwd_in):
         outs[name] = mm.run(fresh().sites[name], lhs, rhs)
-    grads = {name: checks.site_grads(fresh().sites[name], mm, lhs, rhs, g, key)
+    grads = {name: harness.site_grads(fresh().sites[name], mm, lhs, rhs, g, key)
              for name, (mm, lhs, rhs, g) in zip(backward, bwd_in)}
-    calls = checks.record_site_calls(fresh(), x)[1] if capture else None
-    grad_calls = None if layer_g is None else checks.record_site_grads(fresh(), x, layer_g)
+    calls = harness.record_site_calls(fresh(), x)[1] if capture else None
+    grad_calls = None if layer_g is None else harness.record_site_grads(fresh(), x, layer_g)
     return outs, grads, calls, grad_calls
 
 
@@ -108,7 +109,7 @@ def run_sites(layer: MoE, *, forward: list[Probe] = (), backward: list[Probe] = 
 
     Given ``x``: also the layer's forward pass with each site call recorded
     (unless ``capture`` is False), and with ``layer_g`` one backward pass of it
-    with each site's gradients recorded (:func:`qcheck.checks.record_site_grads`).
+    with each site's gradients recorded (:func:`qcheck.checks.harness.record_site_grads`).
     """
     key = jax.random.key(0) if key is None else key
     capture = x is not None if capture is None else capture

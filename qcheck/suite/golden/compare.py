@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from qcheck.checks import assertion
+from qcheck.checks.harness import assertion
 from qcheck.recipes import recipe_names
 from qcheck.suite.golden.record import measure
 from qcheck.suite.golden.store import (GoldenCase, Stored, add_command, builtin_root, grad_sample, provenance,

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from qcheck import checks
+from qcheck.checks import harness
 from qcheck.layers import step
 from qcheck.recipes import get_recipe
 from qcheck.suite import cases as cases_mod
@@ -63,7 +64,7 @@ def train_step_entry_params(case: Case) -> dict[str, int]:
     """
     graphdef, params, meta, rest = step.split_for_step(cases_mod.layer(case))
     lowered = step.lower_train_step(graphdef, params, meta, rest, cases_mod.layer_input(case.variant.model))
-    return checks.lowered_entry_params(lowered)
+    return harness.lowered_entry_params(lowered)
 
 
 def measure(case: GoldenCase) -> dict[str, Any]:

@@ -42,9 +42,10 @@ def site_runs(layer: MoE, recipe: Recipe, variant: Variant, x: jax.Array | None 
     compiled program run again.
     """
     from qcheck import checks
+    from qcheck.checks import harness
 
     exact, backward = serves("exact", recipe, variant), serves("backward", recipe, variant)
-    through = backward and checks.through_layer_applies(recipe)
+    through = backward and harness.through_layer_applies(recipe)
     x = cases_mod.layer_input(variant.model) if x is None else x
     return _site_programs.run_sites(
         layer,

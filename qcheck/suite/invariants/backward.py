@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from qcheck import checks
-from qcheck.checks import assertion, judged_as
+from qcheck.checks import harness
+from qcheck.checks.harness import assertion, judged_as
 from qcheck.layers.moe import MoE
 from qcheck.recipes import Recipe, get_recipe
 from qcheck.suite import cases as cases_mod
@@ -35,7 +36,7 @@ def assert_sites_backward_exact(layer: MoE, recipe: Recipe, runs: SiteRuns | Non
     probes = _site_programs.backward_probes(layer, recipe)
     runs = runs or _site_programs.run_sites(layer, backward=probes)
     for p in probes:
-        judged_as(checks.assert_site_backward_exact, checks.judge_site_backward, layer.get_einsum(p.site).site_name,
+        judged_as(checks.assert_site_backward_exact, harness.judge_site_backward, layer.get_einsum(p.site).site_name,
                   p.matmul, p.lhs, p.rhs, p.g, runs.grads[p.site], recipe=recipe, key=runs.key,
                   label=f"{label} site {p.site!r}")
 
@@ -44,7 +45,7 @@ def run(case: Case) -> None:
     """Every site's gradients exact: on probes, and in one backward pass of the layer.
 
     :func:`assert_sites_backward_exact` on the case's fresh layer, then
-    :func:`qcheck.checks.judge_site_grad_calls` on the
+    :func:`qcheck.checks.harness.judge_site_grad_calls` on the
     gradients each site gave in the layer's own backward pass (not for NVFP4's
     stochastic DGRAD), which sees a layer that takes a site's gradient from
     anywhere else. Both read :func:`case_site_runs`.
@@ -53,7 +54,7 @@ def run(case: Case) -> None:
     recipe, runs = get_recipe(case.recipe), case_site_runs(case)
     assert_sites_backward_exact(cases_mod.layer(case), recipe, runs, label=case.id)
     if runs.grad_calls is not None:
-        judged_as(checks.assert_layer_sites_backward_exact, checks.judge_site_grad_calls,
+        judged_as(checks.assert_layer_sites_backward_exact, harness.judge_site_grad_calls,
                   runs.grad_calls, recipe, label=case.id)
 
 

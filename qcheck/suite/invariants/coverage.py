@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qcheck.checks import assertion
+from qcheck.checks.harness import assertion
 from qcheck.layers.moe import MoE
 from qcheck.recipes import Recipe, get_recipe
 from qcheck.suite import cases as cases_mod
@@ -49,7 +49,8 @@ def assert_layer_fp8_native(layer: MoE, x, recipe: Recipe, *, backward: bool = T
     __tracebackhide__ = True
     if recipe.expect.fp8_target is None:
         return
-    from qcheck.checks import assert_fp8_dtypes_native, assert_recipe_fp8_native, declared_operand_fp8_dtypes
+    from qcheck.checks import assert_fp8_dtypes_native, assert_recipe_fp8_native
+    from qcheck.checks.harness import declared_operand_fp8_dtypes
 
     assert_recipe_fp8_native(recipe, label=label)
     if declared_operand_fp8_dtypes(recipe):  # else no fp8 type reaches an operand's chain (NVFP4)

@@ -1,6 +1,6 @@
 """The ``edges`` invariant: what it holds (``doc``), where (``applies``), and its checks (``run``).
 
-A normal draw never holds the inputs where quantizers break (:data:`qcheck.checks.EDGE_ROWS`): a token row of
+A normal draw never holds the inputs where quantizers break (:data:`qcheck.checks.harness.EDGE_ROWS`): a token row of
 zeros (a scale of 0, then 0 / 0), of tiny values (an amax past an ``== 0`` guard whose scale underflows), with one
 value beyond the format's range (a cast without saturation), at the format's largest code. The suite is
 compile-bound, so no layer program is compiled here: the case's own programs, which ``grads`` (or ``tracks``)
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from qcheck import checks
-from qcheck.checks import assertion
+from qcheck.checks import harness
+from qcheck.checks.harness import assertion
 from qcheck.layers import step
 from qcheck.layers.moe import MoE
 from qcheck.recipes import Recipe, get_recipe
@@ -46,7 +46,7 @@ def _finite_values(layer: MoE, recipe: Recipe, variant: Variant, x) -> dict[str,
 def _holds_sites(recipe: Recipe, variant: Variant) -> bool:
     # Where the one program of the case's sites records the layer's passes (site_runs).
     return serves("exact", recipe, variant) or (serves("backward", recipe, variant)
-                                                and checks.through_layer_applies(recipe))
+                                                and harness.through_layer_applies(recipe))
 
 
 def _site_failures(layer: MoE, recipe: Recipe, variant: Variant, x) -> dict[str, str]:
@@ -55,12 +55,12 @@ def _site_failures(layer: MoE, recipe: Recipe, variant: Variant, x) -> dict[str,
     failed: dict[str, str] = {}
     for call in runs.calls or ():
         try:
-            checks.judge_site_calls((call.site,), [call], recipe)
+            harness.judge_site_calls((call.site,), [call], recipe)
         except (AssertionError, ValueError) as e:
             failed[f"{call.site} forward"] = str(e)
     for call in runs.grad_calls or ():
         try:
-            checks.judge_site_grad_calls([call], recipe)
+            harness.judge_site_grad_calls([call], recipe)
         except (AssertionError, ValueError) as e:
             failed[f"{call.site} backward"] = str(e)
     return failed
@@ -76,7 +76,7 @@ def assert_layer_edges(layer: MoE, recipe: Recipe, variant: Variant, *, label: s
     """``layer`` (a fresh layer of ``variant``) on each edge row of its input: finite, and its sites exact.
 
     The rows replace the first token row of :func:`qcheck.suite.cases.layer_input`
-    (:func:`qcheck.checks.format_edge_rows`, the saturation row at the largest
+    (:func:`qcheck.checks.harness.format_edge_rows`, the saturation row at the largest
     code of the activations' declared format). Each row runs the programs the
     case compiled for ``grads`` (or ``tracks``) and ``exact`` again, at no
     compile. Fails naming the row kind and what went wrong there, only where the
@@ -85,8 +85,8 @@ def assert_layer_edges(layer: MoE, recipe: Recipe, variant: Variant, *, label: s
     __tracebackhide__ = True
     x = cases_mod.layer_input(variant.model)
     holds = _holds_sites(recipe, variant)
-    fmt = checks.operand_formats(recipe)[0] if serves("exact", recipe, variant) else None
-    rows = checks.format_edge_rows(x, fmt, dict.fromkeys(checks.EDGE_ROWS))
+    fmt = harness.operand_formats(recipe)[0] if serves("exact", recipe, variant) else None
+    rows = harness.format_edge_rows(x, fmt, dict.fromkeys(harness.EDGE_ROWS))
     finite_before = {k: _nonfinite(v) == 0 for k, v in _finite_values(layer, recipe, variant, x).items()}
     failing_before = _site_failures(layer, recipe, variant, x) if holds else {}
     lines, ran = [], 0
@@ -94,7 +94,7 @@ def assert_layer_edges(layer: MoE, recipe: Recipe, variant: Variant, *, label: s
         if isinstance(x_edge, str):  # not run (no declared format: no largest code); the figure says how many ran
             continue
         ran += 1
-        what = checks.EDGE_ROWS[kind]
+        what = harness.EDGE_ROWS[kind]
         bad = [f"{name} ({n} of {np.size(v)})" for name, v in _finite_values(layer, recipe, variant, x_edge).items()
                if finite_before.get(name, True) and (n := _nonfinite(v))]
         if bad:

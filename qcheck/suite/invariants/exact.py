@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from qcheck import checks
-from qcheck.checks import assertion, judged_as
+from qcheck.checks import harness
+from qcheck.checks.harness import assertion, judged_as
 from qcheck.layers.moe import MoE
 from qcheck.recipes import Recipe, get_recipe
 from qcheck.suite import cases as cases_mod
@@ -30,11 +31,11 @@ def assert_sites_exact(layer: MoE, recipe: Recipe, runs: SiteRuns | None = None,
     (``runs``: one that also served other checks, :func:`case_site_runs`).
     """
     __tracebackhide__ = True
-    lhs_fmt, rhs_fmt = checks.operand_formats(recipe)
+    lhs_fmt, rhs_fmt = harness.operand_formats(recipe)
     probes = _site_programs.exact_probes(layer, recipe)
     runs = runs or _site_programs.run_sites(layer, forward=probes)
     for p in probes:
-        judged_as(checks.assert_site_exact, checks.judge_site_exact, p.matmul, p.lhs, p.rhs, runs.forward[p.site],
+        judged_as(checks.assert_site_exact, harness.judge_site_exact, p.matmul, p.lhs, p.rhs, runs.forward[p.site],
                   lhs_format=lhs_fmt, rhs_format=rhs_fmt, site=p.site, arithmetic=recipe.reference.matmul, label=label)
 
 
@@ -42,7 +43,7 @@ def run(case: Case) -> None:
     """Every site exact in the recipe's declared formats: on probes, and through one forward pass of the layer.
 
     :func:`assert_sites_exact` on the case's fresh layer, then
-    :func:`qcheck.checks.judge_site_calls` on the site calls of
+    :func:`qcheck.checks.harness.judge_site_calls` on the site calls of
     its forward pass on the case's input, which sees a layer that skips a
     site, calls another site's wrapper, or skips quantization at one call site
     on one path. Both read :func:`case_site_runs`.
@@ -54,7 +55,7 @@ def run(case: Case) -> None:
     except AssertionError as e:  # the program refused the layer (a wrapper called twice): named for the case
         raise AssertionError(f"{case.id}: {e}") from e
     assert_sites_exact(layer, recipe, runs, label=case.id)
-    judged_as(checks.assert_layer_sites_exact, checks.judge_site_calls, tuple(layer.sites.keys()), runs.calls,
+    judged_as(checks.assert_layer_sites_exact, harness.judge_site_calls, tuple(layer.sites.keys()), runs.calls,
               recipe, label=case.id)
 
 

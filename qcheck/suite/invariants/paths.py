@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from qcheck.checks import assertion
+from qcheck.checks.harness import assertion
 from qcheck.suite import cases as cases_mod
 from qcheck.recipes import Recipe
 from qcheck.suite.cases import Case, Variant

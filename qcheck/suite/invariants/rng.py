@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 
-from qcheck import checks
-from qcheck.checks import assertion
+from qcheck.checks import harness
+from qcheck.checks.harness import assertion
 from qcheck.layers import step
 from qcheck.recipes import ApplyRngs, Recipe
 from qcheck.suite import cases as cases_mod
@@ -36,7 +36,7 @@ def _step_entry_params(model: str, recipe: str, layers: int, apply_rngs: ApplyRn
     stack = cases_mod.decoder(model, recipe, layers, apply_rngs=apply_rngs)
     graphdef, params, meta, rest = step.split_for_step(stack)
     x = cases_mod.layer_input(model)
-    return checks.entry_params(step.train_step_fn(graphdef), params, meta, rest, x, compile=False)
+    return harness.entry_params(step.train_step_fn(graphdef), params, meta, rest, x, compile=False)
 
 
 @assertion

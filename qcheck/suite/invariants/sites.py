@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flax import nnx
 
-from qcheck.checks import assertion
+from qcheck.checks.harness import assertion
 from qcheck.layers.moe import MoE
 from qcheck.recipes import ApplyRngs, Recipe, get_recipe
 from qcheck.suite import cases as cases_mod

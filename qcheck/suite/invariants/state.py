@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from flax import nnx
 
-from qcheck.checks import assertion
+from qcheck.checks.harness import assertion
 from qcheck.layers import step
 from qcheck.layers.bridge import Fp8Meta
 from qcheck.layers.moe import MoE

@@ -6,7 +6,7 @@ import functools
 
 import numpy as np
 
-from qcheck.checks import assertion
+from qcheck.checks.harness import assertion
 from qcheck.layers import step
 from qcheck.layers.moe import MoE
 from qcheck.recipes import Recipe, get_recipe
@@ -49,7 +49,7 @@ def assert_layer_trains(layer: MoE, x, *, label: str = "", calls=None) -> int:
     step clipped to ``TRAIN_MAX_NORM`` with weight decay. Then each site's
     input and kernel histories hold, after one step, the numpy amaxes of the
     two operands the site received in the layer's forward pass (``calls``,
-    recorded by :func:`qcheck.checks.record_site_calls`; skipped without),
+    recorded by :func:`qcheck.checks.harness.record_site_calls`; skipped without),
     bitwise, as a pair (Flax's ``Fp8Einsum`` records the weight as its "input"
     where ``jnp.einsum`` swaps the operands), and every amax history rolls
     exactly once per step (over two steps). The output gradient's amax has no
@@ -62,7 +62,8 @@ def assert_layer_trains(layer: MoE, x, *, label: str = "", calls=None) -> int:
     Returns how many fp8 leaves were held.
     """
     __tracebackhide__ = True
-    from qcheck.checks import assert_fp8_state_matches, fp8_state, history_rolls
+    from qcheck.checks import assert_fp8_state_matches, fp8_state
+    from qcheck.checks.harness import history_rolls
     from qcheck.layers.trainer import train
 
     fresh = fp8_state(layer)
