@@ -209,7 +209,7 @@ def test_aqt_backward_has_no_reference():
     stochastic rounding, which the straight-through reference does not model, so backward_paths is ()."""
     from qcheck.suite import invariants
 
-    with pytest.raises(AssertionError, match=r"aqt_int8 site 'wi_0': assert_site_backward_exact: site 'wi_0' dgrad "
+    with pytest.raises(AssertionError, match=r"aqt_int8: assert_sites_backward_exact: site 'wi_0' dgrad "
                                              r"\(g unquantized \(straight through\)\): differs from the reference at "
                                              r"2048 of 2048 elements.*matches none of the known bugs"):
         invariants.assert_sites_backward_exact(_aqt_layer("einsum", "dense"), _aqt_recipe("einsum"), label="aqt_int8")
@@ -830,7 +830,7 @@ def test_qwix_int8_recipe_sparse_path_fails_exact_with_one_weight_scale_shared()
     experts, which the `exact` check names (declared: its matrix cell reads "known defect")."""
     from qcheck.adapters._qwix_recipe import QWIX_INT8_RAGGED_SHARED_SCALE
 
-    with pytest.raises(AssertionError, match=r"qwix_int8-gemma-sparse: assert_site_exact: site 'wi_0' "
+    with pytest.raises(AssertionError, match=r"qwix_int8-gemma-sparse: assert_sites_exact: site 'wi_0' "
                                              r"ragged_dot \(int8_qwix x int8_qwix, integer matmul\): .*"
                                              + QWIX_INT8_RAGGED_SHARED_SCALE.match):
         invariants.run_exact(_qwix_int8_case("gemma", "sparse"))

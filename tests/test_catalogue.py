@@ -977,42 +977,42 @@ CATALOGUE = [
     Bug("exact_catches_a_silently_unquantized_call_site",
         "an fp8 call site that silently stopped quantizing", "`exact`",
         lambda p: layer_case(p, fp8_with({"wi_1": "none"}), "fp8"),
-        (cell("exact", r"^planted\d+_fp8-mixtral-dense: assert_site_exact: site 'wi_1' einsum 'BSM,EMH->BSEH' "
+        (cell("exact", r"^planted\d+_fp8-mixtral-dense: assert_sites_exact: site 'wi_1' einsum 'BSM,EMH->BSEH' "
                        r"\(e4m3fn x e4m3fn\): " + DIFFERS + r".*; it equals the unquantized matmul bitwise$"),)),
     Bug("exact_catches_nanoo_built_on_flax_fp8einsum",
         "NANOO fp8 built on `flax.linen.Fp8Einsum`, which ignores `e4m3_dtype`", "`exact` (wrong fp8 flavour)",
         lambda p: planted_case(p, FlaxFp8EinsumNanoo()),
-        (cell("exact", r"^flax_fp8einsum_nanoo-mixtral-dense: assert_site_exact: site 'wi_0' einsum 'BSM,EMH->BSEH' "
+        (cell("exact", r"^flax_fp8einsum_nanoo-mixtral-dense: assert_sites_exact: site 'wi_0' einsum 'BSM,EMH->BSEH' "
                        r"\(e4m3fnuz x e4m3fnuz\): .*it equals both operands in e4m3fn instead of e4m3fnuz bitwise$"),)),
     Bug("exact_catches_the_wrong_flavour_on_the_sparse_path",
         "the wrong e4m3 flavour on the sparse (ragged_dot) path", "`exact` (on `ragged_dot`)",
         lambda p: layer_case(p, cases.layer(cases.Case("fp8", SPARSE)), "nanoo_fp8", SPARSE),
-        (cell("exact", r"^planted\d+_nanoo_fp8-mixtral-sparse: assert_site_exact: site 'wi_0' ragged_dot "
+        (cell("exact", r"^planted\d+_nanoo_fp8-mixtral-sparse: assert_sites_exact: site 'wi_0' ragged_dot "
                        r"\(e4m3fnuz x e4m3fnuz\): .*it equals both operands in e4m3fn instead of e4m3fnuz bitwise$"),)),
     Bug("exact_catches_a_cast_without_saturation",
         "a cast without saturation (e4m3 overflow becomes NaN)", "`exact`",
         lambda p: planted_case(p, Unsaturated(), cases.Variant("mixtral", "dense", True)),
-        (cell("exact", r"^unsaturated_fp8-mixtral-dense-drop: assert_site_exact: site 'dispatch' einsum "
+        (cell("exact", r"^unsaturated_fp8-mixtral-dense-drop: assert_sites_exact: site 'dispatch' einsum "
                        r"'BSM,BSEC->EBCM' \(e4m3fn x e4m3fn\): .*got np\.float32\(nan\).*; it has \d+ non-finite "
                        r"values where the reference has none \(a cast without saturation overflows to NaN\)$"),)),
     Bug("exact_and_state_catch_a_fresh_scale_that_is_not_one",
         "a fresh layer whose scale is not 1", "`exact`, `state`",
         lambda p: layer_case(p, nanoo_scale_two(p), "nanoo_fp8"),
-        (cell("exact", r"^planted\d+_nanoo_fp8-mixtral-dense: assert_site_exact: site 'wo' einsum 'BSEH,EHM->BSEM' "
+        (cell("exact", r"^planted\d+_nanoo_fp8-mixtral-dense: assert_sites_exact: site 'wo' einsum 'BSEH,EHM->BSEM' "
                        r"\(e4m3fnuz x e4m3fnuz\): " + DIFFERS),
          cell("state", r"^planted\d+_nanoo_fp8-mixtral-dense: assert_fp8_state_moves_only_in_backward: fresh layer "
                        r"has scales != 1 .*sites\.wo\.kernel_scale"))),
     Bug("exact_catches_an_int8_site_unquantized_on_the_token_dropping_path",
         "an int8 call site that skips quantization on the token-dropping path only", "`exact` (through the layer)",
         lambda p: layer_case(p, layer(DropSkipsInt8(), dropping=True), "int8", cases.Variant("mixtral", "dense", True)),
-        (cell("exact", r"^planted\d+_int8-mixtral-dense-drop: assert_site_exact: site 'wi_0' einsum 'EBCM,EMH->EBCH' "
+        (cell("exact", r"^planted\d+_int8-mixtral-dense-drop: assert_sites_exact: site 'wi_0' einsum 'EBCM,EMH->EBCH' "
                        r"\(int8 x int8\).*equals the unquantized matmul bitwise"),),
         control=lambda broken: invariants.assert_sites_exact(layer(DropSkipsInt8()), get_recipe("int8"),
                                                              label="dense")),
     Bug("exact_catches_mxfp8_weights_blocked_along_the_wrong_axes",
         "MXFP8 weights blocked along the wrong axes (the default axis=-1)", "`exact`",
         lambda p: layer_case(p, layer(WrongAxesMxfp8()), "mxfp8"),
-        (cell("exact", r"^planted\d+_mxfp8-mixtral-dense: assert_site_exact: site 'wi_0' einsum 'BSM,EMH->BSEH' "
+        (cell("exact", r"^planted\d+_mxfp8-mixtral-dense: assert_sites_exact: site 'wi_0' einsum 'BSM,EMH->BSEH' "
                        r"\(mxfp8 x mxfp8\).*equals rhs in mxfp8 along the wrong axes \(2,\)"),)),
     Bug("exact_catches_a_layer_calling_wi_0_where_wi_1_belongs",
         "a layer calling site 'wi_0' where 'wi_1' belongs (each site alone exact)",
@@ -1030,7 +1030,7 @@ CATALOGUE = [
         "`exact` (names the rule)",
         lambda p: planted_case(p, _jax_nvfp4_before_e1f12ba4()),
         (cell("exact",
-               r"^jax_nvfp4_e1f12ba4-mixtral-dense: assert_site_exact: site 'wi_0' einsum 'BSM,EMH->BSEH' "
+               r"^jax_nvfp4_e1f12ba4-mixtral-dense: assert_sites_exact: site 'wi_0' einsum 'BSM,EMH->BSEH' "
                r"\(nvfp4_jax x nvfp4_jax\): differs .*it "
                r"equals both operands in JAX's nvfp4 before e1f12ba4 \(the global scale divides the block scales but "
                r"not the data, so its e2m1 codes are mostly zero\) bitwise"),),
@@ -1073,7 +1073,7 @@ CATALOGUE = [
         "qcheck's NVFP4 with its tensor scale applied to the block scales, not the data (codes mostly 0)",
         "`exact`, `tracks`", lambda p: planted_case(p, PlantedNVFP4("global scale on the block scales")),
         (cell("exact",
-               rf"^{BLOCK_SCALES_ONLY.id}: assert_site_exact: site 'wi_0' einsum 'BSM,EMH->BSEH' \(nvfp4 x nvfp4\): "
+               rf"^{BLOCK_SCALES_ONLY.id}: assert_sites_exact: site 'wi_0' einsum 'BSM,EMH->BSEH' \(nvfp4 x nvfp4\): "
                + DIFFERS + r"got np\.float32\(0\.0\)"),
          cell("tracks", r"relative norm 1\.0000 exceeds the bound 0\.35")),
         then=codes_mostly_zero_in_qchecks_nvfp4),
@@ -1114,19 +1114,19 @@ CATALOGUE = [
         "fp8 output gradients cast to e4m3 instead of e5m2 (the forward pass unchanged)", "`backward`",
         as_case(lambda p: with_planted_site("fp8", DelayedScalingFp8("fp8", e4m3_dtype=E4M3FN, e5m2_dtype=E4M3FN)),
                 "fp8"),
-        (cell("backward", rf"^{PLANTED} site 'wo': .*dgrad \(g in float8_e5m2\).*equals the gradient with g in "
+        (cell("backward", rf"^{PLANTED}: assert_sites_backward_exact: site 'wo' dgrad \(g in float8_e5m2\).*equals the gradient with g in "
                         r"float8_e4m3fn \(the forward flavour\)"),),
         control=lambda case: invariants.assert_sites_exact(cases.layer(case), get_recipe("fp8"), label="forward")),
     Bug("backward_catches_nvfp4_blocking_the_input_gradient_along_the_weight_gradient_axes",
         "NVFP4 blocking the input gradient's copy of g along the weight-gradient axes", "`backward`",
         as_case(lambda p: with_planted_site("nvfp4", WrongAxesNVFP4(), path="sparse"), "nvfp4", SPARSE),
-        (cell("backward", rf"^{PLANTED} site 'wo': .*dgrad \(g in nvfp4 along axes \(1,\), stochastic\).*along the "
+        (cell("backward", rf"^{PLANTED}: assert_sites_backward_exact: site 'wo' dgrad \(g in nvfp4 along axes \(1,\), stochastic\).*along the "
                         r"wgrad axes \(0,\) bitwise"),)),
     Bug("backward_catches_a_gradient_that_skipped_quantization",
         "a gradient that skipped quantization", "`backward`",
         as_case(lambda p: with_planted_site("nanoo_fp8", SkipGradFp8("nanoo_fp8", e4m3_dtype=E4M3FNUZ,
                                                                      e5m2_dtype=jnp.float8_e5m2fnuz)), "nanoo_fp8"),
-        (cell("backward", rf"^{PLANTED} site 'wo': .*dgrad \(g in float8_e5m2fnuz\).*equals the gradient with "
+        (cell("backward", rf"^{PLANTED}: assert_sites_backward_exact: site 'wo' dgrad \(g in float8_e5m2fnuz\).*equals the gradient with "
                         r"unquantized g bitwise"),)),
     Bug("backward_catches_a_layer_taking_a_weights_gradient_around_its_site",
         "a layer taking a weight's gradient around its site (straight through, sparse path)",

@@ -84,7 +84,7 @@ def test_aqt_int8_ragged_declares_its_sparse_cells(invariant, declared):
 def test_known_defect_still_fails_should_pass():
     note = run_declared(SPARSE, "exact")
     assert note.startswith("known defect of aqtp 0.9.0: aqt_ragged_dot.ragged_dot shares one weight scale across "
-                           "all experts (aqt_int8_ragged-mixtral-sparse: assert_site_exact: site 'wi_0'"), note
+                           "all experts (aqt_int8_ragged-mixtral-sparse: assert_sites_exact: site 'wi_0'"), note
 
 
 def test_a_known_defect_that_passes_fails_saying_to_drop_it_should_fail(monkeypatch):

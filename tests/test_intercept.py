@@ -253,7 +253,7 @@ def test_qwix_rule_with_bwd_qtype_has_no_backward_reference_and_fails_the_straig
     recipe = QwixRecipe("qwix_int8_bwd", [rule], lhs="int8_qwix", rhs="int8_qwix",
                         reference=dataclasses.replace(QwixRecipe.reference, matmul="integer"))
     assert recipe.expect.backward_paths == () and recipe.reference.grad_operands == "original"
-    with pytest.raises(AssertionError, match=r"qwix_int8_bwd site '\w+': assert_site_backward_exact: site '\w+' "
+    with pytest.raises(AssertionError, match=r"qwix_int8_bwd: assert_sites_backward_exact: site '\w+' "
                                              r"dgrad \(g unquantized \(straight through to the original operands\)\)"
                                              r": differs from the reference"):
         invariants.assert_sites_backward_exact(qcheck.build_moe("mixtral", recipe, path="dense"), recipe,

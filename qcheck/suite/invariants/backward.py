@@ -36,9 +36,9 @@ def assert_sites_backward_exact(layer: MoE, recipe: Recipe, runs: SiteRuns | Non
     probes = _site_programs.backward_probes(layer, recipe)
     runs = runs or _site_programs.run_sites(layer, backward=probes)
     for p in probes:
-        judged_as(checks.assert_site_backward_exact, harness.judge_site_backward, layer.get_einsum(p.site).site_name,
+        judged_as(assert_sites_backward_exact, harness.judge_site_backward, layer.get_einsum(p.site).site_name,
                   p.matmul, p.lhs, p.rhs, p.g, runs.grads[p.site], recipe=recipe, key=runs.key,
-                  label=f"{label} site {p.site!r}")
+                  label=label)
 
 
 def run(case: Case) -> None:

@@ -35,7 +35,7 @@ def assert_sites_exact(layer: MoE, recipe: Recipe, runs: SiteRuns | None = None,
     probes = _site_programs.exact_probes(layer, recipe)
     runs = runs or _site_programs.run_sites(layer, forward=probes)
     for p in probes:
-        judged_as(checks.assert_site_exact, harness.judge_site_exact, p.matmul, p.lhs, p.rhs, runs.forward[p.site],
+        judged_as(assert_sites_exact, harness.judge_site_exact, p.matmul, p.lhs, p.rhs, runs.forward[p.site],
                   lhs_format=lhs_fmt, rhs_format=rhs_fmt, site=p.site, arithmetic=recipe.reference.matmul, label=label)
 
 
