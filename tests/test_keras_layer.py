@@ -111,6 +111,9 @@ def test_keras_int8_dense_against_its_float_twin_compares_what_both_have_should_
     (site,) = figures.coverage
     assert re.fullmatch(r"\S*keras/src/layers/core/dense\.py:\d+", site.location.replace(os.sep, "/")), site
     assert site.function == "Dense._int8_call.<locals>.matmul_with_inputs_gradient", site
+    # call= runs the layer's __call__ in Keras's StatelessScope, as stateless_call runs its call: the same figures.
+    called = qcheck.check_layer(layer, twin, X, call=lambda m, x: m(x, training=False))
+    assert called.grad_rel_norms == figures.grad_rel_norms and called.frozen == figures.frozen, called
 
 
 def test_keras_int8_model_twin_named_anew_pairs_by_place_should_pass(keras):
