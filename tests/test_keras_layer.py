@@ -22,6 +22,7 @@ scale) and the float8 scales and amax histories Keras overwrites with their "gra
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 
@@ -240,6 +241,40 @@ def test_keras_float8_dense_without_a_straight_through_kernel_gradient_should_fa
     assert "1 check(s) failed" in message, message
 
 
+# -- sites: Keras is machinery ----------------------------------------------------------------------------------------
+
+def test_keras_sites_point_at_the_model_line_without_machinery_given_should_pass(keras):
+    """Keras 3.15.1: a subclassed model's Dense and its own ops.matmul are located at the model's lines here (its
+    call), not in Keras, with no machinery= given and with machinery=('keras',) alike; a functional model's
+    ops.einsum, which runs in Keras's plumbing alone (no line of a layer's on its stack), at Keras's op."""
+
+    class Model(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.proj = keras.layers.Dense(UNITS, name="proj")
+            self.other = self.add_weight(shape=(UNITS, 4), name="other")
+
+        def call(self, x):
+            h = self.proj(x)  # the Dense's site
+            return keras.ops.matmul(h, self.other)  # the model's own matmul
+
+    model = Model()
+    model(X[:1])
+    source, first = inspect.getsourcelines(Model.call)
+    lines = {name: first + next(i for i, text in enumerate(source) if text.rstrip().endswith(mark))
+             for name, mark in (("proj", "# the Dense's site"), ("own", "# the model's own matmul"))}
+    for machinery in ((), ("keras",)):
+        proj, own = qcheck.coverage(model, X, machinery=machinery)
+        for record, at in ((proj, lines["proj"]), (own, lines["own"])):
+            assert record.location.replace(os.sep, "/").endswith(f"tests/test_keras_layer.py:{at}"), record
+            assert record.function.endswith("Model.call"), record
+
+    inputs = keras.Input((IN,))
+    weighted = keras.ops.einsum("bd,dh->bh", inputs, np.ones((IN, UNITS), np.float32))
+    (combine,) = qcheck.coverage(keras.Model(inputs, weighted), X)
+    assert re.fullmatch(r"\S*keras/src/backend/jax/numpy\.py:\d+", combine.location.replace(os.sep, "/")), combine
+
+
 # -- bad input -------------------------------------------------------------------------------------------------------
 
 def test_keras_unbuilt_layer_is_a_one_line_error_naming_the_argument(keras, int8_pair):
@@ -250,3 +285,14 @@ def test_keras_unbuilt_layer_is_a_one_line_error_naming_the_argument(keras, int8
     message = str(error.value)
     assert message.startswith("check_layer: reference is a Keras Dense not built yet"), message
     assert "\n" not in message, message
+
+
+def test_keras_copy_params_into_is_a_one_line_error_naming_the_keras_way(keras, int8_pair):
+    """copy_params_into takes NNX and Equinox modules; on a Keras layer it names Keras's own way to make the twin."""
+    layer, twin = int8_pair
+    with pytest.raises(ValueError) as error:
+        qcheck.copy_params_into(layer, twin)
+    message = str(error.value)
+    assert message == ("copy_params_into: layer must be an flax.nnx.Module or an equinox.Module, got Dense (a Keras "
+                       "layer's twin is made the Keras way: twin.set_weights(layer.get_weights()) before "
+                       "layer.quantize(...))"), message

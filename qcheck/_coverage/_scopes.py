@@ -97,26 +97,34 @@ def _display(filename: str) -> str:
 
 def user_frames(eqn: jcore.JaxprEqn, prefixes: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
     """``(file:line, function)`` of each frame of ``eqn``'s traceback outside the ``prefixes``, innermost first;
-    where none is, outside a library's plumbing only (:data:`PLUMBING`)."""
+    where none is, outside a library's plumbing only (:data:`PLUMBING`), and where none is still, outside the
+    machinery but that library."""
     tb = eqn.source_info.traceback
     if tb is None:
         return ()
     frames = list(zip(*tb.raw_frames()))
     kept = [(code, lasti) for code, lasti in frames if not _is_machinery(code.co_filename, prefixes)]
-    if not kept and (inner := _plumbing_only(prefixes)) is not None:
-        kept = [(code, lasti) for code, lasti in frames if not _is_machinery(code.co_filename, inner)]
+    # Then the library's own op: a functional model's ops.einsum runs in Keras's plumbing alone (its location
+    # keras/src/backend/jax/numpy.py's einsum, not <unknown>).
+    for plumbing in (True, False) if not kept else ():
+        if (inner := _plumbing_only(prefixes, plumbing, tuple(n for n in PLUMBING if n in sys.modules))) is None:
+            break  # no library of PLUMBING is machinery here
+        if kept := [(code, lasti) for code, lasti in frames if not _is_machinery(code.co_filename, inner)]:
+            break
     return tuple((f"{_display(code.co_filename)}:{tb.code_addr2line(code, lasti)}", code.co_qualname)
                  for code, lasti in kept)
 
 
 @functools.lru_cache(maxsize=64)
-def _plumbing_only(prefixes: tuple[str, ...]) -> tuple[str, ...] | None:
-    """``prefixes`` with each library of :data:`PLUMBING` in them narrowed to its plumbing; None where none is."""
-    libraries = {p: name for name in PLUMBING if (p := _prefix_of(name)) is not None and p in prefixes}
+def _plumbing_only(prefixes: tuple[str, ...], plumbing: bool, loaded: tuple[str, ...]) -> tuple[str, ...] | None:
+    """``prefixes`` with each library of :data:`PLUMBING` in them narrowed to its plumbing (``plumbing``), or
+    left out; None where none is in them. ``loaded``: those imported (only then are their modules found, and
+    only then can a frame be theirs)."""
+    libraries = {p: name for name in loaded if (p := _prefix_of(name)) is not None and p in prefixes}
     if not libraries:
         return None
-    plumbing = [p for name in libraries.values() for m in PLUMBING[name] if (p := _prefix_of(m)) is not None]
-    return tuple(p for p in prefixes if p not in libraries) + tuple(plumbing)
+    kept = [p for name in libraries.values() for m in PLUMBING[name] if (p := _prefix_of(m)) is not None]
+    return tuple(p for p in prefixes if p not in libraries) + (tuple(kept) if plumbing else ())
 
 
 def scope_names(eqn: jcore.JaxprEqn) -> tuple[str, ...]:
