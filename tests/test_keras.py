@@ -6,8 +6,8 @@ Keras is not installed or its backend is not JAX. Measured on Keras 3.15.1 (jax 
 jaxlib 0.12.0.1, ml_dtypes 0.7.0, Python 3.12), on the CPU.
 
 A Keras layer is a callable of ``x``: ``qcheck.check_layer(layer, twin, x)`` and
-``qcheck.assert_quantized(layer, x)`` take it with no glue. check_layer runs it as
-``layer.stateless_call`` and compares its trainable variables' gradients by path
+``qcheck.assert_quantized(layer, x)`` take it with no glue. check_layer runs it statelessly
+(Keras's ``StatelessScope``) and compares its trainable variables' gradients by path
 (tests/test_keras_layer.py); coverage traces it as a function of ``x``, its weights
 closed over, so the backward pass it walks has one gradient matmul (the input's). The twin
 is made the Keras way: the same ``Dense``, ``twin.set_weights(layer.get_weights())``

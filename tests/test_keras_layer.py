@@ -4,10 +4,12 @@ Runs in Keras's own environment (.ci/keras.sh, ``tox -e keras``, the keras stage
 ``KERAS_BACKEND=jax``; skipped, naming how to install and run it, where Keras is not importable on JAX.
 Measured on Keras 3.15.1 (jax 0.12.0.1, Python 3.12), on the CPU.
 
-check_layer runs a Keras layer as Keras's own JAX trainer does, ``layer.stateless_call(trainable values,
-non-trainable values, x)`` (keras/src/layers/layer.py:1089-1200), under plain ``jax.value_and_grad``: its
-parameters are its trainable variables by ``variable.path``; non-trainable variables (an int8 kernel's codes, its
-scale) and the float8 scales and amax histories Keras overwrites with their "gradient" are state.
+check_layer runs a Keras layer statelessly, as ``layer.stateless_call(trainable values, non-trainable values, x)``
+does (keras/src/layers/layer.py:1089-1200: its variables mapped to values in Keras's ``StatelessScope``), but
+calling ``layer(x)`` there, as the layer computes when called (stateless_call skips ``Layer.__call__`` and its
+autocast), under plain ``jax.value_and_grad``: its parameters are its trainable variables by ``variable.path``;
+non-trainable variables (an int8 kernel's codes, its scale) and the float8 scales and amax histories Keras
+overwrites with their "gradient" are state.
 
 * int8: ``quantize("int8")`` stores the kernel as int8 codes, a non-trainable variable of the kernel's path, while
   the float twin's kernel is a parameter. check_layer compares the gradients both have (the bias, the input) and
@@ -112,7 +114,7 @@ def test_keras_int8_dense_against_its_float_twin_compares_what_both_have_should_
     (site,) = figures.coverage
     assert re.fullmatch(r"\S*keras/src/layers/core/dense\.py:\d+", site.location.replace(os.sep, "/")), site
     assert site.function == "Dense._int8_call.<locals>.matmul_with_inputs_gradient", site
-    # call= runs the layer's __call__ in Keras's StatelessScope, as stateless_call runs its call: the same figures.
+    # call= runs in Keras's StatelessScope, as the layer itself does: the same figures.
     called = qcheck.check_layer(layer, twin, X, call=lambda m, x: m(x, training=False))
     assert called.grad_rel_norms == figures.grad_rel_norms and called.frozen == figures.frozen, called
 
@@ -239,6 +241,27 @@ def test_keras_float8_dense_without_a_straight_through_kernel_gradient_should_fa
     assert re.search(rf"gradients: {NAME}/kernel \(float32\) has relative norm 1\.0000 against the reference's",
                      message), message
     assert "1 check(s) failed" in message, message
+
+
+# -- what runs: the layer as called ---------------------------------------------------------------------------------
+
+def test_keras_mixed_bfloat16_dense_is_checked_as_it_computes_when_called_should_pass(keras):
+    """Keras 3.15.1: ``stateless_call`` runs a bare layer's ``call`` without ``Layer.__call__``'s autocast, so a
+    Dense(dtype="mixed_bfloat16") computes float32 that way, bitwise its float32 twin's output, and bfloat16 when
+    called. check_layer runs ``layer(x)`` in Keras's StatelessScope (stateless_call's own mechanics): the
+    bfloat16 output tracks the twin's and differs from it. Through stateless_call it would equal the twin's
+    bitwise, and tracks would fail a correct layer ("equal to the reference")."""
+    layer = keras.layers.Dense(UNITS, name=NAME, dtype="mixed_bfloat16", **_init(keras, 0))
+    layer.build((None, IN))
+    twin = keras.layers.Dense(UNITS, name=NAME, **_init(keras, 7))
+    twin.build((None, IN))
+    twin.set_weights(layer.get_weights())
+    stateless, _ = layer.stateless_call([v.value for v in layer.trainable_variables], [], X)
+    assert str(stateless.dtype) == "float32" and np.array_equal(stateless, twin(X))  # the Keras fact
+    assert str(layer(X).dtype) == "bfloat16"
+    figures = qcheck.check_layer(layer, twin, X, declared=False, skip=qcheck.skip_modules(NAME))
+    assert 0 < figures.rel_norm < 0.02, figures.rel_norm
+    assert sorted(figures.grad_rel_norms) == ["(input x)", f"{NAME}/bias", f"{NAME}/kernel"], figures.grad_rel_norms
 
 
 # -- sites: Keras is machinery ----------------------------------------------------------------------------------------

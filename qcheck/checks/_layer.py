@@ -5,8 +5,9 @@
 module as its library builds it (unhashable configs, Linen modules bridged by
 ``ToNNX``, state that changes when called, submodules created on the first
 call, tuple outputs), a Linen module with its variables, an Equinox module
-(haliax's named arrays, through ``call=``), a Keras layer or model (run as
-``layer.stateless_call``), or a plain function of ``x``.
+(haliax's named arrays, through ``call=``), a Keras layer or model (called
+in Keras's ``StatelessScope``, as ``layer.stateless_call`` maps its variables),
+or a plain function of ``x``.
 :func:`copy_params_into` makes the twin from the user's own
 unquantized constructor, so both compute with the same weights. It also runs
 both programs with their unwritten ``jax.lax.empty`` buffers filled, which a
@@ -155,7 +156,7 @@ def _check_args(layer: Any, reference: Any, x: Any, max_rel_norm: float, max_gra
         if not (is_module(fn) or (callable(fn) and not isinstance(fn, type))):
             raise ValueError(f"check_layer: {name} must be an flax.nnx.Module, a (linen.Module, variables) pair, "
                              f"an equinox.Module, a Keras layer or a function of x, got {type(fn).__name__}")
-        if keras_of(fn) is not None and not fn.built:  # stateless_call needs its variables
+        if keras_of(fn) is not None and not fn.built:  # its variables are what runs statelessly
             raise ValueError(f"check_layer: {name} is a Keras {type(fn).__name__} not built yet (it has no "
                              f"variables): build it ({name}.build(input_shape)) or call it once on x")
     if not isinstance(x, (np.ndarray, jax.Array)) or not jnp.issubdtype(x.dtype, jnp.floating):
@@ -271,8 +272,10 @@ def check_layer(
       inexact-array leaves by field path, ``experts/w1/weight``, a haliax
       ``NamedArray`` named as its field; haliax's fp8 scales and amax
       histories are state, not parameters; a Keras layer's trainable
-      variables by ``variable.path``, run as Keras's JAX trainer runs it,
-      ``layer.stateless_call(trainable, non_trainable, x)``, its
+      variables by ``variable.path``, ``layer(x)`` run in Keras's
+      ``StatelessScope`` with them as ``layer.stateless_call(trainable,
+      non_trainable, x)`` maps them (not its ``call``: that skips the
+      layer's autocast), its
       non-trainable variables and those Keras overwrites with their
       gradient, a float8 layer's scales and amax histories, are state; a
       twin's sublayers renamed by Keras, ``dense_2`` for ``dense``, pair by

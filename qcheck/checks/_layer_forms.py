@@ -254,14 +254,22 @@ def keras_names(layer: Any, like: Any = None) -> dict[int, str]:
 
 
 def _keras_form(keras: Any, layer: Any, call: Callable[[Any, jax.Array], Any] | None, like: Any = None) -> Form:
-    """A Keras layer or model as Keras's own JAX trainer runs it: ``layer.stateless_call(trainable values,
-    non-trainable values, x)`` (keras/src/layers/layer.py:1089-1200, Keras 3.15.1), differentiated by plain JAX.
+    """A Keras layer or model run statelessly, as ``layer.stateless_call(trainable values, non-trainable values,
+    x)`` runs it (keras/src/layers/layer.py:1089-1200, Keras 3.15.1), differentiated by plain JAX: its variables
+    mapped to the values given in Keras's ``StatelessScope``, the non-trainable ones read back after the call.
+
+    What runs in the scope is ``layer(x)`` (or ``call(layer, x)``), not ``stateless_call``'s own ``layer.call``
+    / ``quantized_call``: that skips ``Layer.__call__``, and with it the layer's autocast, so a bare
+    ``Dense(dtype="mixed_bfloat16")`` computes in float32 through ``stateless_call`` and in bfloat16 when called
+    (measured, Keras 3.15.1, jax 0.12.0.1: outputs float32 against bfloat16, 0.0104 apart). check_layer
+    checks what the layer computes when called, the program coverage traces. A model's layers run through
+    their ``__call__`` either way.
 
     Its parameters are its trainable variables but those whose gradient Keras writes over them rather than
     trains them (``overwrite_with_gradient``: a float8 layer's scales and amax histories, which the optimizer
     replaces by their "gradient"); those and its non-trainable variables (an int8 kernel's codes, its scales,
     RNG seeds) are state. A forward call leaves the overwritten ones as they were: only an optimizer step writes
-    them. ``call(layer, x)`` runs in Keras's ``StatelessScope`` as ``stateless_call`` runs ``layer.call``.
+    them.
     """
     names = keras_names(layer, like)
     trainable = [names[id(v)] for v in layer.trainable_variables]
@@ -271,16 +279,15 @@ def _keras_form(keras: Any, layer: Any, call: Callable[[Any, jax.Array], Any] | 
     params = {n: values[n] for n in trainable if n not in state}
     rest = {n: values[n] for n in (*trainable, *frozen) if n not in params}
 
+    fn = call or _call
+
     def apply(params, rest, x):
         mine = [params[n] if n in params else rest[n] for n in trainable]
         theirs = [rest[n] for n in frozen]
-        if call is None:
-            out, after = layer.stateless_call(mine, theirs, x)
-        else:
-            mapping = list(zip(layer.trainable_variables, mine)) + list(zip(layer.non_trainable_variables, theirs))
-            with keras.StatelessScope(state_mapping=mapping) as scope:
-                out = call(layer, x)
-            after = [scope.get_current_value(v) for v in layer.non_trainable_variables]
+        mapping = list(zip(layer.trainable_variables, mine)) + list(zip(layer.non_trainable_variables, theirs))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            out = fn(layer, x)
+        after = [scope.get_current_value(v) for v in layer.non_trainable_variables]
         return out, {**rest, **dict(zip(frozen, after))}
 
     return Form("keras", params, rest, apply, hashable(("keras", layer, call, like)),
