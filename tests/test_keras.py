@@ -149,7 +149,7 @@ def test_keras_float8_gradients_declared_e5m2_are_held_bitwise_should_pass(keras
     figures = qcheck.check_layer(layer, twin, X, declared=E5M2_GRADS)
     print(qcheck.format_coverage(figures.backward))
     print([(r.lhs_role, str(r.lhs_hold), r.rhs_role, str(r.rhs_hold)) for r in figures.backward])
-    # The parameters by path (tests/test_keras_layer.py): the scales are state, Keras overwrites them with their gradient.
+    # The parameters by path (tests/test_keras_layer.py); the scales are state: Keras overwrites them.
     assert sorted(figures.grad_rel_norms) == ["(input x)", f"{NAME}/bias", f"{NAME}/kernel"], figures.grad_rel_norms
     (site,) = figures.backward  # the input's gradient matmul: output gradient x kernel
     assert (site.lhs_role, site.rhs_role) == ("grad", "weight"), site
