@@ -310,6 +310,20 @@ def test_keras_unbuilt_layer_is_a_one_line_error_naming_the_argument(keras, int8
     assert "\n" not in message, message
 
 
+def test_keras_twin_with_other_weights_is_a_one_line_error_naming_set_weights(keras, int8_pair):
+    """A twin not made from the layer's weights (no set_weights): one ValueError line naming the differing
+    parameter and the Keras way to make the twin."""
+    layer, _ = int8_pair
+    other = keras.layers.Dense(UNITS, name=NAME, **_init(keras, 7))
+    other.build((None, IN))
+    with pytest.raises(ValueError) as error:
+        qcheck.check_layer(layer, other, X)
+    message = str(error.value)
+    assert re.fullmatch(rf"check_layer: reference's weights differ from layer's: {NAME}/bias \(float32\[16\]\) "
+                        r"differs in 16 of 16 values; make the twin with twin\.set_weights\(layer\.get_weights\(\)\) "
+                        r"before layer\.quantize\(\.\.\.\)", message), message
+
+
 def test_keras_copy_params_into_is_a_one_line_error_naming_the_keras_way(keras, int8_pair):
     """copy_params_into takes NNX and Equinox modules; on a Keras layer it names Keras's own way to make the twin."""
     layer, twin = int8_pair

@@ -143,7 +143,8 @@ class Grown(Exception):
 
 def form_of(layer: Any, x: jax.Array, call: Callable[[Any, jax.Array], Any] | None = None,
           warm: bool | None = None, like: Any = None) -> Form:
-    """``layer`` as pure functions; ``call(module, x)`` calls a module (NNX, Linen, Equinox), not a function of x.
+    """``layer`` as pure functions; ``call(module, x)`` calls a module (NNX, Linen, Equinox, Keras), not a function
+    of x.
 
     An NNX module whose first call creates submodules is taken as that call
     leaves it, on a copy. ``warm``: None asks whether it does by tracing one
