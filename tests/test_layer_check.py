@@ -252,8 +252,8 @@ def _asserts(x):
      r"check_layer: layer's output=1 selects no floating-point array of the output \(\[0\] float32\[32, 16\], "
      r"\[1\] None\)"),
     (lambda: check_layer(_fp8_matmul, "none", X[0]), r"check_layer: reference must be an flax.nnx.Module, a "
-                                                      r"\(linen.Module, variables\) pair, an equinox.Module or a "
-                                                      r"function of x, got str"),
+                                                      r"\(linen.Module, variables\) pair, an equinox.Module, a Keras "
+                                                      r"layer or a function of x, got str"),
     (lambda: check_layer(_fp8_matmul, _matmul, X[0], max_grad_rel_norm=0), r"check_layer: max_grad_rel_norm must "
                                                                              r"be a positive number, got 0"),
     (lambda: check_layer(*_maxtext_pair(), X, skip_grads=["router"]), r"check_layer: skip_grads names \['router'\], "

@@ -8,7 +8,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from qcheck.checks._layer_forms import equinox_of, equinox_param_leaves, equinox_split, named_array_type, path_name
+from qcheck.checks._layer_forms import (equinox_of, equinox_param_leaves, equinox_split, keras_of, named_array_type,
+                                        path_name)
 
 
 def copy_params_into(layer: Any, reference: Any) -> Any:
@@ -31,8 +32,10 @@ def copy_params_into(layer: Any, reference: Any) -> Any:
     for name, m in (("layer", layer), ("reference", reference)):
         kinds.append("nnx" if isinstance(m, nnx.Module) else "equinox" if equinox_of(m) is not None else None)
         if kinds[-1] is None:
+            keras = (" (a Keras layer's twin is made the Keras way: twin.set_weights(layer.get_weights()) before "
+                     "layer.quantize(...))") if keras_of(m) is not None else ""
             raise ValueError(f"copy_params_into: {name} must be an flax.nnx.Module or an equinox.Module, "
-                             f"got {type(m).__name__}")
+                             f"got {type(m).__name__}{keras}")
     if kinds[0] != kinds[1]:
         raise ValueError(f"copy_params_into: layer and reference must both be NNX modules or both Equinox modules, "
                          f"got {type(layer).__name__} ({kinds[0]}) and {type(reference).__name__} ({kinds[1]})")

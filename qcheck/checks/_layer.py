@@ -5,7 +5,9 @@
 module as its library builds it (unhashable configs, Linen modules bridged by
 ``ToNNX``, state that changes when called, submodules created on the first
 call, tuple outputs), a Linen module with its variables, an Equinox module
-(haliax's named arrays, through ``call=``), or a plain function of ``x``.
+(haliax's named arrays, through ``call=``), a Keras layer or model (called
+in Keras's ``StatelessScope``, as ``layer.stateless_call`` maps its variables),
+or a plain function of ``x``.
 :func:`copy_params_into` makes the twin from the user's own
 unquantized constructor, so both compute with the same weights. It also runs
 both programs with their unwritten ``jax.lax.empty`` buffers filled, which a
@@ -42,7 +44,7 @@ from qcheck._coverage import (CoverageMap, Declaration, KernelRoles, MatmulRecor
 from qcheck._errors import user_code
 from qcheck.checks._copy_params import copy_params_into
 from qcheck.checks._edges import EDGE_ROWS, check_skip_edges, edge_rows
-from qcheck.checks._layer_forms import Form, call_module, equinox_params, is_module, path_name
+from qcheck.checks._layer_forms import Form, call_module, equinox_params, is_module, keras_of, path_name
 from qcheck.checks._layer_programs import INPUT_GRAD, Run, run_step, trace_step
 from qcheck.checks._tracks import assert_tracks, rel_norm
 from qcheck.checks._uninitialized import uninitialized_reads, unspecified_buffers
@@ -104,6 +106,9 @@ class LayerFigures:
     #: Each edge row kind (zeros, tiny, huge, saturation): "run", "run, codes held bitwise" (under a declaration),
     #: or why it was not (the user's reason, no fp8 format declared for the activations).
     edges: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: Per parameter path that one side has as state, not a parameter (a Keras kernel ``quantize("int8")``
+    #: stored as int8 codes, no gradient), which side and what each holds there; its gradient is not compared.
+    frozen: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def worst_grad(self) -> tuple[str, float]:
@@ -139,10 +144,10 @@ def _check_call(layer: Any, reference: Any, call: Any) -> None:
         return
     if not callable(call) or isinstance(call, type):
         raise ValueError(f"check_layer: call must be a function (module, x) -> output, got {type(call).__name__}")
-    if not (is_module(layer) or is_module(reference)):
+    if not any(is_module(m) or keras_of(m) is not None for m in (layer, reference)):
         raise ValueError("check_layer: call is how a module is called on x, and neither layer nor reference is a "
-                         "module (an flax.nnx.Module, a (linen.Module, variables) pair or an equinox.Module): "
-                         "a function of x is called as it is")
+                         "module (an flax.nnx.Module, a (linen.Module, variables) pair, an equinox.Module or a "
+                         "Keras layer): a function of x is called as it is")
 
 
 def _check_args(layer: Any, reference: Any, x: Any, max_rel_norm: float, max_grad_rel_norm: float,
@@ -150,7 +155,10 @@ def _check_args(layer: Any, reference: Any, x: Any, max_rel_norm: float, max_gra
     for name, fn in (("layer", layer), ("reference", reference)):
         if not (is_module(fn) or (callable(fn) and not isinstance(fn, type))):
             raise ValueError(f"check_layer: {name} must be an flax.nnx.Module, a (linen.Module, variables) pair, "
-                             f"an equinox.Module or a function of x, got {type(fn).__name__}")
+                             f"an equinox.Module, a Keras layer or a function of x, got {type(fn).__name__}")
+        if keras_of(fn) is not None and not fn.built:  # its variables are what runs statelessly
+            raise ValueError(f"check_layer: {name} is a Keras {type(fn).__name__} not built yet (it has no "
+                             f"variables): build it ({name}.build(input_shape)) or call it once on x")
     if not isinstance(x, (np.ndarray, jax.Array)) or not jnp.issubdtype(x.dtype, jnp.floating):
         what = f"{type(x).__name__} of {x.dtype}" if hasattr(x, "dtype") else type(x).__name__
         raise ValueError(f"check_layer: x must be a floating-point numpy or JAX array, got {what}")
@@ -170,9 +178,29 @@ def _check_args(layer: Any, reference: Any, x: Any, max_rel_norm: float, max_gra
     return (x if isinstance(x, jax.Array) else jax.device_put(x)), frozenset(skip_grads)
 
 
-def _compare_params(run: Run, ref: Run, skip_grads: frozenset[str]) -> None:
-    only_layer = sorted(set(run.params) - set(ref.params) - skip_grads)
-    only_ref = sorted(set(ref.params) - set(run.params) - skip_grads)
+def _frozen(form: Form, twin: Form, run: Run, ref: Run) -> dict[str, str]:
+    """The parameters of one side that the other holds as state (a Keras kernel quantize() froze into codes):
+    per path, which side froze it and what each holds. Their gradients are not compared: one side has none."""
+    def held(f: Form, path: str) -> str:
+        v = f.rest.get(path) if isinstance(f.rest, Mapping) else None
+        return f"{v.dtype}{list(v.shape)}" if hasattr(v, "dtype") else "state"
+
+    frozen = {}
+    for path in sorted(set(ref.params) - set(run.params)):
+        if path in form.state_names:
+            frozen[path] = (f"frozen in the layer ({held(form, path)}, state: no gradient); a parameter of the "
+                            f"reference ({ref.params[path].dtype}{list(ref.params[path].shape)})")
+    for path in sorted(set(run.params) - set(ref.params)):
+        if path in twin.state_names:
+            frozen[path] = (f"frozen in the reference ({held(twin, path)}, state: no gradient); a parameter of "
+                            f"the layer ({run.params[path].dtype}{list(run.params[path].shape)})")
+    return frozen
+
+
+def _compare_params(run: Run, ref: Run, skip_grads: frozenset[str], frozen: Collection[str] = (),
+                    twin_hint: str = "qcheck.copy_params_into(layer, twin)") -> None:
+    only_layer = sorted(set(run.params) - set(ref.params) - skip_grads - set(frozen))
+    only_ref = sorted(set(ref.params) - set(run.params) - skip_grads - set(frozen))
     if only_layer or only_ref:
         parts = ([f"in layer only: {', '.join(only_layer)}"] if only_layer else []) + (
             [f"in reference only: {', '.join(only_ref)}"] if only_ref else [])
@@ -183,8 +211,7 @@ def _compare_params(run: Run, ref: Run, skip_grads: frozenset[str]) -> None:
         if a.shape == b.shape and a.dtype == b.dtype and a.tobytes() != b.tobytes():
             differ = int(np.count_nonzero(a != b))
             raise ValueError(f"check_layer: reference's weights differ from layer's: {path} ({a.dtype}{list(a.shape)}) "
-                             f"differs in {differ} of {a.size} values; make the twin with "
-                             f"qcheck.copy_params_into(layer, twin)")
+                             f"differs in {differ} of {a.size} values; make the twin with {twin_hint}")
 
 
 def check_layer(
@@ -207,8 +234,10 @@ def check_layer(
     """Check a quantized ``layer`` against its unquantized twin ``reference`` on input ``x``.
 
     Each is an NNX module, a ``(linen_module, variables)`` pair, an Equinox
-    module, or a plain function of ``x``; make an NNX or Equinox twin with
-    :func:`copy_params_into`. ``call``: how a module is called on ``x``, a
+    module, a Keras layer or model (JAX backend), or a plain function of
+    ``x``; make an NNX or Equinox twin with :func:`copy_params_into`, a Keras
+    twin the Keras way, ``twin.set_weights(layer.get_weights())`` before
+    ``layer.quantize(mode)``. ``call``: how a module is called on ``x``, a
     function ``(module, x) -> output`` (default ``module(x)``; a Linen module's
     ``method``): where the module takes other arguments, or named arrays
     (haliax: ``lambda m, x: m(hax.named(x, axes))``; a ``NamedArray`` in the
@@ -242,9 +271,20 @@ def check_layer(
       by path, a Linen module's ``params`` collection, an Equinox module's
       inexact-array leaves by field path, ``experts/w1/weight``, a haliax
       ``NamedArray`` named as its field; haliax's fp8 scales and amax
-      histories are state, not parameters) and the input's is
-      within ``max_grad_rel_norm`` of the twin's at the same path, but those
-      named in ``skip_grads``;
+      histories are state, not parameters; a Keras layer's trainable
+      variables by ``variable.path``, ``layer(x)`` run in Keras's
+      ``StatelessScope`` with them as ``layer.stateless_call(trainable,
+      non_trainable, x)`` maps them (not its ``call``: that skips the
+      layer's autocast), its
+      non-trainable variables and those Keras overwrites with their
+      gradient, a float8 layer's scales and amax histories, are state; a
+      twin's sublayers renamed by Keras, ``dense_2`` for ``dense``, pair by
+      place) and the input's is within ``max_grad_rel_norm`` of the twin's
+      at the same path, but those named in ``skip_grads``. A parameter of
+      one side that the other holds as state (a kernel ``quantize("int8")``
+      froze into int8 codes) has no gradient there: it is not compared, and
+      ``LayerFigures.frozen`` (and a failure's ``not compared:`` line) names
+      it, which side froze it and what each holds;
     * determinism: a second call, from the state the first left (RNG counts
       advanced, fp8 statistics as the call left them), gives the same bits;
     * uninitialized, on the layer and on the twin alike (the bug is in code
@@ -309,7 +349,7 @@ def check_layer(
         raise ValueError(f"check_layer: accept_weaker accepts weaker holds of a declaration, and none is held "
                          f"({declared_from})")
     traced = trace_step("layer", layer, x, call, output)
-    traced_twin = trace_step("reference", reference, x, call, output)
+    traced_twin = trace_step("reference", reference, x, call, output, like=layer)
     form, twin = traced.form, traced_twin.form
     paths = {p for f in (form, twin) for p in f.param_leaves(f.params)}
     if unknown := skip_grads - paths:
@@ -319,7 +359,9 @@ def check_layer(
     walks = _walks(form, x, declaration, machinery, kernels)
     run = run_step("layer", traced, x, output, twice=True, walks=list(walks.values()))
     ref = run_step("reference", traced_twin, x, output, twice=False)
-    _compare_params(run, ref, skip_grads)
+    frozen = _frozen(form, twin, run, ref)
+    _compare_params(run, ref, skip_grads, frozen, "twin.set_weights(layer.get_weights()) before layer.quantize(...)"
+                    if form.kind == "keras" else "qcheck.copy_params_into(layer, twin)")
     if list(run.out) != list(ref.out):
         leaves = [", ".join(k or "the output" for k in r.out) for r in (run, ref)]
         raise ValueError(f"check_layer: layer output has another structure than reference output: leaves "
@@ -330,7 +372,7 @@ def check_layer(
                              f"reference output{f' {k}' if k else ''} has shape {ref.out[k].shape}")
 
     c = _Checked(form, twin, run, ref, x, declaration, declared_from, max_rel_norm, max_grad_rel_norm, skip,
-                 sorted(paths - skip_grads), tuple(machinery), kernels, accept_weaker,
+                 sorted(paths - skip_grads - set(frozen)), tuple(machinery), kernels, accept_weaker,
                  edges=edge_rows(x, declaration, edge_kinds), walks=walks)
     # A line may qualify its check's name (" (layer): ..."), else it follows it after a colon.
     failures = [name + (line if line.startswith(" (") else f": {line}")
@@ -338,11 +380,12 @@ def check_layer(
     if failures:
         raise AssertionError(f"check_layer: {len(failures)} check(s) failed:\n" +
                              "\n".join("  " + f.replace("\n", "\n  ") for f in failures)
+                             + "".join(f"\nnot compared: the gradient of {k}, {v}" for k, v in frozen.items())
                              + f"\ndeclared: {declared_from}")
     return LayerFigures(max(c.figures.values()), types.MappingProxyType(c.grad_figures),
                         CoverageMap(c.records, declaration, declared_from),
                         types.MappingProxyType(c.figures), declaration, declared_from, tuple(c.backward_records),
-                        types.MappingProxyType(c.edges_run))
+                        types.MappingProxyType(c.edges_run), types.MappingProxyType(frozen))
 
 
 # -- the sub-checks: each a function of what check_layer ran, returning its failure lines -----------

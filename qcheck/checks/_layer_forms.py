@@ -1,9 +1,10 @@
-"""A layer as check_layer runs it: an NNX module, a Linen module with its variables, an Equinox module or a
-function of x, each as pure functions of its parameters, the rest of its state and x; and what of its output
-is compared."""
+"""A layer as check_layer runs it: an NNX module, a Linen module with its variables, an Equinox module, a Keras
+layer or model, or a function of x, each as pure functions of its parameters, the rest of its state and x; and
+what of its output is compared."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import sys
@@ -40,6 +41,9 @@ class Form:
     apply: Callable[[Any, Any, jax.Array], tuple[Any, Any]]
     key: Any  # what the compiled program is cached on (None: not hashable, no cache)
     probe: Any  # what coverage traces: an NNX module or a function of x
+    #: The layer's variables that are state, not parameters, by the names its parameters have: where the other
+    #: layer has a parameter of that name, it is frozen on this side (a Keras kernel quantize() stored as codes).
+    state_names: frozenset[str] = frozenset()
 
     def param_leaves(self, tree: Any) -> dict[str, Any]:
         if self.kind == "nnx":
@@ -138,15 +142,17 @@ class Grown(Exception):
 
 
 def form_of(layer: Any, x: jax.Array, call: Callable[[Any, jax.Array], Any] | None = None,
-          warm: bool | None = None) -> Form:
-    """``layer`` as pure functions; ``call(module, x)`` calls a module (NNX, Linen, Equinox), not a function of x.
+          warm: bool | None = None, like: Any = None) -> Form:
+    """``layer`` as pure functions; ``call(module, x)`` calls a module (NNX, Linen, Equinox, Keras), not a function
+    of x.
 
     An NNX module whose first call creates submodules is taken as that call
     leaves it, on a copy. ``warm``: None asks whether it does by tracing one
     call (:func:`qcheck.warmed_up`); False takes the module as it is, and its
     ``apply`` raises ``Grown`` while being traced if the call builds
     something (the caller's own trace asks, and nothing is traced twice);
-    True takes the copy after one call.
+    True takes the copy after one call. ``like``: the layer a Keras twin is checked against, whose
+    variables' names its own take (:func:`keras_names`).
     """
     if isinstance(layer, nnx.Module):
         probe = layer if call is None else _Called(layer, call)
@@ -190,10 +196,103 @@ def form_of(layer: Any, x: jax.Array, call: Callable[[Any, jax.Array], Any] | No
         key = ("equinox", jax.tree_util.tree_structure(static), tuple(jax.tree_util.tree_leaves(static)), fn)
         return Form("equinox", params, arrays, apply, hashable(key), functools.partial(fn, layer))
 
+    if (keras := keras_of(layer)) is not None:
+        return _keras_form(keras, layer, call, like if keras_of(like) is not None else None)
+
     def apply_fn(params, rest, x):
         return layer(x), rest
 
     return Form("function", {}, {}, apply_fn, hashable(("function", layer)), layer)
+
+
+def keras_of(layer: Any) -> Any:
+    """The ``keras`` package where ``layer`` is a Keras layer or model (a ``keras.layers.Layer``), else None.
+
+    Never imports it: a Keras layer exists only once Keras is loaded.
+    """
+    keras = sys.modules.get("keras")
+    base = getattr(getattr(keras, "layers", None), "Layer", None)
+    return keras if isinstance(base, type) and not isinstance(layer, type) and isinstance(layer, base) else None
+
+
+def _keras_keys(layer: Any) -> dict[int, tuple[int, str, int]]:
+    """Each variable of ``layer`` (by id) as what pairs it with its twin's: the place of the innermost sublayer
+    holding it in the layer's flattened tree, its name, and its count among that sublayer's variables of that
+    name. Not its path: a twin built by the same constructor has its sublayers named anew (``dense_2`` for the
+    layer's ``dense``), and ``quantize`` keeps a kernel's name while it makes it another variable."""
+    owner: dict[int, int] = {}
+    # Pre-order, a sublayer after the layers holding it: the last to list a variable is the innermost.
+    for i, sub in enumerate(layer._flatten_layers(include_self=True, recursive=True)):
+        for v in sub.variables:
+            owner[id(v)] = i
+    counts: collections.Counter[tuple[int, str]] = collections.Counter()
+    keys = {}
+    for v in layer.variables:
+        at = (owner.get(id(v), 0), v.name)
+        keys[id(v)] = (*at, counts[at])
+        counts[at] += 1
+    return keys
+
+
+def keras_names(layer: Any, like: Any = None) -> dict[int, str]:
+    """Each variable of a Keras ``layer`` (by id) by the name check_layer gives it: its ``path`` (``dense/kernel``),
+    or, given the layer ``like`` it is checked against, the path of the variable of ``like`` it pairs with
+    (:func:`_keras_keys`), so a twin's parameters take the layer's names."""
+    theirs = {}
+    if like is not None:
+        named = keras_names(like)
+        theirs = {key: named[i] for i, key in _keras_keys(like).items()}
+    keys = _keras_keys(layer)
+    names: dict[int, str] = {}
+    taken: set[str] = set()
+    for v in layer.variables:
+        name = theirs.get(keys[id(v)], v.path)
+        while name in taken:  # two variables Keras gave one path: each keeps its own name
+            name += "'"
+        taken.add(name)
+        names[id(v)] = name
+    return names
+
+
+def _keras_form(keras: Any, layer: Any, call: Callable[[Any, jax.Array], Any] | None, like: Any = None) -> Form:
+    """A Keras layer or model run statelessly, as ``layer.stateless_call(trainable values, non-trainable values,
+    x)`` runs it (keras/src/layers/layer.py:1089-1200, Keras 3.15.1), differentiated by plain JAX: its variables
+    mapped to the values given in Keras's ``StatelessScope``, the non-trainable ones read back after the call.
+
+    What runs in the scope is ``layer(x)`` (or ``call(layer, x)``), not ``stateless_call``'s own ``layer.call``
+    / ``quantized_call``: that skips ``Layer.__call__``, and with it the layer's autocast, so a bare
+    ``Dense(dtype="mixed_bfloat16")`` computes in float32 through ``stateless_call`` and in bfloat16 when called
+    (measured, Keras 3.15.1, jax 0.12.0.1: outputs float32 against bfloat16, 0.0104 apart). check_layer
+    checks what the layer computes when called, the program coverage traces. A model's layers run through
+    their ``__call__`` either way.
+
+    Its parameters are its trainable variables but those whose gradient Keras writes over them rather than
+    trains them (``overwrite_with_gradient``: a float8 layer's scales and amax histories, which the optimizer
+    replaces by their "gradient"); those and its non-trainable variables (an int8 kernel's codes, its scales,
+    RNG seeds) are state. A forward call leaves the overwritten ones as they were: only an optimizer step writes
+    them.
+    """
+    names = keras_names(layer, like)
+    trainable = [names[id(v)] for v in layer.trainable_variables]
+    frozen = [names[id(v)] for v in layer.non_trainable_variables]
+    state = {names[id(v)] for v in layer.trainable_variables if getattr(v, "overwrite_with_gradient", False)}
+    values = {names[id(v)]: v.value for v in layer.variables}
+    params = {n: values[n] for n in trainable if n not in state}
+    rest = {n: values[n] for n in (*trainable, *frozen) if n not in params}
+
+    fn = call or _call
+
+    def apply(params, rest, x):
+        mine = [params[n] if n in params else rest[n] for n in trainable]
+        theirs = [rest[n] for n in frozen]
+        mapping = list(zip(layer.trainable_variables, mine)) + list(zip(layer.non_trainable_variables, theirs))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            out = fn(layer, x)
+        after = [scope.get_current_value(v) for v in layer.non_trainable_variables]
+        return out, {**rest, **dict(zip(frozen, after))}
+
+    return Form("keras", params, rest, apply, hashable(("keras", layer, call, like)),
+                layer if call is None else functools.partial(call, layer), frozenset(rest))
 
 
 def equinox_params(module: Any) -> dict[str, jax.Array] | None:

@@ -69,10 +69,11 @@ def _traced_step(what: str, form: Form, x: jax.Array, output: Any) -> _Traced:
     return _Traced(form, closed, shapes, names)
 
 
-def trace_step(what: str, layer: Any, x: jax.Array, call: Any, output: Any) -> _Traced:
+def trace_step(what: str, layer: Any, x: jax.Array, call: Any, output: Any, like: Any = None) -> _Traced:
     """``layer`` as pure functions, its step traced: once, and for a lazy NNX module once more, on a copy after
-    its first call (the first trace is what finds it lazy: nothing traces the layer only to ask)."""
-    form = traceable(what, lambda: form_of(layer, x, call, warm=False))
+    its first call (the first trace is what finds it lazy: nothing traces the layer only to ask). ``like``: the
+    layer a twin is checked against (a Keras twin's variables take its names)."""
+    form = traceable(what, lambda: form_of(layer, x, call, warm=False, like=like))
     try:
         return _traced_step(what, form, x, output)
     except Grown:
