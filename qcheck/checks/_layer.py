@@ -237,131 +237,83 @@ def check_layer(
     module, a Keras layer or model (JAX backend), or a plain function of
     ``x``; make an NNX or Equinox twin with :func:`copy_params_into`, a Keras
     twin the Keras way, ``twin.set_weights(layer.get_weights())`` before
-    ``layer.quantize(mode)``. ``call``: how a module is called on ``x``, a
-    function ``(module, x) -> output`` (default ``module(x)``; a Linen module's
-    ``method``): where the module takes other arguments, or named arrays
-    (haliax: ``lambda m, x: m(hax.named(x, axes))``; a ``NamedArray`` in the
-    output is compared as its array). A plain function of ``x`` is called as
-    it is. Neither
-    is changed: each runs on a copy of its state, as ``nnx.jit`` would, and a
-    module whose first call creates submodules (MaxText's lazily built AQT
-    einsums) is checked as it runs after that call, on a copy warmed up by one
-    call (:func:`qcheck.warmed_up`).
+    ``layer.quantize(mode)``. ``call(module, x)``: how a module is called
+    (default ``module(x)``). Each side runs on a copy of its state, after its
+    first call where that builds submodules (:func:`qcheck.warmed_up`).
+    ``output``: what is compared, every floating-point leaf of the output
+    (default), an index or key, or a function of the output.
 
-    ``output`` selects what is compared: every floating-point leaf of the
-    output pytree by default (each with its own figure), an index or key
-    (``output=0`` for ``(out, aux_loss, bias_updates)``), or a function of
-    the output. The checks:
+    The checks, each a row of :data:`SUB_CHECKS` (docs/checking-your-layer.md,
+    "What it checks", says what each catches):
 
-    * coverage: every matmul of ``layer`` multiplies quantized operands
-      (:func:`qcheck.assert_quantized`); ``skip`` (one rule or a list:
-      :func:`qcheck.skip_modules`, :func:`qcheck.skip_functions`,
-      :func:`qcheck.skip_at`, :func:`qcheck.skip_where`) spares matmuls meant to
-      stay in full precision, each rule must spare one, and, held to the
-      twin as its control, must not spare more of the twin's matmuls than of
-      the layer's (a rule that would hide a fallen-back site fails, naming it);
-      ``machinery``: more packages whose frames are not the user's call site;
-      ``kernels``: the roles of the layer's opaque kernels (``pallas_call``),
-      :class:`qcheck.KernelRoles`; a kernel whose roles qcheck cannot read
-      fails this check until declared or spared;
-    * tracks: each compared output leaf is within ``max_rel_norm`` of the
-      twin's and not bitwise equal to it (:func:`qcheck.checks.assert_tracks`);
-    * gradients: one backward pass of the sum of ``mean(leaf ** 2)``; every
-      gradient is finite, and each parameter's gradient (``nnx.Param`` leaves
-      by path, a Linen module's ``params`` collection, an Equinox module's
-      inexact-array leaves by field path, ``experts/w1/weight``, a haliax
-      ``NamedArray`` named as its field; haliax's fp8 scales and amax
-      histories are state, not parameters; a Keras layer's trainable
-      variables by ``variable.path``, ``layer(x)`` run in Keras's
-      ``StatelessScope`` with them as ``layer.stateless_call(trainable,
-      non_trainable, x)`` maps them (not its ``call``: that skips the
-      layer's autocast), its
-      non-trainable variables and those Keras overwrites with their
-      gradient, a float8 layer's scales and amax histories, are state; a
-      twin's sublayers renamed by Keras, ``dense_2`` for ``dense``, pair by
-      place) and the input's is within ``max_grad_rel_norm`` of the twin's
-      at the same path, but those named in ``skip_grads``. A parameter of
-      one side that the other holds as state (a kernel ``quantize("int8")``
-      froze into int8 codes) has no gradient there: it is not compared, and
-      ``LayerFigures.frozen`` (and a failure's ``not compared:`` line) names
-      it, which side froze it and what each holds;
-    * determinism: a second call, from the state the first left (RNG counts
-      advanced, fp8 statistics as the call left them), gives the same bits;
-    * uninitialized, on the layer and on the twin alike (the bug is in code
-      both run): where the compiled program holds a buffer whose contents JAX
-      leaves unspecified (``jax.lax.empty``: zeros on CPU, whatever the memory
-      held on GPU and TPU), it runs again with each filled with NaN and with a
-      large finite value, and every output, gradient and state must keep its
-      bits (:func:`qcheck.checks.assert_no_uninitialized_reads`); a program
-      without one is not run again;
-    * declared quantization: each matmul is held, site by site, to the
-      quantization the layer declares: by default what its library states on
-      it (qcheck's layers, MaxText's ``config.quantization``, gemma's
-      ``QuantizationAwareWrapper``, haliax's dot ops:
-      ``qcheck._coverage._readers.READERS``); ``declared=True`` fails where
-      nothing is read, ``declared=False`` holds nothing; or given: a recipe
-      or format name, a ``qcheck.Recipe``, or a mapping of roles to formats,
-      ``{"weights": "int8", "activations": None}``. The types its operands are
-      cast to, and their codes bitwise against the referee's codes of the
-      quantizer's input at the declared granularity
-      (:func:`qcheck.assert_quantized`'s ``declared``); a site whose codes
-      cannot be read fails, saying why, unless ``accept_weaker`` (True, or
-      rules like ``skip``'s) accepts its weaker hold. Where nothing is declared,
-      operands of one role cast to different narrow types fail (formats),
-      naming the odd site. The figures and every failure say what was held
-      and where it was read (``declared_from``);
-    * backward declared: with a ``grads`` role declared, the backward pass's
-      gradient operands are held to it the same way;
-    * edges: the layer's compiled program runs again (no compile) on ``x``
-      with its first token row replaced by each edge row (zeros, tiny
-      values, one value of 1e5, the declared fp8 format's
-      largest finite value): every output, gradient and state stays finite,
-      and under a declaration every site's codes are the referee's there too;
-      a failure names the row kind and the site. ``skip_edges`` turns a row
-      kind off with a reason (``{"zeros": "why"}``); ``LayerFigures.edges``
-      says how each ran.
-
-    Each check is a row of :data:`SUB_CHECKS`, a function of what was run
-    returning its failure lines.
+    * coverage: every matmul multiplies quantized operands
+      (:func:`qcheck.assert_quantized`), but those ``skip`` spares (held to
+      the twin as its control); ``machinery`` names more packages that are not
+      the user's call site; ``kernels`` the roles of opaque kernels;
+    * tracks: each output leaf within ``max_rel_norm`` of the twin's, not equal;
+    * gradients: all finite; each parameter's (by path) and the input's within
+      ``max_grad_rel_norm`` of the twin's, but ``skip_grads``; one a side holds
+      as state (a frozen Keras kernel) is named in ``LayerFigures.frozen``;
+    * determinism: a second call, from the state the first left, the same bits;
+    * uninitialized, on both: ``jax.lax.empty`` buffers filled with NaN, then
+      a large value, change no output, gradient or state;
+    * declared quantization: each matmul's codes held bitwise to what the
+      layer declares: read from it by default (``READERS``), ``declared=True``
+      fails where nothing is read, ``False`` holds nothing, or given (a recipe
+      or format name, a ``qcheck.Recipe``, ``{"weights": "int8",
+      "activations": None}``); a site whose codes cannot be read fails unless
+      ``accept_weaker`` accepts it; with a ``grads`` role, the backward pass's
+      gradient operands too;
+    * edges: the compiled program again on edge rows of ``x`` (zeros, tiny,
+      1e5, the largest code): all finite, codes held there too; ``skip_edges``
+      turns a row kind off with a reason.
 
     Fails with one ``AssertionError`` listing every failed check and its
-    figure; returns the :class:`LayerFigures` when all pass. Usage errors are
-    one ``ValueError`` naming the argument: a twin whose parameters have other
-    paths or other values than the layer's, outputs of another structure, an
-    ``output`` that selects nothing. An exception of the layer's or the twin's own
-    code is one :class:`qcheck.UserCodeError` (a ``ValueError``) naming which,
-    the original chained: never an ``AssertionError`` that reads as a failed check.
-
-    Why the gradient bound is looser than the forward one: the gradients of a
-    quantized layer pass through quantized matmuls twice (forward residuals and
-    the backward product, often in e5m2), and a router gradient is a difference
-    of expert outputs, so small forward errors move it relatively further;
-    a quantized router moves the routing itself, and with it every expert's
-    gradient. :data:`DEFAULT_MAX_GRAD_REL_NORM` gives the measurement.
+    figure, else returns the :class:`LayerFigures`. A usage error is one
+    ``ValueError`` naming the argument, either side's own exception one
+    :class:`qcheck.UserCodeError` (:data:`DEFAULT_MAX_GRAD_REL_NORM`: the bound).
     """
     __tracebackhide__ = True
     x, skip_grads = _check_args(layer, reference, x, max_rel_norm, max_grad_rel_norm, skip, skip_grads, output)
     _check_call(layer, reference, call)
     as_kernel_roles(kernels, "check_layer")  # a misuse is check_layer's ValueError, before anything runs
     edge_kinds = check_skip_edges(skip_edges)
-    declaration, declared_from = resolve_declaration(layer, declared, "check_layer")
-    if accept_weaker not in (None, False) and declaration is None:
-        raise ValueError(f"check_layer: accept_weaker accepts weaker holds of a declaration, and none is held "
-                         f"({declared_from})")
+    declaration, declared_from = _declaration(layer, declared, accept_weaker)
     traced = trace_step("layer", layer, x, call, output)
     traced_twin = trace_step("reference", reference, x, call, output, like=layer)
     form, twin = traced.form, traced_twin.form
-    paths = {p for f in (form, twin) for p in f.param_leaves(f.params)}
-    if unknown := skip_grads - paths:
-        raise ValueError(f"check_layer: skip_grads names {sorted(unknown)}, which are not parameters; "
-                         f"parameter paths: {', '.join(sorted(paths)) or '(none)'}")
-
+    paths = _param_paths(form, twin, skip_grads)
     walks = _walks(form, x, declaration, machinery, kernels)
     run = run_step("layer", traced, x, output, twice=True, walks=list(walks.values()))
     ref = run_step("reference", traced_twin, x, output, twice=False)
     frozen = _frozen(form, twin, run, ref)
     _compare_params(run, ref, skip_grads, frozen, "twin.set_weights(layer.get_weights()) before layer.quantize(...)"
                     if form.kind == "keras" else "qcheck.copy_params_into(layer, twin)")
+    _compare_outputs(run, ref)
+    c = _Checked(form, twin, run, ref, x, declaration, declared_from, max_rel_norm, max_grad_rel_norm, skip,
+                 sorted(paths - skip_grads - set(frozen)), tuple(machinery), kernels, accept_weaker,
+                 edges=edge_rows(x, declaration, edge_kinds), walks=walks)
+    return _verdict(c, frozen)
+
+
+def _declaration(layer: Any, declared: Any, accept_weaker: Any) -> tuple[Declaration | None, str]:
+    declaration, declared_from = resolve_declaration(layer, declared, "check_layer")
+    if accept_weaker not in (None, False) and declaration is None:
+        raise ValueError(f"check_layer: accept_weaker accepts weaker holds of a declaration, and none is held "
+                         f"({declared_from})")
+    return declaration, declared_from
+
+
+def _param_paths(form: Form, twin: Form, skip_grads: frozenset[str]) -> set[str]:
+    """Both sides' parameter paths, once every path ``skip_grads`` names is one of them."""
+    paths = {p for f in (form, twin) for p in f.param_leaves(f.params)}
+    if unknown := skip_grads - paths:
+        raise ValueError(f"check_layer: skip_grads names {sorted(unknown)}, which are not parameters; "
+                         f"parameter paths: {', '.join(sorted(paths)) or '(none)'}")
+    return paths
+
+
+def _compare_outputs(run: Run, ref: Run) -> None:
     if list(run.out) != list(ref.out):
         leaves = [", ".join(k or "the output" for k in r.out) for r in (run, ref)]
         raise ValueError(f"check_layer: layer output has another structure than reference output: leaves "
@@ -371,9 +323,10 @@ def check_layer(
             raise ValueError(f"check_layer: layer output{f' {k}' if k else ''} has shape {run.out[k].shape} but "
                              f"reference output{f' {k}' if k else ''} has shape {ref.out[k].shape}")
 
-    c = _Checked(form, twin, run, ref, x, declaration, declared_from, max_rel_norm, max_grad_rel_norm, skip,
-                 sorted(paths - skip_grads - set(frozen)), tuple(machinery), kernels, accept_weaker,
-                 edges=edge_rows(x, declaration, edge_kinds), walks=walks)
+
+def _verdict(c: _Checked, frozen: dict[str, str]) -> LayerFigures:
+    """Every sub-check's failure lines as one AssertionError, else the figures."""
+    __tracebackhide__ = True
     # A line may qualify its check's name (" (layer): ..."), else it follows it after a colon.
     failures = [name + (line if line.startswith(" (") else f": {line}")
                 for name, sub_check in SUB_CHECKS for line in sub_check(c)]
@@ -381,10 +334,10 @@ def check_layer(
         raise AssertionError(f"check_layer: {len(failures)} check(s) failed:\n" +
                              "\n".join("  " + f.replace("\n", "\n  ") for f in failures)
                              + "".join(f"\nnot compared: the gradient of {k}, {v}" for k, v in frozen.items())
-                             + f"\ndeclared: {declared_from}")
+                             + f"\ndeclared: {c.declared_from}")
     return LayerFigures(max(c.figures.values()), types.MappingProxyType(c.grad_figures),
-                        CoverageMap(c.records, declaration, declared_from),
-                        types.MappingProxyType(c.figures), declaration, declared_from, tuple(c.backward_records),
+                        CoverageMap(c.records, c.declaration, c.declared_from),
+                        types.MappingProxyType(c.figures), c.declaration, c.declared_from, tuple(c.backward_records),
                         types.MappingProxyType(c.edges_run), types.MappingProxyType(frozen))
 
 
