@@ -438,3 +438,67 @@ def test_keras_int8_dense_without_its_zero_guard_fails_the_row_of_zeros_naming_t
     assert re.search(r"edges: token row of zeros: site " + NAME + r" \(dot_general\): lhs \(activation\): its "
                      r"scale is not finite at 1 of 8 scale values", message), message
     assert "tracks" not in message and "coverage" not in message, message  # on x itself the layer passes
+
+
+# -- 7. int4: codes packed two to a byte, unpacked in the call ------------------------------------------------
+
+def _int4_layers(keras, block_size):
+    """A Dense and an EinsumDense after ``quantize("int4")``: per channel (``block_size=-1``, qcheck's
+    ``int4_keras``) or Keras's default, grouped by 128 with zero points (``Int4QuantizationConfig``'s default,
+    keras/src/quantizers/quantization_config.py:113)."""
+    config = None if block_size is None else keras.quantizers.Int4QuantizationConfig(block_size=block_size)
+    dense = keras.layers.Dense(UNITS, name=NAME)
+    einsum = keras.layers.EinsumDense("bd,dh->bh", output_shape=(UNITS,), bias_axes="h", name=NAME)
+    for layer in (dense, einsum):
+        layer.build((None, IN))
+        layer.quantize("int4", config=config)
+    return dense, einsum
+
+
+#: Keras's two matmul sites: Dense's ops.matmul and EinsumDense's ops.einsum (keras/src/backend/jax/numpy.py).
+INT4_SITES = (r"dot_general at \S*keras/src/backend/jax/numpy\.py:\d+ \(matmul\), in " + NAME,
+              r"dot_general at \S*keras/src/backend/jax/numpy\.py:\d+ \(einsum\), in " + NAME)
+
+
+def test_keras_int4_per_channel_layers_pass_the_read_declaration_should_pass(keras):
+    """Keras 3.15.1: ``quantize("int4")`` per channel stores the kernel as int4 codes packed two to an int8 byte
+    (pack_int4) and unpacks them in the call by shifts and masks (unpack_int4, quantizers.py:754-900), weight-only
+    (dense.py:676). Read from the layer: weights int4_keras, activations full precision, the stored kernel held by
+    its type (int4), accepted by the reader, saying why. Both layers read as quantized: int4 unpacked."""
+    _pinned()
+    for layer, kind in zip(_int4_layers(keras, -1), ("Dense", "EinsumDense")):
+        records = qcheck.assert_quantized(layer, X)
+        (site,) = records
+        assert records.declared_from == (f"read from the fn: Keras quantize('int4', per channel, weight-only) on 1 "
+                                         f"layer(s) ({kind})"), records.declared_from
+        assert (str(site.rhs), site.rhs_casts) == ("int4 unpack", frozenset({"int4"})), (site.rhs, site.rhs_casts)
+        assert (site.rhs_declared, site.lhs_declared) == ("int4_keras", "full precision"), site
+        assert site.rhs_hold.accepted_by.startswith("the Keras reader: quantize('int4') stores the kernel as int4 "
+                                                    "codes packed"), site.rhs_hold
+        assert site.findings == (), site.findings
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["Dense", "EinsumDense"])
+def test_keras_int4_layer_declared_int8_keras_fails_naming_the_site_and_int4_keras(keras, which):
+    """Keras 3.15.1: the should-fail twin. Declared int8_keras weights, the int4 layer fails at its site: its
+    kernel is int4 codes, and the finding names int4_keras as the format of that type."""
+    layer = _int4_layers(keras, -1)[which]
+    with pytest.raises(AssertionError) as failure:
+        qcheck.assert_quantized(layer, X, declared={"weights": "int8_keras", "activations": None})
+    message = _message(failure)
+    assert re.search(INT4_SITES[which], message), message
+    assert ("rhs (weight) is cast to int4; declared int8_keras, whose codes and scales are int8; int4 is the code "
+            "type of int4_keras") in message, message
+
+
+def test_keras_int4_default_grouped_layers_read_as_quantized_and_no_declaration(keras):
+    """Keras 3.15.1's default ``quantize("int4")`` is grouped by 128 along the input with zero points, dequantized
+    as (codes - zero[g_idx]) · scale[g_idx] (dequantize_with_sz_map, quantizers.py:1196-1240): the kernel reads
+    as int4 unpacked (its per-group zero points and scales taken by index, read as a scale), and the reader reads
+    nothing for it (no qcheck format is Keras's grouped int4 yet), saying so, rather than hold it to int4_keras."""
+    for layer in _int4_layers(keras, None):
+        assert layer.dtype_policy.block_size == 128, layer.dtype_policy.name
+        (site,) = qcheck.coverage(layer, X)
+        assert str(site.rhs) == "int4 unpack", site.rhs
+        with pytest.raises(AssertionError, match=r"declared: nothing read: no reader"):
+            qcheck.assert_quantized(layer, X)
