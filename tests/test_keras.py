@@ -502,3 +502,55 @@ def test_keras_int4_default_grouped_layers_read_as_quantized_and_no_declaration(
         assert str(site.rhs) == "int4 unpack", site.rhs
         with pytest.raises(AssertionError, match=r"declared: nothing read: no reader"):
             qcheck.assert_quantized(layer, X)
+
+
+# -- 8. findings pinned as facts: what Keras computes beside its matmuls --------------------------------------
+
+def test_keras_float8_dense_rounds_its_float32_bias_through_bfloat16(keras):
+    """Keras 3.15.1: ``_float8_call`` casts a float32 bias to bfloat16 and back before adding it "to get the
+    biasAdd fusion support" (keras/src/layers/core/dense.py:1018-1026; einsum_dense.py:1257-1262 likewise): a
+    bias of 0.1 is added as 0.10009766. A fact test: qcheck's checks do not see it (the bias is no matmul
+    operand, and the fp8 matmul's own error is far larger than bfloat16's rounding of the bias)."""
+    import ml_dtypes
+
+    _pinned()
+    layer = keras.layers.Dense(UNITS, name=NAME)
+    layer.build((None, IN))
+    layer.kernel.assign(np.zeros((IN, UNITS), np.float32))  # a zero product: the output is the bias as added
+    layer.bias.assign(np.full(UNITS, 0.1, np.float32))
+    layer.quantize("float8")
+    out = np.asarray(layer(np.zeros((2, IN), np.float32)))
+    as_bf16 = np.float32(np.float32(0.1).astype(ml_dtypes.bfloat16))
+    assert np.all(out == as_bf16) and as_bf16 != np.float32(0.1), (out[0, :2], as_bf16)
+
+
+def test_keras_quantize_and_dequantize_rounds_the_gradient_to_fp8(keras):
+    """Keras 3.15.1: ``keras.quantizers.quantize_and_dequantize`` (keras/src/quantizers/quantizers.py:609-620) has
+    no custom gradient, so JAX's transpose of its cast rounds the incoming gradient to the same fp8 type: an
+    upstream gradient of 0.3 comes back 0.3125 (e4m3fn's nearest), where a straight-through estimator (Keras's own
+    float8 Dense, ``quantized_dequantize_inputs``) passes 0.3 on. A fact test: qcheck's coverage does not see it,
+    because clip's derivative mask multiplies the rounded gradient (a full-size factor, no scale), and the walk
+    reads the product as full precision."""
+    import jax.numpy as jnp
+
+    def qdq(h):
+        return keras.quantizers.quantize_and_dequantize(h, jnp.float32(1.0), "float8_e4m3fn", "float32")
+
+    def ste(h):  # the control
+        return h + jax.lax.stop_gradient(qdq(h) - h)
+
+    upstream = np.float32(0.3)
+    for q, want in ((qdq, np.float32(upstream.astype(jnp.float8_e4m3fn))), (ste, upstream)):
+        grad = np.asarray(jax.grad(lambda h: jnp.sum(q(h) * upstream))(jnp.ones(4, jnp.float32)))
+        assert np.all(grad == want), (q.__name__, grad, want)
+    assert np.float32(upstream.astype(jnp.float8_e4m3fn)) == np.float32(0.3125)
+
+
+def test_keras_has_no_fnuz_type_to_cast_to(keras):
+    """Keras 3.15.1: its dtypes are float8_e4m3fn and float8_e5m2 only (keras/src/backend/common/dtypes.py:24,
+    28-45); ``keras.ops.cast`` to e4m3fnuz raises "Invalid dtype" (variables.py:587), so no Keras layer computes in
+    MI300's fnuz types, nor can one plant the wrong flavour. A fact test: there is no cast for a check to see (a
+    Keras float8 layer declared e4m3fnuz fails, "is cast to float8_e4m3fn", in section 2)."""
+    with pytest.raises(ValueError, match=r"Invalid dtype: float8_e4m3fnuz"):
+        keras.ops.cast(np.ones(3, np.float32), "float8_e4m3fnuz")
+    assert keras.ops.cast(np.ones(3, np.float32), "float8_e4m3fn").dtype == np.dtype(jax.numpy.float8_e4m3fn)

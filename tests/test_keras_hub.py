@@ -35,6 +35,7 @@ import qcheck
 
 #: The version the experts' lines and the traced structure were checked on.
 KERAS_HUB_VERSION = "0.32.0"
+KERAS_VERSION = "3.15.1"
 HOW = ("install it beside Keras without tensorflow-text: pip install --no-deps keras-hub==0.32.0; pip install regex "
        "tokenizers kagglehub sentencepiece; then .ci/keras.sh run VENV/bin/python pytest tests/test_keras_hub.py")
 pytestmark = pytest.mark.filterwarnings(
@@ -74,10 +75,11 @@ def keras_hub():
         import keras_hub
     except ImportError as error:
         pytest.skip(f"keras_hub does not import ({error}): {HOW}")
-    installed = importlib.metadata.version("keras-hub")
-    if installed != KERAS_HUB_VERSION:
-        pytest.fail(f"keras-hub {installed} is installed; this was checked on keras-hub {KERAS_HUB_VERSION} (the "
-                    f"experts' lines above): recheck them, then update this test")
+    installed = {name: importlib.metadata.version(name) for name in ("keras-hub", "keras")}
+    if installed != {"keras-hub": KERAS_HUB_VERSION, "keras": KERAS_VERSION}:
+        pytest.fail(f"keras-hub {installed['keras-hub']} and keras {installed['keras']} are installed; this was "
+                    f"checked on keras-hub {KERAS_HUB_VERSION} and keras {KERAS_VERSION} (the experts' lines "
+                    f"above): recheck them, then update this test")
     with jax.numpy_rank_promotion("allow"):  # Keras adds biases by rank broadcasting
         yield keras_hub
 
@@ -104,7 +106,7 @@ def _expert_sites(name, records):
 
 
 def test_keras_hub_moe_experts_stay_float32_after_quantize_int8_and_fail_the_read_declaration(quantized):
-    """keras-hub 0.32.0: the defect. Keras warns that the experts layer has no quantize method, and nothing else
+    """keras-hub 0.32.0, Keras 3.15.1: the defect. Keras warns that the experts layer has no quantize method, and nothing else
     says the experts stay float32; qcheck's coverage names each expert einsum (at keras-hub's line) full
     precision, and the declaration read from the model fails naming them, once per decoder layer."""
     name, model, warned = quantized
@@ -126,7 +128,7 @@ def test_keras_hub_moe_experts_stay_float32_after_quantize_int8_and_fail_the_rea
 
 
 def test_keras_hub_moe_dense_and_einsum_dense_sites_hold_the_read_declaration_should_pass(quantized):
-    """keras-hub 0.32.0: the control. Every site of the model but the experts and the attention's own einsums is
+    """keras-hub 0.32.0, Keras 3.15.1: the control. Every site of the model but the experts and the attention's own einsums is
     a Dense or EinsumDense quantize() reached: int8 codes, no finding, the input's codes held bitwise."""
     name, model, _ = quantized
     records = qcheck.coverage(model, TOKENS, machinery=("keras",), declared=True)
