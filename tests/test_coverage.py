@@ -452,3 +452,31 @@ def test_integer_arithmetic_that_unpacks_no_int4_field_reads_full_precision_shou
         assert_quantized(lambda x, p: _int8(x) @ weight(p).astype(jnp.float32), A, PACKED4, declared=False)
     (r,) = coverage(lambda x, p: _int8(x) @ weight(p).astype(jnp.float32), A, PACKED4)
     assert not r.rhs.quantized and "int4" not in r.rhs_casts, (r.rhs, r.rhs_casts)
+
+
+#: Keras's grouped int4 in small (dequantize_with_sz_map, keras 3.15.1 quantizers.py:1196-1240): one zero point and
+#: one scale per group of 8 inputs and per output, taken for each input row by its group index.
+G_IDX4 = np.arange(32) // 8
+ZERO4 = _RNG.integers(-2, 3, size=(4, 16)).astype(np.int8)
+GSCALE4 = _RNG.uniform(1, 2, size=(4, 16)).astype(np.float32)
+
+
+def _grouped(p, zero, scale, idx):
+    codes = _unpack_keras(p).astype(jnp.float32)
+    return (codes - jnp.take(zero, idx, axis=0).astype(jnp.float32)) * jnp.take(scale, idx, axis=0)
+
+
+def test_grouped_int4_with_zero_points_taken_by_group_index_reads_as_int4_should_pass():
+    """Per-group zero points and scales taken by a group index repeat fewer values, as a broadcast does: the
+    dequantized kernel stays int4 (it read full precision at the subtraction before)."""
+    (r,) = assert_quantized(lambda x, p: _int8(x) @ _grouped(p, ZERO4, GSCALE4, G_IDX4), A, PACKED4, declared=False)
+    assert str(r.rhs) == "int4 unpack", r.rhs
+
+
+def test_grouped_int4_minus_a_full_size_value_taken_by_index_reads_full_precision_should_fail():
+    """The control: what is taken by index is as large as the codes (one value per element, no group repeated),
+    so it is no zero point and the operand reads full precision."""
+    table = _RNG.normal(size=(32, 16)).astype(np.float32)
+    with pytest.raises(AssertionError, match=r"1 of 1 matmuls reach full precision"):
+        assert_quantized(lambda x, p: _int8(x) @ _grouped(p, table, np.ones((32, 16), np.float32), np.arange(32)),
+                         A, PACKED4, declared=False)
