@@ -554,3 +554,39 @@ def test_keras_has_no_fnuz_type_to_cast_to(keras):
     with pytest.raises(ValueError, match=r"Invalid dtype: float8_e4m3fnuz"):
         keras.ops.cast(np.ones(3, np.float32), "float8_e4m3fnuz")
     assert keras.ops.cast(np.ones(3, np.float32), "float8_e4m3fn").dtype == np.dtype(jax.numpy.float8_e4m3fn)
+
+
+def test_keras_int4_per_channel_with_int8_inputs_holds_the_activations_bitwise_should_pass(keras):
+    """Keras 3.15.1: an Int4QuantizationConfig that names an activation quantizer (Keras's AbsMaxQuantizer, int8)
+    quantizes the input in the call (dense.py:866-870): read as int8_keras activations, held bitwise, beside the
+    int4_keras kernel held by its type as stored."""
+    config = keras.quantizers.Int4QuantizationConfig(block_size=-1,
+                                                     activation_quantizer=keras.quantizers.AbsMaxQuantizer(axis=-1))
+    layer = keras.layers.Dense(UNITS, name=NAME)
+    layer.build((None, IN))
+    layer.quantize("int4", config=config)
+    records = qcheck.assert_quantized(layer, X)
+    assert records.declared_from == "read from the fn: Keras quantize('int4', per channel) on 1 layer(s) (Dense)"
+    (site,) = records
+    assert (site.lhs_declared, site.rhs_declared) == ("int8_keras", "int4_keras"), site
+    assert site.lhs_hold.bitwise and site.rhs_hold.accepted_by.startswith("the Keras reader"), site
+
+
+@pytest.mark.parametrize("magnitude", [1.0, 1e-5, 100.0])
+def test_keras_int4_stored_codes_and_scales_are_int4_keras_bitwise_should_pass(keras, magnitude):
+    """Keras 3.15.1: what quantize("int4") per channel stores (``layer.kernel`` unpacks it, dense.py:186-191; the
+    scale ``kernel_scale``) equals, bitwise, qcheck's int4_keras and the numpy referee's codes and encode scales of
+    the float kernel, per output channel (axis 0 reduced), an all-zero channel and tiny and large kernels too."""
+    layer = keras.layers.Dense(UNITS, name=NAME)
+    layer.build((None, IN))
+    kernel = (np.random.default_rng(1).normal(size=(IN, UNITS)) * magnitude).astype(np.float32)
+    kernel[:, 3] = 0.0
+    layer.kernel.assign(kernel)
+    layer.quantize("int4", config=keras.quantizers.Int4QuantizationConfig(block_size=-1))
+    codes, scale = np.asarray(layer.kernel), np.asarray(layer.kernel_scale)
+    ours = qcheck.formats.quantize(kernel, "int4_keras", axis=0)
+    ref_codes, ref_scales = qcheck.referees.reference_quantize(kernel, "int4_keras", axis=0)
+    assert np.array_equal(codes, np.asarray(ours.codes).astype(np.int8)), "qcheck's int4_keras codes differ"
+    assert np.array_equal(codes, ref_codes.astype(np.int8)), "the referee's int4_keras codes differ"
+    assert np.array_equal(scale, np.asarray(ours.scales["slice"])[0]) and np.array_equal(scale, ref_scales["slice"][0])
+    assert codes.min() >= -7 and codes.max() <= 7 and not codes[:, 3].any()
