@@ -106,9 +106,9 @@ def _expert_sites(name, records):
 
 
 def test_keras_hub_moe_experts_stay_float32_after_quantize_int8_and_fail_the_read_declaration(quantized):
-    """keras-hub 0.32.0, Keras 3.15.1: the defect. Keras warns that the experts layer has no quantize method, and nothing else
-    says the experts stay float32; qcheck's coverage names each expert einsum (at keras-hub's line) full
-    precision, and the declaration read from the model fails naming them, once per decoder layer."""
+    """keras-hub 0.32.0, Keras 3.15.1: the defect. Keras warns that the experts layer has no quantize method,
+    and nothing else says the experts stay float32; qcheck's coverage names each expert einsum (at keras-hub's
+    line) full precision, and the declaration read from the model fails naming them, once per decoder layer."""
     name, model, warned = quantized
     assert any(re.fullmatch(r"Layer \w*Experts does not have a `quantize` method implemented\.", w)
                for w in warned), warned
@@ -128,8 +128,9 @@ def test_keras_hub_moe_experts_stay_float32_after_quantize_int8_and_fail_the_rea
 
 
 def test_keras_hub_moe_dense_and_einsum_dense_sites_hold_the_read_declaration_should_pass(quantized):
-    """keras-hub 0.32.0, Keras 3.15.1: the control. Every site of the model but the experts and the attention's own einsums is
-    a Dense or EinsumDense quantize() reached: int8 codes, no finding, the input's codes held bitwise."""
+    """keras-hub 0.32.0, Keras 3.15.1: the control. Every site of the model but the experts and the attention's
+    own einsums is a Dense or EinsumDense quantize() reached: int8 codes, no finding, the input's codes held
+    bitwise."""
     name, model, _ = quantized
     records = qcheck.coverage(model, TOKENS, machinery=("keras",), declared=True)
     experts = {id(r) for r in _expert_sites(name, records)}
