@@ -102,6 +102,9 @@ FORMATS = (
     # Keras: an encode scale 127 / (absmax + 1e-7). Below an absmax of 254e-7 its top code is under 126.5, so a
     # second qdq takes another scale (tiny slices have their own test); above it, a second qdq keeps the codes.
     Format("int8_keras", block=32, idempotent_ulps=None, int_codes=(-127, 127), int_epsilon=1e-7, min_amax=1e-3),
+    # Keras's int4: an encode scale 7 / (absmax + 1e-7), codes -8..7 (-8 unreached: the grid is symmetric).
+    Format("int4_keras", block=32, idempotent_ulps=None, int_codes=(-7, 7), int_edge=7.0, int_epsilon=1e-7,
+           min_amax=1e-3),
     Format("e4m3fn", block=32, idempotent_ulps=0, dtype=np.dtype(ml_dtypes.float8_e4m3fn)),
     Format("e4m3fnuz", block=32, idempotent_ulps=0, dtype=np.dtype(ml_dtypes.float8_e4m3fnuz), fnuz=True),
     Format("e5m2", block=32, idempotent_ulps=0, dtype=np.dtype(ml_dtypes.float8_e5m2)),

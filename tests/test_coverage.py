@@ -405,3 +405,78 @@ def test_error_of_each_quantized_site_lies_within_its_recipes_bound():
     bound = recipe.expect.max_rel_norm
     assert len(errors) == 3 and all(0.0 < e <= bound for e in errors), format_coverage(records)
     assert all(r.error is None for r, site in zip(records, _sites(records)) if not site)
+
+
+# -- packed int4 codes: two to a byte, unpacked by shifts and masks (Keras's quantize("int4")) ----------------
+
+#: int4 codes -8..7 of a [32, 16] kernel, packed two to an int8 byte along the output axis as Keras's pack_int4 does
+#: (keras 3.15.1, quantizers.py:624-752: the first of each pair in the low nibble, the second in the high one).
+CODES4 = _RNG.integers(-8, 8, size=(32, 16)).astype(np.int8)
+PACKED4 = ((CODES4[:, ::2] & 0x0F) | (CODES4[:, 1::2] << 4)).astype(np.int8)
+SCALE4 = _RNG.uniform(1, 2, size=(1, 16)).astype(np.float32)
+
+
+def _unpack_keras(p):
+    # Keras's unpack_int4: each nibble masked, made signed by (u ^ 8) - 8, the halves interleaved back (stack).
+    low = ((p & 0x0F) ^ 8) - 8
+    high = (((p >> 4) & 0x0F) ^ 8) - 8
+    return jnp.stack([low, high], axis=-1).reshape(p.shape[0], -1)
+
+
+def _unpack_shifts(p):
+    # The sign extension by shifts: (b << 4) >> 4 for the low nibble, b >> 4 (arithmetic) for the high one.
+    return jnp.stack([jnp.left_shift(p, 4) >> 4, p >> 4], axis=-1).reshape(p.shape[0], -1)
+
+
+@pytest.mark.parametrize("unpack", [_unpack_keras, _unpack_shifts], ids=["xor-sub", "shifts"])
+def test_packed_int4_kernel_unpacked_reads_as_int4_should_pass(unpack):
+    """A kernel stored as packed int4 codes reads as quantized, int4 unpacked (it read full precision before: the
+    shifts and masks were no op the walk knew); the unpacking is exact, the codes Keras packed."""
+    assert np.array_equal(np.asarray(unpack(jnp.asarray(PACKED4))), CODES4)
+    (r,) = assert_quantized(lambda x, p: _int8(x) @ (unpack(p).astype(jnp.float32) / SCALE4), A, PACKED4,
+                            declared=False)
+    assert (str(r.rhs), r.rhs_casts) == ("int4 unpack", frozenset({"int4"})), (r.rhs, r.rhs_casts)
+
+
+@pytest.mark.parametrize("weight", [
+    # An int32 index computation masked to 4 bits: an integer, but no narrow integer's codes.
+    lambda p: (jnp.arange(32 * 16, dtype=jnp.int32).reshape(32, 16) & 0x0F),
+    # All of an int8's 8 bits shifted by 0: no field narrower than its type.
+    lambda p: jnp.repeat(p >> 0, 2, axis=1),
+    # Bits masked to 7: a field, but no type's codes.
+    lambda p: jnp.repeat(p & 0x7F, 2, axis=1),
+], ids=["int32-index-masked", "int8-shifted-by-0", "seven-bit-field"])
+def test_integer_arithmetic_that_unpacks_no_int4_field_reads_full_precision_should_fail(weight):
+    """The controls: integer arithmetic that is no narrow code unpacked stays full precision, and fails."""
+    with pytest.raises(AssertionError, match=r"1 of 1 matmuls reach full precision"):
+        assert_quantized(lambda x, p: _int8(x) @ weight(p).astype(jnp.float32), A, PACKED4, declared=False)
+    (r,) = coverage(lambda x, p: _int8(x) @ weight(p).astype(jnp.float32), A, PACKED4)
+    assert not r.rhs.quantized and "int4" not in r.rhs_casts, (r.rhs, r.rhs_casts)
+
+
+#: Keras's grouped int4 in small (dequantize_with_sz_map, keras 3.15.1 quantizers.py:1196-1240): one zero point and
+#: one scale per group of 8 inputs and per output, taken for each input row by its group index.
+G_IDX4 = np.arange(32) // 8
+ZERO4 = _RNG.integers(-2, 3, size=(4, 16)).astype(np.int8)
+GSCALE4 = _RNG.uniform(1, 2, size=(4, 16)).astype(np.float32)
+
+
+def _grouped(p, zero, scale, idx):
+    codes = _unpack_keras(p).astype(jnp.float32)
+    return (codes - jnp.take(zero, idx, axis=0).astype(jnp.float32)) * jnp.take(scale, idx, axis=0)
+
+
+def test_grouped_int4_with_zero_points_taken_by_group_index_reads_as_int4_should_pass():
+    """Per-group zero points and scales taken by a group index repeat fewer values, as a broadcast does: the
+    dequantized kernel stays int4 (it read full precision at the subtraction before)."""
+    (r,) = assert_quantized(lambda x, p: _int8(x) @ _grouped(p, ZERO4, GSCALE4, G_IDX4), A, PACKED4, declared=False)
+    assert str(r.rhs) == "int4 unpack", r.rhs
+
+
+def test_grouped_int4_minus_a_full_size_value_taken_by_index_reads_full_precision_should_fail():
+    """The control: what is taken by index is as large as the codes (one value per element, no group repeated),
+    so it is no zero point and the operand reads full precision."""
+    table = _RNG.normal(size=(32, 16)).astype(np.float32)
+    with pytest.raises(AssertionError, match=r"1 of 1 matmuls reach full precision"):
+        assert_quantized(lambda x, p: _int8(x) @ _grouped(p, table, np.ones((32, 16), np.float32), np.arange(32)),
+                         A, PACKED4, declared=False)

@@ -129,7 +129,8 @@ def test_int8_scale_shared_across_experts_should_fail():
 
 def test_int4_codes_where_int8_is_declared_should_fail():
     _assert_fails(_ragged(weight_axes=1, levels=7), X, declared="int8",
-           match=r"rhs \(weight\): codes are not int8's: .*the codes reach only ±7 \(15 distinct levels\)")
+           match=r"rhs \(weight\): codes are not int8's: .*they are int4_keras's codes: another rule of the same "
+                 r"kind, int4 codes")
 
 
 def _aqt_after_a_literal_factor(weight_axes):
@@ -410,3 +411,37 @@ def test_stored_weights_declared_by_hand_fail_held_by_type_only():
                                              r"its bits: its codes do not trace back to a quantizer"):
         qcheck.assert_quantized(_stored_int8, X, qcheck.weights(kernel.codes), qcheck.weights(kernel.scales["slice"]),
                                 declared={"weights": "int8_keras", "activations": "int8_keras"})
+
+
+# -- int4 and int8 codes told apart: each declared as the other names the format its codes are ----------------
+
+def _keras_absmax(x, top, dtype):
+    """Keras's abs_max_quantize in the call (quantizers.py:111-119): an encode scale top / (absmax + 1e-7), codes
+    clipped to [-top - (top == 7), top] and cast to ``dtype``; int4 values (-8..7) held in int8, as Keras's
+    AbsMaxQuantizer(value_range=(-8, 7), output_dtype="int8") leaves them, or int8 codes."""
+    scale = top / (jnp.max(jnp.abs(x), axis=-1, keepdims=True) + 1e-7)
+    codes = jnp.clip(jnp.round(x * scale), -8 if top == 7 else -top, top).astype(dtype)
+    return codes.astype(jnp.float32) / scale
+
+
+@pytest.mark.parametrize("top, dtype, declared, named", [
+    (7, jnp.int8, "int8_keras", r"codes are not int8_keras's: .*; they are int4_keras's codes: another rule of "
+                                r"the same kind, int4 codes"),
+    (7, jnp.int4, "int8_keras", r"is cast to int4; declared int8_keras, whose codes and scales are int8; they are "
+                                r"the codes of int4_keras"),
+    (127, jnp.int8, "int4_keras", r"is cast to int8; declared int4_keras, whose codes and scales are int4; they are "
+                                  r"the codes of int8, int8_keras"),
+], ids=["int4-values-in-int8", "int4-declared-int8", "int8-declared-int4"])
+def test_int4_and_int8_codes_declared_as_each_other_fail_naming_the_format_they_are(top, dtype, declared, named):
+    """The should-fail half: int4 codes (in int8 or int4) declared int8_keras, and int8 codes declared int4_keras,
+    each fail at the site naming the format the codes are."""
+    with pytest.raises(AssertionError, match=named):
+        qcheck.assert_quantized(lambda x: _keras_absmax(x, top, dtype) @ W, X,
+                                declared={"activations": declared, "weights": None})
+
+
+@pytest.mark.parametrize("top, dtype, declared", [(7, jnp.int4, "int4_keras"), (127, jnp.int8, "int8_keras")])
+def test_int4_and_int8_codes_declared_as_they_are_pass_bitwise_should_pass(top, dtype, declared):
+    (site,) = qcheck.assert_quantized(lambda x: _keras_absmax(x, top, dtype) @ W, X,
+                                      declared={"activations": declared, "weights": None})
+    assert site.lhs_hold.bitwise, site.lhs_hold

@@ -442,3 +442,155 @@ def test_keras_int8_dense_without_its_zero_guard_fails_the_row_of_zeros_naming_t
     assert re.search(r"edges: token row of zeros: site " + NAME + r" \(dot_general\): lhs \(activation\): its "
                      r"scale is not finite at 1 of 8 scale values", message), message
     assert "tracks" not in message and "coverage" not in message, message  # on x itself the layer passes
+
+
+# -- 7. int4: codes packed two to a byte, unpacked in the call ------------------------------------------------
+
+def _int4_layers(keras, block_size):
+    """A Dense and an EinsumDense after ``quantize("int4")``: per channel (``block_size=-1``, qcheck's
+    ``int4_keras``) or Keras's default, grouped by 128 with zero points (``Int4QuantizationConfig``'s default,
+    keras/src/quantizers/quantization_config.py:113)."""
+    config = None if block_size is None else keras.quantizers.Int4QuantizationConfig(block_size=block_size)
+    dense = keras.layers.Dense(UNITS, name=NAME)
+    einsum = keras.layers.EinsumDense("bd,dh->bh", output_shape=(UNITS,), bias_axes="h", name=NAME)
+    for layer in (dense, einsum):
+        layer.build((None, IN))
+        layer.quantize("int4", config=config)
+    return dense, einsum
+
+
+#: Keras's two matmul sites: Dense's ops.matmul and EinsumDense's ops.einsum (keras/src/backend/jax/numpy.py).
+INT4_SITES = (r"dot_general at \S*keras/src/backend/jax/numpy\.py:\d+ \(matmul\), in " + NAME,
+              r"dot_general at \S*keras/src/backend/jax/numpy\.py:\d+ \(einsum\), in " + NAME)
+
+
+def test_keras_int4_per_channel_layers_pass_the_read_declaration_should_pass(keras):
+    """Keras 3.15.1: ``quantize("int4")`` per channel stores the kernel as int4 codes packed two to an int8 byte
+    (pack_int4) and unpacks them in the call by shifts and masks (unpack_int4, quantizers.py:754-900), weight-only
+    (dense.py:676). Read from the layer: weights int4_keras, activations full precision, the stored kernel held by
+    its type (int4), accepted by the reader, saying why. Both layers read as quantized: int4 unpacked."""
+    _pinned()
+    for layer, kind in zip(_int4_layers(keras, -1), ("Dense", "EinsumDense")):
+        records = qcheck.assert_quantized(layer, X)
+        (site,) = records
+        assert records.declared_from == (f"read from the fn: Keras quantize('int4', per channel, weight-only) on 1 "
+                                         f"layer(s) ({kind})"), records.declared_from
+        assert (str(site.rhs), site.rhs_casts) == ("int4 unpack", frozenset({"int4"})), (site.rhs, site.rhs_casts)
+        assert (site.rhs_declared, site.lhs_declared) == ("int4_keras", "full precision"), site
+        assert site.rhs_hold.accepted_by.startswith("the Keras reader: quantize('int4') stores the kernel as int4 "
+                                                    "codes packed"), site.rhs_hold
+        assert site.findings == (), site.findings
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["Dense", "EinsumDense"])
+def test_keras_int4_layer_declared_int8_keras_fails_naming_the_site_and_int4_keras(keras, which):
+    """Keras 3.15.1: the should-fail twin. Declared int8_keras weights, the int4 layer fails at its site: its
+    kernel is int4 codes, and the finding names int4_keras as the format of that type."""
+    layer = _int4_layers(keras, -1)[which]
+    with pytest.raises(AssertionError) as failure:
+        qcheck.assert_quantized(layer, X, declared={"weights": "int8_keras", "activations": None})
+    message = _message(failure)
+    assert re.search(INT4_SITES[which], message), message
+    assert ("rhs (weight) is cast to int4; declared int8_keras, whose codes and scales are int8; int4 is the code "
+            "type of int4_keras") in message, message
+
+
+def test_keras_int4_default_grouped_layers_read_as_quantized_and_no_declaration(keras):
+    """Keras 3.15.1's default ``quantize("int4")`` is grouped by 128 along the input with zero points, dequantized
+    as (codes - zero[g_idx]) · scale[g_idx] (dequantize_with_sz_map, quantizers.py:1196-1240): the kernel reads
+    as int4 unpacked (its per-group zero points and scales taken by index, read as a scale), and the reader reads
+    nothing for it (no qcheck format is Keras's grouped int4 yet), saying so, rather than hold it to int4_keras."""
+    for layer in _int4_layers(keras, None):
+        assert layer.dtype_policy.block_size == 128, layer.dtype_policy.name
+        (site,) = qcheck.coverage(layer, X)
+        assert str(site.rhs) == "int4 unpack", site.rhs
+        with pytest.raises(AssertionError, match=r"declared: nothing read: no reader"):
+            qcheck.assert_quantized(layer, X)
+
+
+# -- 8. findings pinned as facts: what Keras computes beside its matmuls --------------------------------------
+
+def test_keras_float8_dense_rounds_its_float32_bias_through_bfloat16(keras):
+    """Keras 3.15.1: ``_float8_call`` casts a float32 bias to bfloat16 and back before adding it "to get the
+    biasAdd fusion support" (keras/src/layers/core/dense.py:1018-1026; einsum_dense.py:1257-1262 likewise): a
+    bias of 0.1 is added as 0.10009766. A fact test: qcheck's checks do not see it (the bias is no matmul
+    operand, and the fp8 matmul's own error is far larger than bfloat16's rounding of the bias)."""
+    import ml_dtypes
+
+    _pinned()
+    layer = keras.layers.Dense(UNITS, name=NAME)
+    layer.build((None, IN))
+    layer.kernel.assign(np.zeros((IN, UNITS), np.float32))  # a zero product: the output is the bias as added
+    layer.bias.assign(np.full(UNITS, 0.1, np.float32))
+    layer.quantize("float8")
+    out = np.asarray(layer(np.zeros((2, IN), np.float32)))
+    as_bf16 = np.float32(np.float32(0.1).astype(ml_dtypes.bfloat16))
+    assert np.all(out == as_bf16) and as_bf16 != np.float32(0.1), (out[0, :2], as_bf16)
+
+
+def test_keras_quantize_and_dequantize_rounds_the_gradient_to_fp8(keras):
+    """Keras 3.15.1: ``keras.quantizers.quantize_and_dequantize`` (keras/src/quantizers/quantizers.py:609-620) has
+    no custom gradient, so JAX's transpose of its cast rounds the incoming gradient to the same fp8 type: an
+    upstream gradient of 0.3 comes back 0.3125 (e4m3fn's nearest), where a straight-through estimator (Keras's own
+    float8 Dense, ``quantized_dequantize_inputs``) passes 0.3 on. A fact test: qcheck's coverage does not see it,
+    because clip's derivative mask multiplies the rounded gradient (a full-size factor, no scale), and the walk
+    reads the product as full precision."""
+    import jax.numpy as jnp
+
+    def qdq(h):
+        return keras.quantizers.quantize_and_dequantize(h, jnp.float32(1.0), "float8_e4m3fn", "float32")
+
+    def ste(h):  # the control
+        return h + jax.lax.stop_gradient(qdq(h) - h)
+
+    upstream = np.float32(0.3)
+    for q, want in ((qdq, np.float32(upstream.astype(jnp.float8_e4m3fn))), (ste, upstream)):
+        grad = np.asarray(jax.grad(lambda h: jnp.sum(q(h) * upstream))(jnp.ones(4, jnp.float32)))
+        assert np.all(grad == want), (q.__name__, grad, want)
+    assert np.float32(upstream.astype(jnp.float8_e4m3fn)) == np.float32(0.3125)
+
+
+def test_keras_has_no_fnuz_type_to_cast_to(keras):
+    """Keras 3.15.1: its dtypes are float8_e4m3fn and float8_e5m2 only (keras/src/backend/common/dtypes.py:24,
+    28-45); ``keras.ops.cast`` to e4m3fnuz raises "Invalid dtype" (variables.py:587), so no Keras layer computes in
+    MI300's fnuz types, nor can one plant the wrong flavour. A fact test: there is no cast for a check to see (a
+    Keras float8 layer declared e4m3fnuz fails, "is cast to float8_e4m3fn", in section 2)."""
+    with pytest.raises(ValueError, match=r"Invalid dtype: float8_e4m3fnuz"):
+        keras.ops.cast(np.ones(3, np.float32), "float8_e4m3fnuz")
+    assert keras.ops.cast(np.ones(3, np.float32), "float8_e4m3fn").dtype == np.dtype(jax.numpy.float8_e4m3fn)
+
+
+def test_keras_int4_per_channel_with_int8_inputs_holds_the_activations_bitwise_should_pass(keras):
+    """Keras 3.15.1: an Int4QuantizationConfig that names an activation quantizer (Keras's AbsMaxQuantizer, int8)
+    quantizes the input in the call (dense.py:866-870): read as int8_keras activations, held bitwise, beside the
+    int4_keras kernel held by its type as stored."""
+    config = keras.quantizers.Int4QuantizationConfig(block_size=-1,
+                                                     activation_quantizer=keras.quantizers.AbsMaxQuantizer(axis=-1))
+    layer = keras.layers.Dense(UNITS, name=NAME)
+    layer.build((None, IN))
+    layer.quantize("int4", config=config)
+    records = qcheck.assert_quantized(layer, X)
+    assert records.declared_from == "read from the fn: Keras quantize('int4', per channel) on 1 layer(s) (Dense)"
+    (site,) = records
+    assert (site.lhs_declared, site.rhs_declared) == ("int8_keras", "int4_keras"), site
+    assert site.lhs_hold.bitwise and site.rhs_hold.accepted_by.startswith("the Keras reader"), site
+
+
+@pytest.mark.parametrize("magnitude", [1.0, 1e-5, 100.0])
+def test_keras_int4_stored_codes_and_scales_are_int4_keras_bitwise_should_pass(keras, magnitude):
+    """Keras 3.15.1: what quantize("int4") per channel stores (``layer.kernel`` unpacks it, dense.py:186-191; the
+    scale ``kernel_scale``) equals, bitwise, qcheck's int4_keras and the numpy referee's codes and encode scales of
+    the float kernel, per output channel (axis 0 reduced), an all-zero channel and tiny and large kernels too."""
+    layer = keras.layers.Dense(UNITS, name=NAME)
+    layer.build((None, IN))
+    kernel = (np.random.default_rng(1).normal(size=(IN, UNITS)) * magnitude).astype(np.float32)
+    kernel[:, 3] = 0.0
+    layer.kernel.assign(kernel)
+    layer.quantize("int4", config=keras.quantizers.Int4QuantizationConfig(block_size=-1))
+    codes, scale = np.asarray(layer.kernel), np.asarray(layer.kernel_scale)
+    ours = qcheck.formats.quantize(kernel, "int4_keras", axis=0)
+    ref_codes, ref_scales = qcheck.referees.reference_quantize(kernel, "int4_keras", axis=0)
+    assert np.array_equal(codes, np.asarray(ours.codes).astype(np.int8)), "qcheck's int4_keras codes differ"
+    assert np.array_equal(codes, ref_codes.astype(np.int8)), "the referee's int4_keras codes differ"
+    assert np.array_equal(scale, np.asarray(ours.scales["slice"])[0]) and np.array_equal(scale, ref_scales["slice"][0])
+    assert codes.min() >= -7 and codes.max() <= 7 and not codes[:, 3].any()

@@ -19,6 +19,7 @@ from hypothesis.extra import numpy as hnp
 
 import qcheck.formats._block_scaled as block_kernels  # where each format's code reads the names the bugs replace
 import qcheck.formats._fp8 as fp8_kernels
+import qcheck.formats._int4 as int4_kernels
 import qcheck.formats._int8 as int8_kernels
 import qcheck.referees._formats as referee_formats  # the referee's own constants, to plant bugs in it
 from qcheck import formats, referees
@@ -122,6 +123,8 @@ MX_TIES = np.concatenate([[300.0, *chunk, *[0.0] * (31 - len(chunk))]
                           for chunk in np.array_split(_E4M3_PROBES, -(-_E4M3_PROBES.size // 31))])
 # absmax/127.5: the amax itself is a tie (127.5 · scale), which qwix saturates to 127 or -128.
 INT8_EDGE_TIES = [127.5, -127.5, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, 127.0, np.nextafter(F32(0.5), F32(1)), 3.5]
+# Keras's int4: amax 7 + 1e-7 rounds to 7 in float32, so the encode scale is 1 and the halves are ties.
+INT4_TIES = [7.0, -7.0, 0.5, 1.5, 2.5, -0.5, -2.5, 6.5, -6.5, 3.5, np.nextafter(F32(0.5), F32(1))]
 E2M1_TIES = [2688.0] + [0.0] * 15 + [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -1.25, -5.0,
                                      0.2500001, 0.2499999, 4.999999, 5.000001, -0.0]
 
@@ -134,12 +137,13 @@ E2M1_TIES = [2688.0] + [0.0] * 15 + [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0,
         ("int8_aqt", INT8_EDGE_TIES),
         ("int8_qwix", INT8_EDGE_TIES),
         ("int8_qwix", INT8_EDGE_TIES[1:]),  # amax from a negative value: code -128
+        ("int4_keras", INT4_TIES),
         ("mxfp8", MX_TIES),
         ("nvfp4", E2M1_TIES),
         ("e4m3fn_current", [448.0, *conversion_probes(ml_dtypes.float8_e4m3fn)]),
         ("e5m2_current", [57344.0, *conversion_probes(ml_dtypes.float8_e5m2)]),
     ],
-    ids=[*CAST, "int8", "int8_aqt", "int8_qwix", "int8_qwix-negative-amax",
+    ids=[*CAST, "int8", "int8_aqt", "int8_qwix", "int8_qwix-negative-amax", "int4_keras",
          "mxfp8", "nvfp4", "e4m3fn_current", "e5m2_current"],
 )
 def test_ties_and_grid_neighbours_match_referee(fmt, values):
@@ -326,6 +330,9 @@ PROBE[0, :8] = [464.01, 1e6, -3e5, 249.0, 300.0, 1e-4, -1e-5, 0.7]  # saturation
         # The far edge of an even bucket count (AQT's preserve_zero=False row): 128.
         ("int8_qwix", int8_kernels, "INT8_EDGE", 128.0, None,
          r"int8_qwix: codes differs from the referee at index \(\d+, \d+\): jax 0x[0-9a-f]{2} .* vs referee 0x"),
+        # Keras's int4 scaled to 8 (its range's far end, -8) instead of 7.
+        ("int4_keras", int4_kernels, "INT4_MAX", 8, None,
+         r"int4_keras: codes differs from the referee at index \(\d+, \d+\): jax 0x[0-9a-f]{1,2} .* vs referee 0x"),
         # The referee side: qwix without its scale floor of 2^-63 quantizes a tiny slice.
         ("int8_qwix", referee_formats, "QWIX_MIN_SCALE", F32(0), None,
          r"int8_qwix: codes differs from the referee at index \(0, 0\): jax 0x00 \(np.int8\(0\)\) vs referee 0x7f \(np.int8\(127\)\)"),
@@ -334,7 +341,7 @@ PROBE[0, :8] = [464.01, 1e6, -3e5, 249.0, 300.0, 1e-4, -1e-5, 0.7]  # saturation
          r"e5m2_current: codes differs from the referee at index \(0, 0\): jax 0x55 \(80\) vs referee 0x7b \(57344\)"),
     ],
     ids=["no-saturation", "other-fnuz-flavour", "truncation", "reused-uniforms", "mx-scale-off-by-one",
-         "int8-bound-128", "int8_aqt-bound-127", "int8_qwix-edge-128", "referee-qwix-no-floor",
+         "int8-bound-128", "int8_aqt-bound-127", "int8_qwix-edge-128", "int4_keras-bound-8", "referee-qwix-no-floor",
          "referee-current-uncapped"],
 )
 def test_comparison_fails_on_a_planted_bug(monkeypatch, fmt, target, name, bug, rng, message):
@@ -388,3 +395,12 @@ def test_comparison_fails_on_uniforms_in_the_wrong_layout(monkeypatch):
 def test_bad_input_names_the_argument(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+def test_int4_keras_reaches_seven_levels_each_side_never_minus_eight():
+    """Keras's int4 (value_range (-8, 7)): x · 7 / (absmax + 1e-7) stays inside ±7, so a slice whose absmax is
+    negative codes it -7, and -8 is never reached; qcheck's codes and the referee's agree on it."""
+    x = _fill([-7.0, 3.0, 6.9, -0.25])
+    codes, _ = referees.reference_quantize(x, "int4_keras")
+    assert codes.dtype == ml_dtypes.int4 and int(codes.astype(np.int8).min()) == -7
+    assert_format_matches_referee(x, "int4_keras", axis=-1)

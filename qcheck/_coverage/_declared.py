@@ -247,11 +247,13 @@ def _diagnose(x: np.ndarray, codes: np.ndarray, fmt: str, axes: tuple[int, ...])
         return f"they are {formats.FP8_SIBLINGS[fmt]}'s codes, the other fp8 flavour"
     record = formats.get_format(fmt)
     # Another rule of the same kind and width (int8 / int8_aqt / int8_qwix / int8_keras: absmax over 127 or 127.5,
-    # or Keras's 127 over absmax + 1e-7).
-    for other in formats.FORMATS:
-        if (other.name != fmt and other.kind == record.kind and other.element == record.element
-                and other.block == record.block and _matches(x, codes, other.name, axes)):
-            return f"they are {other.name}'s codes: another rule of the same kind and width"
+    # or Keras's 127 over absmax + 1e-7), then of the same kind and another width (int4_keras's codes held in int8,
+    # as Keras's AbsMaxQuantizer(value_range=(-8, 7), output_dtype="int8") leaves them; or int8 codes declared int4).
+    same = [f for f in formats.FORMATS if f.name != fmt and f.kind == record.kind and f.block == record.block]
+    for other in sorted(same, key=lambda f: f.element != record.element):
+        if _matches(x, codes, other.name, axes):
+            same_as = "kind and width" if other.element == record.element else f"kind, {other.element.name} codes"
+            return f"they are {other.name}'s codes: another rule of the same {same_as}"
     kept = [a for a in range(x.ndim) if a not in axes]
     if formats.get_format(fmt).kind != "cast":  # a scale per slice, block or tensor
         if kept and _matches(x, codes, fmt, tuple(range(x.ndim))):
@@ -265,12 +267,37 @@ def _diagnose(x: np.ndarray, codes: np.ndarray, fmt: str, axes: tuple[int, ...])
         if kept and axes and _matches(x, codes, fmt, tuple(kept)):  # the scales run along the other axes
             return f"they match scales reduced over axes {tuple(kept)} instead: one scale per index of axes {axes}"
     c = _as_f32(codes)
-    if np.issubdtype(np.asarray(codes).dtype, np.integer) or fmt.startswith("int8"):
+    if jax.numpy.issubdtype(np.asarray(codes).dtype, jax.numpy.integer) or formats.get_format(fmt).kind == "int":
         levels = int(np.unique(c).size)
         top = float(np.max(np.abs(c))) if c.size else 0.0
         if top < 64:
             return f"the codes reach only ±{top:g} ({levels} distinct levels): fewer bits than int8's ±127"
     return "they match no other format or granularity qcheck tries"
+
+
+def _formats_of(types: set[str], evidence: tuple[int, Any] | None, quantizers: Sequence[tuple[Any, ...]]) -> str:
+    """What a site cast to ``types`` is instead: the format whose codes its quantizer's are (where the walk saw
+    its quantizer), else the formats whose codes are of those types (int4 codes stored, unpacked: int4_keras)."""
+    kin = [f.name for f in formats.FORMATS if types and types <= _element_types(f.name)]
+    if not kin:
+        return ""
+    if evidence is not None:
+        q, axes = evidence
+        x, codes, *_ = quantizers[q]
+        whole = None if any(a is None for a in axes) else whole_axes(axes)
+        if not _stacked(quantizers[q]) and whole is not None and np.shape(x) == np.shape(codes):
+            merged = _merged_layout(np.shape(x), whole)
+            if merged is not None:
+                shape, red = merged
+                xs, cs = np.asarray(x, np.float32).reshape(shape), np.asarray(codes).reshape(shape)
+                same = [name for name in kin if _matches(xs, cs, name, red)]
+                if same:  # int8 and int8_keras part only on small slices: every rule they match is named
+                    return f"; they are the codes of {', '.join(same)}"
+    return f"; {', '.join(sorted(types))} is the code type of {', '.join(kin)}"
+
+
+def _stacked(quantizer: tuple[Any, ...]) -> bool:
+    return len(quantizer) > 3 and bool(quantizer[3])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,7 +462,7 @@ def judge(records: Sequence[MatmulRecord], declaration: Declaration, quantizers:
             if stray:
                 holds[side] = Hold("type", "cast to another type than the declared format's")
                 found.append(f"{label} is cast to {', '.join(stray)}; declared {fmt}, whose codes and scales are "
-                             f"{', '.join(sorted(want))}")
+                             f"{', '.join(sorted(want))}{_formats_of(narrow, evidence.get((i, side)), quantizers)}")
                 continue
             if (i, side) not in evidence:
                 stored = declaration.stored.get(_ROLE_OF.get(role, role)) if not r.opaque else None

@@ -185,8 +185,21 @@ KERAS_MODES = {
     "int8": {"activations": "int8_keras", "weights": "int8_keras"},
     "float8": {"activations": "e4m3fn", "weights": "e4m3fn", "grads": "e5m2"},
 }
-#: Why a Keras int8 kernel is held by its type: quantize() stored its codes and kept no float kernel.
-KERAS_STORED = "the Keras reader: quantize('int8') stores the kernel as int8 codes, keeping no float kernel"
+#: Keras 3.15.1's ``quantize("int4")`` with ``Int4QuantizationConfig(block_size=None or -1)``: per output channel,
+#: the kernel's codes by ``AbsMaxQuantizer(axis=0, value_range=(-8, 7))`` (an encode scale 7 / (absmax + 1e-7):
+#: qcheck's ``int4_keras``; dense.py:1061-1074), stored two to an int8 byte (``pack_int4``) and unpacked by
+#: shifts and masks in the call (``unpack_int4``, dense.py:847); the input quantized only where the config names
+#: an activation quantizer (``_int4_build``: ``activation_quantizer_or_default(config, None)``, dense.py:676;
+#: ``Int4QuantizationConfig``'s default is None, weight-only: quantization_config.py:115-117). Its default block
+#: size, 128 (quantization_config.py:113), is the grouped form with zero points
+#: (``abs_max_quantize_grouped_with_zero_point``), which no qcheck format is yet: nothing is read for it.
+KERAS_INT4 = "int4_keras"
+#: Why a Keras int8 or int4 kernel is held by its type: quantize() stored its codes and kept no float kernel.
+KERAS_STORED = {
+    "int8": "the Keras reader: quantize('int8') stores the kernel as int8 codes, keeping no float kernel",
+    "int4": "the Keras reader: quantize('int4') stores the kernel as int4 codes packed two to an int8 byte, "
+            "keeping no float kernel",
+}
 _KERAS_EPSILON = 1e-7  # keras.backend.epsilon(), abs_max_quantize's default
 
 
@@ -213,6 +226,29 @@ def _keras_int8_activations(layer: Any) -> str | None:
     return "int8_keras" if _keras_int8(activations) else None
 
 
+def _keras_int4(quantizer: Any) -> bool:
+    """Whether ``quantizer`` is Keras's ``AbsMaxQuantizer`` with int4's range: qcheck's ``int4_keras``."""
+    return (type(quantizer).__name__ == "AbsMaxQuantizer" and type(quantizer).__module__.startswith("keras.")
+            and tuple(getattr(quantizer, "value_range", ())) == (-8, 7)
+            and getattr(quantizer, "epsilon", None) == _KERAS_EPSILON)
+
+
+def _keras_int4_activations(layer: Any) -> str | None:
+    """``"none"`` (weight-only) or ``int8_keras`` as a per-channel int4 layer's config quantizes its inputs; None
+    where the layer is grouped (a block size: zero points, no qcheck format) or its quantizers are not Keras's."""
+    block = getattr(getattr(layer, "dtype_policy", None), "block_size", None)
+    if block is not None and block > 0:
+        return None
+    config = getattr(layer, "quantization_config", None)
+    weights = getattr(config, "weight_quantizer", None)
+    if weights is not None and not _keras_int4(weights):
+        return None
+    activations = getattr(config, "activation_quantizer", None)
+    if activations is None:
+        return "none"
+    return "int8_keras" if _keras_int8(activations) else None
+
+
 def _keras(layer: Any) -> Declaration | None:
     # A Keras layer or model (a user's subclass too): keras is never imported here, a Keras layer has imported it.
     if "keras" not in sys.modules or isinstance(layer, type):
@@ -230,8 +266,16 @@ def _keras(layer: Any) -> Declaration | None:
         return None  # nothing quantized (nothing to read), or several modes: no one declaration
     mode, subs = reached.popitem()
     roles: dict[str, RoleFormat | None] = {k: RoleFormat(v) for k, v in KERAS_MODES.get(mode, {}).items()}
+    detail = ""
+    if mode == "int4":
+        activations = {_keras_int4_activations(sub) for sub in subs}
+        if len(activations) != 1 or None in activations:
+            return None  # grouped (zero points), quantizers not Keras's, or mixed: nothing to read
+        act = activations.pop()
+        roles = {"weights": RoleFormat(KERAS_INT4), "activations": None if act == "none" else RoleFormat(act)}
+        detail = ", per channel" + (", weight-only" if act == "none" else "")
     if not roles:
-        return None  # int4, gptq, awq: no qcheck format for their packed codes
+        return None  # gptq, awq: no qcheck format for their packed codes
     stored = {}
     if mode == "int8":
         activations = {_keras_int8_activations(sub) for sub in subs}
@@ -239,9 +283,10 @@ def _keras(layer: Any) -> Declaration | None:
             return None  # quantizers configured otherwise than Keras's int8, or mixed: nothing to read
         if activations.pop() == "none":
             roles["activations"] = None
-        stored = {"weights": KERAS_STORED}
+    if mode in KERAS_STORED:
+        stored = {"weights": KERAS_STORED[mode]}
     names = sorted({type(sub).__name__ for sub in subs})
-    return Declaration(roles, f"Keras quantize({mode!r}) on {len(subs)} layer(s) ({', '.join(names)})",
+    return Declaration(roles, f"Keras quantize({mode!r}{detail}) on {len(subs)} layer(s) ({', '.join(names)})",
                        stored=stored)
 
 
@@ -256,7 +301,8 @@ READERS: tuple[tuple[str, str, Callable[[Any], Declaration | None]], ...] = (
     ("haliax", "Fp8DotGeneralOp's fwd/rev dtypes and Int8DotGeneralOp's AQT config, as quantize_linear_layers "
                "sets them on the layer's Linears (a pytree: an Equinox module, or a Partial holding it)", _haliax),
     ("Keras", "the mode quantize() recorded on the layers it reached (Layer.quantization_mode: int8, with its "
-              "quantization_config; float8): every matmul of the layer or model held to it", _keras),
+              "quantization_config; int4 per channel (block_size -1), weight-only unless its config quantizes the "
+              "inputs; float8): every matmul of the layer or model held to it", _keras),
 )
 
 

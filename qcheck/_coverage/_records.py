@@ -100,6 +100,7 @@ VALUE_PRESERVING: dict[str, tuple[str, tuple[int, ...] | slice, str]] = {
     "max": ("all", (0, 1), "saturation against a constant bound (jnp.clip)"),
     "min": ("all", (0, 1), "saturation against a constant bound (jnp.clip)"),
     "concatenate": ("all", slice(None), "quantized parts, constant padding"),
+    "stack": ("all", slice(None), "quantized parts (jnp.stack: unpacked halves interleaved)"),
     "pad": ("all", (0, 1), "constant padding"),
     "dynamic_update_slice": ("all", (0, 1), "quantized parts"),
     "select_n": ("all", slice(1, None), "each case quantized or constant (masked zeros)"),
@@ -194,7 +195,7 @@ class OperandQuant:
 
     def __str__(self) -> str:
         if self.kind == "cast":
-            return self.dtype if self.step != "input" else f"{self.dtype} input"
+            return self.dtype if self.step not in ("input", "unpack") else f"{self.dtype} {self.step}"
         if self.kind == "emulated":
             return f"emulated({self.step})"
         return "roles unknown" if self.kind == "unknown" else "full precision"

@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from qcheck._coverage._records import OperandQuant, Part
@@ -29,6 +30,13 @@ def narrow_bits(dtype: Any) -> int | None:
     else:
         return None
     return bits if bits <= 8 else None
+
+
+def named_dtype(name: str) -> np.dtype:
+    """The type a quantization's dtype name names: ``"int4"`` is ml_dtypes' 4-bit integer (numpy reads it as
+    int32, 4 bytes), as are ``uint4``, ``int2``, ``uint2`` and the narrow floats."""
+    kind = getattr(ml_dtypes, name, None)
+    return np.dtype(kind) if isinstance(kind, type) else np.dtype(name)
 
 
 def widest_float(dtypes: list[Any]) -> np.dtype | None:
@@ -62,6 +70,10 @@ class Val:
     ste_delta: tuple[Any, Any] | None = None  # (the quantized Val q, the identity of x)
     ident: Any = None  # what value this is: stop_gradient and copies keep their operand's
     closed: bool = False  # a constant of the program (closed over, or computed from constants only)
+    # Bits of a narrow integer read by shifts and masks (packed codes unpacked): (width, signed) of the field this
+    # value is, None where it is no such field. See QuantizerChains.unpack.
+    field: tuple[int, bool] | None = None
+    repeated: bool = False  # fewer values repeated by index (per-group scales taken by a group index)
 
 
 def input_val(aval: Any, value: Any = None, const: bool = False, data: bool = False) -> Val:

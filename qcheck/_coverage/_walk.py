@@ -120,6 +120,8 @@ class Walker(QuantizerChains, ControlFlow):
                     for i, v in enumerate(ins)]
         if (ste := self.straight_through(eqn, ins, actual[0] if values and actual else None)) is not None:
             return [ste]
+        if (unpacked := self.unpack(eqn, ins, actual[0] if values and actual else None)) is not None:
+            return [unpacked]
         quant = self.propagate(eqn, ins)
         const = all(v.const for v in ins)
         closed = bool(ins) and all(v.const or v.closed for v in ins)
@@ -139,6 +141,7 @@ class Walker(QuantizerChains, ControlFlow):
             outs.append(val)
         if len(outs) == 1:
             outs[0].scale = outs[0].scale or self.scale_like(eqn, ins)
+            outs[0].repeated = self.repeated_like(eqn, ins)
             if name in SAME_VALUE:
                 outs[0].ident = ins[0].ident
             if values and quant is not None:

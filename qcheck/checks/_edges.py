@@ -65,7 +65,9 @@ def largest_code(fmt: str) -> float:
     largest code.
     """
     element = np.dtype(formats.get_format(fmt).element)
-    return float(np.iinfo(element).max if np.issubdtype(element, np.integer) else ml_dtypes.finfo(element).max)
+    # jax.numpy's subdtype: numpy's sees no integer in ml_dtypes' int4 (int4_keras's codes).
+    return float(ml_dtypes.iinfo(element).max if jax.numpy.issubdtype(element, jax.numpy.integer)
+                 else ml_dtypes.finfo(element).max)
 
 
 def edge_rows(x: jax.Array, declaration: Any, kinds: Mapping[str, str | None]) -> dict[str, Any]:

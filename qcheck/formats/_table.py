@@ -19,6 +19,7 @@ from qcheck._choices import require_choice
 from qcheck.formats._block_scaled import (MX_BLOCK, NVFP4_BLOCK, e8m0_block_dequantize, mxfp8_quantize,
                                           nvfp4_dequantize, nvfp4_quantize)
 from qcheck.formats._fp8 import cast_dequantize, cast_quantize, current_dequantize, current_quantize
+from qcheck.formats._int4 import int4_keras_quantize
 from qcheck.formats._int8 import (int8_aqt_quantize, int8_dequantize, int8_keras_dequantize, int8_keras_quantize,
                                   int8_qwix_quantize, int8_quantize)
 from qcheck.formats._jax_rules import mxfp8_jax_quantize, nvfp4_jax_dequantize, nvfp4_jax_quantize
@@ -27,6 +28,7 @@ from qcheck.formats._record import Format
 __all__ = ["AXIS_FORMATS", "FORMATS", "FP8_DTYPES", "FP8_SIBLINGS", "block_size", "format_names", "get_format"]
 
 _INT8 = np.dtype(np.int8)
+_INT4 = np.dtype(ml_dtypes.int4)
 _F32 = np.dtype(np.float32)
 _E4M3FN = np.dtype(ml_dtypes.float8_e4m3fn)
 _E4M3FNUZ = np.dtype(ml_dtypes.float8_e4m3fnuz)
@@ -86,6 +88,13 @@ FORMATS: tuple[Format, ...] = (
     # is 126).
     _int("int8_keras", "an encode scale 127 / (absmax + 1e-7) per slice, x · scale clipped to ±127, x ≈ codes / "
          "scale (Keras's abs_max_quantize)", int8_keras_quantize, (), int8_keras_dequantize, divides=True),
+    # Keras's quantize("int4") with Int4QuantizationConfig(block_size=-1): its one int4 rule qcheck has. Codes of
+    # ml_dtypes.int4, the values Keras stores in int8 and packs two to a byte (a site reads them unpacked: int4).
+    # No siblings: the int8 formats' codes are another type, which a site's type already tells apart.
+    Format("int4_keras", "int", _INT4, None, {"slice": _F32},
+           "an encode scale 7 / (absmax + 1e-7) per slice, x · scale clipped to [-8, 7], x ≈ codes / scale "
+           "(Keras's abs_max_quantize with value_range (-8, 7))", (), int4_keras_quantize, int8_keras_dequantize,
+           divides=True),
 )
 
 _BY_NAME: dict[str, Format] = {f.name: f for f in FORMATS}

@@ -54,6 +54,8 @@ _INT8_BOUND = 127  # [def] symmetric int8: codes in [-127, 127], -128 unused
 _INT8_EDGE = _F32(127.5)
 QWIX_MIN_SCALE = _F32(2.0**-63)  # [def] qwix: sqrt(float32 tiny) = sqrt(2^-126)
 KERAS_EPSILON = _F32(1e-7)  # [def] Keras: backend.epsilon(), added to a slice's absmax
+_INT4 = np.dtype(ml_dtypes.int4)  # [def] Keras int4: codes -8..7, stored in int8 and packed two to a byte
+_INT4_LO, _INT4_HI = -8, 7  # [def] Keras AbsMaxQuantizer(value_range=(-8, 7)) for quantize("int4")
 _NVFP4_BLOCK = 16  # [def] NVIDIA NVFP4: 16 e2m1 elements share one e4m3 scale
 _MX_BLOCK = 32  # [def] OCP MX v1.0: k = 32 elements share one e8m0 scale
 CURRENT_SCALE_CAP = _F32(2.0**126)  # [qcheck] formats.CURRENT_MAX_SCALE: 1/cap stays a normal float32
@@ -168,6 +170,16 @@ def _int8_keras(x: np.ndarray, axes: tuple[int, ...], *, ftz: bool, xla_reciproc
     # [def] x times the scale, rounded half to even, clipped to ±127.
     codes = np.clip(np.round(flush((x * scale).astype(_F32), ftz)), -_INT8_BOUND, _INT8_BOUND)
     return codes.astype(np.int8), {"slice": scale}
+
+
+def _int4_keras(x: np.ndarray, axes: tuple[int, ...], *, ftz: bool, xla_reciprocal: bool,
+                uniforms: np.ndarray | None):
+    # [def] Keras abs_max_quantize with value_range (-8, 7): an encode scale 7 / (absmax + epsilon), in float32.
+    amax = np.max(np.abs(x), axis=axes, keepdims=True)
+    scale = flush(_F32(_INT4_HI) / (amax + KERAS_EPSILON), ftz).astype(_F32)
+    # [def] x times the scale, rounded half to even, clipped to [-8, 7].
+    codes = np.clip(np.round(flush((x * scale).astype(_F32), ftz)), _INT4_LO, _INT4_HI)
+    return codes.astype(_INT4), {"slice": scale}
 
 
 def _cast(x: np.ndarray, axes: tuple[int, ...], *, ftz: bool, xla_reciprocal: bool, uniforms: np.ndarray | None, dtype: np.dtype):
@@ -367,6 +379,7 @@ _REFEREES: dict[str, _Referee] = {
     "int8_aqt": _Referee(_int8_aqt, _by_slice),
     "int8_qwix": _Referee(_int8_qwix, _by_slice),
     "int8_keras": _Referee(_int8_keras, _over_slice),
+    "int4_keras": _Referee(_int4_keras, _over_slice),
 }
 _NAMES = tuple(_REFEREES)
 
