@@ -184,10 +184,12 @@ def _element_types(fmt: str) -> frozenset[str]:
     return frozenset(names)
 
 
-# The fp8 element types at scale 1: a layer scales them by its own scale.
-_FP8_DIVIDED = frozenset(f.name for f in formats.FORMATS if f.kind == "cast")
 _NARROW_FLOATS = frozenset({"float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float4_e2m1fn",
                             "float8_e8m0fnu", "float8_e4m3b11fnuz", "float8_e4m3", "float8_e3m4"})
+
+
+# Integer types of at most 8 bits a cast to which is a quantization (ml_dtypes' and numpy's names).
+_NARROW_INTS = frozenset({"int8", "uint8", "int4"})
 
 
 def _as_f32(codes: np.ndarray) -> np.ndarray:
@@ -243,12 +245,12 @@ def _describe_first(x: np.ndarray, codes: np.ndarray, ref: np.ndarray) -> str:
 
 def _diagnose(x: np.ndarray, codes: np.ndarray, fmt: str, axes: tuple[int, ...]) -> str:
     """What the layer's codes match instead of the declared ones."""
-    if fmt in formats.FP8_SIBLINGS and _matches(x, codes, formats.FP8_SIBLINGS[fmt], axes):
-        return f"they are {formats.FP8_SIBLINGS[fmt]}'s codes, the other fp8 flavour"
     record = formats.get_format(fmt)
+    if record.kind == "cast" and record.siblings and _matches(x, codes, record.siblings[0], axes):
+        return f"they are {record.siblings[0]}'s codes, the other fp8 flavour"
     # Another rule of the same kind and width (int8 / int8_aqt / int8_qwix / int8_keras: absmax over 127 or 127.5,
     # or Keras's 127 over absmax + 1e-7).
-    for other in formats.FORMATS:
+    for other in map(formats.get_format, formats.format_names()):
         if (other.name != fmt and other.kind == record.kind and other.element == record.element
                 and other.block == record.block and _matches(x, codes, other.name, axes)):
             return f"they are {other.name}'s codes: another rule of the same kind and width"
@@ -265,7 +267,7 @@ def _diagnose(x: np.ndarray, codes: np.ndarray, fmt: str, axes: tuple[int, ...])
         if kept and axes and _matches(x, codes, fmt, tuple(kept)):  # the scales run along the other axes
             return f"they match scales reduced over axes {tuple(kept)} instead: one scale per index of axes {axes}"
     c = _as_f32(codes)
-    if np.issubdtype(np.asarray(codes).dtype, np.integer) or fmt.startswith("int8"):
+    if np.issubdtype(np.asarray(codes).dtype, np.integer) or record.kind == "int":
         levels = int(np.unique(c).size)
         top = float(np.max(np.abs(c))) if c.size else 0.0
         if top < 64:
@@ -330,12 +332,12 @@ def _judge_codes(x: np.ndarray, codes: np.ndarray, divisor: Any, fmt: RoleFormat
             what = "0" if not multiplied and np.any(scale == 0) else "not finite"
             return (f"its scale is {what} at {int(np.count_nonzero(broken))} of {scale.size} scale values (codes "
                     f"{'NaN' if what == '0' else 'not finite'}): a scale must be finite and nonzero"), BITWISE
-        if fmt.format in _FP8_DIVIDED:
+        if formats.get_format(fmt.format).kind == "cast":  # the element type at scale 1: a layer scales it
             x = (x * scale if multiplied else x / scale).astype(np.float32)
     if fmt.per is not None:
         keep = {a % x.ndim for a in fmt.per}
         red = tuple(a for a in range(x.ndim) if a not in keep)
-    elif fmt.format in formats.AXIS_FORMATS:
+    elif formats.get_format(fmt.format).per_axis:
         whole = None if any(a is None for a in axes) else whole_axes(axes)
         merged = None if whole is None else _merged_layout(x.shape, whole)
         if merged is None:
@@ -347,7 +349,7 @@ def _judge_codes(x: np.ndarray, codes: np.ndarray, divisor: Any, fmt: RoleFormat
         red = tuple(range(x.ndim))
     if _matches(x, codes, fmt.format, red):
         return None, BITWISE
-    if fmt.format == "nvfp4" and _stochastic_ok(x, codes, fmt.format, red):
+    if formats.get_format(fmt.format).stochastic and _stochastic_ok(x, codes, fmt.format, red):
         return None, BITWISE
     ref = _reference_codes(x, fmt.format, red, False)
     if ref is None:
@@ -430,7 +432,7 @@ def judge(records: Sequence[MatmulRecord], declaration: Declaration, quantizers:
                 found.append(f"{label} reaches the matmul in full precision; declared {fmt}")
                 continue
             want = _element_types(fmt.format)
-            narrow = {c for c in getattr(r, f"{side}_casts") if c in _NARROW_FLOATS or c in ("int8", "uint8", "int4")}
+            narrow = {c for c in getattr(r, f"{side}_casts") if c in _NARROW_FLOATS or c in _NARROW_INTS}
             stray = sorted(narrow - want)
             if stray:
                 holds[side] = Hold("type", "cast to another type than the declared format's")

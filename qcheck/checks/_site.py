@@ -57,7 +57,7 @@ from qcheck import formats, referees
 from qcheck.checks._assertion import assertion
 from qcheck.checks._bits import as_float32, bitwise_equal
 from qcheck.checks._mismatch import mismatch, refuse_known_bugs
-from qcheck.checks._probes import PARTING_BINADES, part_fibres, probe_nvfp4, probe_operands
+from qcheck.checks._probes import PARTING_BINADES, log_uniform, part_fibres, probe_nvfp4
 from qcheck.checks._tracks import count_nonfinite
 from qcheck.recipes import (EINSUM_LAYOUTS, EINSUM_PARTIAL_SUMS, Einsum, Matmul, MatmulAxes, Ragged, Recipe, as_matmul,
                             get_recipe)
@@ -94,7 +94,7 @@ def operand_formats(recipe: Recipe | str) -> tuple[str, str]:
     if recipe.lhs is not None:
         return recipe.lhs, recipe.rhs
     if recipe.reference.cast_dtype is not None:
-        name = recipe.reference.cast_dtype.name.removeprefix("float8_")
+        name = formats.cast_format(recipe.reference.cast_dtype, where=f"recipe {recipe.name!r}").name
         return name, name
     raise ValueError(
         f"recipe {recipe.name!r} declares no operand formats (lhs=/rhs=) and no cast_dtype, "
@@ -108,10 +108,11 @@ def _wrong_axes(axes: tuple[int, ...], ndim: int) -> tuple[int, ...]:
 
 def _qdq(x: np.ndarray, fmt: str, axes: tuple[int, ...], order: str = NVFP4_DECODE_ORDERS[0]) -> np.ndarray:
     ftz = jax.default_backend() == "cpu"  # XLA's CPU backend flushes float32 subnormals
-    if fmt != "nvfp4" or order == NVFP4_DECODE_ORDERS[0]:
+    if order == NVFP4_DECODE_ORDERS[0]:
         return referees.reference_qdq(x, fmt, axis=axes, ftz=ftz, xla_reciprocal=True)
+    # XLA's order (only for a format whose record allows decode_ulps): the block scale over the tensor scale.
     codes, scales = referees.reference_quantize(x, fmt, axis=axes, ftz=ftz)
-    blocks = Blocks(codes.shape, tuple(sorted(a % x.ndim for a in axes)), formats.NVFP4_BLOCK, "nvfp4")
+    blocks = Blocks(codes.shape, tuple(sorted(a % x.ndim for a in axes)), formats.get_format(fmt).block, fmt)
     c = blocks.split(codes.astype(np.float32))
     sb = scales["block"].astype(np.float32)[..., None]
     nonzero = sb > 0
@@ -120,7 +121,8 @@ def _qdq(x: np.ndarray, fmt: str, axes: tuple[int, ...], order: str = NVFP4_DECO
 
 
 def _orders(fmt: str) -> tuple[str, ...]:
-    return NVFP4_DECODE_ORDERS if fmt == "nvfp4" else NVFP4_DECODE_ORDERS[:1]
+    # A format whose record says XLA may reorder its decode (nvfp4) is held to either order.
+    return NVFP4_DECODE_ORDERS if formats.get_format(fmt).decode_ulps else NVFP4_DECODE_ORDERS[:1]
 
 
 def _neighbours(mm: Matmul, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt) -> Iterator[tuple[str, np.ndarray]]:
@@ -315,9 +317,12 @@ def probe_site_operands(
     for fmt in (lhs_format, rhs_format):
         if fmt is not None:
             formats.get_format(fmt, where="probe_site_operands")
-    nvfp4 = nvfp4 or "nvfp4" in (lhs_format, rhs_format)
+    # A format XLA may decode in another order (its record's decode_ulps: nvfp4) needs probes that decode
+    # exactly in every order.
+    nvfp4 = nvfp4 or any(f is not None and formats.get_format(f).decode_ulps for f in (lhs_format, rhs_format))
     if not nvfp4:
-        lhs, rhs = probe_operands(seed, lhs_shape, rhs_shape)
+        lhs, rhs = log_uniform(seed, (lhs_shape, rhs_shape),
+                               [None if f is None else formats.get_format(f) for f in (lhs_format, rhs_format)])
         if spread:
             rng = np.random.default_rng(seed + 1000)
             lhs, rhs = (x * np.exp2(sum(rng.integers(-6, 7, n).reshape([-1 if d == a else 1 for d in range(x.ndim)])

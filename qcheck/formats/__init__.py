@@ -34,7 +34,7 @@ from qcheck.formats._jax_rules import NVFP4_RANGE, jax_nvfp4_global_scale  # noq
 from qcheck.formats._quantized import Quantized  # noqa: E402
 from qcheck.formats._record import Format  # noqa: E402
 from qcheck.formats._table import (AXIS_FORMATS, FORMATS, FP8_DTYPES, FP8_SIBLINGS, block_size,  # noqa: E402
-                                   format_names, get_format)
+                                   cast_format, format_names, get_format)
 
 __all__ = [
     "AXIS_FORMATS",
@@ -57,6 +57,7 @@ __all__ = [
     "Format",
     "Quantized",
     "block_size",
+    "cast_format",
     "dequantize",
     "format_names",
     "get_format",

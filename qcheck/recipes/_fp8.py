@@ -16,6 +16,7 @@ import numpy as np
 from flax import linen as nn
 from flax.linen import fp8_ops
 
+from qcheck import formats
 from qcheck.recipes._base import ApplyRngs, Recipe
 from qcheck.recipes._declarations import Expect, Reference
 from qcheck.recipes._sites import SiteOps
@@ -56,7 +57,7 @@ class DelayedScalingFp8(Recipe):
     def __init__(self, name: str, *, e4m3_dtype, e5m2_dtype, amax_history_length: int = 1024,
                  expect: Expect | None = None):
         # lhs/rhs: what a fresh site does (scale 1), which the golden codes record.
-        fresh = np.dtype(e4m3_dtype).name.removeprefix("float8_")
+        fresh = formats.cast_format(e4m3_dtype, where=f"recipe {name!r}: e4m3_dtype").name
         super().__init__(
             name,
             lhs=fresh,

@@ -45,6 +45,7 @@ _FP8 = {
     "e5m2": np.dtype(ml_dtypes.float8_e5m2),
     "e5m2fnuz": np.dtype(ml_dtypes.float8_e5m2fnuz),
 }
+_E3M4 = np.dtype(ml_dtypes.float8_e3m4)  # [def] OCP's 8-bit float with 3 exponent bits, 4 mantissa bits
 _E2M1 = np.dtype(ml_dtypes.float4_e2m1fn)
 _E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 
@@ -367,6 +368,7 @@ _REFEREES: dict[str, _Referee] = {
     "int8_aqt": _Referee(_int8_aqt, _by_slice),
     "int8_qwix": _Referee(_int8_qwix, _by_slice),
     "int8_keras": _Referee(_int8_keras, _over_slice),
+    "e3m4": _Referee(functools.partial(_cast, dtype=_E3M4), _as_is),
 }
 _NAMES = tuple(_REFEREES)
 
