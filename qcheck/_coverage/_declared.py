@@ -174,9 +174,14 @@ def as_declaration(spec: Any, what: str = "declared") -> Declaration:
 
 # -- what a format's codes are -------------------------------------------------------
 
-@functools.cache
 def _element_types(fmt: str) -> frozenset[str]:
     """The narrow types a site in ``fmt`` casts to: its codes' type and its scales' narrow types."""
+    return _record_types(formats.get_format(fmt))
+
+
+@functools.cache  # by record: a plug-in format registered again under the same name is another record
+def _record_types(record: formats.Format) -> frozenset[str]:
+    fmt = record.name
     # Its types only: traced, never run (run, a format compiles a handful of small programs).
     q = jax.eval_shape(lambda x: formats.quantize(x, fmt, axis=-1), jax.ShapeDtypeStruct((2, 32), np.float32))
     names = {str(np.dtype(q.codes.dtype))}

@@ -24,8 +24,8 @@ from qcheck.formats._int8 import (int8_aqt_quantize, int8_dequantize, int8_keras
 from qcheck.formats._jax_rules import mxfp8_jax_quantize, nvfp4_jax_dequantize, nvfp4_jax_quantize
 from qcheck.formats._record import Format
 
-__all__ = ["AXIS_FORMATS", "FORMATS", "FP8_DTYPES", "FP8_SIBLINGS", "block_size", "cast_format", "format_names",
-           "get_format"]
+__all__ = ["AXIS_FORMATS", "FORMATS", "FP8_DTYPES", "FP8_SIBLINGS", "add_record", "block_size", "builtin_format_names",
+           "cast_format", "format_names", "get_format", "restore_records"]
 
 _INT8 = np.dtype(np.int8)
 _F32 = np.dtype(np.float32)
@@ -107,6 +107,7 @@ FORMATS: tuple[Format, ...] = (
 )
 
 _BY_NAME: dict[str, Format] = {f.name: f for f in FORMATS}
+_BUILTIN = tuple(_BY_NAME)
 
 #: fp8 element types qcheck knows, by the name ml_dtypes gives them.
 FP8_DTYPES: dict[str, np.dtype] = {f.element.name: f.element for f in FORMATS if f.kind == "cast"}
@@ -141,6 +142,22 @@ def cast_format(dtype, *, where: str | None = None) -> Format:
         raise ValueError(f"{where + ': ' if where else ''}cast_dtype must be an fp8 type (a cast format's element type: "
                          f"{', '.join(casts)}), got {dtype!r}")
     return casts[name]
+
+
+def builtin_format_names() -> tuple[str, ...]:
+    """The names of the formats qcheck itself defines (:data:`FORMATS`), without the plug-ins."""
+    return _BUILTIN
+
+
+def add_record(record: Format) -> None:
+    """Make ``record`` a format :func:`get_format` knows (for the plug-in registry, which checks it first)."""
+    _BY_NAME[record.name] = record
+
+
+def restore_records(names: tuple[str, ...]) -> None:
+    """Forget every plug-in format not in ``names`` (for the plug-in registry); the built-ins stay."""
+    for name in [n for n in _BY_NAME if n not in names and n not in _BUILTIN]:
+        del _BY_NAME[name]
 
 
 def block_size(fmt: str) -> int | None:
