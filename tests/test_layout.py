@@ -201,9 +201,10 @@ FORMAT_BRANCH_HOMONYMS = {
 
 def format_branches(root: Path, names: set[str]) -> dict[str, list[str]]:
     """Each module under ``root`` that branches on one format's name -> those branches, as ``line: source``: a
-    comparison (``==``, ``!=``, ``in``, ``not in``) with a format name or a ``"float8_"``-prefixed literal, or
-    ``.startswith`` / ``.removeprefix`` / ``.endswith`` / ``.removesuffix`` of one. Such a fact belongs in the
-    format's record (``record.stochastic``, ``record.kind``, ``record.element.name``)."""
+    comparison (``==``, ``!=``, ``in``, ``not in``) with a format name or a ``"float8_"``-prefixed literal,
+    ``.startswith`` / ``.removeprefix`` / ``.endswith`` / ``.removesuffix`` of one, or a dtype name built from
+    a format's (``"float8_" + name``, ``f"float8_{name}"``). Such a fact belongs in the format's record
+    (``record.stochastic``, ``record.kind``, ``record.element.name``)."""
 
     def names_a_format(node: ast.AST) -> bool:
         values = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
@@ -219,6 +220,12 @@ def format_branches(root: Path, names: set[str]) -> dict[str, list[str]]:
             elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                   and node.func.attr in ("startswith", "removeprefix", "endswith", "removesuffix")):
                 hit = any(names_a_format(a) for a in node.args)
+            elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+                hit = any(isinstance(v, ast.Constant) and isinstance(v.value, str) and v.value.endswith("float8_")
+                          for v in (node.left, node.right))
+            elif isinstance(node, ast.JoinedStr):
+                hit = any(isinstance(v, ast.Constant) and v.value.endswith("float8_") and i + 1 < len(node.values)
+                          for i, v in enumerate(node.values))
             else:
                 continue
             if hit:
@@ -241,10 +248,11 @@ def test_a_branch_on_a_format_name_is_found(tmp_path):
     site.write_text('ok = record.stochastic\nname = "nvfp4"\nkeys = {"int8": 1}\n')
     assert format_branches(tmp_path / "qcheck", {"int8", "nvfp4"}) == {}
     site.write_text('a = fmt == "nvfp4"\nb = "nvfp4" in (lhs, rhs)\nc = fmt.startswith("int8")\n'
-                    'd = dt.name.removeprefix("float8_")\ne = grad != "nvfp4"\n')
+                    'd = dt.name.removeprefix("float8_")\ne = grad != "nvfp4"\nf = "float8_" + fmt\n'
+                    'g = f"g in float8_{fmt}"\n')
     assert format_branches(tmp_path / "qcheck", {"int8", "nvfp4"}) == {"qcheck/site.py": [
         '1: fmt == "nvfp4"', '2: "nvfp4" in (lhs, rhs)', '3: fmt.startswith("int8")',
-        '4: dt.name.removeprefix("float8_")', '5: grad != "nvfp4"']}
+        '4: dt.name.removeprefix("float8_")', '5: grad != "nvfp4"', '6: "float8_" + fmt', '7: f"g in float8_{fmt}"']}
 
 
 def test_a_branch_planted_in_the_tree_fails_the_layout_check(tmp_path):

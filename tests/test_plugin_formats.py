@@ -10,18 +10,21 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import qcheck
 from qcheck import formats, referees
+from qcheck.recipes import registered
+from qcheck.recipes._sites import FormatSite
+from qcheck.suite import cases, invariants
 
 LEVELS = 100
 RNG = np.random.default_rng(0)
 X = jnp.asarray(RNG.normal(size=(16, 32)).astype(np.float32))
 W = jnp.asarray(RNG.normal(size=(32, 24)).astype(np.float32))
+VARIANT = cases.Variant("mixtral", "dense", False)
 
 
 def _quantize(x, axes, fmt, rng):  # the user's JAX quantizer: what their layer runs
@@ -116,8 +119,23 @@ def test_a_name_registered_twice_is_refused():
     assert "myfmt" not in formats.format_names()
 
 
-def test_a_recipe_may_declare_a_users_format():
+class _In127(qcheck.Recipe):
+    """Declares myfmt and computes in int8 (absmax / 127): the sibling its record names."""
+
+    def site_module(self, name):
+        return FormatSite(lhs="int8", rhs="int8")
+
+
+def test_a_recipe_declaring_a_users_format_should_pass_exact():
     with formats.registered_formats((MYFMT, _referee)):
         recipe = qcheck.Recipe("my_int8_100", lhs="myfmt", rhs="myfmt")
-        x = jnp.ones((4, 32))
-        assert jnp.array_equal(jax.jit(lambda v: formats.qdq(v, recipe.lhs))(x), x)
+        with registered(recipe):
+            invariants.run_exact(cases.Case(recipe.name, VARIANT))
+
+
+def test_a_recipe_declaring_a_users_format_computing_int8_should_fail_exact_naming_it():
+    with formats.registered_formats((MYFMT, _referee)):
+        recipe = _In127("my_int8_100_in_127", lhs="myfmt", rhs="myfmt")
+        with registered(recipe), pytest.raises(AssertionError, match=r"site 'wi_0' .*\(myfmt x myfmt\): differs .*"
+                                                                     r"it equals both operands in int8 instead of myfmt"):
+            invariants.run_exact(cases.Case(recipe.name, VARIANT))

@@ -191,7 +191,7 @@ def expectations(
         u = None if which == "wgrad" or dgrad_key is None else flat_uniforms(dgrad_key, g.shape, own)
         rounding = ", stochastic" if u is not None else ""
         neighbours = {"unquantized g": g}
-        if fmt in formats.AXIS_FORMATS:
+        if formats.get_format(fmt).per_axis:
             # A wrong-axes bug still rounds stochastically, drawing the same key for its own blocks.
             wrong_u = None if u is None else flat_uniforms(dgrad_key, g.shape, other)
             neighbours[f"g in {fmt} along the {other_name} axes {other}"] = backend_qdq(g, fmt, other, wrong_u)
@@ -201,8 +201,9 @@ def expectations(
                 g, fmt, own, flat_uniforms(unsalted_key, g.shape, own))
         if lhs_fmt != fmt:
             neighbours[f"g in {lhs_fmt} (the operands' format)"] = backend_qdq(g, lhs_fmt, own)
-        if fmt in formats.FP8_SIBLINGS:  # probe_grad reaches below 2^-14, where even e5m2 and e5m2fnuz part
-            neighbours[f"g in {formats.FP8_SIBLINGS[fmt]} instead of {fmt}"] = backend_qdq(g, formats.FP8_SIBLINGS[fmt], own)
+        record = formats.get_format(fmt)
+        if record.kind == "cast":  # probe_grad reaches below 2^-14, where even e5m2 and e5m2fnuz part
+            neighbours[f"g in {record.siblings[0]} instead of {fmt}"] = backend_qdq(g, record.siblings[0], own)
         out.append(Expectation(f"g in {fmt} along axes {own}{rounding}", backend_qdq(g, fmt, own, u), neighbours))
     return out[0], out[1]
 

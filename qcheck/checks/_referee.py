@@ -108,7 +108,7 @@ def assert_format_matches_referee(
     if x.dtype != np.float32:
         raise TypeError(f"x must be a float32 array, got dtype {x.dtype}")
     if rng is not None and not record.stochastic:
-        stochastic = " and ".join(f.name for f in formats.FORMATS if f.stochastic)
+        stochastic = " and ".join(f for f in formats.format_names() if formats.get_format(f).stochastic)
         raise ValueError(f"rng is for {stochastic}'s stochastic rounding; format {fmt!r} takes none")
     axis = axis if isinstance(axis, int) else tuple(axis)
     if jit:

@@ -133,9 +133,9 @@ def _neighbours(mm: Matmul, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt) -> Iterato
     for side, x, fmt, axes in (("lhs", lhs, lhs_fmt, mm.axes(lhs.ndim, rhs.ndim).lhs), ("rhs", rhs, rhs_fmt, mm.axes(lhs.ndim, rhs.ndim).rhs)):
         def with_(q):
             return mm.reference(q, q_rhs) if side == "lhs" else mm.reference(q_lhs, q)
-        for other in NEIGHBOURS[fmt]:
+        for other in formats.get_format(fmt).siblings:
             yield f"{side} in {other} instead of {fmt}", with_(_qdq(x, other, axes))
-        if fmt in formats.AXIS_FORMATS:
+        if formats.get_format(fmt).per_axis:
             wrong = _wrong_axes(axes, x.ndim)
             try:
                 q = _qdq(x, fmt, wrong)
@@ -143,18 +143,20 @@ def _neighbours(mm: Matmul, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt) -> Iterato
                 continue
             yield f"{side} in {fmt} along the wrong axes {wrong} (contraction: {axes})", with_(q)
     if lhs_fmt == rhs_fmt:  # the wrong flavour throughout, as a recipe that declares one and runs another has it
-        for other in NEIGHBOURS[lhs_fmt]:
+        for other in formats.get_format(lhs_fmt).siblings:
             yield (f"both operands in {other} instead of {lhs_fmt}",
                    mm.reference(_qdq(lhs, other, mm.axes(lhs.ndim, rhs.ndim).lhs), _qdq(rhs, other, mm.axes(lhs.ndim, rhs.ndim).rhs)))
     # Per-slice formats only: a block format's blocks lie within one group's contraction either way.
-    if mm.shared_rhs_axes is not None and rhs_fmt in _INTEGER_FORMATS:
+    if mm.shared_rhs_axes is not None and _integer(rhs_fmt):
         yield _SHARED, mm.reference(q_lhs, _qdq(rhs, rhs_fmt, mm.shared_rhs_axes))
 
 
 _SHARED = "rhs with one weight scale shared across groups (calibrated over groups and contraction)"
 # The integer reference multiplies the integer sum by each operand's scale: a format whose stored scale divides
 # (int8_keras: Keras divides the sum by the product of its encode scales) is not that arithmetic.
-_INTEGER_FORMATS = frozenset(f.name for f in formats.FORMATS if f.kind == "int" and not f.divides)
+def _integer(fmt: str) -> bool:
+    record = formats.get_format(fmt)
+    return record.kind == "int" and not record.divides
 
 
 def _library_neighbours(mm: Matmul, lhs, rhs, lhs_fmt: str, rhs_fmt: str) -> Iterator[tuple[str, np.ndarray]]:
@@ -283,8 +285,9 @@ def _check_formats(*fmts: str, arithmetic: str = "float") -> None:
         formats.get_format(fmt)
     if arithmetic not in MATMUL_MODES:
         raise ValueError(f"unknown arithmetic {arithmetic!r}; valid: {', '.join(MATMUL_MODES)}")
-    if arithmetic == "integer" and (bad := [f for f in fmts if f not in _INTEGER_FORMATS]):
-        raise ValueError(f"arithmetic='integer' needs integer formats ({', '.join(sorted(_INTEGER_FORMATS))}), "
+    if arithmetic == "integer" and (bad := [f for f in fmts if not _integer(f)]):
+        integer = sorted(f for f in formats.format_names() if _integer(f))
+        raise ValueError(f"arithmetic='integer' needs integer formats ({', '.join(integer)}), "
                          f"got {', '.join(bad)}")
 
 

@@ -13,11 +13,10 @@ from jax.typing import ArrayLike
 
 from qcheck.formats._blocks import normalize_axis
 from qcheck.formats._quantized import Quantized
-from qcheck.formats._table import FORMATS, get_format
+from qcheck.formats._table import format_names, get_format
 
 __all__ = ["dequantize", "qdq", "quantize"]
 
-_STOCHASTIC = tuple(f.name for f in FORMATS if f.stochastic)
 
 
 def quantize(
@@ -63,7 +62,7 @@ def _quantize(x: ArrayLike, fmt: str, axis: int | tuple[int, ...], rng: Array | 
         raise TypeError(f"x must be a floating-point array, got dtype {x.dtype}")
     axes = normalize_axis(axis, x.ndim)
     if rng is not None and not record.stochastic:
-        raise ValueError(f"format {fmt!r} has no stochastic rounding; only {', '.join(_STOCHASTIC)} takes rng")
+        raise ValueError(f"format {fmt!r} has no stochastic rounding; only {', '.join(f for f in format_names() if get_format(f).stochastic)} takes rng")
     codes, scales = record.quantize(x, axes, record, rng)
     return Quantized(format=fmt, codes=codes, scales=scales, axis=axes, dtype=np.dtype(x.dtype))
 
