@@ -46,6 +46,8 @@ def test_e3m4_probes_stay_in_its_normal_range():
         assert np.abs(x).min() >= 0.25
     plain = checks.probe_operands(0, (8, 32), (32, 16))[0]
     assert np.abs(plain).min() < 0.25  # the control: the plain probes reach e3m4's subnormals
+    lhs, rhs = checks.probe_operands(0, (8, 32), (32, 16), normal_in=("e3m4", "int8"))  # a recipe's operand formats
+    assert np.abs(lhs).min() >= 0.25 and np.abs(rhs).min() < 0.25
 
 
 def test_a_users_e3m4_recipe_should_pass_exact_and_backward():

@@ -230,9 +230,10 @@ def _matches(x: np.ndarray, codes: np.ndarray, fmt: str, axes: tuple[int, ...]) 
 
 
 def _stochastic_ok(x: np.ndarray, codes: np.ndarray, fmt: str, axes: tuple[int, ...]) -> bool:
-    """nvfp4 with stochastic rounding: every code one grid step at most from round-to-nearest's."""
+    """A stochastic format with e2m1 codes (nvfp4): every code one grid step at most from round-to-nearest's."""
     ref = _reference_codes(x, fmt, axes, False)
-    if ref is None or np.dtype(np.asarray(codes).dtype) != np.dtype(ml_dtypes.float4_e2m1fn):
+    e2m1 = np.dtype(ml_dtypes.float4_e2m1fn)  # the sign-magnitude nibbles read below
+    if ref is None or formats.get_format(fmt).element != e2m1 or np.dtype(np.asarray(codes).dtype) != e2m1:
         return False
     def signed(c):
         b = np.asarray(c).view(np.uint8).astype(np.int16)

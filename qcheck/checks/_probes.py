@@ -52,6 +52,7 @@ def probe_operands(
     dtype: Any = np.float32,
     cast_dtype: Any = None,
     contract: tuple[tuple[int, ...], ...] | None = None,
+    normal_in: tuple[str | None, ...] | None = None,
 ) -> list[np.ndarray]:
     """Operands that make the fp8 exact checks sharp.
 
@@ -67,9 +68,16 @@ def probe_operands(
     quarter of each operand's contraction fibres come from [2^-15, 2^-14)
     instead, where e5m2 is subnormal and e5m2fnuz is not, and the two round
     apart (XLA's CPU backend casts those exactly, as ml_dtypes does).
+    ``normal_in`` (one format name or None per shape) raises each shape's low
+    end likewise to its cast format's smallest normal (a recipe's operand formats).
     """
     record = None if cast_dtype is None else formats.cast_format(fp8_dtype(cast_dtype))
-    out = log_uniform(seed, shapes, [record] * len(shapes), dtype)
+    if normal_in is not None and len(normal_in) != len(shapes):
+        raise ValueError(f"probe_operands: normal_in must name one format (or None) per shape ({len(shapes)}), "
+                         f"got {normal_in!r}")
+    records = ([record] * len(shapes) if normal_in is None
+               else [record or (None if f is None else formats.get_format(f, where="probe_operands")) for f in normal_in])
+    out = log_uniform(seed, shapes, records, dtype)
     if record is None or record.parting_binade is None:
         return out
     fmt = record.name

@@ -73,6 +73,10 @@ def exact_probes(layer: MoE, recipe: Recipe) -> list[Probe]:
 
 def backward_probes(layer: MoE, recipe: Recipe) -> list[Probe]:
     """Each site's probe for ``backward``: operands and an output gradient on which every known bug shows."""
+    try:
+        formats_in = harness.operand_formats(recipe)
+    except ValueError:  # no declared operand formats: the probes' own magnitudes
+        formats_in = None
     out = []
     for i, (name, spec) in enumerate(layer.site_specs(BATCH, SEQ).items()):
         axes = spec.matmul.axes(len(spec.lhs_shape), len(spec.rhs_shape))
@@ -82,8 +86,8 @@ def backward_probes(layer: MoE, recipe: Recipe) -> list[Probe]:
             lhs = harness.probe_nvfp4(i, spec.lhs_shape, axes.lhs)
             rhs = harness.probe_nvfp4(i + 100, spec.rhs_shape, axes.rhs)
             g = harness.probe_nvfp4(i + 200, out_shape, axes.dgrad, axes.wgrad)
-        else:
-            lhs, rhs = checks.probe_operands(i, spec.lhs_shape, spec.rhs_shape)
+        else:  # never subnormal in a cast operand format (e3m4 is subnormal below 2^-2)
+            lhs, rhs = checks.probe_operands(i, spec.lhs_shape, spec.rhs_shape, normal_in=formats_in)
             g = checks.probe_grad(i, out_shape)
         out.append(Probe(name, spec.matmul.regrouped(i), lhs, rhs, g))
     return out
