@@ -18,7 +18,7 @@ import pytest
 
 import qcheck
 from qcheck import checks, formats
-from qcheck.recipes import registered
+from qcheck.recipes import DelayedScalingFp8, registered
 from qcheck.recipes._sites import FormatSite
 from qcheck.suite import cases, invariants
 
@@ -48,6 +48,13 @@ def test_e3m4_probes_stay_in_its_normal_range():
     assert np.abs(plain).min() < 0.25  # the control: the plain probes reach e3m4's subnormals
     lhs, rhs = checks.probe_operands(0, (8, 32), (32, 16), normal_in=("e3m4", "int8"))  # a recipe's operand formats
     assert np.abs(lhs).min() >= 0.25 and np.abs(rhs).min() < 0.25
+
+
+def test_flax_delayed_scaling_refuses_e3m4_in_one_line():
+    with pytest.raises(ValueError, match=r"^recipe 'my_e3m4': e4m3_dtype float8_e3m4 is not a type Flax's fp8 ops take "
+                                         r"\(flax.linen.fp8_ops.get_fp8_max asserts it is one of float8_e4m3fn, "
+                                         r"float8_e4m3fnuz, float8_e5m2, float8_e5m2fnuz\)$"):
+        DelayedScalingFp8("my_e3m4", e4m3_dtype=ml_dtypes.float8_e3m4, e5m2_dtype=ml_dtypes.float8_e5m2)
 
 
 def test_a_users_e3m4_recipe_should_pass_exact_and_backward():

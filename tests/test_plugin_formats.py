@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -98,6 +99,8 @@ def test_an_unregistered_format_name_lists_the_valid_ones():
     ((dataclasses.replace(MYFMT, name="int8"), _referee), ValueError,
      r"^register_format: record.name 'int8' is one of qcheck's own formats; choose another name than int8, e4m3fn"),
     (("myfmt", _referee), TypeError, r"^register_format: record must be a qcheck.formats.Format, got str$"),
+    ((dataclasses.replace(MYFMT, name="My-Fmt"), _referee), ValueError,
+     r"^register_format: record.name must match \[a-z\]\[a-z0-9_\]\*, got 'My-Fmt'$"),
     ((dataclasses.replace(MYFMT, kind="slice"), _referee), ValueError,
      r"^register_format: unknown record.kind 'slice'; valid record.kinds: cast, int, current, block$"),
     ((dataclasses.replace(MYFMT, siblings=("int9",)), _referee), ValueError,
@@ -139,3 +142,19 @@ def test_a_recipe_declaring_a_users_format_computing_int8_should_fail_exact_nami
         with registered(recipe), pytest.raises(AssertionError, match=r"site 'wi_0' .*\(myfmt x myfmt\): differs .*"
                                                                      r"it equals both operands in int8 instead of myfmt"):
             invariants.run_exact(cases.Case(recipe.name, VARIANT))
+
+
+def test_a_name_registered_again_with_another_record_is_that_record_under_jit():
+    """A program compiled for the first record under the name is not reused for the second (no stale codes)."""
+    def halved(x, axes, fmt, rng):
+        codes, scales = _quantize(x, axes, fmt, rng)
+        return (codes // 2).astype(jnp.int8), {"slice": scales["slice"] * 2}
+
+    def qdq(v):  # a new program each time: qdq's own nested program is what is shared
+        return jax.jit(lambda u: formats.qdq(u, "myfmt", axis=1))(v)
+
+    with formats.registered_formats((MYFMT, _referee)):
+        first = np.asarray(qdq(X))
+    with formats.registered_formats((dataclasses.replace(MYFMT, quantize=halved), _referee)):
+        second = np.asarray(qdq(X))
+    assert not np.array_equal(first, second)

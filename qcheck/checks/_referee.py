@@ -37,8 +37,8 @@ def nvfp4_uniforms(key: jax.Array, shape: tuple[int, ...], axis: int | tuple[int
     return np.transpose(u.reshape(moved), np.argsort(perm))
 
 
-@functools.cache
-def _programs(fmt: str, axis: tuple[int, ...] | int):
+@functools.cache  # by record too: a plug-in format registered again under its name is another record
+def _programs(fmt: str, axis: tuple[int, ...] | int, record: formats.Format):
     # Two programs per format and axes (and, inside jax.jit, per shape and key):
     # quantize and qdq each alone, as a caller runs them. Together in one program
     # XLA reorders NVFP4's decode differently again (measured).
@@ -112,7 +112,7 @@ def assert_format_matches_referee(
         raise ValueError(f"rng is for {stochastic}'s stochastic rounding; format {fmt!r} takes none")
     axis = axis if isinstance(axis, int) else tuple(axis)
     if jit:
-        q, out = _programs(fmt, axis)(x, rng)
+        q, out = _programs(fmt, axis, record)(x, rng)
     else:
         q, out = _eager(x, fmt, axis, rng)
     uniforms = None if rng is None else nvfp4_uniforms(rng, x.shape, axis)

@@ -86,8 +86,8 @@ def qdq(
     ``x``'s dtype.
     """
     if isinstance(x, jax.core.Tracer):
-        get_format(fmt)  # before it becomes a static argument, which must hash
-        return _nested_qdq(x, fmt, normalize_axis(axis, x.ndim), rng)
+        # The record is a static argument too: a plug-in format registered again under its name is another record.
+        return _nested_qdq(x, fmt, normalize_axis(axis, x.ndim), rng, get_format(fmt))
     return dequantize(_quantize(x, fmt, axis, rng))
 
 
@@ -99,6 +99,6 @@ def qdq(
 # compares the two). Eager calls stay op by op, as eager quantize and dequantize
 # are: one fused program can round an NVFP4 value an ulp away from the same
 # operations run one by one (see nvfp4_quantize).
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _nested_qdq(x: Array, fmt: str, axes: tuple[int, ...], rng: Array | None) -> Array:
+@functools.partial(jax.jit, static_argnums=(1, 2, 4))
+def _nested_qdq(x: Array, fmt: str, axes: tuple[int, ...], rng: Array | None, record) -> Array:
     return dequantize(_quantize(x, fmt, axes, rng))

@@ -13,6 +13,7 @@ with itself.
 from __future__ import annotations
 
 import contextlib
+import re
 import typing
 from collections.abc import Callable, Iterator
 
@@ -75,6 +76,8 @@ def register_format(record: Format, referee: Referee, *, dequantize: Callable | 
     where = "register_format"
     if not isinstance(record, Format):
         raise TypeError(f"{where}: record must be a qcheck.formats.Format, got {type(record).__name__}")
+    if not isinstance(record.name, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", record.name):
+        raise ValueError(f"{where}: record.name must match [a-z][a-z0-9_]*, got {record.name!r}")
     if record.name in builtin_format_names():
         raise ValueError(f"{where}: record.name {record.name!r} is one of qcheck's own formats; choose another "
                          f"name than {', '.join(builtin_format_names())}")
