@@ -100,8 +100,8 @@ FORMATS: tuple[Format, ...] = (
     # is 126).
     _int("int8_keras", "an encode scale 127 / (absmax + 1e-7) per slice, x · scale clipped to ±127, x ≈ codes / "
          "scale (Keras's abs_max_quantize)", int8_keras_quantize, (), int8_keras_dequantize, divides=True),
-    # OCP's 8-bit float with 3 exponent bits (ml_dtypes.float8_e3m4: max 15.5, normal from 2^-2): more
-    # precision, less range. Its sibling is e4m3fn, the fp8 type a bug would cast to instead; its gradient
+    # An IEEE-style 8-bit float with 3 exponent and 4 mantissa bits (ml_dtypes 0.7.0 float8_e3m4: max 15.5,
+    # normal from 2^-2, inf and NaN, so an unsaturated cast of 100 is inf): more precision, less range. Its sibling is e4m3fn, the fp8 type a bug would cast to instead; its gradient
     # flavour e5m2, the gradient type every fp8 recipe pairs with a non-fnuz forward type.
     _cast("e3m4", _E3M4, "e4m3fn", grad="e5m2"),
 )
