@@ -103,7 +103,7 @@ def block_scaled_matmul(
     run = jax.nn.scaled_matmul if matmul is None else matmul
     out = run(ql.codes[None], qr.codes[None], ql.scales["block"][None], qr.scales["block"][None],
               preferred_element_type=jnp.float32)[0]
-    if fmt == "nvfp4":  # x ≈ codes · block / tensor
+    if "tensor" in formats.get_format(fmt).scales:  # nvfp4's encode scale per tensor: x ≈ codes · block / tensor
         out = out / (ql.scales["tensor"] * qr.scales["tensor"])
     return out
 
@@ -118,7 +118,7 @@ def emulate_block_scaled_matmul(lhs: ArrayLike, rhs: ArrayLike, fmt: str) -> np.
         codes = np.asarray(q.codes).astype(np.float64)
         block = np.asarray(q.scales["block"]).astype(np.float64)
         block = np.repeat(block, codes.shape[-1] // block.shape[-1], axis=-1)
-        tensor = float(np.asarray(q.scales["tensor"])) if fmt == "nvfp4" else 1.0
+        tensor = float(np.asarray(q.scales["tensor"])) if "tensor" in q.scales else 1.0
         return codes * block / tensor
 
     return decode(lhs) @ decode(rhs).T

@@ -117,6 +117,7 @@ FORMATS = (
     # JAX's rules (jax.nn.scaled_dot_general): NVFP4 under a power-of-two global scale, MXFP8 rounded up.
     Format("nvfp4_jax", block=formats.NVFP4_BLOCK, idempotent_ulps=8),
     Format("mxfp8_jax", block=formats.MX_BLOCK, idempotent_ulps=0, dtype=E4M3FN, spec_scales=mx_jax_spec_scales),
+    Format("e3m4", block=32, idempotent_ulps=0, dtype=np.dtype(ml_dtypes.float8_e3m4)),
 )
 BY_NAME = {f.name: f for f in FORMATS}
 

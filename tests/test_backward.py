@@ -224,7 +224,7 @@ def test_refuses_block_g_that_hides_wrong_axes():
 
 def test_refuses_nvfp4_operands_whose_decode_order_matters():
     lhs = checks.probe_operands(5, DENSE["lhs"][0])[0]
-    with pytest.raises(ValueError, match=r"lhs has NVFP4 blocks along axes \(2,\).*not a power of two"):
+    with pytest.raises(ValueError, match=r"lhs has nvfp4 blocks along axes \(2,\).*not a power of two"):
         run(site_of(get_recipe("nvfp4")), get_recipe("nvfp4"), "dense", lhs=lhs)
 
 

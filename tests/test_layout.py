@@ -150,8 +150,6 @@ FORMAT_LISTS = {
     "qcheck/referees/_libraries.py": "what other libraries compute in place of some formats, not every format",
     "qcheck/adapters/_jax.py": "JAX's scaled_dot_general modes, keyed by JAX's own names",
     "qcheck/native.py": "the block formats jax.nn.scaled_matmul takes natively: the hardware's list",
-    "qcheck/checks/_probes.py": "the flavours that part only in one binade, a measured fact of those two",
-    "qcheck/checks/_backward.py": "each e4m3 flavour's gradient flavour, a recipe convention",
 }
 
 
@@ -189,6 +187,89 @@ def test_a_list_of_formats_outside_the_records_is_found(tmp_path):
     assert format_lists(tmp_path / "qcheck", {"int8", "e4m3fn"}) == {}
     (tmp_path / "qcheck" / "site.py").write_text('INTEGER = frozenset({"int8", "e4m3fn"})\n')
     assert format_lists(tmp_path / "qcheck", {"int8", "e4m3fn"}) == {"qcheck/site.py": ["1: ['int8', 'e4m3fn']"]}
+
+
+#: The packages that may branch on one format's name: the records, the referee (independent of them by
+#: design) and the adapters (a library's own rule under a format's name).
+FORMAT_BRANCH_PACKAGES = ("qcheck/formats/", "qcheck/referees/", "qcheck/adapters/")
+#: Modules outside them whose comparisons with a format's name are another library's own names that happen to
+#: coincide (module: why).
+FORMAT_BRANCH_HOMONYMS = {
+    "qcheck/_coverage/_readers.py": "Keras's quantization mode and dtype strings (\"int8\"), compared as Keras names them",
+}
+
+
+def format_branches(root: Path, names: set[str]) -> dict[str, list[str]]:
+    """Each module under ``root`` that branches on one format's name -> those branches, as ``line: source``: a
+    comparison (``==``, ``!=``, ``in``, ``not in``) with a format name or a ``"float8_"``-prefixed literal,
+    ``.startswith`` / ``.removeprefix`` / ``.endswith`` / ``.removesuffix`` of one, or a dtype name built from
+    a format's (``"float8_" + name``, ``f"float8_{name}"``). Such a fact belongs in the format's record
+    (``record.stochastic``, ``record.kind``, ``record.element.name``)."""
+
+    def names_a_format(node: ast.AST) -> bool:
+        values = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+        return any(isinstance(v, ast.Constant) and isinstance(v.value, str)
+                   and (v.value in names or v.value.startswith("float8_")) for v in values)
+
+    found: dict[str, list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Compare):
+                hit = any(names_a_format(x) for x in (node.left, *node.comparators))
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr in ("startswith", "removeprefix", "endswith", "removesuffix")):
+                hit = any(names_a_format(a) for a in node.args)
+            elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+                hit = any(isinstance(v, ast.Constant) and isinstance(v.value, str) and v.value.endswith("float8_")
+                          for v in (node.left, node.right))
+            elif isinstance(node, ast.JoinedStr):
+                hit = any(isinstance(v, ast.Constant) and v.value.endswith("float8_") and i + 1 < len(node.values)
+                          for i, v in enumerate(node.values))
+            else:
+                continue
+            if hit:
+                found.setdefault(str(path.relative_to(root.parent)), []).append(
+                    f"{node.lineno}: {ast.get_source_segment(text, node)}")
+    return found
+
+
+def test_no_branch_on_a_format_name_outside_the_records_the_referee_and_the_adapters():
+    from qcheck import formats
+
+    found = {path: hits for path, hits in format_branches(QCHECK, set(formats.format_names())).items()
+             if not path.startswith(FORMAT_BRANCH_PACKAGES) and path not in FORMAT_BRANCH_HOMONYMS}
+    assert found == {}, f"branches on one format's name outside its record: {found}; read a field of its record"
+
+
+def test_a_branch_on_a_format_name_is_found(tmp_path):
+    (tmp_path / "qcheck").mkdir()
+    site = tmp_path / "qcheck" / "site.py"
+    site.write_text('ok = record.stochastic\nname = "nvfp4"\nkeys = {"int8": 1}\n')
+    assert format_branches(tmp_path / "qcheck", {"int8", "nvfp4"}) == {}
+    site.write_text('a = fmt == "nvfp4"\nb = "nvfp4" in (lhs, rhs)\nc = fmt.startswith("int8")\n'
+                    'd = dt.name.removeprefix("float8_")\ne = grad != "nvfp4"\nf = "float8_" + fmt\n'
+                    'g = f"g in float8_{fmt}"\n')
+    assert format_branches(tmp_path / "qcheck", {"int8", "nvfp4"}) == {"qcheck/site.py": [
+        '1: fmt == "nvfp4"', '2: "nvfp4" in (lhs, rhs)', '3: fmt.startswith("int8")',
+        '4: dt.name.removeprefix("float8_")', '5: grad != "nvfp4"', '6: "float8_" + fmt', '7: f"g in float8_{fmt}"']}
+
+
+def test_a_branch_planted_in_the_tree_fails_the_layout_check(tmp_path):
+    """The check on the real tree, with one branch planted in a copy of a module that has none."""
+    import shutil
+
+    from qcheck import formats
+
+    tree = tmp_path / "qcheck"
+    shutil.copytree(QCHECK, tree, ignore=shutil.ignore_patterns("__pycache__", "golden"))
+    names = set(formats.format_names())
+    clean = {p: h for p, h in format_branches(tree, names).items() if not p.startswith(FORMAT_BRANCH_PACKAGES)}
+    site = tree / "checks" / "_site.py"
+    site.write_text(site.read_text() + '\n\ndef _planted(fmt):\n    return fmt == "nvfp4"\n')
+    planted = {p: h for p, h in format_branches(tree, names).items() if not p.startswith(FORMAT_BRANCH_PACKAGES)}
+    assert set(clean) <= set(FORMAT_BRANCH_HOMONYMS)
+    assert planted.get("qcheck/checks/_site.py", [""])[-1].endswith('fmt == "nvfp4"')
 
 
 def test_the_architecture_page_says_where_a_format_is_added():

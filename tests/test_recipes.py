@@ -154,8 +154,8 @@ def test_a_recipe_without_formats_or_site_module_says_so():
         Recipe("bare")
     with pytest.raises(TypeError, match="give both lhs= and rhs="):
         Recipe("half", lhs="int8")
-    with pytest.raises(ValueError, match="unknown grad format 'e3m4'; valid grad formats: int8, e4m3fn"):
-        Recipe("bad", lhs="int8", rhs="int8", grad="e3m4")
+    with pytest.raises(ValueError, match="unknown grad format 'e5m3'; valid grad formats: int8, e4m3fn"):
+        Recipe("bad", lhs="int8", rhs="int8", grad="e5m3")
 
 
 def test_a_declarative_recipe_fake_quantizes_operands_and_gradients():

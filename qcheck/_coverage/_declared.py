@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -174,9 +173,14 @@ def as_declaration(spec: Any, what: str = "declared") -> Declaration:
 
 # -- what a format's codes are -------------------------------------------------------
 
-@functools.cache
 def _element_types(fmt: str) -> frozenset[str]:
     """The narrow types a site in ``fmt`` casts to: its codes' type and its scales' narrow types."""
+    return _record_types(formats.get_format(fmt))
+
+
+@functools.cache  # by record: a plug-in format registered again under the same name is another record
+def _record_types(record: formats.Format) -> frozenset[str]:
+    fmt = record.name
     # Its types only: traced, never run (run, a format compiles a handful of small programs).
     q = jax.eval_shape(lambda x: formats.quantize(x, fmt, axis=-1), jax.ShapeDtypeStruct((2, 32), np.float32))
     names = {str(np.dtype(q.codes.dtype))}
@@ -184,10 +188,12 @@ def _element_types(fmt: str) -> frozenset[str]:
     return frozenset(names)
 
 
-# The fp8 element types at scale 1: a layer scales them by its own scale.
-_FP8_DIVIDED = frozenset(f.name for f in formats.FORMATS if f.kind == "cast")
 _NARROW_FLOATS = frozenset({"float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float4_e2m1fn",
                             "float8_e8m0fnu", "float8_e4m3b11fnuz", "float8_e4m3", "float8_e3m4"})
+
+
+# Integer types of at most 8 bits a cast to which is a quantization (ml_dtypes' and numpy's names).
+_NARROW_INTS = frozenset({"int8", "uint8", "int4"})
 
 
 def _as_f32(codes: np.ndarray) -> np.ndarray:
@@ -223,9 +229,10 @@ def _matches(x: np.ndarray, codes: np.ndarray, fmt: str, axes: tuple[int, ...]) 
 
 
 def _stochastic_ok(x: np.ndarray, codes: np.ndarray, fmt: str, axes: tuple[int, ...]) -> bool:
-    """nvfp4 with stochastic rounding: every code one grid step at most from round-to-nearest's."""
+    """A stochastic format with e2m1 codes (nvfp4): every code one grid step at most from round-to-nearest's."""
     ref = _reference_codes(x, fmt, axes, False)
-    if ref is None or np.dtype(np.asarray(codes).dtype) != np.dtype(ml_dtypes.float4_e2m1fn):
+    e2m1 = np.dtype(ml_dtypes.float4_e2m1fn)  # the sign-magnitude nibbles read below
+    if ref is None or formats.get_format(fmt).element != e2m1 or np.dtype(np.asarray(codes).dtype) != e2m1:
         return False
     def signed(c):
         b = np.asarray(c).view(np.uint8).astype(np.int16)
@@ -243,13 +250,13 @@ def _describe_first(x: np.ndarray, codes: np.ndarray, ref: np.ndarray) -> str:
 
 def _diagnose(x: np.ndarray, codes: np.ndarray, fmt: str, axes: tuple[int, ...]) -> str:
     """What the layer's codes match instead of the declared ones."""
-    if fmt in formats.FP8_SIBLINGS and _matches(x, codes, formats.FP8_SIBLINGS[fmt], axes):
-        return f"they are {formats.FP8_SIBLINGS[fmt]}'s codes, the other fp8 flavour"
     record = formats.get_format(fmt)
+    if record.kind == "cast" and record.siblings and _matches(x, codes, record.siblings[0], axes):
+        return f"they are {record.siblings[0]}'s codes, the other fp8 flavour"
     # Another rule of the same kind and width (int8 / int8_aqt / int8_qwix / int8_keras: absmax over 127 or 127.5,
     # or Keras's 127 over absmax + 1e-7), then of the same kind and another width (int4_keras's codes held in int8,
     # as Keras's AbsMaxQuantizer(value_range=(-8, 7), output_dtype="int8") leaves them; or int8 codes declared int4).
-    same = [f for f in formats.FORMATS if f.name != fmt and f.kind == record.kind and f.block == record.block]
+    same = [f for f in map(formats.get_format, formats.format_names()) if f.name != fmt and f.kind == record.kind and f.block == record.block]
     for other in sorted(same, key=lambda f: f.element != record.element):
         if _matches(x, codes, other.name, axes):
             same_as = "kind and width" if other.element == record.element else f"kind, {other.element.name} codes"
@@ -267,7 +274,7 @@ def _diagnose(x: np.ndarray, codes: np.ndarray, fmt: str, axes: tuple[int, ...])
         if kept and axes and _matches(x, codes, fmt, tuple(kept)):  # the scales run along the other axes
             return f"they match scales reduced over axes {tuple(kept)} instead: one scale per index of axes {axes}"
     c = _as_f32(codes)
-    if jax.numpy.issubdtype(np.asarray(codes).dtype, jax.numpy.integer) or formats.get_format(fmt).kind == "int":
+    if jax.numpy.issubdtype(np.asarray(codes).dtype, jax.numpy.integer) or record.kind == "int":
         levels = int(np.unique(c).size)
         top = float(np.max(np.abs(c))) if c.size else 0.0
         if top < 64:
@@ -357,12 +364,12 @@ def _judge_codes(x: np.ndarray, codes: np.ndarray, divisor: Any, fmt: RoleFormat
             what = "0" if not multiplied and np.any(scale == 0) else "not finite"
             return (f"its scale is {what} at {int(np.count_nonzero(broken))} of {scale.size} scale values (codes "
                     f"{'NaN' if what == '0' else 'not finite'}): a scale must be finite and nonzero"), BITWISE
-        if fmt.format in _FP8_DIVIDED:
+        if formats.get_format(fmt.format).kind == "cast":  # the element type at scale 1: a layer scales it
             x = (x * scale if multiplied else x / scale).astype(np.float32)
     if fmt.per is not None:
         keep = {a % x.ndim for a in fmt.per}
         red = tuple(a for a in range(x.ndim) if a not in keep)
-    elif fmt.format in formats.AXIS_FORMATS:
+    elif formats.get_format(fmt.format).per_axis:
         whole = None if any(a is None for a in axes) else whole_axes(axes)
         merged = None if whole is None else _merged_layout(x.shape, whole)
         if merged is None:
@@ -374,7 +381,7 @@ def _judge_codes(x: np.ndarray, codes: np.ndarray, divisor: Any, fmt: RoleFormat
         red = tuple(range(x.ndim))
     if _matches(x, codes, fmt.format, red):
         return None, BITWISE
-    if fmt.format == "nvfp4" and _stochastic_ok(x, codes, fmt.format, red):
+    if formats.get_format(fmt.format).stochastic and _stochastic_ok(x, codes, fmt.format, red):
         return None, BITWISE
     ref = _reference_codes(x, fmt.format, red, False)
     if ref is None:
@@ -457,7 +464,7 @@ def judge(records: Sequence[MatmulRecord], declaration: Declaration, quantizers:
                 found.append(f"{label} reaches the matmul in full precision; declared {fmt}")
                 continue
             want = _element_types(fmt.format)
-            narrow = {c for c in getattr(r, f"{side}_casts") if c in _NARROW_FLOATS or c in ("int8", "uint8", "int4")}
+            narrow = {c for c in getattr(r, f"{side}_casts") if c in _NARROW_FLOATS or c in _NARROW_INTS}
             stray = sorted(narrow - want)
             if stray:
                 holds[side] = Hold("type", "cast to another type than the declared format's")

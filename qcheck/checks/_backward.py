@@ -8,8 +8,8 @@ float32, the contraction the site itself runs) of operands and ``g`` quantized
 by :mod:`qcheck.referees`, never by :mod:`qcheck.formats`:
 
 - fp8-class recipes (``recipe.reference.cast_dtype`` set): ``g`` cast, saturating at
-  scale 1, to the e5m2 flavour of the recipe's e4m3 flavour (e4m3fn -> e5m2,
-  e4m3fnuz -> e5m2fnuz), for both gradients;
+  scale 1, to the gradient flavour of the recipe's cast format (its record's ``grad``:
+  e4m3fn -> e5m2, e4m3fnuz -> e5m2fnuz), for both gradients;
 - declarative recipes with ``grad=``: ``g`` quantized along the axes each
   gradient matmul contracts (DGRAD with rhs, WGRAD with lhs), separately;
   :class:`~qcheck.recipes.NVFP4` rounds DGRAD's copy stochastically with the
@@ -64,10 +64,6 @@ __all__ = [
     "site_dgrad_key",
     "site_grads",
 ]
-
-# The gradient flavour that goes with each forward e4m3 flavour: same family.
-_E5M2_OF = {"e4m3fn": "e5m2", "e4m3fnuz": "e5m2fnuz"}
-
 
 def site_dgrad_key(key: jax.Array, site_name: str) -> jax.Array:
     """The key an NVFP4 site called with ``rngs=key`` rounds its DGRAD copy of ``g`` with.
@@ -142,19 +138,16 @@ def backend_qdq(x: np.ndarray, fmt: str, axis=-1, uniforms=None) -> np.ndarray:
     )
 
 
-def _fp8_name(dtype: np.dtype) -> str:
-    return np.dtype(dtype).name.removeprefix("float8_")
-
-
 def grad_operand_formats(recipe: Recipe) -> tuple[str, str]:
     if recipe.reference.cast_dtype is not None:
-        fmt = _fp8_name(recipe.reference.cast_dtype)
-        if fmt not in _E5M2_OF:
+        record = formats.cast_format(recipe.reference.cast_dtype, where=f"recipe {recipe.name!r}")
+        if record.grad is None:
+            with_grad = [f.element.name for f in map(formats.get_format, formats.format_names()) if f.grad]
             raise ValueError(
-                f"recipe {recipe.name!r}: cast_dtype {recipe.reference.cast_dtype} has no e5m2 gradient flavour; "
-                f"fp8-class recipes cast to one of {', '.join('float8_' + k for k in _E5M2_OF)}"
+                f"recipe {recipe.name!r}: cast_dtype {recipe.reference.cast_dtype} has no e5m2 gradient flavour "
+                f"(its format's record names no grad); fp8-class recipes cast to one of {', '.join(with_grad)}"
             )
-        return fmt, fmt
+        return record.name, record.name
     if recipe.lhs is None:
         raise ValueError(
             f"recipe {recipe.name!r} declares no operand formats (lhs=/rhs=) and no cast_dtype, "
@@ -172,15 +165,16 @@ def expectations(
 ) -> tuple[Expectation, Expectation]:
     lhs_fmt, _ = grad_operand_formats(recipe)
     if recipe.reference.cast_dtype is not None:
-        e5 = _E5M2_OF[lhs_fmt]
-        sib = formats.FP8_SIBLINGS[e5]
+        forward = formats.get_format(lhs_fmt)
+        e5 = formats.get_format(forward.grad)
+        sib = formats.get_format(e5.siblings[0])
         exp = Expectation(
-            f"g in float8_{e5}",
-            backend_qdq(g, e5),
+            f"g in {e5.element.name}",
+            backend_qdq(g, e5.name),
             {
                 "unquantized g": g,
-                f"g in float8_{lhs_fmt} (the forward flavour)": backend_qdq(g, lhs_fmt),
-                f"g in float8_{sib} (the other fnuz flavour)": backend_qdq(g, sib),
+                f"g in {forward.element.name} (the forward flavour)": backend_qdq(g, lhs_fmt),
+                f"g in {sib.element.name} (the other fnuz flavour)": backend_qdq(g, sib.name),
             },
         )
         return exp, exp
@@ -197,7 +191,7 @@ def expectations(
         u = None if which == "wgrad" or dgrad_key is None else flat_uniforms(dgrad_key, g.shape, own)
         rounding = ", stochastic" if u is not None else ""
         neighbours = {"unquantized g": g}
-        if fmt in formats.AXIS_FORMATS:
+        if formats.get_format(fmt).per_axis:
             # A wrong-axes bug still rounds stochastically, drawing the same key for its own blocks.
             wrong_u = None if u is None else flat_uniforms(dgrad_key, g.shape, other)
             neighbours[f"g in {fmt} along the {other_name} axes {other}"] = backend_qdq(g, fmt, other, wrong_u)
@@ -207,8 +201,9 @@ def expectations(
                 g, fmt, own, flat_uniforms(unsalted_key, g.shape, own))
         if lhs_fmt != fmt:
             neighbours[f"g in {lhs_fmt} (the operands' format)"] = backend_qdq(g, lhs_fmt, own)
-        if fmt in formats.FP8_SIBLINGS:  # probe_grad reaches below 2^-14, where even e5m2 and e5m2fnuz part
-            neighbours[f"g in {formats.FP8_SIBLINGS[fmt]} instead of {fmt}"] = backend_qdq(g, formats.FP8_SIBLINGS[fmt], own)
+        record = formats.get_format(fmt)
+        if record.kind == "cast":  # probe_grad reaches below 2^-14, where even e5m2 and e5m2fnuz part
+            neighbours[f"g in {record.siblings[0]} instead of {fmt}"] = backend_qdq(g, record.siblings[0], own)
         out.append(Expectation(f"g in {fmt} along axes {own}{rounding}", backend_qdq(g, fmt, own, u), neighbours))
     return out[0], out[1]
 
@@ -222,16 +217,16 @@ def grad_operands(recipe: Recipe, lhs: np.ndarray, rhs: np.ndarray, q_lhs: np.nd
     return (q_lhs, q_rhs), "unquantized operands", (lhs, rhs)
 
 
-def _require_exact_nvfp4_decode(what: str, x: np.ndarray, axes: tuple[int, ...]) -> None:
-    # XLA may compute NVFP4's decode in another order under jit (NVFP4_JIT_DECODE_ULPS);
+def _require_exact_decode(what: str, x: np.ndarray, fmt: str, axes: tuple[int, ...]) -> None:
+    # XLA may compute a block-scaled decode in another order under jit (its record's decode_ulps: nvfp4's);
     # only power-of-two encode scales make every order exact, and a bitwise reference fair.
-    _, scales = referees.reference_quantize(x, "nvfp4", axis=axes, ftz=jax.default_backend() == "cpu")
+    _, scales = referees.reference_quantize(x, fmt, axis=axes, ftz=jax.default_backend() == "cpu")
     block = scales["block"].astype(np.float32)
     ratio = (scales["tensor"] / block[block > 0]).astype(np.float32)
     if ratio.size == 0 or np.any(np.frexp(ratio)[0] != 0.5):
         raise ValueError(
-            f"{what} has NVFP4 blocks along axes {axes} whose encode scale is not a power of two, "
-            "so XLA's reordering of the decode (up to NVFP4_JIT_DECODE_ULPS) would move bits; "
+            f"{what} has {fmt} blocks along axes {axes} whose encode scale is not a power of two, "
+            f"so XLA's reordering of the decode (up to {formats.get_format(fmt).decode_ulps} ulps) would move bits; "
             "use probe_nvfp4 with the axes of every quantization of it"
         )
 
@@ -256,8 +251,8 @@ def _reference(name: str, recipe: Recipe, mm: Matmul, lhs: np.ndarray, rhs: np.n
         raise ValueError(f"site {name!r}: the referee cannot quantize for this site: {e}") from e
     for what, x, fmt, ax in (("lhs", lhs, lhs_fmt, axes.lhs), ("rhs", rhs, rhs_fmt, axes.rhs),
                              ("g (dgrad)", g, recipe.grad, axes.dgrad), ("g (wgrad)", g, recipe.grad, axes.wgrad)):
-        if fmt == "nvfp4" and recipe.reference.cast_dtype is None:
-            _require_exact_nvfp4_decode(what, x, ax)
+        if fmt is not None and formats.get_format(fmt).decode_ulps and recipe.reference.cast_dtype is None:
+            _require_exact_decode(what, x, fmt, ax)
 
     (a, b), other, (other_a, other_b) = grad_operands(recipe, lhs, rhs, q_lhs, q_rhs)
     want = mm.grad_matmuls(a, b, dgrad.g, wgrad.g)

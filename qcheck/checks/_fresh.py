@@ -33,7 +33,7 @@ def cast_reference(x: ArrayLike, cast_dtype: Any) -> np.ndarray:
 
 
 def _sibling(dt: np.dtype) -> np.dtype:
-    return formats.FP8_DTYPES["float8_" + formats.FP8_SIBLINGS[dt.name.removeprefix("float8_")]]
+    return formats.get_format(formats.cast_format(dt).siblings[0]).element
 
 
 @assertion

@@ -13,8 +13,8 @@ like the site must be that WGRAD, bitwise. Each pair is then held bit for bit to
 referee's gradient matmuls of the operands the call consumed and the ``g`` it
 received (:mod:`qcheck.checks._backward`'s expectations), never to the site run again.
 
-NVFP4's DGRAD rounds stochastically with bits the layer draws from the site's
-own stream, which this record does not see: recipes with ``grad="nvfp4"``
+A stochastic gradient format's DGRAD (NVFP4's) rounds with bits the layer draws from the site's
+own stream, which this record does not see: recipes whose ``grad`` format's record says ``stochastic``
 are held on probes only (:func:`qcheck.checks._backward.assert_site_backward_exact`).
 """
 
@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike
 
+from qcheck import formats
 from qcheck.checks._assertion import assertion
 from qcheck.checks._backward import (assert_grad_equal, backend_qdq, expectations, grad_bugs, grad_operand_formats,
                                      grad_operands)
@@ -63,7 +64,7 @@ class SiteGradCall:
 
 def through_layer_applies(recipe: Recipe) -> bool:
     """Whether the layer's own backward can be held to the referee: not where DGRAD draws from the site's stream."""
-    return recipe.grad != "nvfp4"
+    return recipe.grad is None or not formats.get_format(recipe.grad).stochastic
 
 
 class _Tap:

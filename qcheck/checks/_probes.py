@@ -12,41 +12,31 @@ import numpy as np
 
 from qcheck import formats
 
-__all__ = ["PARTING_BINADES", "block_max", "fp8_dtype", "part_fibres", "probe_grad", "probe_nvfp4",
+__all__ = ["PARTING_BINADES", "block_max", "fp8_dtype", "log_uniform", "part_fibres", "probe_grad", "probe_nvfp4",
            "probe_operands"]
 
 #: Where an fp8 flavour parts from its sibling only outside the probes' magnitudes (2^-4..2^10): the binade
-#: [2^lo, 2^hi) that :func:`probe_site_operands` gives some contraction fibres of an operand in that format.
-#: e5m2 and e5m2fnuz share every value from 2^-14 up, their maximum (57344) too, and a saturating cast
-#: never reaches e5m2's inf; a matmul's sum hides that e5m2fnuz has no -0. They part only where e5m2 is
-#: subnormal: in [2^-15, 2^-14) e5m2fnuz is normal (1.25 * 2^-15 and 1.75 * 2^-15 are its own values) and
-#: e5m2 keeps one bit (2^-15, 1.5 * 2^-15), so about half the values there round apart. Those are normal
-#: float32 values, which XLA's CPU backend does not flush (it flushes float32 subnormals only), and XLA
-#: casts them to e5m2's subnormals exactly, as ml_dtypes does (measured on jax 0.10.2 and 0.12).
-#: e4m3fn and e4m3fnuz need no such binade: they part on the probes' own values above 240, e4m3fnuz's maximum.
-PARTING_BINADES = {"e5m2": (-15, -14), "e5m2fnuz": (-15, -14)}
+#: [2^lo, 2^hi) that :func:`probe_site_operands` gives some contraction fibres of an operand in that format,
+#: by format: each record's ``parting_binade`` (which says why).
+PARTING_BINADES = {f.name: f.parting_binade for f in formats.FORMATS if f.parting_binade is not None}
+#: The probes' magnitudes, log-uniform over [2^lo, 2^hi]; ``lo`` rises to a cast format's smallest normal.
+_PROBE_BINADES = (-4.0, 10.0)
 # The share of an operand's contraction fibres (at least one) the parting values fill: a whole fibre,
 # so that its products are small too and the rounding of the sum keeps the flavours apart.
 _PARTING_SHARE = 0.25
 
 
 def fp8_dtype(cast_dtype: Any) -> np.dtype:
-    try:
-        dt = np.dtype(cast_dtype)
-    except TypeError:
-        dt = None
-    if dt is None or dt.name not in formats.FP8_DTYPES:
-        raise ValueError(
-            f"cast_dtype must be an fp8 type ({', '.join(formats.FP8_DTYPES)}), got {cast_dtype!r}"
-        )
-    return dt
+    """``cast_dtype`` as a numpy dtype, the element type of a cast format; a one-line ValueError listing them if not."""
+    return formats.cast_format(cast_dtype).element
 
 
 def part_fibres(x: np.ndarray, axes: tuple[int, ...], fmt: str | None, seed: tuple[int, int]) -> np.ndarray:
     """``x`` with some of its contraction fibres drawn log-uniform from ``fmt``'s parting binade, if it has one."""
-    if fmt not in PARTING_BINADES:
+    binade = None if fmt is None else formats.get_format(fmt).parting_binade
+    if binade is None:
         return x
-    lo, hi = PARTING_BINADES[fmt]
+    lo, hi = binade
     rng = np.random.default_rng(seed)  # a stream of its own: the rest of the probe stays what it was
     axes = tuple(a % x.ndim for a in axes)
     fibres = tuple(1 if i in axes else n for i, n in enumerate(x.shape))
@@ -62,37 +52,56 @@ def probe_operands(
     dtype: Any = np.float32,
     cast_dtype: Any = None,
     contract: tuple[tuple[int, ...], ...] | None = None,
+    normal_in: tuple[str | None, ...] | None = None,
 ) -> list[np.ndarray]:
     """Operands that make the fp8 exact checks sharp.
 
     Magnitudes are log-uniform over [2^-4, 2^10] with random signs: most values
     are not representable in any fp8 flavour (so quantization shows), some lie
     above every e4m3 maximum (so a missing clip, or e4m3fnuz's 240 for
-    e4m3fn's 448, shows), and none is subnormal in any fp8 flavour (so the
-    reference never leans on how a backend casts to fp8 subnormals). e5m2 and
+    e4m3fn's 448, shows), and none is subnormal in ``cast_dtype`` (so the
+    reference never leans on how a backend casts to fp8 subnormals): the low
+    end rises to the smallest normal its format's record gives (e3m4's 2^-2;
+    e4m3 and e5m2 are normal from 2^-6 and 2^-14, below 2^-4). e5m2 and
     e5m2fnuz round alike on all of them: for ``cast_dtype`` float8_e5m2 or
     float8_e5m2fnuz give ``contract``, each operand's contraction axes, and a
     quarter of each operand's contraction fibres come from [2^-15, 2^-14)
     instead, where e5m2 is subnormal and e5m2fnuz is not, and the two round
     apart (XLA's CPU backend casts those exactly, as ml_dtypes does).
+    ``normal_in`` (one format name or None per shape) raises each shape's low
+    end likewise to its cast format's smallest normal (a recipe's operand formats).
     """
-    rng = np.random.default_rng(seed)
-    out = []
-    for shape in shapes:
-        mag = np.exp2(rng.uniform(-4.0, 10.0, size=shape))
-        sign = rng.choice(np.array([-1.0, 1.0]), size=shape)
-        out.append((mag * sign).astype(dtype))
-    if cast_dtype is None:
+    record = None if cast_dtype is None else formats.cast_format(fp8_dtype(cast_dtype))
+    if normal_in is not None and len(normal_in) != len(shapes):
+        raise ValueError(f"probe_operands: normal_in must name one format (or None) per shape ({len(shapes)}), "
+                         f"got {normal_in!r}")
+    records = ([record] * len(shapes) if normal_in is None
+               else [record or (None if f is None else formats.get_format(f, where="probe_operands")) for f in normal_in])
+    out = log_uniform(seed, shapes, records, dtype)
+    if record is None or record.parting_binade is None:
         return out
-    fmt = fp8_dtype(cast_dtype).name.removeprefix("float8_")
-    if fmt not in PARTING_BINADES:
-        return out
+    fmt = record.name
     if contract is None or len(contract) != len(shapes):
         raise ValueError(
-            f"probe_operands: cast_dtype float8_{fmt} parts from its sibling only in whole contraction fibres "
+            f"probe_operands: cast_dtype {record.element.name} parts from its sibling only in whole contraction fibres "
             f"below 2^-14, so give contract=, one tuple of contraction axes per shape ({len(shapes)}), "
             f"got {contract!r}")
     return [part_fibres(x, axes, fmt, (seed, i)) for i, (x, axes) in enumerate(zip(out, contract))]
+
+
+def log_uniform(seed: int, shapes, records, dtype: Any = np.float32) -> list[np.ndarray]:
+    """Magnitudes log-uniform over the probes' binades, random signs, one array per shape; where a shape's format
+    (its record, or None) is a cast format, never below the smallest normal its element type has."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for shape, record in zip(shapes, records):
+        lo, hi = _PROBE_BINADES
+        if record is not None and record.kind == "cast" and record.normal_range is not None:
+            lo = max(lo, float(np.log2(record.normal_range[0])))
+        mag = np.exp2(rng.uniform(lo, hi, size=shape))
+        sign = rng.choice(np.array([-1.0, 1.0]), size=shape)
+        out.append((mag * sign).astype(dtype))
+    return out
 
 
 def probe_grad(seed: int, shape: tuple[int, ...]) -> np.ndarray:

@@ -14,15 +14,9 @@ from qcheck.checks._bits import bits
 
 __all__ = ["NVFP4_JIT_DECODE_ULPS", "assert_format_matches_referee", "nvfp4_uniforms"]
 
-#: Named exclusion, measured on XLA CPU (jax 0.10.2): under jax.jit, XLA's
-#: algebraic simplifier rewrites NVFP4's decode ``code · (1 / (s_enc / s_block))``
-#: (the order qcheck documents, and eager execution computes bit for bit) into
-#: ``code · (s_block / s_enc)`` for qdq alone in a program (bitwise on 200 random
-#: tensors spanning 2^±90, up to 2 ulps from the documented order), and into other
-#: orders when more shares the program (qcheck.formats' nvfp4_quantize warns of it).
-#: Only the jitted nvfp4 qdq output may differ, by at most this many float32
-#: ulps; codes and scales are always bitwise, and ``jit=False`` is bitwise.
-NVFP4_JIT_DECODE_ULPS = 2
+#: Named exclusion: the ulps XLA's reordering of NVFP4's decode under jit may move its qdq output (its
+#: record's ``decode_ulps``, where the measurement is told); codes and scales are always bitwise.
+NVFP4_JIT_DECODE_ULPS = formats.get_format("nvfp4").decode_ulps
 
 
 def nvfp4_uniforms(key: jax.Array, shape: tuple[int, ...], axis: int | tuple[int, ...] = -1) -> np.ndarray:
@@ -43,8 +37,8 @@ def nvfp4_uniforms(key: jax.Array, shape: tuple[int, ...], axis: int | tuple[int
     return np.transpose(u.reshape(moved), np.argsort(perm))
 
 
-@functools.cache
-def _programs(fmt: str, axis: tuple[int, ...] | int):
+@functools.cache  # by record too: a plug-in format registered again under its name is another record
+def _programs(fmt: str, axis: tuple[int, ...] | int, record: formats.Format):
     # Two programs per format and axes (and, inside jax.jit, per shape and key):
     # quantize and qdq each alone, as a caller runs them. Together in one program
     # XLA reorders NVFP4's decode differently again (measured).
@@ -114,11 +108,11 @@ def assert_format_matches_referee(
     if x.dtype != np.float32:
         raise TypeError(f"x must be a float32 array, got dtype {x.dtype}")
     if rng is not None and not record.stochastic:
-        stochastic = " and ".join(f.name for f in formats.FORMATS if f.stochastic)
+        stochastic = " and ".join(f for f in formats.format_names() if formats.get_format(f).stochastic)
         raise ValueError(f"rng is for {stochastic}'s stochastic rounding; format {fmt!r} takes none")
     axis = axis if isinstance(axis, int) else tuple(axis)
     if jit:
-        q, out = _programs(fmt, axis)(x, rng)
+        q, out = _programs(fmt, axis, record)(x, rng)
     else:
         q, out = _eager(x, fmt, axis, rng)
     uniforms = None if rng is None else nvfp4_uniforms(rng, x.shape, axis)
@@ -130,5 +124,5 @@ def assert_format_matches_referee(
         raise AssertionError(f"{fmt}: scales {sorted(q.scales)}, the referee's {sorted(scales)}")
     for name in sorted(scales):
         _first_difference(fmt, f"scale {name!r}", q.scales[name], scales[name])
-    ulps = NVFP4_JIT_DECODE_ULPS if jit and fmt == "nvfp4" else 0
+    ulps = formats.get_format(fmt).decode_ulps if jit else 0
     _first_difference(fmt, "qdq output", out, want, ulps)

@@ -57,7 +57,7 @@ from qcheck import formats, referees
 from qcheck.checks._assertion import assertion
 from qcheck.checks._bits import as_float32, bitwise_equal
 from qcheck.checks._mismatch import mismatch, refuse_known_bugs
-from qcheck.checks._probes import PARTING_BINADES, part_fibres, probe_nvfp4, probe_operands
+from qcheck.checks._probes import PARTING_BINADES, log_uniform, part_fibres, probe_nvfp4
 from qcheck.checks._tracks import count_nonfinite
 from qcheck.recipes import (EINSUM_LAYOUTS, EINSUM_PARTIAL_SUMS, Einsum, Matmul, MatmulAxes, Ragged, Recipe, as_matmul,
                             get_recipe)
@@ -94,7 +94,7 @@ def operand_formats(recipe: Recipe | str) -> tuple[str, str]:
     if recipe.lhs is not None:
         return recipe.lhs, recipe.rhs
     if recipe.reference.cast_dtype is not None:
-        name = recipe.reference.cast_dtype.name.removeprefix("float8_")
+        name = formats.cast_format(recipe.reference.cast_dtype, where=f"recipe {recipe.name!r}").name
         return name, name
     raise ValueError(
         f"recipe {recipe.name!r} declares no operand formats (lhs=/rhs=) and no cast_dtype, "
@@ -108,10 +108,11 @@ def _wrong_axes(axes: tuple[int, ...], ndim: int) -> tuple[int, ...]:
 
 def _qdq(x: np.ndarray, fmt: str, axes: tuple[int, ...], order: str = NVFP4_DECODE_ORDERS[0]) -> np.ndarray:
     ftz = jax.default_backend() == "cpu"  # XLA's CPU backend flushes float32 subnormals
-    if fmt != "nvfp4" or order == NVFP4_DECODE_ORDERS[0]:
+    if order == NVFP4_DECODE_ORDERS[0]:
         return referees.reference_qdq(x, fmt, axis=axes, ftz=ftz, xla_reciprocal=True)
+    # XLA's order (only for a format whose record allows decode_ulps): the block scale over the tensor scale.
     codes, scales = referees.reference_quantize(x, fmt, axis=axes, ftz=ftz)
-    blocks = Blocks(codes.shape, tuple(sorted(a % x.ndim for a in axes)), formats.NVFP4_BLOCK, "nvfp4")
+    blocks = Blocks(codes.shape, tuple(sorted(a % x.ndim for a in axes)), formats.get_format(fmt).block, fmt)
     c = blocks.split(codes.astype(np.float32))
     sb = scales["block"].astype(np.float32)[..., None]
     nonzero = sb > 0
@@ -120,7 +121,8 @@ def _qdq(x: np.ndarray, fmt: str, axes: tuple[int, ...], order: str = NVFP4_DECO
 
 
 def _orders(fmt: str) -> tuple[str, ...]:
-    return NVFP4_DECODE_ORDERS if fmt == "nvfp4" else NVFP4_DECODE_ORDERS[:1]
+    # A format whose record says XLA may reorder its decode (nvfp4) is held to either order.
+    return NVFP4_DECODE_ORDERS if formats.get_format(fmt).decode_ulps else NVFP4_DECODE_ORDERS[:1]
 
 
 def _neighbours(mm: Matmul, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt) -> Iterator[tuple[str, np.ndarray]]:
@@ -131,9 +133,9 @@ def _neighbours(mm: Matmul, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt) -> Iterato
     for side, x, fmt, axes in (("lhs", lhs, lhs_fmt, mm.axes(lhs.ndim, rhs.ndim).lhs), ("rhs", rhs, rhs_fmt, mm.axes(lhs.ndim, rhs.ndim).rhs)):
         def with_(q):
             return mm.reference(q, q_rhs) if side == "lhs" else mm.reference(q_lhs, q)
-        for other in NEIGHBOURS[fmt]:
+        for other in formats.get_format(fmt).siblings:
             yield f"{side} in {other} instead of {fmt}", with_(_qdq(x, other, axes))
-        if fmt in formats.AXIS_FORMATS:
+        if formats.get_format(fmt).per_axis:
             wrong = _wrong_axes(axes, x.ndim)
             try:
                 q = _qdq(x, fmt, wrong)
@@ -141,18 +143,20 @@ def _neighbours(mm: Matmul, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt) -> Iterato
                 continue
             yield f"{side} in {fmt} along the wrong axes {wrong} (contraction: {axes})", with_(q)
     if lhs_fmt == rhs_fmt:  # the wrong flavour throughout, as a recipe that declares one and runs another has it
-        for other in NEIGHBOURS[lhs_fmt]:
+        for other in formats.get_format(lhs_fmt).siblings:
             yield (f"both operands in {other} instead of {lhs_fmt}",
                    mm.reference(_qdq(lhs, other, mm.axes(lhs.ndim, rhs.ndim).lhs), _qdq(rhs, other, mm.axes(lhs.ndim, rhs.ndim).rhs)))
     # Per-slice formats only: a block format's blocks lie within one group's contraction either way.
-    if mm.shared_rhs_axes is not None and rhs_fmt in _INTEGER_FORMATS:
+    if mm.shared_rhs_axes is not None and _integer(rhs_fmt):
         yield _SHARED, mm.reference(q_lhs, _qdq(rhs, rhs_fmt, mm.shared_rhs_axes))
 
 
 _SHARED = "rhs with one weight scale shared across groups (calibrated over groups and contraction)"
 # The integer reference multiplies the integer sum by each operand's scale: a format whose stored scale divides
 # (int8_keras: Keras divides the sum by the product of its encode scales) is not that arithmetic.
-_INTEGER_FORMATS = frozenset(f.name for f in formats.FORMATS if f.kind == "int" and not f.divides)
+def _integer(fmt: str) -> bool:
+    record = formats.get_format(fmt)
+    return record.kind == "int" and not record.divides
 
 
 def _library_neighbours(mm: Matmul, lhs, rhs, lhs_fmt: str, rhs_fmt: str) -> Iterator[tuple[str, np.ndarray]]:
@@ -281,8 +285,9 @@ def _check_formats(*fmts: str, arithmetic: str = "float") -> None:
         formats.get_format(fmt)
     if arithmetic not in MATMUL_MODES:
         raise ValueError(f"unknown arithmetic {arithmetic!r}; valid: {', '.join(MATMUL_MODES)}")
-    if arithmetic == "integer" and (bad := [f for f in fmts if f not in _INTEGER_FORMATS]):
-        raise ValueError(f"arithmetic='integer' needs integer formats ({', '.join(sorted(_INTEGER_FORMATS))}), "
+    if arithmetic == "integer" and (bad := [f for f in fmts if not _integer(f)]):
+        integer = sorted(f for f in formats.format_names() if _integer(f))
+        raise ValueError(f"arithmetic='integer' needs integer formats ({', '.join(integer)}), "
                          f"got {', '.join(bad)}")
 
 
@@ -315,9 +320,12 @@ def probe_site_operands(
     for fmt in (lhs_format, rhs_format):
         if fmt is not None:
             formats.get_format(fmt, where="probe_site_operands")
-    nvfp4 = nvfp4 or "nvfp4" in (lhs_format, rhs_format)
+    # A format XLA may decode in another order (its record's decode_ulps: nvfp4) needs probes that decode
+    # exactly in every order.
+    nvfp4 = nvfp4 or any(f is not None and formats.get_format(f).decode_ulps for f in (lhs_format, rhs_format))
     if not nvfp4:
-        lhs, rhs = probe_operands(seed, lhs_shape, rhs_shape)
+        lhs, rhs = log_uniform(seed, (lhs_shape, rhs_shape),
+                               [None if f is None else formats.get_format(f) for f in (lhs_format, rhs_format)])
         if spread:
             rng = np.random.default_rng(seed + 1000)
             lhs, rhs = (x * np.exp2(sum(rng.integers(-6, 7, n).reshape([-1 if d == a else 1 for d in range(x.ndim)])

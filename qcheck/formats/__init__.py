@@ -16,7 +16,9 @@ AQT's and qwix's defaults compute, absmax/127.5; ``int8_keras`` is Keras's, an e
 ml_dtypes' int4; ``mxfp8_jax`` and ``nvfp4_jax`` are the block formats
 ``jax.nn.scaled_dot_general`` computes (see :mod:`qcheck.adapters`). :func:`quantize` returns the element codes and the
 scales in their storage types, :func:`dequantize` maps them back, and
-:func:`qdq` is the one after the other.
+:func:`qdq` is the one after the other. A user's own format is a record too:
+:func:`register_format` (or :func:`registered_formats` for a ``with`` block)
+adds it with the user's numpy referee, and every check takes its name.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from qcheck.formats._int8 import INT8_EDGE, INT8_MAX  # noqa: E402
 from qcheck.formats._jax_rules import NVFP4_RANGE, jax_nvfp4_global_scale  # noqa: E402
 from qcheck.formats._quantized import Quantized  # noqa: E402
 from qcheck.formats._record import Format  # noqa: E402
+from qcheck.formats._registry import register_format, registered_formats  # noqa: E402
 from qcheck.formats._table import (AXIS_FORMATS, FORMATS, FP8_DTYPES, FP8_SIBLINGS, block_size,  # noqa: E402
-                                   format_names, get_format)
+                                   builtin_format_names, cast_format, format_names, get_format)
 
 __all__ = [
     "AXIS_FORMATS",
@@ -58,12 +61,16 @@ __all__ = [
     "Format",
     "Quantized",
     "block_size",
+    "builtin_format_names",
+    "cast_format",
     "dequantize",
     "format_names",
     "get_format",
     "jax_nvfp4_global_scale",
     "qdq",
     "quantize",
+    "register_format",
+    "registered_formats",
     "round_e2m1",
     "saturating_cast",
     "stochastic_round_e2m1",

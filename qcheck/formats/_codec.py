@@ -13,11 +13,10 @@ from jax.typing import ArrayLike
 
 from qcheck.formats._blocks import normalize_axis
 from qcheck.formats._quantized import Quantized
-from qcheck.formats._table import FORMATS, get_format
+from qcheck.formats._table import format_names, get_format
 
 __all__ = ["dequantize", "qdq", "quantize"]
 
-_STOCHASTIC = tuple(f.name for f in FORMATS if f.stochastic)
 
 
 def quantize(
@@ -63,7 +62,7 @@ def _quantize(x: ArrayLike, fmt: str, axis: int | tuple[int, ...], rng: Array | 
         raise TypeError(f"x must be a floating-point array, got dtype {x.dtype}")
     axes = normalize_axis(axis, x.ndim)
     if rng is not None and not record.stochastic:
-        raise ValueError(f"format {fmt!r} has no stochastic rounding; only {', '.join(_STOCHASTIC)} takes rng")
+        raise ValueError(f"format {fmt!r} has no stochastic rounding; only {', '.join(f for f in format_names() if get_format(f).stochastic)} takes rng")
     codes, scales = record.quantize(x, axes, record, rng)
     return Quantized(format=fmt, codes=codes, scales=scales, axis=axes, dtype=np.dtype(x.dtype))
 
@@ -87,8 +86,8 @@ def qdq(
     ``x``'s dtype.
     """
     if isinstance(x, jax.core.Tracer):
-        get_format(fmt)  # before it becomes a static argument, which must hash
-        return _nested_qdq(x, fmt, normalize_axis(axis, x.ndim), rng)
+        # The record is a static argument too: a plug-in format registered again under its name is another record.
+        return _nested_qdq(x, fmt, normalize_axis(axis, x.ndim), rng, get_format(fmt))
     return dequantize(_quantize(x, fmt, axis, rng))
 
 
@@ -100,6 +99,6 @@ def qdq(
 # compares the two). Eager calls stay op by op, as eager quantize and dequantize
 # are: one fused program can round an NVFP4 value an ulp away from the same
 # operations run one by one (see nvfp4_quantize).
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _nested_qdq(x: Array, fmt: str, axes: tuple[int, ...], rng: Array | None) -> Array:
+@functools.partial(jax.jit, static_argnums=(1, 2, 4))
+def _nested_qdq(x: Array, fmt: str, axes: tuple[int, ...], rng: Array | None, record) -> Array:
     return dequantize(_quantize(x, fmt, axes, rng))

@@ -6,6 +6,8 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Literal
 
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax import Array
 
@@ -35,6 +37,15 @@ class Format:
     :func:`~qcheck.formats.quantize`) and scales; ``dequantize(q, format)``
     maps them back. ``stochastic``: whether it takes ``rng``. ``divides``: its stored scale is an encode
     scale, x ≈ codes / scale (Keras's int8), where the others' ``slice`` scale multiplies.
+    ``grad``: for a cast format, the e5m2-class format an fp8-class recipe casting to it quantizes its
+    output gradient to (Flax's delayed scaling: e4m3fn -> e5m2, e4m3fnuz -> e5m2fnuz); None: such a recipe
+    has no gradient flavour. ``decode_ulps``: how far XLA may move its dequantized values under jit by
+    computing its decode in another order (nvfp4's ``code · (1 / (s_enc / s_block))`` as
+    ``code · (s_block / s_enc)``: 2 ulps); 0: its decode has one order, or every order is exact.
+    ``parting_binade``: ``(lo, hi)`` where a cast format parts from its sibling only in [2^lo, 2^hi), outside
+    the checks' probes' magnitudes (e5m2 and e5m2fnuz), which then fill some contraction fibres from it.
+    ``probe_spread``: the probes must spread their block amaxes over many binades (a power-of-two scale
+    rounded up, as ``mxfp8_jax``'s, comes out the same for every block of values that all reach about 2^10).
     """
 
     name: str
@@ -48,6 +59,23 @@ class Format:
     dequantize: Callable[[Quantized, Format], Array]
     stochastic: bool = False
     divides: bool = False
+    grad: str | None = None
+    decode_ulps: int = 0
+    parting_binade: tuple[int, int] | None = None
+    probe_spread: bool = False
+
+    @property
+    def normal_range(self) -> tuple[float, float] | None:
+        """The smallest normal and the largest finite magnitude of its element type; None for integer codes.
+
+        The probes of a cast format stay inside it, so their reference never leans on how a backend casts to
+        the type's subnormals.
+        """
+        # jax.numpy, not numpy: numpy reads ml_dtypes' int4 as no integer type (its kind is "V").
+        if jnp.issubdtype(self.element, jnp.integer):
+            return None
+        info = ml_dtypes.finfo(self.element)
+        return float(info.smallest_normal), float(info.max)
 
     @property
     def per_axis(self) -> bool:

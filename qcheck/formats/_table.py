@@ -16,8 +16,8 @@ import ml_dtypes
 import numpy as np
 
 from qcheck._choices import require_choice
-from qcheck.formats._block_scaled import (MX_BLOCK, NVFP4_BLOCK, e8m0_block_dequantize, mxfp8_quantize,
-                                          nvfp4_dequantize, nvfp4_quantize)
+from qcheck.formats._block_scaled import (MX_BLOCK, NVFP4_BLOCK, NVFP4_JIT_DECODE_ULPS, e8m0_block_dequantize,
+                                          mxfp8_quantize, nvfp4_dequantize, nvfp4_quantize)
 from qcheck.formats._fp8 import cast_dequantize, cast_quantize, current_dequantize, current_quantize
 from qcheck.formats._int4 import int4_keras_quantize
 from qcheck.formats._int8 import (int8_aqt_quantize, int8_dequantize, int8_keras_dequantize, int8_keras_quantize,
@@ -25,7 +25,8 @@ from qcheck.formats._int8 import (int8_aqt_quantize, int8_dequantize, int8_keras
 from qcheck.formats._jax_rules import mxfp8_jax_quantize, nvfp4_jax_dequantize, nvfp4_jax_quantize
 from qcheck.formats._record import Format
 
-__all__ = ["AXIS_FORMATS", "FORMATS", "FP8_DTYPES", "FP8_SIBLINGS", "block_size", "format_names", "get_format"]
+__all__ = ["AXIS_FORMATS", "FORMATS", "FP8_DTYPES", "FP8_SIBLINGS", "add_record", "block_size", "builtin_format_names",
+           "cast_format", "format_names", "get_format", "restore_records"]
 
 _INT8 = np.dtype(np.int8)
 _INT4 = np.dtype(ml_dtypes.int4)
@@ -34,6 +35,7 @@ _E4M3FN = np.dtype(ml_dtypes.float8_e4m3fn)
 _E4M3FNUZ = np.dtype(ml_dtypes.float8_e4m3fnuz)
 _E5M2 = np.dtype(ml_dtypes.float8_e5m2)
 _E5M2FNUZ = np.dtype(ml_dtypes.float8_e5m2fnuz)
+_E3M4 = np.dtype(ml_dtypes.float8_e3m4)
 _E2M1 = np.dtype(ml_dtypes.float4_e2m1fn)
 _E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 
@@ -43,9 +45,20 @@ def _int(name: str, rule: str, quantize, siblings: tuple[str, ...], dequantize=i
     return Format(name, "int", _INT8, None, {"slice": _F32}, rule, siblings, quantize, dequantize, divides=divides)
 
 
-def _cast(name: str, element: np.dtype, sibling: str) -> Format:
+def _cast(name: str, element: np.dtype, sibling: str, grad: str | None = None,
+          parting_binade: tuple[int, int] | None = None) -> Format:
     return Format(name, "cast", element, None, {}, "none: the element type at scale 1, saturating", (sibling,),
-                  cast_quantize, cast_dequantize)
+                  cast_quantize, cast_dequantize, grad=grad, parting_binade=parting_binade)
+
+
+# e5m2 and e5m2fnuz share every value from 2^-14 up, their maximum (57344) too, and a saturating cast
+# never reaches e5m2's inf; a matmul's sum hides that e5m2fnuz has no -0. They part only where e5m2 is
+# subnormal: in [2^-15, 2^-14) e5m2fnuz is normal (1.25 * 2^-15 and 1.75 * 2^-15 are its own values) and
+# e5m2 keeps one bit (2^-15, 1.5 * 2^-15), so about half the values there round apart. Those are normal
+# float32 values, which XLA's CPU backend does not flush (it flushes float32 subnormals only), and XLA
+# casts them to e5m2's subnormals exactly, as ml_dtypes does (measured on jax 0.10.2 and 0.12).
+# e4m3fn and e4m3fnuz need no such binade: they part on the probes' own values above 240, e4m3fnuz's maximum.
+_E5M2_PARTING = (-15, -14)
 
 
 def _current(name: str, element: np.dtype, siblings: tuple[str, ...]) -> Format:
@@ -58,15 +71,16 @@ def _current(name: str, element: np.dtype, siblings: tuple[str, ...]) -> Format:
 FORMATS: tuple[Format, ...] = (
     _int("int8", "absmax / 127 per slice, codes ±127 (AQT with preserve_max_val=True)", int8_quantize,
          ("int8_aqt", "int8_qwix")),
-    _cast("e4m3fn", _E4M3FN, "e4m3fnuz"),
-    _cast("e4m3fnuz", _E4M3FNUZ, "e4m3fn"),
-    _cast("e5m2", _E5M2, "e5m2fnuz"),
-    _cast("e5m2fnuz", _E5M2FNUZ, "e5m2"),
+    # grad: the gradient flavour of the same family, as Flax's fp8 and NANOO fp8 pair them.
+    _cast("e4m3fn", _E4M3FN, "e4m3fnuz", grad="e5m2"),
+    _cast("e4m3fnuz", _E4M3FNUZ, "e4m3fn", grad="e5m2fnuz"),
+    _cast("e5m2", _E5M2, "e5m2fnuz", parting_binade=_E5M2_PARTING),
+    _cast("e5m2fnuz", _E5M2FNUZ, "e5m2", parting_binade=_E5M2_PARTING),
     _current("e4m3fn_current", _E4M3FN, ("e4m3fn", "e5m2_current")),
     _current("e5m2_current", _E5M2, ("e5m2", "e4m3fn_current")),
     Format("nvfp4", "block", _E2M1, NVFP4_BLOCK, {"block": _E4M3FN, "tensor": _F32},
            "NVIDIA's: encode scale 6 · 448 / amax per tensor, e4m3fn scale amax_b / 6 per block of 16",
-           (), nvfp4_quantize, nvfp4_dequantize, stochastic=True),
+           (), nvfp4_quantize, nvfp4_dequantize, stochastic=True, decode_ulps=NVFP4_JIT_DECODE_ULPS),
     Format("mxfp8", "block", _E4M3FN, MX_BLOCK, {"block": _E8M0},
            "OCP MX v1.0: 2^(floor(log2 amax_b) - 8) per block of 32", ("e4m3fn",), mxfp8_quantize,
            e8m0_block_dequantize),
@@ -77,7 +91,7 @@ FORMATS: tuple[Format, ...] = (
            ("nvfp4",), nvfp4_jax_quantize, nvfp4_jax_dequantize),
     Format("mxfp8_jax", "block", _E4M3FN, MX_BLOCK, {"block": _E8M0},
            "JAX's: amax_b / 448 rounded up to a power of two per block of 32", ("mxfp8", "e4m3fn"),
-           mxfp8_jax_quantize, e8m0_block_dequantize),
+           mxfp8_jax_quantize, e8m0_block_dequantize, probe_spread=True),
     _int("int8_aqt", "absmax / 127.5 per slice, x · (1 / scale) clipped to ±127 (AQT v2's default)",
          int8_aqt_quantize, ("int8", "int8_qwix")),
     _int("int8_qwix", "absmax / 127.5 per slice, a saturating cast to -128..127 (qwix's)", int8_qwix_quantize,
@@ -95,9 +109,15 @@ FORMATS: tuple[Format, ...] = (
            "an encode scale 7 / (absmax + 1e-7) per slice, x · scale clipped to [-8, 7], x ≈ codes / scale "
            "(Keras's abs_max_quantize with value_range (-8, 7))", (), int4_keras_quantize, int8_keras_dequantize,
            divides=True),
+    # An IEEE-style 8-bit float with 3 exponent and 4 mantissa bits (ml_dtypes 0.7.0 float8_e3m4: max 15.5,
+    # normal from 2^-2, inf and NaN, so an unsaturated cast of 100 is inf): more precision, less range. Its
+    # sibling is e4m3fn, the fp8 type a bug would cast to instead; its gradient flavour e5m2, the gradient type
+    # every fp8 recipe pairs with a non-fnuz forward type.
+    _cast("e3m4", _E3M4, "e4m3fn", grad="e5m2"),
 )
 
 _BY_NAME: dict[str, Format] = {f.name: f for f in FORMATS}
+_BUILTIN = tuple(_BY_NAME)
 
 #: fp8 element types qcheck knows, by the name ml_dtypes gives them.
 FP8_DTYPES: dict[str, np.dtype] = {f.element.name: f.element for f in FORMATS if f.kind == "cast"}
@@ -118,6 +138,36 @@ def format_names() -> tuple[str, ...]:
 def get_format(name: str, *, where: str | None = None) -> Format:
     """The record of format ``name``; a one-line ValueError listing the valid names (prefixed ``where: ``) if none."""
     return _BY_NAME[require_choice("format", name, _BY_NAME, where=where)]
+
+
+def cast_format(dtype, *, where: str | None = None) -> Format:
+    """The record of the cast format whose element type is ``dtype`` (``float8_e4m3fn`` -> ``e4m3fn``); a one-line
+    ValueError listing the cast formats' types (prefixed ``where: ``) if none."""
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        name = repr(dtype)
+    casts = {f.element.name: f for f in _BY_NAME.values() if f.kind == "cast"}
+    if name not in casts:
+        raise ValueError(f"{where + ': ' if where else ''}cast_dtype must be an fp8 type (a cast format's element type: "
+                         f"{', '.join(casts)}), got {dtype!r}")
+    return casts[name]
+
+
+def builtin_format_names() -> tuple[str, ...]:
+    """The names of the formats qcheck itself defines (:data:`FORMATS`), without the plug-ins."""
+    return _BUILTIN
+
+
+def add_record(record: Format) -> None:
+    """Make ``record`` a format :func:`get_format` knows (for the plug-in registry, which checks it first)."""
+    _BY_NAME[record.name] = record
+
+
+def restore_records(names: tuple[str, ...]) -> None:
+    """Forget every plug-in format not in ``names`` (for the plug-in registry); the built-ins stay."""
+    for name in [n for n in _BY_NAME if n not in names and n not in _BUILTIN]:
+        del _BY_NAME[name]
 
 
 def block_size(fmt: str) -> int | None:

@@ -16,6 +16,7 @@ import numpy as np
 from flax import linen as nn
 from flax.linen import fp8_ops
 
+from qcheck import formats
 from qcheck.recipes._base import ApplyRngs, Recipe
 from qcheck.recipes._declarations import Expect, Reference
 from qcheck.recipes._sites import SiteOps
@@ -55,8 +56,13 @@ class DelayedScalingFp8(Recipe):
 
     def __init__(self, name: str, *, e4m3_dtype, e5m2_dtype, amax_history_length: int = 1024,
                  expect: Expect | None = None):
+        for arg, dtype in (("e4m3_dtype", e4m3_dtype), ("e5m2_dtype", e5m2_dtype)):
+            if not _flax_takes(dtype):
+                takes = ", ".join(t for t in formats.FP8_DTYPES if _flax_takes(t))
+                raise ValueError(f"recipe {name!r}: {arg} {np.dtype(dtype).name} is not a type Flax's fp8 ops take "
+                                 f"(flax.linen.fp8_ops.get_fp8_max asserts it is one of {takes})")
         # lhs/rhs: what a fresh site does (scale 1), which the golden codes record.
-        fresh = np.dtype(e4m3_dtype).name.removeprefix("float8_")
+        fresh = formats.cast_format(e4m3_dtype, where=f"recipe {name!r}: e4m3_dtype").name
         super().__init__(
             name,
             lhs=fresh,
@@ -76,6 +82,16 @@ class DelayedScalingFp8(Recipe):
             e4m3_dtype=self.e4m3_dtype,
             e5m2_dtype=self.e5m2_dtype,
         )
+
+
+def _flax_takes(dtype) -> bool:
+    # flax 0.12.8 fp8_ops.get_fp8_max (flax/linen/fp8_ops.py:125) asserts its type is one of four fp8 types:
+    # asked, not listed here, so a Flax that takes more (e3m4, say) is taken at its word.
+    try:
+        fp8_ops.get_fp8_max(np.dtype(dtype), jnp.float32)
+    except (AssertionError, TypeError):
+        return False
+    return True
 
 
 def fp8() -> DelayedScalingFp8:

@@ -33,8 +33,8 @@ import numpy as np
 
 from qcheck.referees._choice import choice
 
-__all__ = ["CURRENT_SCALE_CAP", "KERAS_EPSILON", "QWIX_MIN_SCALE", "referee_format_names", "reference_dequantize",
-           "reference_qdq", "reference_quantize"]
+__all__ = ["CURRENT_SCALE_CAP", "KERAS_EPSILON", "QWIX_MIN_SCALE", "add_referee", "builtin_referee_names",
+           "referee_format_names", "reference_dequantize", "reference_qdq", "reference_quantize", "remove_referee"]
 
 _F32 = np.float32
 
@@ -45,6 +45,7 @@ _FP8 = {
     "e5m2": np.dtype(ml_dtypes.float8_e5m2),
     "e5m2fnuz": np.dtype(ml_dtypes.float8_e5m2fnuz),
 }
+_E3M4 = np.dtype(ml_dtypes.float8_e3m4)  # [def] OCP's 8-bit float with 3 exponent bits, 4 mantissa bits
 _E2M1 = np.dtype(ml_dtypes.float4_e2m1fn)
 _E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 
@@ -380,17 +381,50 @@ _REFEREES: dict[str, _Referee] = {
     "int8_qwix": _Referee(_int8_qwix, _by_slice),
     "int8_keras": _Referee(_int8_keras, _over_slice),
     "int4_keras": _Referee(_int4_keras, _over_slice),
+    "e3m4": _Referee(functools.partial(_cast, dtype=_E3M4), _as_is),
 }
-_NAMES = tuple(_REFEREES)
+_BUILTIN = tuple(_REFEREES)
 
 
 def referee_format_names() -> tuple[str, ...]:
-    """The format names the referee knows."""
-    return _NAMES
+    """The format names the referee knows: its own, then the plug-ins' (:func:`add_referee`)."""
+    return tuple(_REFEREES)
+
+
+def builtin_referee_names() -> tuple[str, ...]:
+    """The format names the referee knows of its own, written here from their definitions."""
+    return _BUILTIN
+
+
+def add_referee(name: str, quantize: Callable[..., tuple[np.ndarray, dict[str, np.ndarray]]],
+                dequantize: Callable[[np.ndarray, dict[str, np.ndarray], tuple[int, ...]], np.ndarray],
+                stochastic: bool = False) -> None:
+    """Consult a user's referee for plug-in format ``name`` (``qcheck.formats.register_format`` calls this).
+
+    ``quantize(x, axes, *, ftz, xla_reciprocal)`` (and ``uniforms=`` where ``stochastic``) returns (codes,
+    scales); ``dequantize(codes as float32, scales, axes)`` the values. Both are the user's, in numpy.
+    """
+    if name in _REFEREES:
+        raise ValueError(f"the referee already knows a format named {name!r}; formats: {', '.join(_REFEREES)}")
+
+    def q(x, axes, *, ftz, xla_reciprocal, uniforms):
+        kw = {"uniforms": uniforms} if stochastic else {}
+        codes, scales = quantize(x, axes, ftz=ftz, xla_reciprocal=xla_reciprocal, **kw)
+        return np.asarray(codes), {k: np.asarray(v) for k, v in dict(scales).items()}
+
+    _REFEREES[name] = _Referee(q, lambda c, scales, axes, fmt: dequantize(c, scales, axes), stochastic)
+
+
+def remove_referee(name: str) -> None:
+    """Stop consulting the plug-in referee of ``name``; the referee's own formats stay."""
+    if name in _BUILTIN:
+        raise ValueError(f"format {name!r} is one of the referee's own; plug-ins: "
+                         f"{', '.join(n for n in _REFEREES if n not in _BUILTIN) or 'none'}")
+    _REFEREES.pop(name, None)
 
 
 def _check(x: np.ndarray, fmt: str, uniforms: np.ndarray | None) -> np.ndarray:
-    choice("format", fmt, _NAMES)
+    choice("format", fmt, tuple(_REFEREES))
     x = np.asarray(x)
     if x.dtype != _F32:
         raise TypeError(f"x must be a float32 array (the referee computes in IEEE float32), got dtype {x.dtype}")
@@ -435,7 +469,7 @@ def reference_dequantize(
 ) -> np.ndarray:
     """The float32 values ``codes`` and ``scales`` stand for; ``xla_reciprocal`` models XLA's rewrite of a
     division by the scale (``int8_keras``'s, the one format that divides) as a product with its reciprocal."""
-    choice("format", fmt, _NAMES)
+    choice("format", fmt, tuple(_REFEREES))
     c = np.asarray(codes).astype(_F32)
     dequantize = _REFEREES[fmt].dequantize
     if dequantize is _over_slice:

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from qcheck import checks
+from qcheck import checks, formats
 from qcheck.checks import harness
 from qcheck.layers.moe import MoE
 from qcheck.recipes import Matmul, Recipe
@@ -66,23 +66,28 @@ def exact_probes(layer: MoE, recipe: Recipe) -> list[Probe]:
         axes = spec.matmul.axes(len(spec.lhs_shape), len(spec.rhs_shape))
         lhs, rhs = harness.probe_site_operands(i, spec.lhs_shape, spec.rhs_shape, axes,
                                               lhs_format=lhs_fmt, rhs_format=rhs_fmt,
-                                              spread="mxfp8_jax" in (lhs_fmt, rhs_fmt))
+                                              spread=any(formats.get_format(f).probe_spread for f in (lhs_fmt, rhs_fmt)))
         out.append(Probe(name, spec.matmul.regrouped(i), lhs, rhs))
     return out
 
 
 def backward_probes(layer: MoE, recipe: Recipe) -> list[Probe]:
     """Each site's probe for ``backward``: operands and an output gradient on which every known bug shows."""
+    try:
+        formats_in = harness.operand_formats(recipe)
+    except ValueError:  # no declared operand formats: the probes' own magnitudes
+        formats_in = None
     out = []
     for i, (name, spec) in enumerate(layer.site_specs(BATCH, SEQ).items()):
         axes = spec.matmul.axes(len(spec.lhs_shape), len(spec.rhs_shape))
         out_shape = spec.matmul.out_shape(spec.lhs_shape, spec.rhs_shape)
-        if recipe.grad == "nvfp4":  # probes on which NVFP4 decodes exactly in any order XLA picks
+        # A gradient format XLA may decode in another order (nvfp4): probes that decode exactly in every order.
+        if recipe.grad is not None and formats.get_format(recipe.grad).decode_ulps:
             lhs = harness.probe_nvfp4(i, spec.lhs_shape, axes.lhs)
             rhs = harness.probe_nvfp4(i + 100, spec.rhs_shape, axes.rhs)
             g = harness.probe_nvfp4(i + 200, out_shape, axes.dgrad, axes.wgrad)
-        else:
-            lhs, rhs = checks.probe_operands(i, spec.lhs_shape, spec.rhs_shape)
+        else:  # never subnormal in a cast operand format (e3m4 is subnormal below 2^-2)
+            lhs, rhs = checks.probe_operands(i, spec.lhs_shape, spec.rhs_shape, normal_in=formats_in)
             g = checks.probe_grad(i, out_shape)
         out.append(Probe(name, spec.matmul.regrouped(i), lhs, rhs, g))
     return out
