@@ -404,3 +404,77 @@ def test_codes_minus_a_full_size_value_read_full_precision_should_fail():
     offset = np.random.default_rng(5).normal(size=X_ZP.shape).astype(F32)
     with pytest.raises(AssertionError, match=r"1 of 1 matmuls reach full precision"):
         qcheck.assert_quantized(lambda x: (_qwix_minmax(x) - offset) @ _qwix_minmax(W_ZP.T).T, X_ZP, declared=False)
+
+
+# -- int8_qwix_minmax: qwix's asymmetric int8 as a qcheck format, held bitwise to its referee ------------------
+
+_rz = np.random.default_rng(23)
+#: Rows (one scale and zero point each) of every kind minmax treats apart: lopsided (min far from -max), all
+#: positive (min clipped to 0: zero point -128), all negative (max clipped to 0: zero point 127), all zero, below
+#: qwix's floor (span / 255 < 2^-63: scale 1), and magnitudes 2^±40.
+MINMAX = np.concatenate([
+    (_rz.standard_normal((40, 64)) * np.exp2(_rz.integers(-40, 40, (40, 1)))
+     + _rz.standard_normal((40, 1)) * np.exp2(_rz.integers(-40, 40, (40, 1)))),
+    np.abs(_rz.standard_normal((4, 64))), -np.abs(_rz.standard_normal((4, 64))), np.zeros((2, 64)),
+    _rz.standard_normal((2, 64)) * 1e-18,
+]).astype(F32)
+
+
+def qwix_minmax_int8(x, run):
+    """qwix.quantize(x, int8, channelwise_axes=(0,), calibration_method="minmax"): codes, scale, zero point."""
+    f = lambda v: qwix.quantize(v, jnp.int8, channelwise_axes=(0,), calibration_method="minmax")  # noqa: E731
+    qa = RUNS[run](f)(x)
+    return np.asarray(qa.qvalue), np.asarray(qa.scale), np.asarray(qa.zero_point), np.asarray(qwix.dequantize(qa))
+
+
+def _referee_minmax(x, xla_reciprocal=True):
+    return referees.reference_quantize(x, "int8_qwix_minmax", axis=-1, ftz=jax.default_backend() == "cpu",
+                                       xla_reciprocal=xla_reciprocal)
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_qwix_minmax_int8_equals_the_referee_bitwise_should_pass(run):
+    """qwix 0.1.8 (qarray.calibrate 'minmax', compute_scale_zero_point, quantize_with_scale_zero_point, dequantize;
+    numerics.get_asymmetric_bound(int8) = (-128, 127)): codes, scales, zero points and dequantized values are
+    qcheck's int8_qwix_minmax referee's, with XLA's reciprocal of 255 and of the scale (eager too: qwix's
+    broadcast division runs as a program), bit for bit; and qcheck's own quantizer is both."""
+    codes, scale, zero_point, deq = qwix_minmax_int8(MINMAX, run)
+    ref_codes, ref_scales = _referee_minmax(MINMAX)
+    assert_same_bits(f"int8_qwix_minmax referee vs qwix ({run}): codes", ref_codes, codes)
+    assert_same_bits(f"int8_qwix_minmax referee vs qwix ({run}): scales", ref_scales["slice"], scale)
+    assert_same_bits(f"int8_qwix_minmax referee vs qwix ({run}): zero points", ref_scales["zero_point"], zero_point)
+    ref_deq = referees.reference_dequantize(ref_codes, ref_scales, "int8_qwix_minmax", ftz=True)
+    assert_same_bits(f"int8_qwix_minmax referee vs qwix ({run}): dequantized", ref_deq, deq)
+    # The rows reach what they are for: all positive and all zero at zero point -128, all negative at 127.
+    assert np.all(zero_point[40:44] == -128) and np.all(zero_point[44:48] == 127), zero_point[40:].ravel()
+    assert np.all(zero_point[48:50] == -128) and np.all(codes[48:50] == -128), "an all-zero row: codes -128"
+    assert np.all(scale[-2:] == 1), "the rows below the floor reach it"
+    from qcheck import formats
+
+    q = RUNS[run](lambda v: formats.quantize(v, "int8_qwix_minmax", axis=-1))(MINMAX)
+    assert_same_bits(f"qcheck int8_qwix_minmax vs qwix ({run}): codes", np.asarray(q.codes), codes)
+    assert_same_bits(f"qcheck int8_qwix_minmax vs qwix ({run}): zero points", np.asarray(q.scales["zero_point"]),
+                     zero_point)
+
+
+def _minmax_unrounded_zero_point(x):
+    """A wrong rule: the zero point -128 - min / scale left a float, added to x / scale before the rounding."""
+    lo, hi = np.minimum(x.min(-1, keepdims=True), F32(0)), np.maximum(x.max(-1, keepdims=True), F32(0))
+    scale = ((hi - lo) * (F32(1) / F32(255))).astype(F32)
+    scale = np.where(scale < QWIX_MIN_SCALE, F32(1), scale)
+    return np.clip(np.round(x * (F32(1) / scale) + (F32(-128) - lo / scale)), -128, 127).astype(np.int8)
+
+
+def _minmax_symmetric_scale(x):
+    """A wrong rule: qwix's symmetric int8 (absmax / 127.5) where minmax was asked for."""
+    return referees.reference_quantize(x, "int8_qwix", axis=-1, ftz=True, xla_reciprocal=True)[0]
+
+
+@pytest.mark.parametrize("rule", [_minmax_unrounded_zero_point, _minmax_symmetric_scale],
+                         ids=["unrounded-zero-point", "symmetric-scale"])
+def test_a_wrong_minmax_rule_differs_from_qwix_should_fail(rule):
+    codes, _, _, _ = qwix_minmax_int8(MINMAX, "jit")
+    assert_same_bits("int8_qwix_minmax referee vs qwix (jit): codes", _referee_minmax(MINMAX)[0], codes)
+    with pytest.raises(AssertionError, match=r"wrong rule vs qwix: codes differ at index \(\d+, \d+\): qcheck "
+                                             r"np.int8\(-?\d+\) vs qwix np.int8\(-?\d+\); \d+ of 3328 differ"):
+        assert_same_bits("wrong rule vs qwix: codes", rule(MINMAX), codes)

@@ -150,8 +150,10 @@ def _neighbours(mm: Matmul, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt) -> Iterato
 
 _SHARED = "rhs with one weight scale shared across groups (calibrated over groups and contraction)"
 # The integer reference multiplies the integer sum by each operand's scale: a format whose stored scale divides
-# (int8_keras: Keras divides the sum by the product of its encode scales) is not that arithmetic.
-_INTEGER_FORMATS = frozenset(f.name for f in formats.FORMATS if f.kind == "int" and not f.divides)
+# (int8_keras: Keras divides the sum by the product of its encode scales) is not that arithmetic, nor is one whose
+# codes carry a zero point (int8_qwix_minmax: the sum needs a correction term).
+_INTEGER_FORMATS = frozenset(f.name for f in formats.FORMATS
+                             if f.kind == "int" and not f.divides and "zero_point" not in f.scales)
 
 
 def _library_neighbours(mm: Matmul, lhs, rhs, lhs_fmt: str, rhs_fmt: str) -> Iterator[tuple[str, np.ndarray]]:
