@@ -17,6 +17,8 @@ there. The models take that switch.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -478,3 +480,80 @@ def test_a_wrong_minmax_rule_differs_from_qwix_should_fail(rule):
     with pytest.raises(AssertionError, match=r"wrong rule vs qwix: codes differ at index \(\d+, \d+\): qcheck "
                                              r"np.int8\(-?\d+\) vs qwix np.int8\(-?\d+\); \d+ of 3328 differ"):
         assert_same_bits("wrong rule vs qwix: codes", rule(MINMAX), codes)
+
+
+# -- a qwix minmax layer held to int8_qwix_minmax through the declaration -------------------------------------
+
+MINMAX_ROLES = {"weights": "int8_qwix", "activations": "int8_qwix_minmax"}
+
+
+def _minmax_dense():
+    """A dense nnx layer under qwix's rule of minmax (asymmetric) int8 activations and absmax int8 weights
+    (qwix 0.1.8 takes one asymmetric operand at most: dot_general.py, "Only one operand can be asymmetric").
+    qwix multiplies the codes in int32 and subtracts the zero point's own product with the weight codes."""
+    rule = qwix.QtRule(module_path=".*", weight_qtype=jnp.int8, act_qtype=jnp.int8, act_calibration_method="minmax")
+    return qwix.quantize_model(_Dense(W_ZP), qwix.QtProvider([rule]), X_ZP)
+
+
+def _dense_line() -> str:
+    import inspect
+
+    lines, start = inspect.getsourcelines(_Dense.__call__)
+    return f"test_qwix_formats.py:{start + next(i for i, l in enumerate(lines) if 'jnp.einsum' in l)}"
+
+
+@pytest.mark.filterwarnings(r"ignore:The 'm\.iter_modules\(\)' method is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings(r"ignore:'\.value' access is now deprecated:DeprecationWarning")
+def test_qwix_minmax_layer_holds_int8_qwix_minmax_bitwise_should_pass():
+    """qwix 0.1.8: x / scale + zero point, rounded, cast: one quantizer of x, whose codes and zero points are
+    int8_qwix_minmax's bit for bit; the zero point's correction matmul is held to the referee's zero points."""
+    import qcheck
+
+    records = qcheck.assert_quantized(_minmax_dense(), X_ZP, declared=MINMAX_ROLES)
+    assert len(records) == 2, qcheck.format_coverage(records)  # the codes' matmul and the zero point's
+    for r in records:
+        assert r.findings == () and r.lhs_hold.bitwise and r.rhs_hold.bitwise, (r.findings, r.lhs_hold, r.rhs_hold)
+
+
+@pytest.mark.filterwarnings(r"ignore:The 'm\.iter_modules\(\)' method is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings(r"ignore:'\.value' access is now deprecated:DeprecationWarning")
+def test_qwix_minmax_layer_declared_symmetric_int8_qwix_should_fail():
+    """The same layer declared qwix's symmetric int8: the codes' site fails naming int8_qwix_minmax, the zero
+    point's site fails as a zero point int8_qwix has none of."""
+    import qcheck
+
+    with pytest.raises(AssertionError) as failure:
+        qcheck.assert_quantized(_minmax_dense(), X_ZP, declared={"weights": "int8_qwix", "activations": "int8_qwix"})
+    message = str(failure.value).replace("\\", "/")
+    assert "2 of 2 matmuls differ from the declared quantization" in message, message
+    assert _dense_line() in message, message
+    assert ("lhs (activation): codes are not int8_qwix's:" in message
+            and "they are int8_qwix_minmax's codes: another rule of the same kind and width" in message), message
+    assert "lhs (activation): its codes are a zero point" in message and "declared int8_qwix, which has none" in message
+
+
+@pytest.mark.filterwarnings(r"ignore:The 'm\.iter_modules\(\)' method is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings(r"ignore:'\.value' access is now deprecated:DeprecationWarning")
+def test_qwix_minmax_layer_with_a_floored_zero_point_should_fail(monkeypatch):
+    """A zero point planted in qwix (qarray.compute_scale_zero_point): floor(-128 - min / scale) instead of its
+    rounding, so a slice's min lands a step below -128 and saturates. Both the codes and the zero points fail."""
+    import qcheck
+    from qwix._src.core import qarray
+
+    model = _minmax_dense()
+    rounded = qarray.compute_scale_zero_point
+
+    def floored(calibration, qtype):
+        scale, zero_point = rounded(calibration, qtype)
+        if zero_point is not None:
+            zero_point = jnp.floor(-128.0 - calibration["min"] / scale).astype(zero_point.dtype)
+        return scale, zero_point
+
+    monkeypatch.setattr(qarray, "compute_scale_zero_point", floored)
+    with pytest.raises(AssertionError) as failure:
+        qcheck.assert_quantized(model, X_ZP, declared=MINMAX_ROLES)
+    message = str(failure.value)
+    assert "2 of 2 matmuls differ from the declared quantization" in message, message
+    assert re.search(r"lhs \(activation\): codes are not int8_qwix_minmax's: \d+ of 256 codes differ", message), message
+    assert re.search(r"lhs \(activation\): zero point is not int8_qwix_minmax's: [1-8] of 8 differ from the "
+                     r"referee's; first at \[\d, 0\]: (-?\d+) where the referee gives", message), message
