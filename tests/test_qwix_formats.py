@@ -557,3 +557,95 @@ def test_qwix_minmax_layer_with_a_floored_zero_point_should_fail(monkeypatch):
     assert re.search(r"lhs \(activation\): codes are not int8_qwix_minmax's: \d+ of 256 codes differ", message), message
     assert re.search(r"lhs \(activation\): zero point is not int8_qwix_minmax's: [1-8] of 8 differ from the "
                      r"referee's; first at \[\d, 0\]: (-?\d+) where the referee gives", message), message
+
+
+# -- the qwix reader: the rules qwix.quantize_model was given, read off the model it hands back ------------------
+
+class _Block(nnx.Module):
+    """Two dense layers, one inside a submodule; ``by_hand`` quantizes the input itself (qwix's int8, dequantized)
+    before the layers, whatever qwix's rules say."""
+
+    def __init__(self, by_hand: bool = False):
+        rngs = nnx.Rngs(0)
+        self.inner = _Inner(rngs)
+        self.out = nnx.Linear(16, 8, use_bias=False, rngs=rngs)
+        self.by_hand = by_hand
+
+    def __call__(self, x):
+        if self.by_hand:
+            x = qwix.dequantize(qwix.quantize(x, jnp.int8, channelwise_axes=(0,)))
+        return self.out(self.inner(x))
+
+
+class _Inner(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(32, 16, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.lin(x)
+
+
+def _block(*rules, by_hand: bool = False):
+    return qwix.quantize_model(_Block(by_hand), qwix.QtProvider(list(rules)), X_ZP)
+
+
+_INT8_RULE = dict(weight_qtype=jnp.int8, act_qtype=jnp.int8)
+
+
+@pytest.mark.filterwarnings(r"ignore:The 'm\.iter_modules\(\)' method is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings(r"ignore:'\.value' access is now deprecated:DeprecationWarning")
+@pytest.mark.parametrize("rules, read", [
+    ([qwix.QtRule(module_path=".*", **_INT8_RULE)] if qwix else [],
+     "module_path='.*': weights int8_qwix, activations int8_qwix"),
+    ([qwix.QtRule(module_path="inner.*", act_calibration_method="minmax", **_INT8_RULE),
+      qwix.QtRule(module_path=".*", weight_qtype=jnp.float8_e4m3fn, act_qtype=jnp.float8_e4m3fn)] if qwix else [],
+     "module_path='inner.*': weights int8_qwix, activations int8_qwix_minmax; module_path='.*': weights e4m3fn, "
+     "activations e4m3fn"),
+], ids=["int8", "minmax-inner-fp8-rest"])
+def test_qwix_reader_holds_the_rules_read_bitwise_should_pass(rules, read):
+    """qwix 0.1.8: the QtProvider's rules, per module path (the first whose module_path regex matches the module's
+    path), read off the model quantize_model returns; by default and with declared=True, every site bitwise."""
+    import qcheck
+
+    model = _block(*rules)
+    for declared in (None, True):
+        records = qcheck.assert_quantized(model, X_ZP, declared=declared)
+        assert records.declared_from == f"read from the fn: qwix QtProvider rules on 4 module(s) ({read})", \
+            records.declared_from
+        assert {r.scope for r in records} == {"inner/lin", "out"}, qcheck.format_coverage(records)
+        for r in records:
+            assert r.findings == () and r.lhs_hold.bitwise and r.rhs_hold.bitwise, (r.scope, r.lhs_hold, r.rhs_hold)
+
+
+@pytest.mark.filterwarnings(r"ignore:The 'm\.iter_modules\(\)' method is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings(r"ignore:'\.value' access is now deprecated:DeprecationWarning")
+def test_qwix_reader_weights_only_rule_fails_where_activations_are_quantized_too_should_fail():
+    """A weight-only rule read as such: the model quantizes its input to int8 by hand as well, so the first
+    layer's activations are quantized where the rule declares them full precision; the site is named."""
+    import qcheck
+
+    model = _block(qwix.QtRule(module_path=".*", weight_qtype=jnp.int8), by_hand=True)
+    with pytest.raises(AssertionError) as failure:
+        qcheck.assert_quantized(model, X_ZP, declared=True)
+    message = str(failure.value)
+    assert "1 of 2 matmuls differ from the declared quantization" in message, message
+    assert re.search(r"\(_Inner\.__call__\), in inner/lin: lhs \(8, 32\) \[int8\], rhs \(32, 16\) \[int8\]\n"
+                     r"\s+lhs \(activation\) is quantized \(int8\) but declared full precision", message), message
+    assert message.endswith("declared: read from the fn: qwix QtProvider rules on 4 module(s) (module_path='.*': "
+                            "weights int8_qwix, activations full precision)"), message
+
+
+@pytest.mark.filterwarnings(r"ignore:The 'm\.iter_modules\(\)' method is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings(r"ignore:'\.value' access is now deprecated:DeprecationWarning")
+def test_qwix_reader_reads_nothing_from_a_subchannel_rule_and_says_so():
+    """tile_size (subchannel scales) is no qcheck format: nothing is read, the reason is the figure, and
+    declared=True fails naming it."""
+    import qcheck
+
+    model = _block(qwix.QtRule(module_path=".*", tile_size=8, **_INT8_RULE))
+    why = ("the qwix reader: qwix QtRule(module_path='.*'): tile_size=8 (subchannel scales), which no qcheck "
+           "format declares")
+    assert qcheck.coverage(model, X_ZP).declared_from == f"nothing read: {why} (fn _Block); pass declared= to " \
+                                                          f"hold its sites"
+    with pytest.raises(ValueError, match=rf"coverage: declared=True, but {re.escape(why)} of _Block; declare it"):
+        qcheck.coverage(model, X_ZP, declared=True)
