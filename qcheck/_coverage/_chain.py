@@ -88,7 +88,7 @@ class QuantizerChains:
                 for i in ((0, 1) if name == "add" else (0,)):
                     x, z, zvar = ins[i], ins[1 - i], eqn.invars[1 - i]
                     small = z.scale or getattr(zvar.aval, "size", 0) < getattr(eqn.outvars[0].aval, "size", 0)
-                    if x.divisor is not None and not x.multiplied and small and not z.const and z.divisor is None:
+                    if x.divisor is not None and small and not z.const and z.divisor is None:
                         out.prescale, out.divisor, out.multiplied = x.prescale, x.divisor, x.multiplied
                         out.zero_point = z.qid
                         break

@@ -7,6 +7,7 @@ caller gives none, and says in its figures what it read.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -318,31 +319,28 @@ def _qwix(layer: Any) -> Declaration | str | None:
     rules = list(getattr(provider, "_rules", ()))
     from flax import nnx
 
+    if not isinstance(layer, nnx.Module):
+        return "a Linen model: only an NNX model's module paths are read"
     # qwix matches each rule's module_path regex against the path of the module whose method runs the op,
     # "/"-joined (qconfig.py:210-216): the first rule that matches wins. op_names narrow a rule to some ops.
     if any(getattr(r, "op_names", ()) for r in rules):
         return "qwix rules with op_names (per-op formats within a module), which are not read"
+    read = {i: _qwix_rule_roles(r) for i, r in enumerate(rules)}
+    iter_modules = getattr(nnx, "iter_modules", None) or type(layer).iter_modules  # flax 0.12 / before
     scopes: dict[str, dict[str, RoleFormat | None]] = {}
-    used: list[int] = []
-    import re
-
-    for path, _ in nnx.iter_modules(layer):
+    used: set[int] = set()
+    for path, _ in iter_modules(layer):
         p = "/".join(map(str, path))
         idx = next((i for i, r in enumerate(rules) if re.fullmatch(r.module_path, p)), None)
-        if idx is None:
-            scopes[p] = {"weights": None, "activations": None}
-            continue
-        roles = _qwix_rule_roles(rules[idx])
-        if isinstance(roles, str):
-            return f"qwix QtRule(module_path={rules[idx].module_path!r}): {roles}"
-        scopes[p] = roles
-        used.append(idx)
+        if idx is not None and isinstance(read[idx], str):
+            return f"qwix QtRule(module_path={rules[idx].module_path!r}): {read[idx]}"
+        scopes[p] = {"weights": None, "activations": None} if idx is None else read[idx]
+        used |= set() if idx is None else {idx}
     if not used:
         return None  # no rule reaches any module: nothing quantized to read
     top = scopes.get("", {"weights": None, "activations": None})
     said = "; ".join(f"module_path={rules[i].module_path!r}: " + ", ".join(
-        f"{k} {'full precision' if v is None else v}" for k, v in scopes_of.items())
-        for i, scopes_of in {i: _qwix_rule_roles(rules[i]) for i in sorted(set(used))}.items())
+        f"{k} {'full precision' if v is None else v}" for k, v in read[i].items()) for i in sorted(used))
     source = f"qwix QtProvider rules on {len(scopes)} module(s) ({said})"
     if all(v == top for v in scopes.values()):
         return Declaration(dict(top), source)
