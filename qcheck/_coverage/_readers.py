@@ -357,11 +357,11 @@ READERS: tuple[tuple[str, str, Callable[[Any], Declaration | None]], ...] = (
               "last axis", _gemma),
     ("haliax", "Fp8DotGeneralOp's fwd/rev dtypes and Int8DotGeneralOp's AQT config, as quantize_linear_layers "
                "sets them on the layer's Linears (a pytree: an Equinox module, or a Partial holding it)", _haliax),
-    ("Keras", "the mode quantize() recorded on the layers it reached (Layer.quantization_mode: int8, with its "
-              "quantization_config; float8): every matmul of the layer or model held to it", _keras),
     ("qwix", "the QtProvider rules qwix.quantize_model was given (module_path, weight_qtype, act_qtype, "
              "calibration methods), per module path: int8 absmax int8_qwix, int8 minmax int8_qwix_minmax, fp8 "
              "absmax its element type; a module no rule reaches full precision", _qwix),
+    ("Keras", "the mode quantize() recorded on the layers it reached (Layer.quantization_mode: int8, with its "
+              "quantization_config; float8): every matmul of the layer or model held to it", _keras),
 )
 
 
