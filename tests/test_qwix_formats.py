@@ -649,3 +649,38 @@ def test_qwix_reader_reads_nothing_from_a_subchannel_rule_and_says_so():
                                                           f"hold its sites"
     with pytest.raises(ValueError, match=rf"coverage: declared=True, but {re.escape(why)} of _Block; declare it"):
         qcheck.coverage(model, X_ZP, declared=True)
+
+
+@pytest.mark.filterwarnings(r"ignore:The 'm\.iter_modules\(\)' method is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings(r"ignore:'\.value' access is now deprecated:DeprecationWarning")
+def test_qwix_reader_holds_each_module_to_its_own_rule_should_pass():
+    """A rule reaching one module only (module_path='inner.*', weight-only): that module's site is held to
+    int8_qwix on its weights, and the module no rule reaches is read as declared full precision, as qwix leaves
+    it; the declaration names the module declared otherwise."""
+    import qcheck
+
+    records = qcheck.assert_quantized(_block(qwix.QtRule(module_path="inner.*", weight_qtype=jnp.int8)), X_ZP)
+    by_scope = {r.scope: r for r in records}
+    assert (by_scope["inner/lin"].lhs_declared, by_scope["inner/lin"].rhs_declared) == ("full precision", "int8_qwix")
+    assert by_scope["inner/lin"].rhs_hold.bitwise and by_scope["inner/lin"].findings == ()
+    assert (by_scope["out"].lhs_declared, by_scope["out"].rhs_declared) == ("full precision", "full precision")
+    assert str(records.declaration).startswith("weights full precision, activations full precision, module inner/lin: "
+                                               "weights int8_qwix, activations full precision, module inner: "), \
+        records.declaration
+
+
+@pytest.mark.filterwarnings(r"ignore:The 'm\.iter_modules\(\)' method is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings(r"ignore:'\.value' access is now deprecated:DeprecationWarning")
+def test_qwix_reader_holds_a_module_no_rule_reaches_to_full_precision_should_fail():
+    """The twin: the rule reaches ``out`` only, and the model quantizes its input by hand, so ``inner/lin`` (no
+    rule: full precision) multiplies int8 activations: that site fails, named, while ``out`` holds its rule."""
+    import qcheck
+
+    model = _block(qwix.QtRule(module_path="out", **_INT8_RULE), by_hand=True)
+    with pytest.raises(AssertionError) as failure:
+        qcheck.assert_quantized(model, X_ZP)
+    message = str(failure.value)
+    assert "1 of 2 matmuls differ from the declared quantization" in message, message
+    assert re.search(r"\(_Inner\.__call__\), in inner/lin: .*\n\s+lhs \(activation\) is quantized \(int8\) but "
+                     r"declared full precision", message), message
+    assert "in out:" not in message, message

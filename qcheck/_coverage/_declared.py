@@ -109,9 +109,13 @@ class Declaration:
         for name, roles in self.kernels.items():
             parts.append(f"kernel {name}: " + ", ".join(f"{k} {'full precision' if v is None else v}"
                                                       for k, v in roles.items()))
-        for path, roles in self.scopes.items():
-            parts.append(f"module {path or '(top)'}: " + ", ".join(f"{k} {'full precision' if v is None else v}"
-                                                                  for k, v in roles.items()))
+        # The modules declared otherwise than the top's, the first few by name (a model has hundreds).
+        other = [(path, roles) for path, roles in self.scopes.items() if roles != self.roles]
+        for path, roles in other[:3]:
+            parts.append(f"module {path}: " + ", ".join(f"{k} {'full precision' if v is None else v}"
+                                                       for k, v in roles.items()))
+        if len(other) > 3:
+            parts.append(f"{len(other) - 3} more module(s) declared otherwise")
         return f"{', '.join(parts)} ({self.source})"
 
 
