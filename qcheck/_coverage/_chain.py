@@ -84,11 +84,13 @@ class QuantizerChains:
             elif name in ("add", "sub") and len(ins) == 2:
                 # x / scale plus a zero point (qwix's minmax int8 adds its int8 zero point, one per slice): the
                 # quantizer's input is still x, divided by the scale; the zero point's codes are recorded as such.
-                # A literal (x / s + 0.5 before a floor) is not a zero point: the value after it starts afresh.
+                # Only integer codes are a zero point: a literal (x / s + 0.5 before a floor) or a float offset (a
+                # bias) is the layer's arithmetic, and the value after it starts afresh.
                 for i in ((0, 1) if name == "add" else (0,)):
                     x, z, zvar = ins[i], ins[1 - i], eqn.invars[1 - i]
                     small = z.scale or getattr(zvar.aval, "size", 0) < getattr(eqn.outvars[0].aval, "size", 0)
-                    if x.divisor is not None and small and not z.const and z.divisor is None:
+                    codes = z.quant is not None and np.issubdtype(np.dtype(z.quant.dtype or "float32"), np.integer)
+                    if x.divisor is not None and small and codes and not z.const and z.divisor is None:
                         out.prescale, out.divisor, out.multiplied = x.prescale, x.divisor, x.multiplied
                         out.zero_point = z.qid
                         break
