@@ -52,6 +52,9 @@ class Format:
     int_epsilon: float = 0.0
     #: Blocks whose absmax is below this come back zero (a limit with its own test).
     min_amax: float = 0.0
+    #: An asymmetric integer format (a zero point per block): its step is (max - min) / int_edge over the block's
+    #: min and max clipped around 0, and ``int_codes`` bound the codes minus their zero point.
+    zero_point: bool = False
 
 
 def mx_spec_scales(x: np.ndarray, fmt: Format) -> np.ndarray:
@@ -105,6 +108,11 @@ FORMATS = (
     # Keras's int4: an encode scale 7 / (absmax + 1e-7), codes -8..7 (-8 unreached: the grid is symmetric).
     Format("int4_keras", block=32, idempotent_ulps=None, int_codes=(-7, 7), int_edge=7.0, int_epsilon=1e-7,
            min_amax=1e-3),
+    # qwix's minmax int8: the step (max - min) / 255 with min <= 0 <= max, so codes minus their zero point lie in
+    # ±255 (a whole zero point keeps the grid the step's multiples: sign symmetric, codes kept by a second qdq);
+    # a step below 2^-63 becomes 1, as int8_qwix's.
+    Format("int8_qwix_minmax", block=32, idempotent_ulps=None, int_codes=(-255, 255), int_edge=255.0,
+           min_amax=2 * 255 * 2.0**-63, zero_point=True),
     Format("e4m3fn", block=32, idempotent_ulps=0, dtype=np.dtype(ml_dtypes.float8_e4m3fn)),
     Format("e4m3fnuz", block=32, idempotent_ulps=0, dtype=np.dtype(ml_dtypes.float8_e4m3fnuz), fnuz=True),
     Format("e5m2", block=32, idempotent_ulps=0, dtype=np.dtype(ml_dtypes.float8_e5m2)),
@@ -227,6 +235,12 @@ def assert_monotonic(qdq: Qdq, x: np.ndarray, fmt: Format) -> None:
 def _decode_scales(out: np.ndarray, fmt: Format, x: np.ndarray) -> np.ndarray:
     """The per-block step: an integer format's from its definition, (absmax(x) + int_epsilon) / int_edge;
     NVFP4's read off the output itself, whose largest code is the format's max."""
+    if fmt.zero_point:
+        # From the definition: (max - min) / 255 over the block's min and max, clipped so min <= 0 <= max.
+        blocks = _blocks(x, fmt).astype(np.float64)
+        lo = np.minimum(np.min(blocks, axis=-1, keepdims=True), 0.0)
+        hi = np.maximum(np.max(blocks, axis=-1, keepdims=True), 0.0)
+        return (hi - lo) / fmt.int_edge
     if fmt.int_codes is not None:
         # Not read off the output: qwix's -absmax may land on -127 or -128 (its quotient
         # is within an ulp of -127.5), so the output does not say which code it is.

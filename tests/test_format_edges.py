@@ -3,7 +3,8 @@
 One row each (a block of 32 along the quantized axis): all zeros, tiny values around float32's smallest normal
 and below it (a subnormal amax that must not pass an ``== 0`` guard into 0 / 0), values at the format's largest
 finite code and beyond it (a cast that does not saturate gives NaN), and the largest float32 values (E8M0's top
-scale codes). A normal draw holds none of them. Each row: codes finite, an all-zero row's codes zero with finite
+scale codes). A normal draw holds none of them. Each row: codes finite, an all-zero row's codes zero (its zero point
+where the format has one) with finite
 scales, values beyond the range saturated to the largest code, and qcheck's quantizer equal to the referee's.
 """
 
@@ -60,16 +61,22 @@ def test_every_format_on_its_edge_rows_matches_the_referee_and_stays_finite(fmt)
     ftz = jax.default_backend() == "cpu"
     ref_codes, ref_scales = referees.reference_quantize(x, fmt.name, axis=-1, ftz=ftz)
     # XLA may divide by a scale as a multiply by its reciprocal: the referee's model of that is the other answer.
-    _, xla_scales = referees.reference_quantize(x, fmt.name, axis=-1, ftz=ftz, xla_reciprocal=True)
+    xla_codes, xla_scales = referees.reference_quantize(x, fmt.name, axis=-1, ftz=ftz, xla_reciprocal=True)
     for i, kind in enumerate(table):
         assert np.all(np.isfinite(codes[i])), f"{fmt.name}, row {kind}: codes {codes[i][:4]} not finite"
         for name, s in scales.items():
             row = s[i] if s.ndim and s.shape[0] == x.shape[0] else s
             assert np.all(np.isfinite(row)), f"{fmt.name}, row {kind}: {name} scale {row} not finite"
-    assert np.all(codes[0] == 0), f"{fmt.name}: an all-zero row's codes are {codes[0][:4]}"
+    # An all-zero row's codes are the code of 0: 0, or the row's zero point where the format has one.
+    zero = scales["zero_point"][0] if "zero_point" in scales else 0
+    assert np.all(codes[0] == zero), f"{fmt.name}: an all-zero row's codes are {codes[0][:4]}, not {zero}"
     if fmt.kind == "cast":  # scale 1: beyond the range is the largest code, saturated
         assert np.array_equal(np.abs(codes[3]), np.full(N, _top(fmt), np.float32)), (fmt.name, codes[3][:4])
     differ = ~((codes == _flt(ref_codes)) | (np.isnan(codes) & np.isnan(_flt(ref_codes))))
+    if differ.any() and np.array_equal(codes, _flt(xla_codes), equal_nan=True):
+        # All of them as the referee's model of XLA's rewrite computes them (int8_qwix_minmax's ±127 row: its
+        # scale 254 · fl(1/255) is an ulp off 254 / 255, which moves the quotient 127 / scale off its tie).
+        differ[:] = False
     assert not differ.any(), (f"{fmt.name}: codes differ from the referee's on rows "
                               f"{sorted({list(table)[i] for i in np.argwhere(differ)[:, 0]})}")
     for name, s in scales.items():

@@ -166,6 +166,16 @@ def _absmax_int8(bound, lo, hi, *, wrap=False):
     return qdq
 
 
+def _minmax_unrounded_zero_point(x):
+    """qwix's minmax int8 in numpy with the zero point left a float (not rounded to an integer code)."""
+    b = np.asarray(x, np.float64).reshape(x.shape[0], -1, 32)
+    lo, hi = np.minimum(b.min(-1, keepdims=True), 0), np.maximum(b.max(-1, keepdims=True), 0)
+    scale = (hi - lo) / 255
+    zero_point = -128 - lo / scale
+    codes = np.clip(np.round(b / scale + zero_point), -128, 127)
+    return ((codes - zero_point) * scale).astype(np.float32).reshape(x.shape)
+
+
 def _floor_exponent(amax):
     return np.floor(np.log2(amax)) - 8  # the spec's rule; a float log2 is exact enough on PROBE
 
@@ -213,11 +223,14 @@ def _row_amax(x):
         # Keras's scale without the epsilon's 1e-7 on a row of amax 1e-6: codes 127 at the format's step
         # (absmax + 1e-7) / 127 are off its grid (127 · 1.1 = 139.7, past the top code).
         (fp.assert_on_grid, "int8_keras", _absmax_int8(127.0, -127, 127), "off the grid"),
+        # qwix's minmax with a float zero point: the grid shifts by its fraction, off the step's multiples.
+        (fp.assert_on_grid, "int8_qwix_minmax", _minmax_unrounded_zero_point, "off the grid"),
     ],
     ids=["no-saturation", "wrong-flavour-grid", "wrong-flavour-negzero", "asymmetric", "truncation",
          "drifting-scale", "zero-leak", "reversed", "off-grid", "far-from-neighbours",
          "mx-nearest-scale", "mx-no-saturation", "mx-block-16", "current-stale-amax", "current-row-amax",
-         "aqt-edge-128", "aqt-wrapping-cast", "qwix-asymmetric", "qwix-unsaturated-128", "keras-no-epsilon"],
+         "aqt-edge-128", "aqt-wrapping-cast", "qwix-asymmetric", "qwix-unsaturated-128", "keras-no-epsilon",
+         "minmax-unrounded-zero-point"],
 )
 def test_property_fails_on_its_bug(prop, fmt, broken, message):
     x = PROBE.copy()
@@ -225,6 +238,8 @@ def test_property_fails_on_its_bug(prop, fmt, broken, message):
         x[0, :4] = [-1e-6, 1e-6, -3e-7, 3e-7]  # tiny values that e4m3fn rounds to -0.0
     if fmt == "int8_keras":
         x[3] = x[3] * np.float32(1e-6 / 600.3)  # a row of amax 1e-6, where the epsilon is a tenth of the scale
+    if fmt == "int8_qwix_minmax":
+        x[:, 0] = 1000.0  # each row's max far from -min: a zero point with a fraction (PROBE's rows have none)
     if fmt == "mxfp8":
         # Block amaxes whose mantissa is past e4m3's 1.75 (448 = 1.75 · 2^8): row 1's 500
         # saturates at its scale 2^0; row 2's first half, 240, would at a 16-block's 2^-1.

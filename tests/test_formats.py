@@ -218,7 +218,7 @@ def test_current_scale_is_capped_at_2_to_126(fmt, dtype):
 
 F32 = np.dtype(np.float32)
 #: The shape each scale has for x of shape (4, 64) along axis -1, by its name.
-SCALE_SHAPES = {"slice": lambda f: (4, 1), "tensor": lambda f: (), "block": lambda f: (4, 64 // f.block)}
+SCALE_SHAPES = {"slice": lambda f: (4, 1), "zero_point": lambda f: (4, 1), "tensor": lambda f: (), "block": lambda f: (4, 64 // f.block)}
 #: format -> (codes dtype, {scale name: (dtype, shape)}) for x of shape (4, 64) along axis -1, as its record
 #: declares them.
 LAYOUT = {f.name: (f.element, {k: (dt, SCALE_SHAPES[k](f)) for k, dt in f.scales.items()}) for f in formats.FORMATS}
@@ -240,6 +240,8 @@ def test_every_record_is_whole():
 def test_the_layouts_are_the_formats_own():
     # Spot checks of the records against the formats' definitions, so the derived table is not its own oracle.
     assert LAYOUT["int8_qwix"] == (np.dtype(np.int8), {"slice": (F32, (4, 1))})
+    i8 = np.dtype(np.int8)
+    assert LAYOUT["int8_qwix_minmax"] == (i8, {"slice": (F32, (4, 1)), "zero_point": (i8, (4, 1))})
     assert LAYOUT["e4m3fnuz"] == (np.dtype(ml_dtypes.float8_e4m3fnuz), {})
     assert LAYOUT["e5m2_current"] == (np.dtype(ml_dtypes.float8_e5m2), {"tensor": (F32, ())})
     e4m3fn, e8m0 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e8m0fnu)

@@ -24,7 +24,7 @@ ROOT = Path(__file__).parent.parent
 DOC = (ROOT / "docs" / "libraries.md").read_text()
 README = (ROOT / "README.md").read_text()
 #: The library each block needs, by its label.
-NEEDS = {"flax": None, "aqt": "aqt", "qwix": "qwix", "qwix_recipe": "qwix"}  # the extra each block needs
+NEEDS = {"flax": None, "aqt": "aqt", "qwix": "qwix", "qwix_recipe": "qwix", "qwix_reader": "qwix"}  # the extra each block needs
 
 
 def doc_blocks() -> dict[str, str]:
@@ -81,8 +81,17 @@ def _aqt_figures(ns) -> None:
     assert ns["rows"] == 7  # the other experts' rows: group sizes [5, 7, 0], group 0 scaled
 
 
+def _reader_figures(ns) -> None:
+    # The rule read off the model, and both sites (the codes' matmul and the zero point's) held bitwise to it.
+    records = ns["records"]
+    assert records.declared_from == ("read from the fn: qwix QtProvider rules on 1 module(s) (module_path='.*': "
+                                     "weights int8_qwix, activations int8_qwix_minmax)"), records.declared_from
+    assert len(records) == 2 and all(r.lhs_hold.bitwise and r.rhs_hold.bitwise for r in records)
+
+
 #: What each block's figures must be.
-FIGURES = {"flax": _flax_figures, "aqt": _aqt_figures, "qwix": _tracks_figure, "qwix_recipe": _tracks_figure}
+FIGURES = {"flax": _flax_figures, "aqt": _aqt_figures, "qwix": _tracks_figure, "qwix_recipe": _tracks_figure,
+           "qwix_reader": _reader_figures}
 
 
 def _defect_test(name: str):

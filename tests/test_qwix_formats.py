@@ -17,6 +17,8 @@ there. The models take that switch.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -404,3 +406,282 @@ def test_codes_minus_a_full_size_value_read_full_precision_should_fail():
     offset = np.random.default_rng(5).normal(size=X_ZP.shape).astype(F32)
     with pytest.raises(AssertionError, match=r"1 of 1 matmuls reach full precision"):
         qcheck.assert_quantized(lambda x: (_qwix_minmax(x) - offset) @ _qwix_minmax(W_ZP.T).T, X_ZP, declared=False)
+
+
+# -- int8_qwix_minmax: qwix's asymmetric int8 as a qcheck format, held bitwise to its referee ------------------
+
+_rz = np.random.default_rng(23)
+#: Rows (one scale and zero point each) of every kind minmax treats apart: lopsided (min far from -max), all
+#: positive (min clipped to 0: zero point -128), all negative (max clipped to 0: zero point 127), all zero, below
+#: qwix's floor (span / 255 < 2^-63: scale 1), and magnitudes 2^±40.
+MINMAX = np.concatenate([
+    (_rz.standard_normal((40, 64)) * np.exp2(_rz.integers(-40, 40, (40, 1)))
+     + _rz.standard_normal((40, 1)) * np.exp2(_rz.integers(-40, 40, (40, 1)))),
+    np.abs(_rz.standard_normal((4, 64))), -np.abs(_rz.standard_normal((4, 64))), np.zeros((2, 64)),
+    _rz.standard_normal((2, 64)) * 1e-18,
+]).astype(F32)
+
+
+def qwix_minmax_int8(x, run):
+    """qwix.quantize(x, int8, channelwise_axes=(0,), calibration_method="minmax"): codes, scale, zero point."""
+    f = lambda v: qwix.quantize(v, jnp.int8, channelwise_axes=(0,), calibration_method="minmax")  # noqa: E731
+    qa = RUNS[run](f)(x)
+    return np.asarray(qa.qvalue), np.asarray(qa.scale), np.asarray(qa.zero_point), np.asarray(qwix.dequantize(qa))
+
+
+def _referee_minmax(x, xla_reciprocal=True):
+    return referees.reference_quantize(x, "int8_qwix_minmax", axis=-1, ftz=jax.default_backend() == "cpu",
+                                       xla_reciprocal=xla_reciprocal)
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_qwix_minmax_int8_equals_the_referee_bitwise_should_pass(run):
+    """qwix 0.1.8 (qarray.calibrate 'minmax', compute_scale_zero_point, quantize_with_scale_zero_point, dequantize;
+    numerics.get_asymmetric_bound(int8) = (-128, 127)): codes, scales, zero points and dequantized values are
+    qcheck's int8_qwix_minmax referee's, with XLA's reciprocal of 255 and of the scale, bit for bit, eager too
+    (measured: the definition's IEEE division by 255 misses 30 of these 52 scales; on 4000 rows of 64 other
+    values an IEEE x / scale moved one eager code); and qcheck's own quantizer is both."""
+    codes, scale, zero_point, deq = qwix_minmax_int8(MINMAX, run)
+    ref_codes, ref_scales = _referee_minmax(MINMAX)
+    assert_same_bits(f"int8_qwix_minmax referee vs qwix ({run}): codes", ref_codes, codes)
+    assert_same_bits(f"int8_qwix_minmax referee vs qwix ({run}): scales", ref_scales["slice"], scale)
+    assert_same_bits(f"int8_qwix_minmax referee vs qwix ({run}): zero points", ref_scales["zero_point"], zero_point)
+    ref_deq = referees.reference_dequantize(ref_codes, ref_scales, "int8_qwix_minmax", ftz=True)
+    assert_same_bits(f"int8_qwix_minmax referee vs qwix ({run}): dequantized", ref_deq, deq)
+    # The rows reach what they are for: all positive and all zero at zero point -128, all negative at 127.
+    assert np.all(zero_point[40:44] == -128) and np.all(zero_point[44:48] == 127), zero_point[40:].ravel()
+    assert np.all(zero_point[48:50] == -128) and np.all(codes[48:50] == -128), "an all-zero row: codes -128"
+    assert np.all(scale[-2:] == 1), "the rows below the floor reach it"
+    from qcheck import formats
+
+    q = RUNS[run](lambda v: formats.quantize(v, "int8_qwix_minmax", axis=-1))(MINMAX)
+    assert_same_bits(f"qcheck int8_qwix_minmax vs qwix ({run}): codes", np.asarray(q.codes), codes)
+    assert_same_bits(f"qcheck int8_qwix_minmax vs qwix ({run}): zero points", np.asarray(q.scales["zero_point"]),
+                     zero_point)
+
+
+def _minmax_unrounded_zero_point(x):
+    """A wrong rule: the zero point -128 - min / scale left a float, added to x / scale before the rounding."""
+    lo, hi = np.minimum(x.min(-1, keepdims=True), F32(0)), np.maximum(x.max(-1, keepdims=True), F32(0))
+    scale = ((hi - lo) * (F32(1) / F32(255))).astype(F32)
+    scale = np.where(scale < QWIX_MIN_SCALE, F32(1), scale)
+    return np.clip(np.round(x * (F32(1) / scale) + (F32(-128) - lo / scale)), -128, 127).astype(np.int8)
+
+
+def _minmax_symmetric_scale(x):
+    """A wrong rule: qwix's symmetric int8 (absmax / 127.5) where minmax was asked for."""
+    return referees.reference_quantize(x, "int8_qwix", axis=-1, ftz=True, xla_reciprocal=True)[0]
+
+
+@pytest.mark.parametrize("rule", [_minmax_unrounded_zero_point, _minmax_symmetric_scale],
+                         ids=["unrounded-zero-point", "symmetric-scale"])
+def test_a_wrong_minmax_rule_differs_from_qwix_should_fail(rule):
+    codes, _, _, _ = qwix_minmax_int8(MINMAX, "jit")
+    assert_same_bits("int8_qwix_minmax referee vs qwix (jit): codes", _referee_minmax(MINMAX)[0], codes)
+    with pytest.raises(AssertionError, match=r"wrong rule vs qwix: codes differ at index \(\d+, \d+\): qcheck "
+                                             r"np.int8\(-?\d+\) vs qwix np.int8\(-?\d+\); \d+ of 3328 differ"):
+        assert_same_bits("wrong rule vs qwix: codes", rule(MINMAX), codes)
+
+
+# -- a qwix minmax layer held to int8_qwix_minmax through the declaration -------------------------------------
+
+MINMAX_ROLES = {"weights": "int8_qwix", "activations": "int8_qwix_minmax"}
+
+
+def _minmax_dense():
+    """A dense nnx layer under qwix's rule of minmax (asymmetric) int8 activations and absmax int8 weights
+    (qwix 0.1.8 takes one asymmetric operand at most: dot_general.py, "Only one operand can be asymmetric").
+    qwix multiplies the codes in int32 and subtracts the zero point's own product with the weight codes."""
+    rule = qwix.QtRule(module_path=".*", weight_qtype=jnp.int8, act_qtype=jnp.int8, act_calibration_method="minmax")
+    return qwix.quantize_model(_Dense(W_ZP), qwix.QtProvider([rule]), X_ZP)
+
+
+def _dense_line() -> str:
+    import inspect
+
+    lines, start = inspect.getsourcelines(_Dense.__call__)
+    return f"test_qwix_formats.py:{start + next(i for i, l in enumerate(lines) if 'jnp.einsum' in l)}"
+
+
+@pytest.mark.filterwarnings(r"ignore:The 'm\.iter_modules\(\)' method is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings(r"ignore:'\.value' access is now deprecated:DeprecationWarning")
+def test_qwix_minmax_layer_holds_int8_qwix_minmax_bitwise_should_pass():
+    """qwix 0.1.8: x / scale + zero point, rounded, cast: one quantizer of x, whose codes and zero points are
+    int8_qwix_minmax's bit for bit; the zero point's correction matmul is held to the referee's zero points."""
+    import qcheck
+
+    records = qcheck.assert_quantized(_minmax_dense(), X_ZP, declared=MINMAX_ROLES)
+    assert len(records) == 2, qcheck.format_coverage(records)  # the codes' matmul and the zero point's
+    for r in records:
+        assert r.findings == () and r.lhs_hold.bitwise and r.rhs_hold.bitwise, (r.findings, r.lhs_hold, r.rhs_hold)
+
+
+@pytest.mark.filterwarnings(r"ignore:The 'm\.iter_modules\(\)' method is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings(r"ignore:'\.value' access is now deprecated:DeprecationWarning")
+def test_qwix_minmax_layer_declared_symmetric_int8_qwix_should_fail():
+    """The same layer declared qwix's symmetric int8: the codes' site fails naming int8_qwix_minmax, the zero
+    point's site fails as a zero point int8_qwix has none of."""
+    import qcheck
+
+    with pytest.raises(AssertionError) as failure:
+        qcheck.assert_quantized(_minmax_dense(), X_ZP, declared={"weights": "int8_qwix", "activations": "int8_qwix"})
+    message = str(failure.value).replace("\\", "/")
+    assert "2 of 2 matmuls differ from the declared quantization" in message, message
+    assert _dense_line() in message, message
+    assert ("lhs (activation): codes are not int8_qwix's:" in message
+            and "they are int8_qwix_minmax's codes: another rule of the same kind and width" in message), message
+    assert "lhs (activation): its codes are a zero point" in message and "declared int8_qwix, which has none" in message
+
+
+@pytest.mark.filterwarnings(r"ignore:The 'm\.iter_modules\(\)' method is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings(r"ignore:'\.value' access is now deprecated:DeprecationWarning")
+def test_qwix_minmax_layer_with_a_floored_zero_point_should_fail(monkeypatch):
+    """A zero point planted in qwix (qarray.compute_scale_zero_point): floor(-128 - min / scale) instead of its
+    rounding, so a slice's min lands a step below -128 and saturates. Both the codes and the zero points fail."""
+    import qcheck
+    from qwix._src.core import qarray
+
+    model = _minmax_dense()
+    rounded = qarray.compute_scale_zero_point
+
+    def floored(calibration, qtype):
+        scale, zero_point = rounded(calibration, qtype)
+        if zero_point is not None:
+            zero_point = jnp.floor(-128.0 - calibration["min"] / scale).astype(zero_point.dtype)
+        return scale, zero_point
+
+    monkeypatch.setattr(qarray, "compute_scale_zero_point", floored)
+    with pytest.raises(AssertionError) as failure:
+        qcheck.assert_quantized(model, X_ZP, declared=MINMAX_ROLES)
+    message = str(failure.value)
+    assert "2 of 2 matmuls differ from the declared quantization" in message, message
+    assert re.search(r"lhs \(activation\): codes are not int8_qwix_minmax's: \d+ of 256 codes differ", message), message
+    assert re.search(r"lhs \(activation\): zero point is not int8_qwix_minmax's: [1-8] of 8 differ from the "
+                     r"referee's; first at \[\d, 0\]: (-?\d+) where the referee gives", message), message
+
+
+# -- the qwix reader: the rules qwix.quantize_model was given, read off the model it hands back ------------------
+
+class _Block(nnx.Module):
+    """Two dense layers, one inside a submodule; ``by_hand`` quantizes the input itself (qwix's int8, dequantized)
+    before the layers, whatever qwix's rules say."""
+
+    def __init__(self, by_hand: bool = False):
+        rngs = nnx.Rngs(0)
+        self.inner = _Inner(rngs)
+        self.out = nnx.Linear(16, 8, use_bias=False, rngs=rngs)
+        self.by_hand = by_hand
+
+    def __call__(self, x):
+        if self.by_hand:
+            x = qwix.dequantize(qwix.quantize(x, jnp.int8, channelwise_axes=(0,)))
+        return self.out(self.inner(x))
+
+
+class _Inner(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(32, 16, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.lin(x)
+
+
+def _block(*rules, by_hand: bool = False):
+    return qwix.quantize_model(_Block(by_hand), qwix.QtProvider(list(rules)), X_ZP)
+
+
+_INT8_RULE = dict(weight_qtype=jnp.int8, act_qtype=jnp.int8)
+
+
+@pytest.mark.filterwarnings(r"ignore:The 'm\.iter_modules\(\)' method is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings(r"ignore:'\.value' access is now deprecated:DeprecationWarning")
+@pytest.mark.parametrize("rules, read", [
+    ([qwix.QtRule(module_path=".*", **_INT8_RULE)] if qwix else [],
+     "module_path='.*': weights int8_qwix, activations int8_qwix"),
+    ([qwix.QtRule(module_path="inner.*", act_calibration_method="minmax", **_INT8_RULE),
+      qwix.QtRule(module_path=".*", weight_qtype=jnp.float8_e4m3fn, act_qtype=jnp.float8_e4m3fn)] if qwix else [],
+     "module_path='inner.*': weights int8_qwix, activations int8_qwix_minmax; module_path='.*': weights e4m3fn, "
+     "activations e4m3fn"),
+], ids=["int8", "minmax-inner-fp8-rest"])
+def test_qwix_reader_holds_the_rules_read_bitwise_should_pass(rules, read):
+    """qwix 0.1.8: the QtProvider's rules, per module path (the first whose module_path regex matches the module's
+    path), read off the model quantize_model returns; by default and with declared=True, every site bitwise."""
+    import qcheck
+
+    model = _block(*rules)
+    for declared in (None, True):
+        records = qcheck.assert_quantized(model, X_ZP, declared=declared)
+        assert records.declared_from == f"read from the fn: qwix QtProvider rules on 4 module(s) ({read})", \
+            records.declared_from
+        assert {r.scope for r in records} == {"inner/lin", "out"}, qcheck.format_coverage(records)
+        for r in records:
+            assert r.findings == () and r.lhs_hold.bitwise and r.rhs_hold.bitwise, (r.scope, r.lhs_hold, r.rhs_hold)
+
+
+@pytest.mark.filterwarnings(r"ignore:The 'm\.iter_modules\(\)' method is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings(r"ignore:'\.value' access is now deprecated:DeprecationWarning")
+def test_qwix_reader_weights_only_rule_fails_where_activations_are_quantized_too_should_fail():
+    """A weight-only rule read as such: the model quantizes its input to int8 by hand as well, so the first
+    layer's activations are quantized where the rule declares them full precision; the site is named."""
+    import qcheck
+
+    model = _block(qwix.QtRule(module_path=".*", weight_qtype=jnp.int8), by_hand=True)
+    with pytest.raises(AssertionError) as failure:
+        qcheck.assert_quantized(model, X_ZP, declared=True)
+    message = str(failure.value)
+    assert "1 of 2 matmuls differ from the declared quantization" in message, message
+    assert re.search(r"\(_Inner\.__call__\), in inner/lin: lhs \(8, 32\) \[int8\], rhs \(32, 16\) \[int8\]\n"
+                     r"\s+lhs \(activation\) is quantized \(int8\) but declared full precision", message), message
+    assert message.endswith("declared: read from the fn: qwix QtProvider rules on 4 module(s) (module_path='.*': "
+                            "weights int8_qwix, activations full precision)"), message
+
+
+@pytest.mark.filterwarnings(r"ignore:The 'm\.iter_modules\(\)' method is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings(r"ignore:'\.value' access is now deprecated:DeprecationWarning")
+def test_qwix_reader_reads_nothing_from_a_subchannel_rule_and_says_so():
+    """tile_size (subchannel scales) is no qcheck format: nothing is read, the reason is the figure, and
+    declared=True fails naming it."""
+    import qcheck
+
+    model = _block(qwix.QtRule(module_path=".*", tile_size=8, **_INT8_RULE))
+    why = ("the qwix reader: qwix QtRule(module_path='.*'): tile_size=8 (subchannel scales), which no qcheck "
+           "format declares")
+    assert qcheck.coverage(model, X_ZP).declared_from == f"nothing read: {why} (fn _Block); pass declared= to " \
+                                                          f"hold its sites"
+    with pytest.raises(ValueError, match=rf"coverage: declared=True, but {re.escape(why)} of _Block; declare it"):
+        qcheck.coverage(model, X_ZP, declared=True)
+
+
+@pytest.mark.filterwarnings(r"ignore:The 'm\.iter_modules\(\)' method is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings(r"ignore:'\.value' access is now deprecated:DeprecationWarning")
+def test_qwix_reader_holds_each_module_to_its_own_rule_should_pass():
+    """A rule reaching one module only (module_path='inner.*', weight-only): that module's site is held to
+    int8_qwix on its weights, and the module no rule reaches is read as declared full precision, as qwix leaves
+    it; the declaration names the module declared otherwise."""
+    import qcheck
+
+    records = qcheck.assert_quantized(_block(qwix.QtRule(module_path="inner.*", weight_qtype=jnp.int8)), X_ZP)
+    by_scope = {r.scope: r for r in records}
+    assert (by_scope["inner/lin"].lhs_declared, by_scope["inner/lin"].rhs_declared) == ("full precision", "int8_qwix")
+    assert by_scope["inner/lin"].rhs_hold.bitwise and by_scope["inner/lin"].findings == ()
+    assert (by_scope["out"].lhs_declared, by_scope["out"].rhs_declared) == ("full precision", "full precision")
+    assert str(records.declaration).startswith("weights full precision, activations full precision, module inner/lin: "
+                                               "weights int8_qwix, activations full precision, module inner: "), \
+        records.declaration
+
+
+@pytest.mark.filterwarnings(r"ignore:The 'm\.iter_modules\(\)' method is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings(r"ignore:'\.value' access is now deprecated:DeprecationWarning")
+def test_qwix_reader_holds_a_module_no_rule_reaches_to_full_precision_should_fail():
+    """The twin: the rule reaches ``out`` only, and the model quantizes its input by hand, so ``inner/lin`` (no
+    rule: full precision) multiplies int8 activations: that site fails, named, while ``out`` holds its rule."""
+    import qcheck
+
+    model = _block(qwix.QtRule(module_path="out", **_INT8_RULE), by_hand=True)
+    with pytest.raises(AssertionError) as failure:
+        qcheck.assert_quantized(model, X_ZP)
+    message = str(failure.value)
+    assert "1 of 2 matmuls differ from the declared quantization" in message, message
+    assert re.search(r"\(_Inner\.__call__\), in inner/lin: .*\n\s+lhs \(activation\) is quantized \(int8\) but "
+                     r"declared full precision", message), message
+    assert "in out:" not in message, message

@@ -282,7 +282,8 @@ def test_qwix_quantize_model_leaves_tokamax_experts_in_full_precision(qwix_moe, 
     ``jax.lax.ragged_dot`` (qwix/_src/providers/qt.py, ``get_intercept_map``); tokamax's ``RaggedDot._fwd`` calls
     ``jax.lax.ragged_dot_general``, so the experts stay float32 x float32 and only the router is quantized."""
     _pinned()
-    records = qcheck.coverage(qwix_moe("tokamax"), moe_x, machinery=MACHINERY)
+    # declared=False: coverage alone (the declaration read off the model is the next tests').
+    records = qcheck.coverage(qwix_moe("tokamax"), moe_x, machinery=MACHINERY, declared=False)
     router, experts = _sites(records)
     assert router.quantized and router.lhs.dtype == router.rhs.dtype == "int8", qcheck.format_coverage(records)
     assert router.scope == "router"
@@ -293,7 +294,7 @@ def test_qwix_quantize_model_leaves_tokamax_experts_in_full_precision(qwix_moe, 
     assert "float32 full precision" in row and row.split()[-2] == "NO", table
 
     with pytest.raises(AssertionError) as failure:
-        qcheck.assert_quantized(qwix_moe("tokamax"), moe_x, machinery=MACHINERY)
+        qcheck.assert_quantized(qwix_moe("tokamax"), moe_x, machinery=MACHINERY, declared=False)
     message = str(failure.value).replace(os.sep, "/")
     assert "assert_quantized: 1 of 2 matmuls reach full precision:" in message, message
     assert re.search(rf"ragged_dot_general at \S*{re.escape(EXPERTS_LINE())} \(TopOneMoE\.__call__\)", message), message
@@ -310,9 +311,29 @@ def test_qwix_quantize_model_tokamax_experts_fail_declared_int8_qwix_where_the_r
                                 "rhs (weight) reaches the matmul in full precision; declared int8_qwix")
 
 
+def test_qwix_quantize_model_tokamax_experts_fail_the_read_declaration_should_fail(qwix_moe, moe_x):
+    """qwix 0.1.8 with tokamax 0.0.17: the same defect through the declaration read off the model (the qwix
+    reader: its QtProvider's int8 rule on every module), by default and with declared=True: the router holds
+    int8_qwix bitwise, the experts' site is named, full precision where the rule declares int8_qwix."""
+    _pinned()
+    read = ("read from the fn: qwix QtProvider rules on 2 module(s) (module_path='.*': weights int8_qwix, "
+            "activations int8_qwix)")
+    router, experts = _sites(qcheck.coverage(qwix_moe("tokamax"), moe_x, machinery=MACHINERY))
+    assert router.findings == () and router.lhs_hold.bitwise and router.rhs_hold.bitwise, router.findings
+    assert experts.findings == ("lhs (activation) reaches the matmul in full precision; declared int8_qwix",
+                                "rhs (weight) reaches the matmul in full precision; declared int8_qwix")
+    with pytest.raises(AssertionError) as failure:
+        qcheck.assert_quantized(qwix_moe("tokamax"), moe_x, machinery=MACHINERY, declared=True)
+    message = str(failure.value).replace(os.sep, "/")
+    assert re.search(rf"ragged_dot_general at \S*{re.escape(EXPERTS_LINE())} \(TopOneMoE\.__call__\)", message), message
+    assert "rhs (weight) reaches the matmul in full precision; declared int8_qwix" in message, message
+    assert message.endswith(f"declared: {read}"), message
+
+
 def test_qwix_quantize_model_quantizes_jax_lax_ragged_dot_experts_should_pass(qwix_moe, moe_x):
-    """qwix 0.1.8 (jax 0.12.0.1): the control. The same module calling ``jax.lax.ragged_dot``: both sites int8."""
-    records = qcheck.assert_quantized(qwix_moe("lax"), moe_x, machinery=MACHINERY)
+    """qwix 0.1.8 (jax 0.12.0.1): the control. The same module calling ``jax.lax.ragged_dot``: both sites int8
+    (coverage alone, declared=False: the declaration read off the model fails on qwix's own defect, next test)."""
+    records = qcheck.assert_quantized(qwix_moe("lax"), moe_x, machinery=MACHINERY, declared=False)
     router, experts = _sites(records)
     assert router.quantized and experts.quantized, qcheck.format_coverage(records)
     assert experts.lhs.dtype == experts.rhs.dtype == "int8", qcheck.format_coverage(records)
@@ -323,12 +344,13 @@ def test_qwix_lax_ragged_dot_experts_share_one_weight_scale_across_experts(qwix_
     """qwix 0.1.8: quantized, but with qwix's own ragged_dot defect (docs/libraries.md): one weight scale per
     output column across all experts, where int8_qwix keeps one per expert and output column."""
     _pinned()
-    with pytest.raises(AssertionError) as failure:
-        qcheck.assert_quantized(qwix_moe("lax"), moe_x, machinery=MACHINERY, declared=QWIX_INT8)
-    message = str(failure.value)
-    assert "1 of 2 matmuls differ from the declared quantization" in message, message
-    assert "rhs (weight): codes are not int8_qwix's:" in message, message
-    assert f"they match one scale shared across axis 0 (size {MOE_E})" in message, message
+    for declared in (QWIX_INT8, None):  # by hand, and read off the model's qwix rule (the default)
+        with pytest.raises(AssertionError) as failure:
+            qcheck.assert_quantized(qwix_moe("lax"), moe_x, machinery=MACHINERY, declared=declared)
+        message = str(failure.value)
+        assert "1 of 2 matmuls differ from the declared quantization" in message, message
+        assert "rhs (weight): codes are not int8_qwix's:" in message, message
+        assert f"they match one scale shared across axis 0 (size {MOE_E})" in message, message
 
 
 # -- (c) tokamax's TPU kernel (Pallas Mosaic TPU), interpreted on the CPU ----------------------------------

@@ -190,10 +190,24 @@ class QuantizerChains:
                     # A second scale divided out (NVFP4's block scale after its global one): the quantizer's input
                     # is still the value before the first, divided by both.
                     out.prescale, out.divisor, out.multiplied = x.prescale, x.divisor * ins[1].actual, False
+            elif name in ("add", "sub") and len(ins) == 2:
+                # x / scale plus a zero point (qwix's minmax int8 adds its int8 zero point, one per slice): the
+                # quantizer's input is still x, divided by the scale; the zero point's codes are recorded as such.
+                # Only integer codes are a zero point: a literal (x / s + 0.5 before a floor) or a float offset (a
+                # bias) is the layer's arithmetic, and the value after it starts afresh.
+                for i in ((0, 1) if name == "add" else (0,)):
+                    x, z, zvar = ins[i], ins[1 - i], eqn.invars[1 - i]
+                    small = z.scale or getattr(zvar.aval, "size", 0) < getattr(eqn.outvars[0].aval, "size", 0)
+                    codes = z.quant is not None and np.issubdtype(np.dtype(z.quant.dtype or "float32"), np.integer)
+                    if x.divisor is not None and small and codes and not z.const and z.divisor is None:
+                        out.prescale, out.divisor, out.multiplied = x.prescale, x.divisor, x.multiplied
+                        out.zero_point = z.qid
+                        break
             elif name in ("clamp", "max", "min", "convert_element_type", "stop_gradient", "copy", "copy_p", "abs",
                           "neg"):  # abs, neg: a symmetric grid's magnitudes, the sign put back later
                 x = ins[1] if name == "clamp" else next((v for v in ins if not v.const), first)
                 out.prescale, out.divisor, out.multiplied = x.prescale, x.divisor, x.multiplied
+                out.zero_point = x.zero_point
             return
         if not any(quant is v.quant for v in ins):  # a quantizing step: its codes start here
             if name in ("gather", "sign"):
@@ -206,13 +220,17 @@ class QuantizerChains:
                 return
             origin = src.prescale if src.prescale is not None else src.actual
             divisor, multiplied = src.divisor, src.multiplied
+            qid = len(self.quantizers)
             if src.quant is not None and src.qid is not None:  # round, then cast to int8: the same chain
                 origin, divisor = self.quantizers[src.qid][0], self.quantizers[src.qid][2]
                 multiplied = self.multiplied[src.qid]
+                self.zero_points = {z: qid if q == src.qid else q for z, q in self.zero_points.items()}
+            elif src.zero_point is not None:
+                self.zero_points[src.zero_point] = qid
             self.quantizers.append((origin, out.actual, divisor))
             self.multiplied.append(multiplied)
             self.stacked.append(())
-            out.qid, out.live = len(self.quantizers) - 1, True
+            out.qid, out.live = qid, True
             out.axis_map = tuple(range(len(getattr(eqn.outvars[0].aval, "shape", ()))))
             return
         if name == "select_n":

@@ -155,6 +155,7 @@ class ControlFlow:
     def truncate(self, records: int, errors: int, quantizers: int, operands: int) -> None:
         del self.records[records:], self.errors[errors:], self.quantizers[quantizers:]
         del self.multiplied[quantizers:], self.stacked[quantizers:], self.operands[operands:]
+        self.zero_points = {z: q for z, q in self.zero_points.items() if z < quantizers and q < quantizers}
 
     def put(self, records: list[MatmulRecord], figures: list[tuple[int, Any]], evidence: Evidence | None = None,
             values: Sequence[tuple[Any, Any, Any]] = (), label: str = "", lost: str | None = None) -> None:

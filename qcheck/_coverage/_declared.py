@@ -78,20 +78,43 @@ class Declaration:
     source: str = "given"
     kernels: Mapping[str, Mapping[str, RoleFormat | None]] = dataclasses.field(default_factory=dict)
     stored: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: Roles by module path (``/``-separated, as :attr:`MatmulRecord.scope` names a site's module), where a
+    #: library's rules differ per module (qwix's ``module_path`` regexes): a site takes its innermost module's.
+    scopes: Mapping[str, Mapping[str, RoleFormat | None]] = dataclasses.field(default_factory=dict)
 
-    def for_operand(self, side: str, role: str, kernel: str | None = None) -> tuple[bool, RoleFormat | None]:
-        """``(declared, format)`` for an operand at ``side`` ("lhs"/"rhs") with data-flow ``role`` (of ``kernel``)."""
-        roles = self.kernels.get(kernel, self.roles) if kernel is not None else self.roles
+    def for_operand(self, side: str, role: str, kernel: str | None = None,
+                    scope: str | None = None) -> tuple[bool, RoleFormat | None]:
+        """``(declared, format)`` for an operand at ``side`` ("lhs"/"rhs") with data-flow ``role`` (of ``kernel``,
+        in module ``scope``)."""
+        roles = self.roles
+        if kernel is not None and kernel in self.kernels:
+            roles = self.kernels[kernel]
+        elif scope is not None and self.scopes:
+            inside = [p for p in self.scopes if p == "" or scope == p or scope.startswith(p + "/")]
+            if inside:
+                roles = self.scopes[max(inside, key=len)]
         for key in (side, _ROLE_OF.get(role, role)):
             if key in roles:
                 return True, roles[key]
         return False, None
+
+    @property
+    def any_format(self) -> bool:
+        """Whether any role (of any module in ``scopes``) is declared a format, not full precision."""
+        return any(v is not None for roles in (self.roles, *self.scopes.values()) for v in roles.values())
 
     def __str__(self) -> str:
         parts = [f"{k} {'full precision' if v is None else v}" for k, v in self.roles.items()]
         for name, roles in self.kernels.items():
             parts.append(f"kernel {name}: " + ", ".join(f"{k} {'full precision' if v is None else v}"
                                                       for k, v in roles.items()))
+        # The modules declared otherwise than the top's, the first few by name (a model has hundreds).
+        other = [(path, roles) for path, roles in self.scopes.items() if roles != self.roles]
+        for path, roles in other[:3]:
+            parts.append(f"module {path}: " + ", ".join(f"{k} {'full precision' if v is None else v}"
+                                                       for k, v in roles.items()))
+        if len(other) > 3:
+            parts.append(f"{len(other) - 3} more module(s) declared otherwise")
         return f"{', '.join(parts)} ({self.source})"
 
 
@@ -392,6 +415,40 @@ def _judge_codes(x: np.ndarray, codes: np.ndarray, divisor: Any, fmt: RoleFormat
     return f"codes are not {fmt}'s: {_describe_first(x, codes, ref)}; {_diagnose(x, codes, fmt.format, red)}", BITWISE
 
 
+def _judge_zero_point(zero_point: np.ndarray, x: np.ndarray, fmt: RoleFormat, axes: tuple[int | None, ...] | None
+                      ) -> tuple[str | None, Hold]:
+    """A finding for the codes of a zero point (the codes another quantizer added to ``x`` / scale before its
+    rounding) that are not the declared format's zero point of ``x`` (None when they are), and the hold."""
+    if "zero_point" not in formats.get_format(fmt.format).scales:
+        return (f"its codes are a zero point (added to a quantizer's scaled input before the rounding); declared "
+                f"{fmt}, which has none"), BITWISE
+    if axes is None:
+        return None, Hold("type", "the zero point's quantizer reaches no matmul whose contraction axes name its "
+                                  "slices")
+    x = np.asarray(x, np.float32)
+    if fmt.per is not None:
+        keep = {a % x.ndim for a in fmt.per}
+        red = tuple(a for a in range(x.ndim) if a not in keep)
+    elif any(a is None or isinstance(a, tuple) for a in axes):
+        return None, Hold("type", "the matmul's contraction axes do not trace back to the quantizer's axes "
+                                  "(declare the axes that keep their own scale: {'format': ..., 'per': AXES})")
+    else:
+        red = tuple(sorted({int(a) % x.ndim for a in axes}))
+    ftz = jax.default_backend() == "cpu"
+    refs = [referees.reference_quantize(x, fmt.format, axis=red or tuple(range(x.ndim)), ftz=ftz,
+                                        xla_reciprocal=rec)[1]["zero_point"] for rec in (False, True)]
+    zero_point = np.asarray(zero_point)
+    if refs[0].shape != zero_point.shape:
+        return None, Hold("type", f"the zero point {zero_point.shape} is not one per slice of the quantizer's input "
+                                  f"{x.shape} along axes {red} ({refs[0].shape})")
+    if any(_bits_equal(zero_point, r) for r in refs):
+        return None, BITWISE
+    differ = _codes_differ(zero_point, refs[1])
+    idx = tuple(int(i) for i in np.argwhere(differ)[0])
+    return (f"zero point is not {fmt}'s: {int(differ.sum())} of {zero_point.size} differ from the referee's; first "
+            f"at {list(idx)}: {_as_f32(zero_point)[idx]:g} where the referee gives {_as_f32(refs[1])[idx]:g}"), BITWISE
+
+
 def _merged_layout(shape: tuple[int, ...], axes: tuple[Any, ...]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """The quantizer's layout with each run of its axes that one contraction axis flattens (a tuple in ``axes``:
     blocks reshaped back onto their axis) merged, and the contraction axes in it; None where runs overlap."""
@@ -427,7 +484,8 @@ def _no_evidence(r: MatmulRecord) -> str:
 
 
 def judge(records: Sequence[MatmulRecord], declaration: Declaration, quantizers: Sequence[tuple[Any, ...]],
-          operands: Sequence[tuple[int, str, int, tuple[int | None, ...]]]) -> list[MatmulRecord]:
+          operands: Sequence[tuple[int, str, int, tuple[int | None, ...]]],
+          zero_points: Mapping[int, int] | None = None) -> list[MatmulRecord]:
     """``records`` with each operand's declared format, its hold and the site's findings against ``declaration``.
 
     ``quantizers`` and ``operands`` are the walk's evidence (numpy values):
@@ -436,8 +494,13 @@ def judge(records: Sequence[MatmulRecord], declaration: Declaration, quantizers:
     quantizer with which contraction axes. A declared format's operand that
     cannot be held bitwise gets a finding saying why (every format qcheck
     knows fixes its bits), unless the caller accepts the weaker hold.
+    ``zero_points``: the quantizers whose codes are another's zero point (to
+    that one); an operand that reached one (qwix's correction matmul of the
+    zero point) is held to the referee's zero point of the other's input.
     """
     evidence = {(i, side): (q, axes) for i, side, q, axes in operands}
+    zero_points = zero_points or {}
+    axes_of = {q: axes for _, _, q, axes in operands}
     out = []
     for i, r in enumerate(records):
         found: list[str] = []
@@ -445,7 +508,7 @@ def judge(records: Sequence[MatmulRecord], declaration: Declaration, quantizers:
         holds: dict[str, Hold | None] = {"lhs": None, "rhs": None}
         for side in ("lhs", "rhs"):
             role = getattr(r, f"{side}_role")
-            known, fmt = declaration.for_operand(side, role, r.kernel)
+            known, fmt = declaration.for_operand(side, role, r.kernel, r.scope)
             declared[side] = None if not known else ("full precision" if fmt is None else str(fmt))
             if not known:
                 continue
@@ -476,6 +539,12 @@ def judge(records: Sequence[MatmulRecord], declaration: Declaration, quantizers:
                 holds[side] = Hold("type", _no_evidence(r), accepted_by=stored)
                 continue
             q, axes = evidence[i, side]
+            if q in zero_points:
+                main = zero_points[q]
+                msg, holds[side] = _judge_zero_point(quantizers[q][1], quantizers[main][0], fmt, axes_of.get(main))
+                if msg is not None:
+                    found.append(f"{label}: {msg}")
+                continue
             x, codes, divisor, *rest = quantizers[q]
             stacked = rest[0] if rest else ()
             # A body that never ran (a scan of length 0, a mesh of no shard) holds no codes: not bitwise.

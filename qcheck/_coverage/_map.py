@@ -281,7 +281,8 @@ class Prepared:
                     dataclasses.replace(records[i], no_error=NOT_RUN[e]))
         if self.declaration is None:
             return records
-        return judge(records, self.declaration, _evidence(quantizers, self.walker), self.walker.operands)
+        return judge(records, self.declaration, _evidence(quantizers, self.walker), self.walker.operands,
+                     self.walker.zero_points)
 
 
 def prepare(fn: Callable[..., Any], args: tuple, kwargs: dict, *, errors: bool, backward: bool,
@@ -611,7 +612,7 @@ def quantized_records(fn: Callable[..., Any], args: tuple, kwargs: dict, *, skip
         twin = _coverage(control, args, kwargs, errors=False, backward=backward, machinery=machinery,
                          declaration=None, entry=entry, what="control", kernels=declared_kernels,
                          warm=warm)
-        formats_declared = declaration is not None and any(v is not None for v in declaration.roles.values())
+        formats_declared = declaration is not None and declaration.any_format
         if formats_declared and not _declaration_bites(twin, declaration, rules):
             problems.append(f"the declaration ({declaration}) holds on the unquantized control as well: it "
                             f"declares no quantized format for any operand of its matmuls, so it checks nothing")

@@ -7,6 +7,7 @@ caller gives none, and says in its figures what it read.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -290,6 +291,107 @@ def _keras(layer: Any) -> Declaration | None:
                        stored=stored)
 
 
+#: qwix 0.1.8's rule qtypes (``QtRule``/``QuantizationRule`` ``weight_qtype``/``act_qtype``, by their dtype's name)
+#: with absmax calibration, as qcheck's formats: its int8 is ``int8_qwix`` (absmax / 127.5, codes -128..127), its
+#: fp8 types the element type under the layer's own scale (absmax / fmax per channel: the codes are the cast of
+#: x / scale, held bitwise as the declared fp8 format). ``minmax`` int8 is ``int8_qwix_minmax``. qwix's own
+#: ``mxfp8`` and ``nvfp4`` are not qcheck's (qcheck.referees._libraries), nor are int4, nf4 and the rest: read as
+#: nothing, saying so.
+QWIX_ABSMAX = {"int8": "int8_qwix", "float8_e4m3fn": "e4m3fn", "float8_e5m2": "e5m2",
+               "float8_e4m3fnuz": "e4m3fnuz", "float8_e5m2fnuz": "e5m2fnuz"}
+QWIX_MINMAX = {"int8": "int8_qwix_minmax"}
+
+
+def _qwix_provider(layer: Any) -> Any:
+    """The provider ``qwix.quantize_model`` wrapped the model's method with, or None.
+
+    qwix 0.1.8 (qwix/_src/model.py:182-200, interception.py:124-184) replaces the model's class by a subclass
+    holding ``_unquantized_type`` whose call method is an intercepting wrapper; the provider is bound, as
+    ``functools.partial(_input_transform, provider)``, in that wrapper's closure.
+    """
+    import functools
+
+    cls = type(layer)
+    if "_unquantized_type" not in cls.__dict__:
+        return None
+    for fn in cls.__dict__.values():
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                v = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(v, functools.partial) and v.args and \
+                    any(c.__module__.startswith("qwix.") for c in type(v.args[0]).__mro__):
+                return v.args[0]
+    return None
+
+
+def _qwix_rule_roles(rule: Any) -> dict[str, RoleFormat | None] | str:
+    """A qwix rule's formats by role, or why they are not a qcheck format."""
+    def one(qtype: Any, method: str | None, what: str) -> RoleFormat | None | str:
+        if qtype is None:
+            return None
+        name = qtype if isinstance(qtype, str) else str(np.dtype(qtype))
+        table = {"absmax": QWIX_ABSMAX, "minmax": QWIX_MINMAX}.get(str(method))
+        fmt = None if table is None else table.get(name)
+        if fmt is None:
+            return f"{what} {name} with calibration {method!r}, which is no qcheck format"
+        return RoleFormat(fmt)
+
+    if getattr(rule, "tile_size", None) is not None:
+        return f"tile_size={rule.tile_size} (subchannel scales), which no qcheck format declares"
+    if getattr(rule, "act_static_scale", False):
+        return "act_static_scale=True (a calibrated scale, not the format's per-call rule)"
+    roles = {"weights": one(rule.weight_qtype, rule.weight_calibration_method, "weight_qtype"),
+             "activations": one(rule.act_qtype, rule.act_calibration_method or "absmax", "act_qtype")}
+    bad = [v for v in roles.values() if isinstance(v, str)]
+    return bad[0] if bad else roles
+
+
+def _qwix(layer: Any) -> Declaration | str | None:
+    # An NNX model qwix.quantize_model handed back (qwix is never imported here: such a model has imported it).
+    if "qwix" not in sys.modules or isinstance(layer, type):
+        return None
+    provider = _qwix_provider(layer)
+    if provider is None:
+        return None
+    kind = type(provider).__name__
+    if kind != "QtProvider":
+        # PtqProvider stores its weights as codes, ODML and LoRA providers compute otherwise: not read.
+        return f"qwix {kind}: only QtProvider's rules are read"
+    # QuantizationProvider keeps its rules, defaults filled in (_init_rule), as ``_rules``: qwix 0.1.8
+    # qconfig.py:118; it has no public accessor (get_unused_rules lists the unmatched ones only).
+    rules = list(getattr(provider, "_rules", ()))
+    from flax import nnx
+
+    if not isinstance(layer, nnx.Module):
+        return "a Linen model: only an NNX model's module paths are read"
+    # qwix matches each rule's module_path regex against the path of the module whose method runs the op,
+    # "/"-joined (qconfig.py:210-216): the first rule that matches wins. op_names narrow a rule to some ops.
+    if any(getattr(r, "op_names", ()) for r in rules):
+        return "qwix rules with op_names (per-op formats within a module), which are not read"
+    read = {i: _qwix_rule_roles(r) for i, r in enumerate(rules)}
+    iter_modules = getattr(nnx, "iter_modules", None) or type(layer).iter_modules  # flax 0.12 / before
+    scopes: dict[str, dict[str, RoleFormat | None]] = {}
+    used: set[int] = set()
+    for path, _ in iter_modules(layer):
+        p = "/".join(map(str, path))
+        idx = next((i for i, r in enumerate(rules) if re.fullmatch(r.module_path, p)), None)
+        if idx is not None and isinstance(read[idx], str):
+            return f"qwix QtRule(module_path={rules[idx].module_path!r}): {read[idx]}"
+        scopes[p] = {"weights": None, "activations": None} if idx is None else read[idx]
+        used |= set() if idx is None else {idx}
+    if not used:
+        return None  # no rule reaches any module: nothing quantized to read
+    top = scopes.get("", {"weights": None, "activations": None})
+    said = "; ".join(f"module_path={rules[i].module_path!r}: " + ", ".join(
+        f"{k} {'full precision' if v is None else v}" for k, v in read[i].items()) for i in sorted(used))
+    source = f"qwix QtProvider rules on {len(scopes)} module(s) ({said})"
+    if all(v == top for v in scopes.values()):
+        return Declaration(dict(top), source)
+    return Declaration(dict(top), source, scopes=scopes)
+
+
 #: (library, what is read, reader): the first reader that returns a declaration wins.
 READERS: tuple[tuple[str, str, Callable[[Any], Declaration | None]], ...] = (
     ("qcheck", "MoE.recipe_name: the recipe the layer was built with", _qcheck_moe),
@@ -300,21 +402,34 @@ READERS: tuple[tuple[str, str, Callable[[Any], Declaration | None]], ...] = (
               "last axis", _gemma),
     ("haliax", "Fp8DotGeneralOp's fwd/rev dtypes and Int8DotGeneralOp's AQT config, as quantize_linear_layers "
                "sets them on the layer's Linears (a pytree: an Equinox module, or a Partial holding it)", _haliax),
+    ("qwix", "the QtProvider rules qwix.quantize_model was given (module_path, weight_qtype, act_qtype, "
+             "calibration methods), per module path: int8 absmax int8_qwix, int8 minmax int8_qwix_minmax, fp8 "
+             "absmax its element type; a module no rule reaches full precision", _qwix),
     ("Keras", "the mode quantize() recorded on the layers it reached (Layer.quantization_mode: int8, with its "
               "quantization_config; int4 per channel (block_size -1), weight-only unless its config quantizes the "
               "inputs; float8): every matmul of the layer or model held to it", _keras),
 )
 
 
+def _read(layer: Any) -> tuple[Declaration | None, str | None]:
+    """The declaration read off ``layer``, or None and why a reader that recognised the layer read nothing."""
+    for library, _, reader in READERS:
+        decl = reader(layer)
+        if isinstance(decl, str):  # the layer is this library's, configured as no qcheck format
+            return None, f"the {library} reader: {decl}"
+        if decl is not None:
+            return decl, None
+    return None, None
+
+
 def read_declaration(layer: Any) -> Declaration | None:
     """The quantization ``layer``'s library declares on it (:data:`READERS`), or None where none is read."""
-    for _, _, reader in READERS:
-        if (decl := reader(layer)) is not None:
-            return decl
-    return None
+    return _read(layer)[0]
 
 
-def _nothing_read() -> str:
+def _nothing_read(why: str | None = None) -> str:
+    if why is not None:
+        return f"nothing read: {why}"
     return f"nothing read: no reader ({', '.join(lib for lib, _, _ in READERS)}) finds a declaration on it"
 
 
@@ -330,17 +445,17 @@ def resolve_declaration(layer: Any, declared: Any, entry: str, what: str = "laye
     if declared is False:
         return None, "declared=False: no declaration held"
     if declared is None or declared is True:
-        decl = read_declaration(layer)
-        if decl is not None and not any(v is not None for v in decl.roles.values()):
+        decl, why = _read(layer)
+        if decl is not None and not decl.any_format:
             # An unquantized layer by its own word: nothing to hold but that it is quantized at all.
             return None, f"read from the {what}: {decl.source}, which declares no quantized format"
         if decl is not None:
             return decl, f"read from the {what}: {decl.source}"
         if declared is True:
-            raise ValueError(f"{entry}: declared=True, but {_nothing_read().removeprefix('nothing read: ')} of "
+            raise ValueError(f"{entry}: declared=True, but {_nothing_read(why).removeprefix('nothing read: ')} of "
                              f"{type(layer).__name__}; declare it by hand: declared='fp8' (a recipe) or "
                              f"declared={{'weights': 'int8', 'activations': 'int8'}}")
-        return None, f"{_nothing_read()} ({what} {type(layer).__name__}); pass declared= to hold its sites"
+        return None, f"{_nothing_read(why)} ({what} {type(layer).__name__}); pass declared= to hold its sites"
     if isinstance(declared, bool):
         raise ValueError(f"{entry}: declared must be None (read it from the {what}), True, False, a recipe name, a "
                          f"qcheck.Recipe or a mapping of roles to formats")

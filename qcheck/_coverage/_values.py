@@ -65,6 +65,8 @@ class Val:
     prescale: Any = None
     divisor: Any = None
     multiplied: bool = False  # the scale was multiplied in (x · s), not divided out
+    # The quantizer whose codes were added to the scaled value as its zero point (qwix's minmax: x / s + zp).
+    zero_point: int | None = None
     # Straight-through estimators: x - x (exactly zero), or q - x (to be added back to the same x).
     ste_zero: bool = False
     ste_delta: tuple[Any, Any] | None = None  # (the quantized Val q, the identity of x)

@@ -36,6 +36,9 @@ class Walker(QuantizerChains, ControlFlow):
         # Per quantizer: what its values' leading axes enumerate ("iteration" of a scan, "shard" of a shard_map,
         # outermost first): one quantizer of a body, its values stacked over the body's runs.
         self.stacked: list[tuple[str, ...]] = []
+        # Zero points: the quantizer whose codes are another quantizer's zero point (x / s + zp, rounded: qwix's
+        # minmax int8), to the quantizer they shift. Only outside bodies (truncate drops a body's).
+        self.zero_points: dict[int, int] = {}
         self.machinery = machinery_prefixes(machinery)
         self.kernels = kernels or {}  # declared roles of opaque kernels, by kernel name
         self.misdeclared: list[str] = []  # declared roles that do not fit their kernel (the caller raises)

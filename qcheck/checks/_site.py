@@ -153,10 +153,11 @@ def _neighbours(mm: Matmul, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt) -> Iterato
 
 _SHARED = "rhs with one weight scale shared across groups (calibrated over groups and contraction)"
 # The integer reference multiplies the integer sum by each operand's scale: a format whose stored scale divides
-# (int8_keras: Keras divides the sum by the product of its encode scales) is not that arithmetic.
+# (int8_keras: Keras divides the sum by the product of its encode scales) is not that arithmetic, nor is one whose
+# codes carry a zero point (int8_qwix_minmax: the sum needs a correction term).
 def _integer(fmt: str) -> bool:
     record = formats.get_format(fmt)
-    return record.kind == "int" and not record.divides
+    return record.kind == "int" and not record.divides and "zero_point" not in record.scales
 
 
 def _library_neighbours(mm: Matmul, lhs, rhs, lhs_fmt: str, rhs_fmt: str) -> Iterator[tuple[str, np.ndarray]]:

@@ -35,7 +35,9 @@ def quantize(
     127.5, x / scale with a saturating cast, codes -128..127, and slices whose
     scale is below 2^-63 (float32) come back zero. ``int8_keras`` is Keras's: an encode scale 127 / (absmax
     + 1e-7), x · scale clipped to ±127, so an all-zero slice stays zero and a slice of values near 1e-5
-    reaches only ±126. The fp8 formats are the element type at scale 1,
+    reaches only ±126. ``int8_qwix_minmax`` is qwix's minmax: (max - min) / 255 per slice over min and max
+    clipped around 0, an int8 zero point round(-128 - min / scale), codes round(x / scale + zero point)
+    in -128..127. The fp8 formats are the element type at scale 1,
     and the ``*_current`` formats scale the whole tensor by fmax / amax, so
     ``axis`` does not change them. ``nvfp4`` (blocks of 16) and ``mxfp8`` (blocks
     of 32) flatten ``axis`` into blocks, a ValueError if that is not a whole

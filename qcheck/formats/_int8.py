@@ -1,4 +1,5 @@
-"""The int8 formats: symmetric absmax per slice along the contraction axes, as qcheck, AQT and qwix compute it."""
+"""The int8 formats: symmetric absmax per slice along the contraction axes, as qcheck, AQT, qwix and Keras compute
+it, and qwix's asymmetric minmax int8, whose codes carry a zero point per slice."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from qcheck.formats._quantized import Codes, Quantized
 from qcheck.formats._record import Format
 
 __all__ = ["INT8_EDGE", "INT8_MAX", "KERAS_EPSILON", "int8_aqt_quantize", "int8_dequantize", "int8_keras_dequantize",
-           "int8_keras_quantize", "int8_qwix_quantize", "int8_quantize"]
+           "int8_keras_quantize", "int8_qwix_minmax_quantize", "int8_qwix_quantize", "int8_quantize",
+           "int8_zero_point_dequantize"]
 
 INT8_MAX = 127
 #: AQT v2's default int8 (``preserve_max_val=False``) and qwix's int8 both map a
@@ -62,6 +64,36 @@ def int8_qwix_quantize(x: Array, axes: tuple[int, ...], fmt: Format, rng: Array 
     scale = jnp.where(scale < float(jnp.finfo(x.dtype).tiny) ** 0.5, jnp.ones_like(scale), scale)
     codes = jnp.clip(jnp.round(x / scale), -INT8_MAX - 1, INT8_MAX)
     return codes.astype(jnp.int8), {"slice": scale.astype(jnp.promote_types(x.dtype, jnp.float32))}
+
+
+#: qwix's asymmetric int8 range (numerics.get_asymmetric_bound(int8): (-128.0, 127.0)); a slice's span maps
+#: onto its 255 steps.
+INT8_MIN = -128
+INT8_STEPS = 255.0
+
+
+def int8_qwix_minmax_quantize(x: Array, axes: tuple[int, ...], fmt: Format, rng: Array | None) -> Codes:
+    # qwix 0.1.8's minmax int8 (calibration_method="minmax"), op for op: qarray.py calibrate (the slice's min and
+    # max, clipped so min <= 0 <= max, "so that 0 can be accurately quantized"), compute_scale_zero_point (scale
+    # (max - min) / (127 - -128), a scale below sqrt(finfo.tiny) replaced by 1, zero point -128 - min / scale
+    # rounded half to even and cast to int8: convert_to), quantize_with_scale_zero_point (x / scale plus the
+    # zero point as a float, rounded half to even, a saturating cast). x ≈ (codes - zero_point) · scale; an
+    # all-zero slice has scale 1, zero point -128 and codes -128.
+    lo = jnp.minimum(jnp.min(x, axis=axes, keepdims=True), 0)
+    hi = jnp.maximum(jnp.max(x, axis=axes, keepdims=True), 0)
+    scale = (hi - lo) / INT8_STEPS
+    scale = jnp.where(scale < float(jnp.finfo(x.dtype).tiny) ** 0.5, jnp.ones_like(scale), scale)
+    zero_point = jnp.clip(jnp.round(INT8_MIN - lo / scale), INT8_MIN, INT8_MAX).astype(jnp.int8)
+    codes = jnp.clip(jnp.round(x / scale + zero_point.astype(x.dtype)), INT8_MIN, INT8_MAX)
+    return codes.astype(jnp.int8), {"slice": scale.astype(jnp.promote_types(x.dtype, jnp.float32)),
+                                    "zero_point": zero_point}
+
+
+def int8_zero_point_dequantize(q: Quantized, fmt: Format) -> Array:
+    # qwix's dequantize: the codes and the zero point as floats of the scale's type, subtracted (exact: both are
+    # integers within ±255), times the scale: one rounding, as qwix's.
+    scale = q.scales["slice"]
+    return ((q.codes.astype(scale.dtype) - q.scales["zero_point"].astype(scale.dtype)) * scale).astype(q.dtype)
 
 
 def int8_keras_quantize(x: Array, axes: tuple[int, ...], fmt: Format, rng: Array | None) -> Codes:

@@ -21,7 +21,8 @@ from qcheck.formats._block_scaled import (MX_BLOCK, NVFP4_BLOCK, NVFP4_JIT_DECOD
 from qcheck.formats._fp8 import cast_dequantize, cast_quantize, current_dequantize, current_quantize
 from qcheck.formats._int4 import int4_keras_quantize
 from qcheck.formats._int8 import (int8_aqt_quantize, int8_dequantize, int8_keras_dequantize, int8_keras_quantize,
-                                  int8_qwix_quantize, int8_quantize)
+                                  int8_qwix_minmax_quantize, int8_qwix_quantize, int8_quantize,
+                                  int8_zero_point_dequantize)
 from qcheck.formats._jax_rules import mxfp8_jax_quantize, nvfp4_jax_dequantize, nvfp4_jax_quantize
 from qcheck.formats._record import Format
 
@@ -114,6 +115,13 @@ FORMATS: tuple[Format, ...] = (
     # sibling is e4m3fn, the fp8 type a bug would cast to instead; its gradient flavour e5m2, the gradient type
     # every fp8 recipe pairs with a non-fnuz forward type.
     _cast("e3m4", _E3M4, "e4m3fn", grad="e5m2"),
+    # qwix's asymmetric int8: a zero point per slice beside the scale. Siblings: qwix's own symmetric int8, the
+    # rule a wrong calibration method computes instead (their codes part on any slice whose min is not -max).
+    Format("int8_qwix_minmax", "int", _INT8, None, {"slice": _F32, "zero_point": _INT8},
+           "asymmetric: (max - min) / 255 per slice, min and max clipped around 0, an int8 zero point "
+           "round(-128 - min / scale), codes round(x / scale + zero point) saturating to -128..127, x ≈ (codes - "
+           "zero point) · scale (qwix's calibration_method='minmax')", ("int8_qwix",), int8_qwix_minmax_quantize,
+           int8_zero_point_dequantize),
 )
 
 _BY_NAME: dict[str, Format] = {f.name: f for f in FORMATS}

@@ -164,6 +164,29 @@ def _int8_qwix(x: np.ndarray, axes: tuple[int, ...], *, ftz: bool, xla_reciproca
     return codes.astype(np.int8), {"slice": scale}
 
 
+_INT8_LOW, _INT8_STEPS = -128, _F32(255)  # [def] qwix get_asymmetric_bound(int8): (-128, 127), 255 steps
+
+
+def _int8_qwix_minmax(x: np.ndarray, axes: tuple[int, ...], *, ftz: bool, xla_reciprocal: bool,
+                      uniforms: np.ndarray | None):
+    # [def] qwix minmax: the slice's min and max, clipped so that min <= 0 <= max (0 is then a code).
+    lo = np.minimum(np.min(x, axis=axes, keepdims=True), _F32(0))
+    hi = np.maximum(np.max(x, axis=axes, keepdims=True), _F32(0))
+    with np.errstate(over="ignore"):
+        span = flush((hi - lo).astype(_F32), ftz)
+    # [def] scale = span / 255 ([XLA] or times the float32 reciprocal of 255); below 2^-63 it is 1.
+    scale = flush(span * (_F32(1) / _INT8_STEPS) if xla_reciprocal else span / _INT8_STEPS, ftz).astype(_F32)
+    scale = np.where(scale < QWIX_MIN_SCALE, _F32(1), scale).astype(_F32)
+    # [def] zero point = -128 - min / scale (an IEEE division: min and scale have one shape, nothing for XLA to
+    # rewrite), rounded half to even, saturating to int8.
+    zero_point = np.clip(np.round(flush((_F32(_INT8_LOW) - flush((lo / scale).astype(_F32), ftz)).astype(_F32),
+                                        ftz)), _INT8_LOW, _INT8_BOUND).astype(np.int8)
+    # [def] codes = x / scale plus the zero point, rounded half to even, saturating to -128..127.
+    shifted = flush((flush(_divide(x, scale, xla_reciprocal), ftz) + zero_point.astype(_F32)).astype(_F32), ftz)
+    codes = np.clip(np.round(shifted), _INT8_LOW, _INT8_BOUND)
+    return codes.astype(np.int8), {"slice": scale, "zero_point": zero_point}
+
+
 def _int8_keras(x: np.ndarray, axes: tuple[int, ...], *, ftz: bool, xla_reciprocal: bool, uniforms: np.ndarray | None):
     # [def] Keras abs_max_quantize: an encode scale 127 / (absmax + epsilon), in float32.
     amax = np.max(np.abs(x), axis=axes, keepdims=True)
@@ -316,6 +339,13 @@ def _by_slice(c: np.ndarray, scales: dict[str, np.ndarray], axes: tuple[int, ...
         return c * scales["slice"]
 
 
+def _by_slice_from_zero_point(c: np.ndarray, scales: dict[str, np.ndarray], axes: tuple[int, ...],
+                              fmt: str) -> np.ndarray:
+    # [def] qwix: x = (code - zero point) · scale; the difference is exact, the product rounds once.
+    with np.errstate(over="ignore"):
+        return ((c - scales["zero_point"].astype(_F32)) * scales["slice"]).astype(_F32)
+
+
 def _over_slice(c: np.ndarray, scales: dict[str, np.ndarray], axes: tuple[int, ...], fmt: str,
                 xla_reciprocal: bool = False) -> np.ndarray:
     # [def] Keras: x = code / encode scale ([XLA] or code times the float32 reciprocal of the scale, as XLA
@@ -382,6 +412,7 @@ _REFEREES: dict[str, _Referee] = {
     "int8_keras": _Referee(_int8_keras, _over_slice),
     "int4_keras": _Referee(_int4_keras, _over_slice),
     "e3m4": _Referee(functools.partial(_cast, dtype=_E3M4), _as_is),
+    "int8_qwix_minmax": _Referee(_int8_qwix_minmax, _by_slice_from_zero_point),
 }
 _BUILTIN = tuple(_REFEREES)
 
