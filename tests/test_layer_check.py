@@ -17,7 +17,8 @@ from flax import linen, nnx
 import qcheck
 from qcheck import checks, formats
 from qcheck.checks._compiles import counting_compilations
-from qcheck.checks._layer import INPUT_GRAD, LayerFigures, check_layer, copy_params_into
+from qcheck.checks import LayerFigures, check_layer, copy_params_into
+from qcheck.checks._layer_programs import INPUT_GRAD
 from qcheck.layers.bridge import Fp8Meta
 from qcheck.layers.step import apply
 from tests import maxtext_like

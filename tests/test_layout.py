@@ -370,3 +370,28 @@ def test_a_private_module_imported_from_another_package_is_named(tmp_path):
     (package / "_walk" / "_jaxpr.py").write_text("")
     (package / "suite" / "run.py").write_text("from qcheck import _walk\nfrom qcheck._walk import _jaxpr\n")
     assert private_modules_reached(package) == ["qcheck.suite.run imports qcheck._walk._jaxpr"]
+
+
+def private_modules_with_all(root: Path) -> list[str]:
+    """Private modules (``_name.py``, not a package's ``__init__``) that list their names in ``__all__``: what a
+    package offers is its ``__init__``'s list, so a second list in a private module is one more to keep in step."""
+    found = []
+    for path in sorted(root.rglob("_*.py")):
+        if path.name.startswith("__"):
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+                found.append(str(path.relative_to(root.parent)))
+    return found
+
+
+def test_no_private_module_keeps_an_all_list():
+    assert private_modules_with_all(QCHECK) == []
+
+
+def test_an_all_list_in_a_private_module_is_found(tmp_path):
+    package = tmp_path / "qcheck"
+    package.mkdir()
+    (package / "__init__.py").write_text('__all__ = ["f"]\nfrom qcheck._f import f\n')
+    (package / "_f.py").write_text('__all__ = ["f"]\n\n\ndef f():\n    pass\n')
+    assert private_modules_with_all(package) == ["qcheck/_f.py"]

@@ -4,7 +4,7 @@ A user's ``Recipe("my_e5m2", lhs="e5m2", rhs="e5m2")`` once failed ``exact`` on
 every case with a ValueError: on the plain probes (2^-4..2^10) e5m2 and
 e5m2fnuz round alike, so the check refused its own operands. The probes now
 fill some contraction fibres of an e5m2-class operand from the binade where the
-two part (qcheck.checks._site.PARTING_BINADES). The property below holds that for
+two part (qcheck.checks._probes.PARTING_BINADES). The property below holds that for
 every format qcheck knows and every sibling the check must rule out, with
 references computed here from the numpy referees and a plain JAX matmul; the
 suite's ``exact`` then passes such a recipe and fails one that computes in the
@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 
 import qcheck
 from qcheck import checks, formats, referees
-from qcheck.checks._site import NEIGHBOURS, PARTING_BINADES, probe_site_operands
+from qcheck.checks._probes import PARTING_BINADES
+from qcheck.checks._site import NEIGHBOURS, probe_site_operands
 from qcheck.layers.moe import MODELS, MoE
 from qcheck.recipes import einsum_axes, registered
 from qcheck.recipes._axes import RAGGED_AXES

@@ -12,15 +12,13 @@ from qcheck import formats, get_recipe, referees
 from qcheck.referees._libraries import LIBRARY_RULES
 from qcheck.checks import Einsum, Ragged
 from qcheck.checks._site import (
-    EINSUM_LAYOUTS,
-    EINSUM_PARTIAL_SUMS,
     assert_layer_sites_exact,
     assert_site_exact,
     operand_formats,
     probe_site_operands,
 )
 from qcheck.layers.moe import MODELS, MoE
-from qcheck.recipes import einsum_axes
+from qcheck.recipes import EINSUM_LAYOUTS, EINSUM_PARTIAL_SUMS, einsum_axes
 from qcheck.recipes._axes import RAGGED_AXES
 from qcheck.suite import cases
 

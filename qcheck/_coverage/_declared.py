@@ -42,9 +42,6 @@ from qcheck import formats, referees
 from qcheck._choices import require_choice
 from qcheck._coverage._records import MatmulRecord, whole_axes
 
-__all__ = ["BITWISE", "ROLES", "Declaration", "Hold", "RoleFormat", "as_declaration", "judge", "mixed_formats",
-           "weaker_holds"]
-
 #: The keys a declaration takes: roles by data flow, or operands by position.
 ROLES = ("weights", "activations", "grads", "lhs", "rhs")
 _ROLE_OF = {"weight": "weights", "activation": "activations", "grad": "grads"}

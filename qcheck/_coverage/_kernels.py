@@ -41,8 +41,6 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["KNOWN_KERNELS", "KernelRead", "KernelRoles", "KnownKernel", "as_kernel_roles", "read_kernel"]
-
 
 def _position(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0

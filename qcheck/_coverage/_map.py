@@ -12,7 +12,7 @@ import numpy as np
 
 from qcheck._errors import user_code
 from qcheck._fingerprint import fingerprint
-from qcheck._coverage._declared import Declaration, judge, mixed_formats, weaker_holds
+from qcheck._coverage._declared import Declaration, judge, weaker_holds
 from qcheck._coverage._kernels import KernelRoles, as_kernel_roles
 from qcheck._coverage._readers import resolve_declaration
 from qcheck._coverage._records import MatmulRecord

@@ -16,8 +16,6 @@ import numpy as np
 
 from qcheck._coverage._declared import Declaration, RoleFormat, as_declaration
 
-__all__ = ["READERS", "read_declaration", "resolve_declaration"]
-
 #: MaxText 0.2.5's ``config.quantization`` on its AQT/Flax path (``use_qwix_quantization=False``):
 #: ``int8`` is AQT v2 ``config_v3(fwd_bits=8)``, whose forward codes are qcheck's ``int8_aqt``
 #: (maxtext/layers/quantizations.py:636); ``fp8`` and ``nanoo_fp8`` are Flax's delayed-scaling

@@ -38,8 +38,6 @@ from qcheck._choices import require_choice
 from qcheck.adapters._ragged import ragged_dot_from_einsum
 from qcheck.recipes import ApplyRngs, Expect, KnownDefect, Recipe, Reference, Unsupported
 
-__all__ = ["AQT_RAGGED", "AQT_RAGGED_NO_GRADIENT", "AQT_RAGGED_SHARED_SCALE", "AqtRecipe", "aqt_int8", "aqt_int8_ragged", "aqt_recipe"]
-
 #: How an AQT recipe's sparse-path (ragged_dot) sites multiply.
 #: "aqt": AQT's own aqt_ragged_dot.ragged_dot (forward only, one weight scale across experts).
 #: "einsum": every row against its own group through the site's AqtEinsum (per-expert scales, has a backward).

@@ -21,8 +21,6 @@ from flax.linen import fp8_ops
 from qcheck.adapters._ragged import ragged_dot_from_einsum
 from qcheck.recipes import DelayedScalingFp8, Expect
 
-__all__ = ["FlaxFp8Recipe", "flax_fp8", "flax_fp8_recipe", "flax_nanoo_fp8"]
-
 #: The Flax fp8 modules this adapter knows how to call, by name.
 FLAX_FP8_MODULES: dict[str, type[fp8_ops.Fp8DotGeneralBase]] = {
     cls.__name__: cls

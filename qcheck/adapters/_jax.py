@@ -51,8 +51,6 @@ from qcheck.adapters._ragged import ragged_dot_from_einsum
 from qcheck.recipes import (DEFAULT_RECIPE_MAX_GRAD_REL_NORM, NVFP4_MAX_GRAD_REL_NORM, NVFP4_MAX_REL_NORM, Expect,
                             KnownDefect, Recipe)
 
-__all__ = ["JAX_MODES", "JaxScaledDotRecipe", "jax_mxfp8", "jax_nvfp4", "scaled_dot_general_runs"]
-
 #: The ``get_scaled_dot_general_config`` modes these recipes run, and the qcheck format each computes.
 JAX_MODES = {"mxfp8": "mxfp8_jax", "nvfp4": "nvfp4_jax"}
 

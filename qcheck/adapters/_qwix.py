@@ -31,8 +31,6 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("qcheck.adapters' qwix support needs qwix: pip install 'qcheck[qwix]'") from e
 
-__all__ = ["qwix_quantize_model"]
-
 
 def _bridged(model: nnx.Module) -> list[str]:
     return ["/".join(map(str, path)) or "<model>" for path, m in nnx.iter_modules(model)

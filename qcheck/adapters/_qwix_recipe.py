@@ -46,8 +46,6 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from qcheck.recipes import Expect, InterceptRecipe, KnownDefect, Reference
 
-__all__ = ["QwixRecipe", "qwix_int8"]
-
 # qwix 0.1.8 walks NNX modules with APIs flax 0.12 deprecates; qcheck's tests turn warnings into errors.
 _QWIX_DEPRECATIONS = (r"The 'm\.iter_modules\(\)' method is deprecated", r"'\.value' access is now deprecated")
 

@@ -7,8 +7,6 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-__all__ = ["ragged_dot_from_einsum"]
-
 Einsum = Callable[[str, jax.Array, jax.Array], jax.Array]
 
 

@@ -30,7 +30,8 @@ from qcheck.checks._figures import Figures
 from qcheck.checks._fp8_native import assert_fp8_dtypes_native, assert_recipe_fp8_native
 from qcheck.checks._fp8_state import assert_fp8_state_matches, fp8_state
 from qcheck.checks._fresh import assert_fresh_cast_exact
-from qcheck.checks._layer import LayerFigures, check_layer, copy_params_into
+from qcheck.checks._copy_params import copy_params_into
+from qcheck.checks._layer import LayerFigures, check_layer
 from qcheck.checks._layer_backward import assert_layer_sites_backward_exact
 from qcheck.checks._moe_referee import assert_moe_matches_referee
 from qcheck.checks._native_gemm import assert_native_matches_emulation

@@ -23,8 +23,6 @@ from qcheck.checks._assertion import assertion
 from qcheck.checks._figures import Figures
 from qcheck.layers.bridge import Fp8Meta
 
-__all__ = ["assert_amax_histories_follow_operands"]
-
 _SIDES = {"input_amax_history": "lhs", "kernel_amax_history": "rhs"}
 
 

@@ -22,8 +22,6 @@ from typing import Any, TypeVar
 
 from qcheck._errors import UserCodeError
 
-__all__ = ["assertion", "judged_as", "prefix"]
-
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
 

@@ -44,26 +44,8 @@ from qcheck.checks._assertion import assertion
 from qcheck.checks._bits import as_float32, bits, bitwise_equal
 from qcheck.checks._figures import Figures
 from qcheck.checks._mismatch import mismatch, refuse_known_bugs
-from qcheck.checks._probes import probe_grad, probe_nvfp4
 from qcheck.layers.bridge import QuantSite
 from qcheck.recipes import NVFP4, Einsum, Matmul, MatmulAxes, Ragged, Recipe, as_matmul
-
-__all__ = [
-    "Expectation",
-    "assert_grad_equal",
-    "assert_site_backward_exact",
-    "backend_qdq",
-    "expectations",
-    "flat_uniforms",
-    "grad_bugs",
-    "grad_operand_formats",
-    "grad_operands",
-    "judge_site_backward",
-    "probe_grad",
-    "probe_nvfp4",
-    "site_dgrad_key",
-    "site_grads",
-]
 
 def site_dgrad_key(key: jax.Array, site_name: str) -> jax.Array:
     """The key an NVFP4 site called with ``rngs=key`` rounds its DGRAD copy of ``g`` with.

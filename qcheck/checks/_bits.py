@@ -5,8 +5,6 @@ from __future__ import annotations
 import numpy as np
 from jax.typing import ArrayLike
 
-__all__ = ["as_float32", "bits", "bitwise_equal"]
-
 
 def bits(a: ArrayLike) -> np.ndarray:
     """``a``'s elements as unsigned integers of the same width: equal bits, equal integers (NaNs and -0 too)."""

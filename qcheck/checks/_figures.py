@@ -7,8 +7,6 @@ import numbers
 from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
 from types import MappingProxyType
 
-__all__ = ["Figures"]
-
 
 class Figures(float):
     """What a passing check measured: a float equal to its main figure, with every figure it measured by name.

@@ -26,8 +26,6 @@ from qcheck._coverage import MatmulRecord, coverage
 from qcheck.checks._assertion import assertion
 from qcheck.hardware import fp8_target_dtypes
 
-__all__ = ["assert_fp8_dtypes_native", "assert_recipe_fp8_native", "declared_fp8_dtypes", "declared_operand_fp8_dtypes"]
-
 # Wide enough for every block format (NVFP4: 16, MXFP8: 32) along its last axis.
 _PROBE = jax.ShapeDtypeStruct((1, 32), np.float32)
 

@@ -25,8 +25,6 @@ from flax.linen import fp8_ops
 from qcheck.checks._assertion import assertion
 from qcheck.layers.bridge import Fp8Meta
 
-__all__ = ["assert_fp8_state_matches", "fp8_state", "history_rolls"]
-
 _OWG = fp8_ops.OVERWRITE_WITH_GRADIENT
 #: Above this a relative tolerance would admit the bugs the check exists for
 #: (a sum over 2 microbatches is a factor 2, a clip factor well below 1).

@@ -17,8 +17,6 @@ from qcheck.recipes import Einsum, Matmul, Ragged, as_matmul
 from qcheck.checks._probes import fp8_dtype
 from qcheck.checks._tracks import count_nonfinite, rel_norm
 
-__all__ = ["assert_fresh_cast_exact", "cast_reference", "judge_fresh_cast"]
-
 
 def cast_reference(x: ArrayLike, cast_dtype: Any) -> np.ndarray:
     """``x`` clipped to ±finfo(cast_dtype).max, rounded to ``cast_dtype`` by ml_dtypes, and returned to x's dtype.

@@ -42,15 +42,11 @@ from qcheck._coverage import (CoverageMap, Declaration, KernelRoles, MatmulRecor
                               as_kernel_roles, as_skips, coverage, machinery_tuple, mixed_formats, prepare,
                               quantized_records, resolve_declaration)
 from qcheck._errors import user_code
-from qcheck.checks._copy_params import copy_params_into
 from qcheck.checks._edges import EDGE_ROWS, check_skip_edges, edge_rows
-from qcheck.checks._layer_forms import Form, call_module, equinox_params, is_module, keras_of, path_name
+from qcheck.checks._layer_forms import Form, is_module, keras_of, path_name
 from qcheck.checks._layer_programs import INPUT_GRAD, Run, run_step, trace_step
 from qcheck.checks._tracks import assert_tracks, rel_norm
 from qcheck.checks._uninitialized import uninitialized_reads, unspecified_buffers
-
-__all__ = ["DEFAULT_MAX_GRAD_REL_NORM", "INPUT_GRAD", "LayerFigures", "call_module", "check_layer", "copy_params_into",
-           "equinox_params"]
 
 #: The default bound on each gradient's relative norm against the twin's.
 #: Measured with :func:`check_layer` on qcheck's own layers against their

@@ -39,9 +39,6 @@ from qcheck.checks._probes import probe_grad
 from qcheck.checks._site import record_site_calls
 from qcheck.recipes import Einsum, Matmul, Ragged, Recipe, as_matmul, get_recipe
 
-__all__ = ["SiteGradCall", "assert_layer_sites_backward_exact", "judge_site_grad_calls", "record_site_grads",
-           "through_layer_applies"]
-
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["matmul", "lhs", "rhs", "g", "dgrad", "wgrad", "weight_grad"],

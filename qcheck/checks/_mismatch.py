@@ -17,8 +17,6 @@ import numpy as np
 
 from qcheck.checks._bits import bits, bitwise_equal
 
-__all__ = ["mismatch", "refuse_known_bugs"]
-
 
 def refuse_known_bugs(subject: str, want: np.ndarray, bugs: Iterable[tuple[str, np.ndarray]], *, advice: str,
                       operands: str = "these operands", reference: str = "the reference") -> dict[str, np.ndarray]:

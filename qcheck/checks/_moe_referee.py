@@ -34,10 +34,8 @@ from flax import nnx
 from qcheck._choices import require_choice
 from qcheck.checks._assertion import assertion
 from qcheck.checks._figures import Figures
-from qcheck.checks._layer import call_module, equinox_params
+from qcheck.checks._layer_forms import call_module, equinox_params
 from qcheck.referees import MOE_STYLES, reference_capacity, reference_experts, reference_moe
-
-__all__ = ["ROLES", "assert_moe_matches_referee", "compare_with_referee", "module_params", "referee_weights"]
 
 #: The referee's roles for ``params``'s values. gate, up and down (and the shared ones) take
 #: the experts stacked on a leading axis, or one expert each as ``"gate[3]"``; ``".T"`` after a

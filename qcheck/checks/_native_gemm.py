@@ -9,8 +9,6 @@ from qcheck.checks._assertion import assertion
 from qcheck.checks._figures import Figures
 from qcheck.checks._tracks import count_nonfinite, concrete, rel_norm
 
-__all__ = ["NATIVE_GEMM_TOL", "assert_native_matches_emulation"]
-
 #: Bound on rel_norm(native, emulated) for a native low-precision GEMM. The
 #: products of two fp8 (or e2m1 × e4m3 block-scaled) codes are exact in float32,
 #: so the two differ only in how the sums are accumulated: in float32 in another

@@ -12,9 +12,6 @@ import numpy as np
 
 from qcheck import formats
 
-__all__ = ["PARTING_BINADES", "block_max", "fp8_dtype", "log_uniform", "part_fibres", "probe_grad", "probe_nvfp4",
-           "probe_operands"]
-
 #: Where an fp8 flavour parts from its sibling only outside the probes' magnitudes (2^-4..2^10): the binade
 #: [2^lo, 2^hi) that :func:`probe_site_operands` gives some contraction fibres of an operand in that format,
 #: by format: each record's ``parting_binade`` (which says why).

@@ -20,8 +20,6 @@ from jax.typing import ArrayLike
 from qcheck.checks._assertion import assertion
 from qcheck.checks._figures import Figures
 
-__all__ = ["assert_ragged_groups_independent"]
-
 @assertion
 def assert_ragged_groups_independent(
     ragged_dot: Callable[[ArrayLike, ArrayLike, ArrayLike], ArrayLike],

@@ -12,8 +12,6 @@ from qcheck import formats, referees
 from qcheck.checks._assertion import assertion
 from qcheck.checks._bits import bits
 
-__all__ = ["NVFP4_JIT_DECODE_ULPS", "assert_format_matches_referee", "nvfp4_uniforms"]
-
 #: Named exclusion: the ulps XLA's reordering of NVFP4's decode under jit may move its qdq output (its
 #: record's ``decode_ulps``, where the measurement is told); codes and scales are always bitwise.
 NVFP4_JIT_DECODE_ULPS = formats.get_format("nvfp4").decode_ulps

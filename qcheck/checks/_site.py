@@ -57,28 +57,10 @@ from qcheck import formats, referees
 from qcheck.checks._assertion import assertion
 from qcheck.checks._bits import as_float32, bitwise_equal
 from qcheck.checks._mismatch import mismatch, refuse_known_bugs
-from qcheck.checks._probes import PARTING_BINADES, log_uniform, part_fibres, probe_nvfp4
+from qcheck.checks._probes import log_uniform, part_fibres, probe_nvfp4
 from qcheck.checks._tracks import count_nonfinite
-from qcheck.recipes import (EINSUM_LAYOUTS, EINSUM_PARTIAL_SUMS, Einsum, Matmul, MatmulAxes, Ragged, Recipe, as_matmul,
-                            get_recipe)
+from qcheck.recipes import Einsum, Matmul, MatmulAxes, Ragged, Recipe, as_matmul, get_recipe
 from qcheck.referees import LIBRARY_RULES, MATMUL_MODES, SCALE_ORDERS, Blocks, flush
-
-__all__ = [
-    "EINSUM_LAYOUTS",
-    "EINSUM_PARTIAL_SUMS",
-    "NEIGHBOURS",
-    "NVFP4_DECODE_ORDERS",
-    "PARTING_BINADES",
-    "SiteCall",
-    "assert_layer_sites_exact",
-    "assert_site_exact",
-    "capture_site_calls",
-    "judge_site_calls",
-    "judge_site_exact",
-    "operand_formats",
-    "probe_site_operands",
-    "record_site_calls",
-]
 
 #: NVFP4 decode orders the reference accepts: qcheck's documented one, and XLA's rewrite of it.
 NVFP4_DECODE_ORDERS = ("1 / (s_enc / s_block)", "s_block / s_enc")

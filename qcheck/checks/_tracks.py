@@ -9,8 +9,6 @@ from qcheck.checks._assertion import assertion
 from qcheck.checks._bits import bitwise_equal
 from qcheck.checks._figures import Figures
 
-__all__ = ["assert_tracks", "rel_norm"]
-
 
 def concrete(x: ArrayLike, what: str) -> np.ndarray:
     try:

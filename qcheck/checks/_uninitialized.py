@@ -33,9 +33,6 @@ from qcheck._errors import user_code
 from qcheck.checks._assertion import assertion
 from qcheck.checks._figures import Figures
 
-__all__ = ["UNSPECIFIED", "UnspecifiedBuffer", "assert_no_uninitialized_reads", "uninitialized_reads",
-           "unspecified_buffers"]
-
 #: The primitives whose result JAX leaves unspecified, and the call a message names for each.
 UNSPECIFIED: dict[str, str] = {"empty": "jax.lax.empty"}
 

@@ -22,9 +22,6 @@ from qcheck.formats._elements import (E2M1_MAX, E4M3_EMAX, E4M3_MAX, E8M0_MAX_EX
 from qcheck.formats._quantized import Codes, Quantized
 from qcheck.formats._record import Format
 
-__all__ = ["MX_BLOCK", "NVFP4_BLOCK", "NVFP4_JIT_DECODE_ULPS", "NVFP4_MIN_AMAX", "e8m0_block_dequantize", "mxfp8_quantize",
-           "nvfp4_dequantize", "nvfp4_quantize"]
-
 NVFP4_BLOCK = 16
 MX_BLOCK = 32
 #: Below this tensor amax the NVFP4 tensor scale 6·448/amax would overflow float32.

@@ -9,8 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-__all__ = ["normalize_axis", "to_blocks"]
-
 
 def normalize_axis(axis: int | tuple[int, ...], ndim: int) -> tuple[int, ...]:
     """``axis`` as sorted, distinct, non-negative axes of an array of rank ``ndim``."""

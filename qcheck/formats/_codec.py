@@ -15,8 +15,6 @@ from qcheck.formats._blocks import normalize_axis
 from qcheck.formats._quantized import Quantized
 from qcheck.formats._table import format_names, get_format
 
-__all__ = ["dequantize", "qdq", "quantize"]
-
 
 
 def quantize(

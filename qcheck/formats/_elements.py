@@ -9,9 +9,6 @@ import numpy as np
 from jax import Array
 from jax.typing import ArrayLike
 
-__all__ = ["E2M1_GRID", "E2M1_MAX", "E4M3_EMAX", "E4M3_MAX", "E8M0_MAX_EXP", "E8M0_MIN_EXP", "pow2", "round_e2m1",
-           "saturating_cast", "stochastic_round_e2m1"]
-
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 #: The non-negative values of float4_e2m1fn.

@@ -10,8 +10,6 @@ from qcheck.formats._elements import saturating_cast
 from qcheck.formats._quantized import Codes, Quantized
 from qcheck.formats._record import Format
 
-__all__ = ["CURRENT_MAX_SCALE", "cast_dequantize", "cast_quantize", "current_dequantize", "current_quantize"]
-
 #: Cap on a current-scaled tensor's scale fmax / amax. Uncapped it would overflow
 #: float32 for amax below fmax / float32 max (TransformerEngine clamps it to the
 #: float32 max there); capped at 2^126 its inverse, the decode scale, stays a

@@ -9,8 +9,6 @@ from qcheck.formats._int8 import KERAS_EPSILON
 from qcheck.formats._quantized import Codes
 from qcheck.formats._record import Format
 
-__all__ = ["INT4_MAX", "INT4_MIN", "int4_keras_quantize"]
-
 #: Keras's int4 value range, ``AbsMaxQuantizer(value_range=(-8, 7))`` (keras 3.15.1, dense.py:1063-1072).
 INT4_MIN, INT4_MAX = -8, 7
 

@@ -10,10 +10,6 @@ from jax import Array
 from qcheck.formats._quantized import Codes, Quantized
 from qcheck.formats._record import Format
 
-__all__ = ["INT8_EDGE", "INT8_MAX", "KERAS_EPSILON", "int8_aqt_quantize", "int8_dequantize", "int8_keras_dequantize",
-           "int8_keras_quantize", "int8_qwix_minmax_quantize", "int8_qwix_quantize", "int8_quantize",
-           "int8_zero_point_dequantize"]
-
 INT8_MAX = 127
 #: AQT v2's default int8 (``preserve_max_val=False``) and qwix's int8 both map a
 #: slice's absmax onto the edge of the last int8 bucket, 127.5, not onto 127.

@@ -14,9 +14,6 @@ from qcheck.formats._elements import E2M1_MAX, E4M3_MAX, E8M0_MAX_EXP, E8M0_MIN_
 from qcheck.formats._quantized import Codes, Quantized
 from qcheck.formats._record import Format
 
-__all__ = ["NVFP4_RANGE", "jax_nvfp4_global_scale", "mxfp8_jax_quantize", "nvfp4_jax_dequantize",
-           "nvfp4_jax_quantize"]
-
 #: NVFP4's two-level range: e2m1's max times e4m3's max.
 NVFP4_RANGE = E2M1_MAX * E4M3_MAX  # 2688
 

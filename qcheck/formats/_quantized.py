@@ -8,8 +8,6 @@ import jax
 import numpy as np
 from jax import Array
 
-__all__ = ["Codes", "Quantized"]
-
 
 @dataclasses.dataclass(frozen=True)
 class Quantized:

@@ -13,8 +13,6 @@ from jax import Array
 
 from qcheck.formats._quantized import Codes, Quantized
 
-__all__ = ["Format", "Kind"]
-
 #: ``cast``: the element type at scale 1; ``int``: integer codes, one scale per slice along the
 #: contraction axes; ``current``: one scale per tensor from its own amax; ``block``: one scale per
 #: block of elements along the contraction axes (and, for some, one per tensor).

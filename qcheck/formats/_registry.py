@@ -24,8 +24,6 @@ from qcheck._choices import require_choice
 from qcheck.formats._record import Format, Kind
 from qcheck.formats._table import add_record, builtin_format_names, format_names, restore_records
 
-__all__ = ["register_format", "registered_formats"]
-
 #: What a referee is: ``referee(x, axes, *, ftz, xla_reciprocal) -> (codes, scales)``.
 Referee = Callable[..., tuple[np.ndarray, dict[str, np.ndarray]]]
 _SIGNATURE = "referee(x, axes, *, ftz, xla_reciprocal) -> (codes, scales)"

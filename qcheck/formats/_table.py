@@ -26,9 +26,6 @@ from qcheck.formats._int8 import (int8_aqt_quantize, int8_dequantize, int8_keras
 from qcheck.formats._jax_rules import mxfp8_jax_quantize, nvfp4_jax_dequantize, nvfp4_jax_quantize
 from qcheck.formats._record import Format
 
-__all__ = ["AXIS_FORMATS", "FORMATS", "FP8_DTYPES", "FP8_SIBLINGS", "add_record", "block_size", "builtin_format_names",
-           "cast_format", "format_names", "get_format", "restore_records"]
-
 _INT8 = np.dtype(np.int8)
 _INT4 = np.dtype(ml_dtypes.int4)
 _F32 = np.dtype(np.float32)

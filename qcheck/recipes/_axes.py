@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["RAGGED_AXES", "MatmulAxes", "einsum_axes"]
-
 
 @dataclasses.dataclass(frozen=True)
 class MatmulAxes:

@@ -12,8 +12,6 @@ from qcheck._choices import require_choice
 from qcheck.recipes._declarations import Expect, Reference
 from qcheck.recipes._sites import FormatSite
 
-__all__ = ["ApplyRngs", "Recipe"]
-
 
 class ApplyRngs(enum.Enum):
     """How a recipe's call sites use random numbers.

@@ -20,8 +20,6 @@ from qcheck.hardware import FP8_TARGETS
 from qcheck.recipes._unsupported import PATHS, KnownDefect, Unsupported
 from qcheck.referees import MATMUL_MODES
 
-__all__ = ["DEFAULT_RECIPE_MAX_GRAD_REL_NORM", "GRAD_OPERANDS", "Expect", "Reference"]
-
 #: Which operands a site's gradient matmuls may take (:attr:`Reference.grad_operands`).
 GRAD_OPERANDS = ("quantized", "original")
 

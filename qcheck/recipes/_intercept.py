@@ -20,8 +20,6 @@ from flax import nnx
 from qcheck.recipes._base import ApplyRngs, Recipe
 from qcheck.recipes._declarations import Expect, Reference
 
-__all__ = ["InterceptRecipe", "Transform"]
-
 #: ``transform(layer, sample_input) -> layer``: ``layer`` is a freshly built ``none``
 #: layer (the caller's to change or replace), ``sample_input`` a ``[batch, seq, emb]``
 #: array to run it on once, as libraries that initialize by running the model need.

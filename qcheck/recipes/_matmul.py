@@ -28,8 +28,6 @@ from jax.typing import ArrayLike
 from qcheck.recipes._axes import RAGGED_AXES, MatmulAxes, einsum_axes
 from qcheck import referees
 
-__all__ = ["EINSUM_LAYOUTS", "EINSUM_PARTIAL_SUMS", "Einsum", "Matmul", "Ragged", "as_matmul", "uneven_group_sizes"]
-
 #: Operand layouts the einsum reference runs in: as given, contraction axes last (as a block qdq leaves
 #: them), and (batch, rows, flattened contraction) as one batched dot (as jax.nn.scaled_dot_general runs it).
 EINSUM_LAYOUTS = ("as given", "contraction last", "flattened")

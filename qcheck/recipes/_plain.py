@@ -19,8 +19,6 @@ from flax import nnx
 
 from qcheck.recipes._sites import SiteOps
 
-__all__ = ["PlainSite", "UnquantizedSite"]
-
 
 class PlainSite(SiteOps, nn.Module):
     """The unquantized site as a Linen module."""

@@ -20,17 +20,6 @@ from pathlib import Path
 
 from qcheck.recipes._base import Recipe
 
-__all__ = [
-    "ENTRY_POINT_GROUP",
-    "get_recipe",
-    "import_recipes",
-    "is_builtin",
-    "recipe_names",
-    "recipe_source",
-    "register_recipe",
-    "registered",
-]
-
 ENTRY_POINT_GROUP = "qcheck.recipes"
 
 _REGISTRY: dict[str, Recipe] = {}

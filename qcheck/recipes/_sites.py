@@ -17,8 +17,6 @@ from flax import linen as nn
 from qcheck import formats
 from qcheck.recipes._axes import RAGGED_AXES, MatmulAxes, einsum_axes
 
-__all__ = ["FormatSite", "SiteOps", "fake_quant_matmul", "straight_through"]
-
 Quantizer = Callable[[jax.Array], jax.Array]
 
 

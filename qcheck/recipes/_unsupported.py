@@ -18,8 +18,6 @@ from importlib import metadata
 
 from qcheck._choices import require_choice
 
-__all__ = ["PATHS", "UNSUPPORTED_KINDS", "KnownDefect", "Unsupported", "assert_still_unsupported"]
-
 #: What a declaration can cover. "gradient": anything that differentiates the
 #: layer (the suite's backward, grads, state and rng checks, golden gradients).
 UNSUPPORTED_KINDS = ("gradient",)

@@ -3,8 +3,6 @@ because a referee imports nothing of qcheck's."""
 
 from __future__ import annotations
 
-__all__ = ["choice"]
-
 
 def choice(kind: str, value: object, valid: tuple[str, ...]) -> str:
     """``value`` if it is one of ``valid``, else a ValueError naming the kind and every valid choice."""

@@ -33,9 +33,6 @@ import numpy as np
 
 from qcheck.referees._choice import choice
 
-__all__ = ["CURRENT_SCALE_CAP", "KERAS_EPSILON", "QWIX_MIN_SCALE", "add_referee", "builtin_referee_names",
-           "referee_format_names", "reference_dequantize", "reference_qdq", "reference_quantize", "remove_referee"]
-
 _F32 = np.float32
 
 # [def] the element types, by format name.

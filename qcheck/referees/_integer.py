@@ -28,8 +28,6 @@ import numpy as np
 
 from qcheck.referees._formats import flush
 
-__all__ = ["MATMUL_MODES", "SCALE_ORDERS", "dot_general_lhs", "integer_einsum", "integer_ragged_dot"]
-
 #: How a recipe's sites multiply quantized operands: "float" (the float32 matmul
 #: of dequantized operands) or "integer" (codes in integer arithmetic, scales after).
 MATMUL_MODES = ("float", "integer")

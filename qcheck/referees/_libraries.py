@@ -33,9 +33,6 @@ import numpy as np
 
 from qcheck.referees._formats import QWIX_MIN_SCALE, Blocks, flush
 
-__all__ = ["LIBRARY_RULES", "quantize_jax_nvfp4_e1f12ba4", "QWIX_MIN_SCALE", "qwix_cast", "qwix_divide", "quantize_qwix_mxfp8", "quantize_qwix_nvfp4",
-           "qwix_scale"]
-
 _F32 = np.float32
 _E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 _E2M1 = np.dtype(ml_dtypes.float4_e2m1fn)

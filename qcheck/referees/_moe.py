@@ -41,9 +41,6 @@ import numpy as np
 
 from qcheck.referees._choice import choice
 
-__all__ = ["MOE_ACTIVATIONS", "MOE_STYLES", "MoEReference", "reference_activation", "reference_capacity",
-           "reference_experts", "reference_moe"]
-
 MOE_STYLES = ("mixtral", "gemma", "deepseek")
 #: ``gelu_tanh``: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), Gemma's (and ``jax.nn.gelu``'s default);
 #: ``gelu``: the exact 0.5 x (1 + erf(x / sqrt 2)).

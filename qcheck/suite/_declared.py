@@ -19,8 +19,6 @@ from qcheck.suite.cases import Case, Variant
 if TYPE_CHECKING:
     from qcheck.suite.invariants import Invariant
 
-__all__ = ["KIND_INVARIANTS", "run_declared", "declared"]
-
 #: The invariants each kind of refusal covers: "gradient", every check that differentiates the layer.
 KIND_INVARIANTS = {"gradient": frozenset({"backward", "grads", "state", "train", "rng"})}
 #: Of those, the ones that say "not supported" for any recipe; the others (fp8 state, RNG plumbing) only

@@ -28,8 +28,6 @@ from jax.extend.core import Jaxpr
 
 from qcheck._coverage import BLOCK_SCALED, MATMUL_PRIMITIVES, call_body
 
-__all__ = ["site_operands"]
-
 # The coverage map's tables: the primitives whose operands count as "what the site fed its matmul" (a block-scaled
 # one records each side's scales among the narrow values it was computed from), and the calls whose inner jaxpr
 # takes the call's operands one for one, followed so a value computed inside a custom_vjp's forward is seen.

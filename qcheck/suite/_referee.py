@@ -18,8 +18,6 @@ from qcheck.checks.harness import assertion, compare_with_referee, module_params
 from qcheck.layers import step
 from qcheck.layers.moe import MoE
 
-__all__ = ["REFEREE_ACTIVATIONS", "assert_layer_matches_referee", "referee_params"]
-
 #: qcheck's activation names as the referee's: its "gelu" is ``jax.nn.gelu(approximate=True)``, the tanh form.
 REFEREE_ACTIVATIONS = {"silu": "silu", "gelu": "gelu_tanh"}
 

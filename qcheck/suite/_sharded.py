@@ -20,15 +20,6 @@ from qcheck.checks.harness import assertion
 from qcheck.layers import step
 from qcheck.layers.moe import MoE
 
-__all__ = [
-    "EXPERT_WEIGHTS",
-    "SHARDED_ATOL",
-    "SHARDED_RTOL",
-    "assert_layer_sharded",
-    "assert_layer_sharded_matches",
-    "assert_sharded_matches",
-]
-
 #: The sharded layer against the single-device one: float32 rounding, as dense == sparse.
 SHARDED_RTOL, SHARDED_ATOL = 1e-5, 1e-6
 

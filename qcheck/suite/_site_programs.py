@@ -30,8 +30,6 @@ from qcheck.layers.moe import MoE
 from qcheck.recipes import Matmul, Recipe
 from qcheck.suite.cases import BATCH, SEQ
 
-__all__ = ["Probe", "SiteRuns", "backward_probes", "exact_probes", "run_sites"]
-
 @dataclasses.dataclass(frozen=True)
 class Probe:
     """The operands one site is run on: its matmul (a ragged_dot with the probe's group sizes), and ``g`` for a vjp."""
