@@ -12,7 +12,7 @@ import qcheck
 from qcheck import checks, formats, get_recipe
 from qcheck.checks._backward import flat_uniforms, assert_site_backward_exact
 from qcheck.checks._probes import probe_grad, probe_nvfp4
-from qcheck.checks._referee import nvfp4_uniforms
+from qcheck.checks._format_matches import nvfp4_uniforms
 from qcheck.layers.bridge import QuantSite
 from qcheck.recipes import NVFP4, DelayedScalingFp8, Recipe, Reference
 from qcheck.recipes._nvfp4 import NVFP4Site

@@ -11,7 +11,7 @@ import pytest
 
 from qcheck.recipes import KnownDefect, Unsupported, assert_still_unsupported
 from qcheck.suite import invariants, matrix
-from qcheck.suite._declared import run_declared, declared as declared_for
+from qcheck.suite._declared_cells import run_declared, declared as declared_for
 from qcheck.suite.cases import Case, Variant
 from tests.helpers import INNER, import_extra
 

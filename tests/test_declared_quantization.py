@@ -18,7 +18,7 @@ import pytest
 
 import qcheck
 from qcheck import formats
-from qcheck._coverage._declared import as_declaration
+from qcheck._coverage._declaration import as_declaration
 from qcheck.recipes import get_recipe, recipe_names
 
 E4M3FN = jnp.float8_e4m3fn
@@ -393,7 +393,7 @@ def _stored_int8(x, codes, scale):
 def test_stored_weights_a_reader_declares_are_held_by_type_accepted_with_its_reason_should_pass():
     """A reader that says the library stores a role's codes (Declaration.stored) accepts their hold by type, with
     its reason; the activations are still held bitwise."""
-    from qcheck._coverage._declared import Declaration, RoleFormat
+    from qcheck._coverage._declaration import Declaration, RoleFormat
 
     kernel = formats.quantize(W, "int8_keras", axis=0)
     decl = Declaration({"weights": RoleFormat("int8_keras"), "activations": RoleFormat("int8_keras")}, "a reader",

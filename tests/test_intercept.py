@@ -220,7 +220,7 @@ def _defect(**kw):
 
 
 def test_known_defect_for_one_model_covers_only_that_model():
-    from qcheck.suite._declared import declared
+    from qcheck.suite._declared_cells import declared
 
     from qcheck.recipes import Expect
 

@@ -23,7 +23,7 @@ import qcheck.formats._int4 as int4_kernels
 import qcheck.formats._int8 as int8_kernels
 import qcheck.referees._formats as referee_formats  # the referee's own constants, to plant bugs in it
 from qcheck import formats, referees
-from qcheck.checks._referee import NVFP4_JIT_DECODE_ULPS, assert_format_matches_referee, nvfp4_uniforms
+from qcheck.checks._format_matches import NVFP4_JIT_DECODE_ULPS, assert_format_matches_referee, nvfp4_uniforms
 from tests import format_properties as fp
 from tests.helpers import conversion_probes
 
@@ -359,7 +359,7 @@ def test_comparison_fails_on_uniforms_in_the_wrong_layout(monkeypatch):
     x = np.random.default_rng(6).standard_normal(EDGE).astype(F32)
     key = jax.random.key(1)
     assert_format_matches_referee(x, "nvfp4", axis=0, rng=key, jit=False)
-    import qcheck.checks._referee as rc
+    import qcheck.checks._format_matches as rc
 
     monkeypatch.setattr(rc, "nvfp4_uniforms", lambda k, shape, axis: np.asarray(jax.random.uniform(k, shape)))
     with pytest.raises(AssertionError, match=r"nvfp4: codes differs from the referee at index \(\d+, \d+\)"):

@@ -12,7 +12,7 @@ import numpy as np
 
 from qcheck._errors import user_code
 from qcheck._fingerprint import fingerprint
-from qcheck._coverage._declared import Declaration, judge, weaker_holds
+from qcheck._coverage._declaration import Declaration, judge, weaker_holds
 from qcheck._coverage._kernels import KernelRoles, as_kernel_roles
 from qcheck._coverage._readers import resolve_declaration
 from qcheck._coverage._records import MatmulRecord
@@ -205,7 +205,7 @@ def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward:
     (``qcheck._coverage._readers.READERS``: qcheck's layers, MaxText's config,
     gemma's wrapper, haliax's ops, Keras's quantize mode); True reads it and fails where nothing is
     read; False holds nothing; or give it: a recipe or format name, a ``qcheck.Recipe``,
-    or a mapping of roles to formats (:mod:`qcheck._coverage._declared`).
+    or a mapping of roles to formats (:mod:`qcheck._coverage._declaration`).
     Each record then carries its operands' declared formats, how strongly
     each was held (``lhs_hold``/``rhs_hold``: bitwise, type or none, and why)
     and its ``findings``, from one compiled run that also hands back each

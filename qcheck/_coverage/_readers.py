@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from qcheck._coverage._declared import Declaration, RoleFormat, as_declaration
+from qcheck._coverage._declaration import Declaration, RoleFormat, as_declaration
 
 #: MaxText 0.2.5's ``config.quantization`` on its AQT/Flax path (``use_qwix_quantization=False``):
 #: ``int8`` is AQT v2 ``config_v3(fwd_bits=8)``, whose forward codes are qcheck's ``int8_aqt``

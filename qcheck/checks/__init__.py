@@ -33,12 +33,12 @@ from qcheck.checks._fresh import assert_fresh_cast_exact
 from qcheck.checks._copy_params import copy_params_into
 from qcheck.checks._layer import LayerFigures, check_layer
 from qcheck.checks._layer_backward import assert_layer_sites_backward_exact
-from qcheck.checks._moe_referee import assert_moe_matches_referee
+from qcheck.checks._moe_matches import assert_moe_matches_referee
 from qcheck.checks._native_gemm import assert_native_matches_emulation
 from qcheck.checks._probes import probe_grad, probe_operands
 from qcheck.checks._programs import assert_no_recompiles
 from qcheck.checks._ragged_groups import assert_ragged_groups_independent
-from qcheck.checks._referee import assert_format_matches_referee
+from qcheck.checks._format_matches import assert_format_matches_referee
 from qcheck.checks._site import assert_layer_sites_exact, assert_site_exact
 from qcheck.checks._tracks import assert_tracks, rel_norm
 from qcheck.checks._uninitialized import assert_no_uninitialized_reads

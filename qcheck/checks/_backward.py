@@ -59,7 +59,7 @@ def site_dgrad_key(key: jax.Array, site_name: str) -> jax.Array:
 
 
 def flat_uniforms(key: jax.Array, shape: tuple[int, ...], axes: tuple[int, ...]) -> np.ndarray:
-    """:func:`qcheck.checks._referee.nvfp4_uniforms`, drawn flat: one program per size, not per layout.
+    """:func:`qcheck.checks._format_matches.nvfp4_uniforms`, drawn flat: one program per size, not per layout.
 
     JAX's uniforms depend on the flat index alone (tests/test_backward.py checks the two agree).
     """

@@ -31,7 +31,7 @@ from qcheck.checks._fp8_native import declared_operand_fp8_dtypes
 from qcheck.checks._fp8_state import history_rolls
 from qcheck.checks._fresh import cast_reference, judge_fresh_cast
 from qcheck.checks._layer_backward import SiteGradCall, judge_site_grad_calls, record_site_grads, through_layer_applies
-from qcheck.checks._moe_referee import compare_with_referee, module_params, referee_weights
+from qcheck.checks._moe_matches import compare_with_referee, module_params, referee_weights
 from qcheck.checks._native_gemm import NATIVE_GEMM_TOL
 from qcheck.checks._probes import probe_nvfp4
 from qcheck.checks._programs import entry_params, lowered_entry_params

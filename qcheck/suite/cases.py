@@ -144,7 +144,7 @@ def has_gradients(recipe: Recipe, variant: Variant) -> bool:
     golden).
 
     Not where the recipe's library refuses gradients on the path (a declared
-    cell, :mod:`qcheck.suite._declared`), nor where the gradient format's blocks
+    cell, :mod:`qcheck.suite._declared_cells`), nor where the gradient format's blocks
     cannot tile the weight gradient's contraction: on the dropping layer that
     runs over batch x capacity tokens per expert (2 x 8 = 16), fewer than
     MXFP8's 32.

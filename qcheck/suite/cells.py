@@ -2,7 +2,7 @@
 
 The matrix, the pytest plugin's items and :class:`qcheck.testing.InvariantTestCase`
 all call :func:`run_cell`, so a cell's verdict does not depend on who asks: a
-cell its recipe declares (:mod:`qcheck.suite._declared`) is checked as declared
+cell its recipe declares (:mod:`qcheck.suite._declared_cells`) is checked as declared
 (the library still refuses it, or the invariant still fails as the declared
 defect), an invariant that does not apply is ``n/a``, any other cell runs the
 invariant, with every assertion it holds.
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from qcheck._choices import require_choice
 from qcheck.recipes import Unsupported, get_recipe
-from qcheck.suite._declared import declared, run_declared
+from qcheck.suite._declared_cells import declared, run_declared
 from qcheck.suite.cases import Case
 
 if TYPE_CHECKING:

@@ -58,7 +58,7 @@ class Cell:
         return word if note is None else f"{word} [{note}]"
 
 
-# Declared cells (qcheck.suite._declared): checked like any other, their note says what the library does.
+# Declared cells (qcheck.suite._declared_cells): checked like any other, their note says what the library does.
 _WORDS = {"unsupported": "not supported", "known": "known defect"}
 
 

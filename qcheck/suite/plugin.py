@@ -280,7 +280,7 @@ def _params(config: pytest.Config, fixture: str, function) -> list:
                 + [pytest.param(("stray", e), id=f"unknown-file-{e.path.parent.name}-{e.path.stem}")
                    for e in found.strays])
     chosen = cases(selected)
-    from qcheck.suite._declared import declared
+    from qcheck.suite._declared_cells import declared
 
     if fixture == "qcheck_declared":  # the cells recipes declare: each checked, none skipped
         return [pytest.param((c, inv.name), id=f"{c.id}-{inv.name}") for c in chosen for inv in INVARIANTS

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from qcheck.recipes import Recipe
-from qcheck.suite._referee import assert_layer_matches_referee
+from qcheck.suite._layer_matches import assert_layer_matches_referee
 from qcheck.suite._sharded import (SHARDED_ATOL, SHARDED_RTOL, assert_layer_sharded,
                                    assert_layer_sharded_matches, assert_sharded_matches)
 from qcheck.suite.cases import Case, Variant, grad_leaves, train_step_runs

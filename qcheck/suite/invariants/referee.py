@@ -7,7 +7,7 @@ import numpy as np
 from qcheck.recipes import Recipe
 from qcheck.suite import cases as cases_mod
 from qcheck.suite.cases import Case, Variant
-from qcheck.suite._referee import assert_layer_matches_referee
+from qcheck.suite._layer_matches import assert_layer_matches_referee
 
 #: What the invariant holds, in one line (the CLI's help and the README's table show it).
 doc = ("the unquantized layer computes, token by token, what a float64 numpy referee written from its router's "
