@@ -7,42 +7,12 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 
 from qcheck._coverage._records import OperandQuant, ROUNDING, VALUE_PRESERVING
 from qcheck._coverage._values import SAME_VALUE, Val, map_axes, named_dtype, narrow_bits, widest_float
-
-#: Bit-field widths whose unpacked values are the codes of a type ml_dtypes names (int4, uint4, int2, uint2).
-_CODE_FIELDS = (2, 4)
-#: Ops that move an unpacked field's values without changing them (the halves of a byte interleaved back).
-_FIELD_LAYOUT = frozenset({"reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "slice", "rev",
-                           "copy", "copy_p", "stack", "concatenate", "sharding_constraint", "optimization_barrier"})
-
-
-def _literal(eqn: jcore.JaxprEqn, i: int) -> int | None:
-    """The integer literal operand ``i`` of ``eqn`` is (a shift count, a mask), or None where it is no literal."""
-    v = eqn.invars[i]
-    if not isinstance(v, jcore.Literal) or np.ndim(v.val) != 0:
-        return None
-    value = np.asarray(v.val)
-    return int(value) if np.issubdtype(value.dtype, np.integer) else None
-
-
-def _container(eqn: jcore.JaxprEqn) -> int | None:
-    """The bits of the eqn's integer result type; None for any other type (floats, PRNG keys)."""
-    dtype = getattr(eqn.outvars[0].aval, "dtype", None)
-    if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.extended) or not jnp.issubdtype(dtype, jnp.integer):
-        return None
-    return jnp.iinfo(dtype).bits
-
-
-#: The ops :meth:`QuantizerChains.unpack` reads; every other op leaves a field behind.
-_FIELD_OPS = _FIELD_LAYOUT | {"convert_element_type", "and", "xor", "shift_right_arithmetic", "shift_right_logical",
-                              "shift_left", "sub", "add"}
-
 
 class QuantizerChains:
     """The walk's methods that follow quantized chains (mixed into :class:`qcheck._coverage._walk.Walker`)."""
@@ -88,154 +58,89 @@ class QuantizerChains:
                                        ident=eqn.outvars[0])
         return None
 
-    @staticmethod
-    def field_of(v: Val) -> tuple[int, bool] | None:
-        """``(width, signed)`` of the bits ``v`` holds: an unpacked field, or all of a narrow integer's codes."""
-        if v.field is not None:
-            return v.field
-        if v.quant is not None and v.quant.kind == "cast" and v.quant.dtype is not None:
-            dtype = named_dtype(v.quant.dtype)
-            if jnp.issubdtype(dtype, jnp.integer) and (bits := narrow_bits(dtype)):
-                return bits, bool(jnp.issubdtype(dtype, jnp.signedinteger))
-        return None
-
-    def unpack(self, eqn: jcore.JaxprEqn, ins: list[Val], actual: Any) -> Val | None:
-        """Packed codes unpacked: a field of a narrow integer's bits read by shifts and masks is a narrow code.
-
-        Keras's ``unpack_int4`` (keras 3.15.1, quantizers.py:754-900) reads two int4 codes from each int8 byte:
-        ``(b & 15) ^ 8) - 8`` and ``((b >> 4) & 15) ^ 8) - 8``; others sign-extend a nibble by
-        ``(b << 4) >> 4`` (arithmetic) or take the high one as ``b >> 4``. The source must be a narrow integer's
-        codes (a stored int8/uint8, widened or not): an int32 index masked to 4 bits is no code, nor is an int8
-        shifted by 0 (still all of its 8 bits). A field of 4 or 2 bits reads as quantized, ``int4``/``uint4``
-        (``int2``/``uint2``), its codes stored: no quantizer to trace them to. None: not such an op.
-        """
-        name = eqn.primitive.name
-        if name not in _FIELD_OPS or len(eqn.outvars) != 1 or not ins:
-            return None
-        container = _container(eqn)
-        src = self.field_of(ins[0])
-        field: tuple[int, bool] | None = None
-        if name in _FIELD_LAYOUT:
-            if not any(v.field is not None for v in ins):
-                return None
-            fields = {self.field_of(v) for v in ins if not v.const}
-            field = fields.pop() if len(fields) == 1 and None not in fields else None
-            if field is None:
-                return None
-        elif container is None:
-            return None
-        elif name == "convert_element_type":
-            if ins[0].field is None or container < ins[0].field[0] + (0 if ins[0].field[1] else 1):
-                return None  # all of a narrow integer's codes widened: the usual rules keep their grid
-            field = ins[0].field
-        elif name in ("and", "xor"):
-            pairs = [(self.field_of(ins[i]), _literal(eqn, 1 - i)) for i in (0, 1)]
-            src, lit = next(((f, c) for f, c in pairs if f is not None and c is not None), (None, None))
-            if src is None or lit is None or lit < 0:
-                return None
-            width, signed = src
-            if name == "and" and lit & (lit + 1) == 0:  # a mask of the low k bits
-                # The low k bits, unsigned: a signed field's negative values become their k-bit two's complement.
-                k = lit.bit_length()
-                field = src if k >= container or (not signed and k >= width) else (k, False)
-            elif name == "xor" and not signed and lit < 2**width:
-                field = src  # bits flipped inside the field: still its width, unsigned
-        elif name in ("shift_right_arithmetic", "shift_right_logical", "shift_left"):
-            s = _literal(eqn, 1)
-            if src is None or s is None or s < 0:
-                return None
-            width, signed = src
-            if name == "shift_right_arithmetic" and 0 < s < width:
-                field = (width - s, signed)
-            elif name == "shift_right_logical" and 0 < s < width and (not signed or width == container):
-                field = (width - s, False)
-            elif name == "shift_left" and s > 0:
-                # Into the container's top bits, a field reads as the container's signed integer (the first half
-                # of the sign extension (b << 4) >> 4); short of them, as a field s bits wider.
-                field = (container, True) if width + s >= container else (width + s, signed)
-        elif name in ("sub", "add") and src is not None and ins[0].field is not None:
-            width, signed = src
-            lit = _literal(eqn, 1)
-            if not signed and lit is not None and (lit if name == "sub" else -lit) == 2 ** (width - 1):
-                field = (width, True)  # an offset binary field made signed: (u ^ 8) - 8
-        if field is None:
-            return None
-        width, signed = field
-        quant = (OperandQuant("cast", f"{'' if signed else 'u'}int{width}", "unpack") if width in _CODE_FIELDS
-                 else None)
-        return Val(quant, all(v.const for v in ins), getattr(eqn.outvars[0].aval, "size", 2) == 1, actual, actual,
-                   grad=any(v.grad for v in ins), casts=frozenset({quant.dtype}) if quant else frozenset(),
-                   data=self.data_of(eqn, ins), ident=eqn.outvars[0],
-                   closed=all(v.const or v.closed for v in ins), field=field)
-
     def chain(self, eqn: jcore.JaxprEqn, ins: list[Val], quant: OperandQuant | None, out: Val) -> None:
         """Carry, with values, what the declared-quantization check needs: the quantizer's input and codes."""
+        if quant is None:
+            self.toward_quantizer(eqn, ins, out)
+        elif not any(quant is v.quant for v in ins):  # a quantizing step: its codes start here
+            self.quantizer_starts(eqn, ins, out)
+        elif eqn.primitive.name == "select_n":
+            self.select(eqn, ins, out)
+        else:
+            self.codes_carried(eqn, ins, quant, out)
+
+    @staticmethod
+    def toward_quantizer(eqn: jcore.JaxprEqn, ins: list[Val], out: Val) -> None:
+        """On the way to a quantizer: a scale divided out (or multiplied in), a zero point added, a saturation."""
         name = eqn.primitive.name
         first = ins[0] if ins else Val()
-        if quant is None:
-            # On the way to a quantizer: a scale divided out (or multiplied in), a saturation.
-            scale_at = [i for i, (v, var) in enumerate(zip(ins, eqn.invars))
-                        if v.scale or v.const or getattr(var.aval, "size", 0) < getattr(eqn.outvars[0].aval, "size", 0)]
-            if name in ("div", "mul") and len(ins) == 2 and len(scale_at) == 1 and (name == "mul" or scale_at == [1]):
-                x = ins[1 - scale_at[0]]
-                # A literal factor (haliax's weight * 1.0 reparametrisation) is the layer's arithmetic, not a
-                # quantizer's scale: the value after it is what a later scale divides, so it starts afresh.
-                if x.divisor is None and not ins[scale_at[0]].const:
-                    out.prescale = x.prescale if x.prescale is not None else x.actual
-                    out.divisor, out.multiplied = ins[scale_at[0]].actual, name == "mul"
-                elif x.divisor is not None and ins[scale_at[0]].const:
-                    # After the scale, a literal factor is the quantizer's own arithmetic (e2m1's half steps).
-                    out.prescale, out.divisor, out.multiplied = x.prescale, x.divisor, x.multiplied
-                elif x.divisor is not None and name == "div" and not x.multiplied:
-                    # A second scale divided out (NVFP4's block scale after its global one): the quantizer's input
-                    # is still the value before the first, divided by both.
-                    out.prescale, out.divisor, out.multiplied = x.prescale, x.divisor * ins[1].actual, False
-            elif name in ("add", "sub") and len(ins) == 2:
-                # x / scale plus a zero point (qwix's minmax int8 adds its int8 zero point, one per slice): the
-                # quantizer's input is still x, divided by the scale; the zero point's codes are recorded as such.
-                # Only integer codes are a zero point: a literal (x / s + 0.5 before a floor) or a float offset (a
-                # bias) is the layer's arithmetic, and the value after it starts afresh.
-                for i in ((0, 1) if name == "add" else (0,)):
-                    x, z, zvar = ins[i], ins[1 - i], eqn.invars[1 - i]
-                    small = z.scale or getattr(zvar.aval, "size", 0) < getattr(eqn.outvars[0].aval, "size", 0)
-                    codes = z.quant is not None and np.issubdtype(np.dtype(z.quant.dtype or "float32"), np.integer)
-                    if x.divisor is not None and small and codes and not z.const and z.divisor is None:
-                        out.prescale, out.divisor, out.multiplied = x.prescale, x.divisor, x.multiplied
-                        out.zero_point = z.qid
-                        break
-            elif name in ("clamp", "max", "min", "convert_element_type", "stop_gradient", "copy", "copy_p", "abs",
-                          "neg"):  # abs, neg: a symmetric grid's magnitudes, the sign put back later
-                x = ins[1] if name == "clamp" else next((v for v in ins if not v.const), first)
+        scale_at = [i for i, (v, var) in enumerate(zip(ins, eqn.invars))
+                    if v.scale or v.const or getattr(var.aval, "size", 0) < getattr(eqn.outvars[0].aval, "size", 0)]
+        if name in ("div", "mul") and len(ins) == 2 and len(scale_at) == 1 and (name == "mul" or scale_at == [1]):
+            x = ins[1 - scale_at[0]]
+            # A literal factor (haliax's weight * 1.0 reparametrisation) is the layer's arithmetic, not a
+            # quantizer's scale: the value after it is what a later scale divides, so it starts afresh.
+            if x.divisor is None and not ins[scale_at[0]].const:
+                out.prescale = x.prescale if x.prescale is not None else x.actual
+                out.divisor, out.multiplied = ins[scale_at[0]].actual, name == "mul"
+            elif x.divisor is not None and ins[scale_at[0]].const:
+                # After the scale, a literal factor is the quantizer's own arithmetic (e2m1's half steps).
                 out.prescale, out.divisor, out.multiplied = x.prescale, x.divisor, x.multiplied
-                out.zero_point = x.zero_point
+            elif x.divisor is not None and name == "div" and not x.multiplied:
+                # A second scale divided out (NVFP4's block scale after its global one): the quantizer's input
+                # is still the value before the first, divided by both.
+                out.prescale, out.divisor, out.multiplied = x.prescale, x.divisor * ins[1].actual, False
+        elif name in ("add", "sub") and len(ins) == 2:
+            # x / scale plus a zero point (qwix's minmax int8 adds its int8 zero point, one per slice): the
+            # quantizer's input is still x, divided by the scale; the zero point's codes are recorded as such.
+            # Only integer codes are a zero point: a literal (x / s + 0.5 before a floor) or a float offset (a
+            # bias) is the layer's arithmetic, and the value after it starts afresh.
+            for i in ((0, 1) if name == "add" else (0,)):
+                x, z, zvar = ins[i], ins[1 - i], eqn.invars[1 - i]
+                small = z.scale or getattr(zvar.aval, "size", 0) < getattr(eqn.outvars[0].aval, "size", 0)
+                codes = z.quant is not None and np.issubdtype(np.dtype(z.quant.dtype or "float32"), np.integer)
+                if x.divisor is not None and small and codes and not z.const and z.divisor is None:
+                    out.prescale, out.divisor, out.multiplied = x.prescale, x.divisor, x.multiplied
+                    out.zero_point = z.qid
+                    break
+        elif name in ("clamp", "max", "min", "convert_element_type", "stop_gradient", "copy", "copy_p", "abs",
+                      "neg"):  # abs, neg: a symmetric grid's magnitudes, the sign put back later
+            x = ins[1] if name == "clamp" else next((v for v in ins if not v.const), first)
+            out.prescale, out.divisor, out.multiplied = x.prescale, x.divisor, x.multiplied
+            out.zero_point = x.zero_point
+
+    def quantizer_starts(self, eqn: jcore.JaxprEqn, ins: list[Val], out: Val) -> None:
+        """A quantizing step (a cast, a rounding): its codes start here, of the value before the scale."""
+        name = eqn.primitive.name
+        first = ins[0] if ins else Val()
+        if name in ("gather", "sign"):
+            return  # values from a table, or signs: not the codes of a value the walk can name
+        src = first
+        if src.live and src.qid is not None and src.axis_map != tuple(range(len(src.axis_map))):
+            # Codes rounded in another layout (NVFP4's blocks), laid back and cast to their type: the same
+            # quantizer, whose codes stay where its axes are known.
+            out.qid, out.live, out.axis_map = src.qid, True, map_axes(eqn, src.axis_map, ())
             return
-        if not any(quant is v.quant for v in ins):  # a quantizing step: its codes start here
-            if name in ("gather", "sign"):
-                return  # values from a table, or signs: not the codes of a value the walk can name
-            src = first
-            if src.live and src.qid is not None and src.axis_map != tuple(range(len(src.axis_map))):
-                # Codes rounded in another layout (NVFP4's blocks), laid back and cast to their type: the same
-                # quantizer, whose codes stay where its axes are known.
-                out.qid, out.live, out.axis_map = src.qid, True, map_axes(eqn, src.axis_map, ())
-                return
-            origin = src.prescale if src.prescale is not None else src.actual
-            divisor, multiplied = src.divisor, src.multiplied
-            qid = len(self.quantizers)
-            if src.quant is not None and src.qid is not None:  # round, then cast to int8: the same chain
-                origin, divisor = self.quantizers[src.qid][0], self.quantizers[src.qid][2]
-                multiplied = self.multiplied[src.qid]
-                self.zero_points = {z: qid if q == src.qid else q for z, q in self.zero_points.items()}
-            elif src.zero_point is not None:
-                self.zero_points[src.zero_point] = qid
-            self.quantizers.append((origin, out.actual, divisor))
-            self.multiplied.append(multiplied)
-            self.stacked.append(())
-            out.qid, out.live = qid, True
-            out.axis_map = tuple(range(len(getattr(eqn.outvars[0].aval, "shape", ()))))
-            return
-        if name == "select_n":
-            self.select(eqn, ins, out)
-            return
+        origin = src.prescale if src.prescale is not None else src.actual
+        divisor, multiplied = src.divisor, src.multiplied
+        qid = len(self.quantizers)
+        if src.quant is not None and src.qid is not None:  # round, then cast to int8: the same chain
+            origin, divisor = self.quantizers[src.qid][0], self.quantizers[src.qid][2]
+            multiplied = self.multiplied[src.qid]
+            self.zero_points = {z: qid if q == src.qid else q for z, q in self.zero_points.items()}
+        elif src.zero_point is not None:
+            self.zero_points[src.zero_point] = qid
+        self.quantizers.append((origin, out.actual, divisor))
+        self.multiplied.append(multiplied)
+        self.stacked.append(())
+        out.qid, out.live = qid, True
+        out.axis_map = tuple(range(len(getattr(eqn.outvars[0].aval, "shape", ()))))
+
+    def codes_carried(self, eqn: jcore.JaxprEqn, ins: list[Val], quant: OperandQuant, out: Val) -> None:
+        """An op on codes already made: they stay the quantizer's codes (laid out anew, saturated) or are
+        dequantized (times their scale)."""
+        name = eqn.primitive.name
+        first = ins[0] if ins else Val()
         carrier = next((v for v in ins if quant is v.quant), first)
         if carrier.qid is None:
             return

@@ -12,6 +12,7 @@ import numpy as np
 
 from qcheck._coverage._chain import QuantizerChains
 from qcheck._coverage._control import ControlFlow
+from qcheck._coverage._fields import PackedFields
 from qcheck._coverage._kernels import KernelRead, KernelRoles, read_kernel
 from qcheck._coverage._records import (BLOCK_SCALED, ERROR_PRIMITIVES, FULL, MATMUL_PRIMITIVES, OPAQUE, UNKNOWN,
                                        MatmulRecord, block_format, call_body)
@@ -20,7 +21,7 @@ from qcheck._coverage._values import (SAME_VALUE, Val, Where, contracting_dims, 
                                       live_eqns, narrow_bits, operand_role, widest_float)
 
 
-class Walker(QuantizerChains, ControlFlow):
+class Walker(QuantizerChains, PackedFields, ControlFlow):
     """The walk over a traced program: every matmul as a record, each operand's quantized chain, with values where
     it runs inside a program of its own."""
 
