@@ -395,3 +395,30 @@ def test_an_all_list_in_a_private_module_is_found(tmp_path):
     (package / "__init__.py").write_text('__all__ = ["f"]\nfrom qcheck._f import f\n')
     (package / "_f.py").write_text('__all__ = ["f"]\n\n\ndef f():\n    pass\n')
     assert private_modules_with_all(package) == ["qcheck/_f.py"]
+
+
+#: The longest function (docstring included) and class in qcheck: past them, a function is doing two jobs.
+MAX_FUNCTION_LINES, MAX_CLASS_LINES = 80, 300
+
+
+def oversized(root: Path) -> list[str]:
+    """Every function over MAX_FUNCTION_LINES and class over MAX_CLASS_LINES lines under ``root``, with its size."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            limit = (MAX_FUNCTION_LINES if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                     else MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else None)
+            if limit is not None and (size := node.end_lineno - node.lineno + 1) > limit:
+                found.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name} ({size} lines)")
+    return found
+
+
+def test_no_function_over_80_lines_and_no_class_over_300():
+    assert oversized(QCHECK) == []
+
+
+def test_an_oversized_function_is_found(tmp_path):
+    package = tmp_path / "qcheck"
+    package.mkdir()
+    (package / "m.py").write_text("def f():\n" + "    x = 1\n" * 80 + "\n\ndef g():\n" + "    x = 1\n" * 79)
+    assert oversized(package) == ["qcheck/m.py:1 f (81 lines)"]
