@@ -2,6 +2,7 @@
 
 import functools
 import io
+import os
 import importlib.util
 
 import jax
@@ -72,6 +73,24 @@ def requires_extra(*extras: str) -> pytest.MarkDecorator:
 def import_extra(extra: str, module: str | None = None):
     """Import ``module`` (default: the extra's own) inside a test, or skip it naming ``extra``."""
     return pytest.importorskip(module or _extra(extra)[0], reason=extra_skip_reason(extra))
+
+
+def keras_on_jax(run: str):
+    """Keras on its JAX backend, for a module-scoped fixture to yield from: skipped, naming how to install or run
+    it (``run``), where it is absent or on another backend; its tests run with rank promotion allowed (Dense adds
+    its bias (units,) to (batch, units) by rank broadcasting, which the suite's conftest refuses)."""
+    if extra_missing("keras"):
+        import_extra("keras")  # skips, naming how to install it
+    backend = os.environ.get("KERAS_BACKEND")
+    try:  # Keras imports its backend when first imported: its default, TensorFlow, is not in Keras's environment
+        import keras
+    except ImportError as error:
+        pytest.skip(f"Keras is installed but does not import on its backend (KERAS_BACKEND={backend!r}, else "
+                    f"keras.json's): {error}: {run}")
+    if keras.backend.backend() != "jax":
+        pytest.skip(f"Keras's backend is {keras.backend.backend()}, not jax: {run}")
+    with jax.numpy_rank_promotion("allow"):
+        yield keras
 
 
 def conversion_probes(dtype) -> np.ndarray:

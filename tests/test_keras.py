@@ -51,7 +51,7 @@ import numpy as np
 import pytest
 
 import qcheck
-from tests.helpers import extra_missing, import_extra
+from tests.helpers import keras_on_jax
 
 #: The version the traced structure and the messages were checked on.
 KERAS_VERSION = "3.15.1"
@@ -78,19 +78,7 @@ RUN = "run its tests with KERAS_BACKEND=jax: .ci/keras.sh run VENV/bin/python py
 def keras():
     """Keras on its JAX backend, once: skipped, naming how to install or run it, where it is absent or elsewhere;
     its tests run with rank promotion allowed."""
-    if extra_missing("keras"):
-        import_extra("keras")  # skips, naming how to install it
-    backend = os.environ.get("KERAS_BACKEND")
-    try:  # Keras imports its backend when first imported: its default, TensorFlow, is not in Keras's environment
-        import keras
-    except ImportError as error:
-        pytest.skip(f"Keras is installed but does not import on its backend (KERAS_BACKEND={backend!r}, else "
-                    f"keras.json's): {error}: {RUN}")
-    if keras.backend.backend() != "jax":
-        pytest.skip(f"Keras's backend is {keras.backend.backend()}, not jax: {RUN}")
-    # Dense adds its bias (UNITS,) to (batch, UNITS) by rank broadcasting, which the suite's conftest refuses.
-    with jax.numpy_rank_promotion("allow"):
-        yield keras
+    yield from keras_on_jax(RUN)
 
 
 def _pinned() -> None:

@@ -28,12 +28,11 @@ import inspect
 import os
 import re
 
-import jax
 import numpy as np
 import pytest
 
 import qcheck
-from tests.helpers import extra_missing, import_extra
+from tests.helpers import keras_on_jax
 
 NAME = "qdense"
 UNITS, IN = 16, 32
@@ -51,18 +50,7 @@ RUN = ("run its tests with KERAS_BACKEND=jax: .ci/keras.sh run VENV/bin/python p
 def keras():
     """Keras on its JAX backend, once: skipped, naming how to install or run it, where it is absent or elsewhere;
     its tests run with rank promotion allowed (Dense adds its bias by rank broadcasting)."""
-    if extra_missing("keras"):
-        import_extra("keras")  # skips, naming how to install it
-    backend = os.environ.get("KERAS_BACKEND")
-    try:
-        import keras
-    except ImportError as error:
-        pytest.skip(f"Keras is installed but does not import on its backend (KERAS_BACKEND={backend!r}, else "
-                    f"keras.json's): {error}: {RUN}")
-    if keras.backend.backend() != "jax":
-        pytest.skip(f"Keras's backend is {keras.backend.backend()}, not jax: {RUN}")
-    with jax.numpy_rank_promotion("allow"):
-        yield keras
+    yield from keras_on_jax(RUN)
 
 
 def _init(keras, seed: int) -> dict:
