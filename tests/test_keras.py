@@ -567,6 +567,23 @@ def test_keras_int4_grouped_stored_codes_scales_zero_points_are_the_referees_bit
 
 # -- 8. findings pinned as facts: what Keras computes beside its matmuls --------------------------------------
 
+def test_keras_int4_grouped_saturates_a_group_of_one_sign_far_from_zero(keras):
+    """Keras 3.15.1: the default int4's zero point round(-min / scale) - 8 is clipped to [-8, 7]
+    (quantizers.py:216-218) and its range is not widened to hold 0, so a group of 128 weights in [10, 11] gets zero
+    point -8, codes all 7, and multiplies as about max - min (0.99), where a group straddling 0 (the control,
+    shifted by -10.5) comes back within a step. A fact test: int4_keras_grouped is that rule, held as it is."""
+    kernel = np.random.default_rng(0).uniform(10, 11, (128, 2)).astype(np.float32)
+    eye = np.eye(128, dtype=np.float32)
+    for shift, bad in ((0.0, True), (-10.5, False)):
+        layer = keras.layers.Dense(2, use_bias=False, name=NAME)
+        layer.build((None, 128))
+        layer.kernel.assign(kernel + np.float32(shift))
+        layer.quantize("int4")
+        effective = np.asarray(layer(eye))  # row i: the kernel's row i as the layer multiplies it
+        error = float(np.max(np.abs(effective - (kernel + np.float32(shift)))))
+        assert (error > 8.0) if bad else (error <= 1.0 / 15), (shift, error)
+
+
 def test_keras_float8_dense_rounds_its_float32_bias_through_bfloat16(keras):
     """Keras 3.15.1: ``_float8_call`` casts a float32 bias to bfloat16 and back before adding it "to get the
     biasAdd fusion support" (keras/src/layers/core/dense.py:1018-1026; einsum_dense.py:1257-1262 likewise): a
