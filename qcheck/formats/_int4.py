@@ -1,4 +1,5 @@
-"""The int4 formats: Keras's ``quantize("int4")`` kernel codes, symmetric per slice along the contraction axes."""
+"""The int4 formats: Keras's ``quantize("int4")`` kernel codes, symmetric per slice along the contraction axes
+(``int4_keras``) or, Keras's default, asymmetric per group of 128 along them (``int4_keras_grouped``)."""
 
 from __future__ import annotations
 
