@@ -113,6 +113,13 @@ FORMATS = (
     # a step below 2^-63 becomes 1, as int8_qwix's.
     Format("int8_qwix_minmax", block=32, idempotent_ulps=None, int_codes=(-255, 255), int_edge=255.0,
            min_amax=2 * 255 * 2.0**-63, zero_point=True),
+    # Keras's default int4: ((max - min) + 1e-7) / 15 per group of 128, a zero point, codes minus it in ±15. A row
+    # of 32 is one partial group, which Keras zero-pads, so its min <= 0 <= max as qwix's minmax clips them: the
+    # properties hold there. A full group of one sign far from 0 saturates (Keras's rule: the zero point clips to
+    # -8), outside these rows; test_formats pins it to the referee. Below an absmax of 1e-3 the epsilon is a
+    # visible part of the step, as int4_keras's.
+    Format("int4_keras_grouped", block=32, idempotent_ulps=None, int_codes=(-15, 15), int_edge=15.0,
+           int_epsilon=1e-7, min_amax=1e-3, zero_point=True),
     Format("e4m3fn", block=32, idempotent_ulps=0, dtype=np.dtype(ml_dtypes.float8_e4m3fn)),
     Format("e4m3fnuz", block=32, idempotent_ulps=0, dtype=np.dtype(ml_dtypes.float8_e4m3fnuz), fnuz=True),
     Format("e5m2", block=32, idempotent_ulps=0, dtype=np.dtype(ml_dtypes.float8_e5m2)),
@@ -236,11 +243,12 @@ def _decode_scales(out: np.ndarray, fmt: Format, x: np.ndarray) -> np.ndarray:
     """The per-block step: an integer format's from its definition, (absmax(x) + int_epsilon) / int_edge;
     NVFP4's read off the output itself, whose largest code is the format's max."""
     if fmt.zero_point:
-        # From the definition: (max - min) / 255 over the block's min and max, clipped so min <= 0 <= max.
+        # From the definition: (max - min + int_epsilon) / int_edge over the block's min and max, clipped so
+        # min <= 0 <= max.
         blocks = _blocks(x, fmt).astype(np.float64)
         lo = np.minimum(np.min(blocks, axis=-1, keepdims=True), 0.0)
         hi = np.maximum(np.max(blocks, axis=-1, keepdims=True), 0.0)
-        return (hi - lo) / fmt.int_edge
+        return (hi - lo + fmt.int_epsilon) / fmt.int_edge
     if fmt.int_codes is not None:
         # Not read off the output: qwix's -absmax may land on -127 or -128 (its quotient
         # is within an ulp of -127.5), so the output does not say which code it is.

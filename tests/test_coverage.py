@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import qcheck
-from qcheck import checks
+from qcheck import checks, formats
 from qcheck._coverage import (
     MatmulRecord,
     assert_quantized,
@@ -480,3 +480,32 @@ def test_grouped_int4_minus_a_full_size_value_taken_by_index_reads_full_precisio
     with pytest.raises(AssertionError, match=r"1 of 1 matmuls reach full precision"):
         assert_quantized(lambda x, p: _int8(x) @ _grouped(p, table, np.ones((32, 16), np.float32), np.arange(32)),
                          A, PACKED4, declared=False)
+
+
+#: A kernel of 200 inputs: one group of 128 and a partial one of 72, as Keras's default int4 groups them.
+W_GROUPED = jnp.asarray(_RNG.normal(size=(200, 8)).astype(np.float32))
+X_GROUPED = _RNG.normal(size=(4, 200)).astype(np.float32)
+#: Grouped along the contraction (axis 0), one scale set per output: the axis that keeps its own scales.
+INT4_GROUPED_PER_OUTPUT = {"weights": {"format": "int4_keras_grouped", "per": (1,)}, "activations": None}
+
+
+def _grouped_layer(rule):
+    def layer(x):
+        return x @ formats.qdq(W_GROUPED, rule, axis=0)
+    return layer
+
+
+def test_int4_keras_grouped_kernel_held_bitwise_as_declared_should_pass():
+    """A JAX layer whose kernel goes through int4_keras_grouped's qdq is held bitwise when declared so, per the
+    output axis (the axis that keeps its own scales: the walk reads the groups through the padding and reshape
+    only as declared)."""
+    (r,) = assert_quantized(_grouped_layer("int4_keras_grouped"), X_GROUPED, declared=INT4_GROUPED_PER_OUTPUT)
+    assert r.rhs_hold.bitwise and r.rhs_declared.startswith("int4_keras_grouped"), r.rhs_hold
+
+
+def test_int4_keras_grouped_declared_on_the_per_channel_rule_fails_naming_the_codes_should_fail():
+    """The twin: the same layer quantizing its kernel by Keras's per-channel int4 fails, the codes that differ
+    counted."""
+    with pytest.raises(AssertionError, match=r"rhs \(weight\): codes are not int4_keras_grouped per axes \(1,\)'s: "
+                                             r"\d+ of 1600 codes differ from the referee's"):
+        assert_quantized(_grouped_layer("int4_keras"), X_GROUPED, declared=INT4_GROUPED_PER_OUTPUT)

@@ -218,7 +218,10 @@ def test_current_scale_is_capped_at_2_to_126(fmt, dtype):
 
 F32 = np.dtype(np.float32)
 #: The shape each scale has for x of shape (4, 64) along axis -1, by its name.
-SCALE_SHAPES = {"slice": lambda f: (4, 1), "zero_point": lambda f: (4, 1), "tensor": lambda f: (), "block": lambda f: (4, 64 // f.block)}
+#: A block format's scales (and zero points) are one per block, a last partial block too (int4_keras_grouped's
+#: groups of 128 over 64 elements: one).
+SCALE_SHAPES = {"slice": lambda f: (4, 1), "zero_point": lambda f: (4, -(-64 // f.block)) if f.block else (4, 1),
+                "tensor": lambda f: (), "block": lambda f: (4, -(-64 // f.block))}
 #: format -> (codes dtype, {scale name: (dtype, shape)}) for x of shape (4, 64) along axis -1, as its record
 #: declares them.
 LAYOUT = {f.name: (f.element, {k: (dt, SCALE_SHAPES[k](f)) for k, dt in f.scales.items()}) for f in formats.FORMATS}
@@ -247,6 +250,8 @@ def test_the_layouts_are_the_formats_own():
     e4m3fn, e8m0 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e8m0fnu)
     assert LAYOUT["nvfp4"] == (np.dtype(ml_dtypes.float4_e2m1fn), {"block": (e4m3fn, (4, 4)), "tensor": (F32, ())})
     assert LAYOUT["mxfp8_jax"] == (e4m3fn, {"block": (e8m0, (4, 2))})
+    assert LAYOUT["int4_keras_grouped"] == (np.dtype(ml_dtypes.int4), {"block": (F32, (4, 1)),
+                                                                       "zero_point": (i8, (4, 1))})
 
 
 @pytest.mark.parametrize("fmt", LAYOUT)

@@ -485,20 +485,92 @@ def test_keras_int4_layer_declared_int8_keras_fails_naming_the_site_and_int4_ker
             "type of int4_keras") in message, message
 
 
-def test_keras_int4_default_grouped_layers_read_as_quantized_and_no_declaration(keras):
-    """Keras 3.15.1's default ``quantize("int4")`` is grouped by 128 along the input with zero points, dequantized
-    as (codes - zero[g_idx]) · scale[g_idx] (dequantize_with_sz_map, quantizers.py:1196-1240): the kernel reads
-    as int4 unpacked (its per-group zero points and scales taken by index, read as a scale), and the reader reads
-    nothing for it (no qcheck format is Keras's grouped int4 yet), saying so, rather than hold it to int4_keras."""
-    for layer in _int4_layers(keras, None):
+def test_keras_int4_default_grouped_layers_pass_the_read_declaration_should_pass(keras):
+    """Keras 3.15.1's default ``quantize("int4")`` is grouped by 128 along the input with zero points
+    (``Int4QuantizationConfig(block_size=128)``, quantization_config.py:113), dequantized as
+    (codes - zero[g_idx]) · scale[g_idx] (dequantize_with_sz_map, quantizers.py:1196-1240; dense.py:910), weight-only
+    (its call never quantizes the input, dense.py:884-921). Read from the layer: weights int4_keras_grouped,
+    activations full precision, the stored kernel held by its types (int4 codes, int8 zero points), accepted by the
+    reader, saying why. Before int4_keras_grouped the reader read nothing for it."""
+    for layer, kind in zip(_int4_layers(keras, None), ("Dense", "EinsumDense")):
         assert layer.dtype_policy.block_size == 128, layer.dtype_policy.name
-        (site,) = qcheck.coverage(layer, X)
-        assert str(site.rhs) == "int4 unpack", site.rhs
-        with pytest.raises(AssertionError, match=r"declared: nothing read: no reader"):
-            qcheck.assert_quantized(layer, X)
+        records = qcheck.assert_quantized(layer, X)
+        (site,) = records
+        assert records.declared_from == (f"read from the fn: Keras quantize('int4', grouped by 128 with zero points, "
+                                         f"weight-only) on 1 layer(s) ({kind})"), records.declared_from
+        assert (str(site.rhs), site.rhs_casts) == ("int4 unpack", frozenset({"int4", "int8"})), site.rhs_casts
+        assert (site.rhs_declared, site.lhs_declared) == ("int4_keras_grouped", "full precision"), site
+        assert site.rhs_hold.accepted_by.startswith("the Keras reader: quantize('int4') stores the kernel"), site
+        assert site.findings == (), site.findings
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["Dense", "EinsumDense"])
+def test_keras_int4_grouped_layer_declared_per_channel_int4_keras_fails_naming_the_site_should_fail(keras, which):
+    """Keras 3.15.1: the should-fail twin. Declared per-channel int4_keras on the default (grouped) layer, it fails
+    at its site: beside the int4 codes the kernel's int8 zero points are read (kernel_zero, dense.py:719-725), which
+    per-channel int4 has none of, and the finding names int4_keras_grouped as the format of those types."""
+    layer = _int4_layers(keras, None)[which]
+    with pytest.raises(AssertionError) as failure:
+        qcheck.assert_quantized(layer, X, declared={"weights": "int4_keras", "activations": None})
+    message = _message(failure)
+    assert re.search(INT4_SITES[which], message), message
+    assert ("rhs (weight) is cast to int8; declared int4_keras, whose codes and scales are int4; int4, int8 is the "
+            "code type of int4_keras_grouped") in message, message
+
+
+def test_keras_int4_other_block_size_reads_nothing(keras):
+    """Keras 3.15.1: ``block_size=64`` groups by 64, which no qcheck format does: the reader reads nothing, saying
+    so, rather than hold it to int4_keras_grouped's groups of 128."""
+    layer = _int4_layers(keras, 64)[0]
+    with pytest.raises(AssertionError, match=r"declared: nothing read: no reader"):
+        qcheck.assert_quantized(layer, X)
+
+
+@pytest.mark.parametrize("magnitude", [1.0, 1e-5, 100.0])
+def test_keras_int4_grouped_stored_codes_scales_zero_points_are_the_referees_bitwise_should_pass(keras, magnitude):
+    """Keras 3.15.1: what the default quantize("int4") stores (``layer.kernel`` unpacks it, dense.py:186-191;
+    ``kernel_scale`` and ``kernel_zero``, [n_groups, units]) equals, bitwise, qcheck's int4_keras_grouped and the
+    numpy referee's, on a kernel of 300 inputs (two groups of 128, a partial one of 44 that Keras zero-pads), an
+    all-zero group, and a group of one sign whose zero point clips and whose codes saturate (Keras's rule)."""
+    layer = keras.layers.Dense(UNITS, name=NAME)
+    layer.build((None, 300))
+    kernel = (np.random.default_rng(2).normal(size=(300, UNITS)) * magnitude).astype(np.float32)
+    kernel[128:256, 3] = 0.0
+    kernel[:128, 5] = np.abs(kernel[:128, 5]) + np.float32(3 * magnitude)
+    layer.kernel.assign(kernel)
+    layer.quantize("int4")
+    codes, scale, zero = (np.asarray(v) for v in (layer.kernel, layer.kernel_scale, layer.kernel_zero))
+    assert scale.shape == zero.shape == (3, UNITS) and zero.dtype == np.int8, (scale.shape, zero.dtype)
+    ours = qcheck.formats.quantize(kernel, "int4_keras_grouped", axis=0)
+    ref_codes, ref_scales = qcheck.referees.reference_quantize(kernel, "int4_keras_grouped", axis=0)
+    # qcheck's block scales are [units, n_groups] (the kept axis first), Keras's [n_groups, units].
+    assert np.array_equal(codes, np.asarray(ours.codes).astype(np.int8)), "qcheck's codes differ"
+    assert np.array_equal(codes, ref_codes.astype(np.int8)), "the referee's codes differ"
+    assert np.array_equal(scale.view(np.uint32), np.asarray(ours.scales["block"]).T.view(np.uint32))
+    assert np.array_equal(scale.view(np.uint32), ref_scales["block"].T.view(np.uint32))
+    assert np.array_equal(zero, np.asarray(ours.scales["zero_point"]).T)
+    assert np.array_equal(zero, ref_scales["zero_point"].T)
+    assert zero[1, 3] == -8 and np.all(codes[128:256, 3] == -8) and zero[0, 5] == -8 and np.all(codes[:128, 5] == 7)
 
 
 # -- 8. findings pinned as facts: what Keras computes beside its matmuls --------------------------------------
+
+def test_keras_int4_grouped_saturates_a_group_of_one_sign_far_from_zero(keras):
+    """Keras 3.15.1: the default int4's zero point round(-min / scale) - 8 is clipped to [-8, 7]
+    (quantizers.py:216-218) and its range is not widened to hold 0, so a group of 128 weights in [10, 11] gets zero
+    point -8, codes all 7, and multiplies as about max - min (0.99), where a group straddling 0 (the control,
+    shifted by -10.5) comes back within a step. A fact test: int4_keras_grouped is that rule, held as it is."""
+    kernel = np.random.default_rng(0).uniform(10, 11, (128, 2)).astype(np.float32)
+    eye = np.eye(128, dtype=np.float32)
+    for shift, bad in ((0.0, True), (-10.5, False)):
+        layer = keras.layers.Dense(2, use_bias=False, name=NAME)
+        layer.build((None, 128))
+        layer.kernel.assign(kernel + np.float32(shift))
+        layer.quantize("int4")
+        effective = np.asarray(layer(eye))  # row i: the kernel's row i as the layer multiplies it
+        error = float(np.max(np.abs(effective - (kernel + np.float32(shift)))))
+        assert (error > 8.0) if bad else (error <= 1.0 / 15), (shift, error)
+
 
 def test_keras_float8_dense_rounds_its_float32_bias_through_bfloat16(keras):
     """Keras 3.15.1: ``_float8_call`` casts a float32 bias to bfloat16 and back before adding it "to get the

@@ -333,6 +333,10 @@ PROBE[0, :8] = [464.01, 1e6, -3e5, 249.0, 300.0, 1e-4, -1e-5, 0.7]  # saturation
         # Keras's int4 scaled to 8 (its range's far end, -8) instead of 7.
         ("int4_keras", int4_kernels, "INT4_MAX", 8, None,
          r"int4_keras: codes differs from the referee at index \(\d+, \d+\): jax 0x[0-9a-f]{1,2} .* vs referee 0x"),
+        # Keras's grouped int4 spread over 16 steps (its code count) instead of 15 (max - min).
+        ("int4_keras_grouped", int4_kernels, "INT4_STEPS", 16, None,
+         r"int4_keras_grouped: codes differs from the referee at index \(\d+, \d+\): jax 0x[0-9a-f]{1,2} .* vs "
+         r"referee 0x"),
         # The referee side: qwix without its scale floor of 2^-63 quantizes a tiny slice.
         ("int8_qwix", referee_formats, "QWIX_MIN_SCALE", F32(0), None,
          r"int8_qwix: codes differs from the referee at index \(0, 0\): jax 0x00 \(np.int8\(0\)\) vs referee 0x7f \(np.int8\(127\)\)"),
@@ -341,7 +345,8 @@ PROBE[0, :8] = [464.01, 1e6, -3e5, 249.0, 300.0, 1e-4, -1e-5, 0.7]  # saturation
          r"e5m2_current: codes differs from the referee at index \(0, 0\): jax 0x55 \(80\) vs referee 0x7b \(57344\)"),
     ],
     ids=["no-saturation", "other-fnuz-flavour", "truncation", "reused-uniforms", "mx-scale-off-by-one",
-         "int8-bound-128", "int8_aqt-bound-127", "int8_qwix-edge-128", "int4_keras-bound-8", "referee-qwix-no-floor",
+         "int8-bound-128", "int8_aqt-bound-127", "int8_qwix-edge-128", "int4_keras-bound-8", "int4_keras_grouped-16-steps",
+         "referee-qwix-no-floor",
          "referee-current-uncapped"],
 )
 def test_comparison_fails_on_a_planted_bug(monkeypatch, fmt, target, name, bug, rng, message):
@@ -404,3 +409,28 @@ def test_int4_keras_reaches_seven_levels_each_side_never_minus_eight():
     codes, _ = referees.reference_quantize(x, "int4_keras")
     assert codes.dtype == ml_dtypes.int4 and int(codes.astype(np.int8).min()) == -7
     assert_format_matches_referee(x, "int4_keras", axis=-1)
+
+
+def _keras_grouped_edges(scale: float) -> np.ndarray:
+    """A kernel [300, 6] (contraction axis 0) at ``scale``: two full groups of 128 and a partial one of 44 (Keras
+    zero-pads it); column 1's second group all zero, column 2's first group all positive, far from 0."""
+    x = np.random.default_rng(7).standard_normal((300, 6)).astype(F32) * F32(scale)
+    x[128:256, 1] = 0.0
+    x[:128, 2] = np.abs(x[:128, 2]) + F32(3 * scale)
+    return x
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-5, 100.0])
+def test_int4_keras_grouped_matches_referee_on_keras_groups(scale):
+    """Keras's default int4 at magnitudes 1, 1e-5 and 100: full groups of 128, a zero-padded partial group, an
+    all-zero group (scale 1e-7 / 15, zero point -8, codes -8, back to 0) and a group of one sign far from 0, whose
+    zero point clips to -8 and whose codes saturate at 7 (Keras's rule: it comes back as its min)."""
+    x = _keras_grouped_edges(scale)
+    assert_format_matches_referee(x, "int4_keras_grouped", axis=0)
+    assert_format_matches_referee(x, "int4_keras_grouped", axis=0, jit=False)
+    codes, scales = referees.reference_quantize(x, "int4_keras_grouped", axis=0)
+    assert scales["block"].shape == scales["zero_point"].shape == (6, 3)  # [output, ceil(300 / 128)]
+    c = codes.astype(np.int8)
+    assert scales["zero_point"][1, 1] == -8 and np.all(c[128:256, 1] == -8)
+    assert scales["zero_point"][2, 0] == -8 and np.all(c[:128, 2] == 7)
+    assert np.all(referees.reference_qdq(x, "int4_keras_grouped", axis=0)[128:256, 1] == 0)

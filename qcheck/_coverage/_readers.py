@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from qcheck import formats
 from qcheck._coverage._declaration import Declaration, RoleFormat, as_declaration
 
 #: MaxText 0.2.5's ``config.quantization`` on its AQT/Flax path (``use_qwix_quantization=False``):
@@ -190,9 +191,14 @@ KERAS_MODES = {
 #: shifts and masks in the call (``unpack_int4``, dense.py:847); the input quantized only where the config names
 #: an activation quantizer (``_int4_build``: ``activation_quantizer_or_default(config, None)``, dense.py:676;
 #: ``Int4QuantizationConfig``'s default is None, weight-only: quantization_config.py:115-117). Its default block
-#: size, 128 (quantization_config.py:113), is the grouped form with zero points
-#: (``abs_max_quantize_grouped_with_zero_point``), which no qcheck format is yet: nothing is read for it.
+#: size, 128 (quantization_config.py:113), is the grouped form with zero points: the kernel's codes by
+#: ``abs_max_quantize_grouped_with_zero_point(kernel, 128, to_numpy=True)`` (dense.py:1080, einsum_dense.py:1325;
+#: qcheck's ``int4_keras_grouped``), stored packed the same way and dequantized in the call as
+#: (codes - zero[g_idx]) · scale[g_idx] (``dequantize_with_sz_map``, dense.py:910); its call never quantizes the
+#: input (dense.py:884-921), and a grouped config refuses an activation quantizer
+#: (quantization_config.py:128-140): weight-only. Another block size is no qcheck format: nothing is read for it.
 KERAS_INT4 = "int4_keras"
+KERAS_INT4_GROUPED = "int4_keras_grouped"
 #: Why a Keras int8 or int4 kernel is held by its type: quantize() stored its codes and kept no float kernel.
 KERAS_STORED = {
     "int8": "the Keras reader: quantize('int8') stores the kernel as int8 codes, keeping no float kernel",
@@ -232,20 +238,24 @@ def _keras_int4(quantizer: Any) -> bool:
             and getattr(quantizer, "epsilon", None) == _KERAS_EPSILON)
 
 
-def _keras_int4_activations(layer: Any) -> str | None:
-    """``"none"`` (weight-only) or ``int8_keras`` as a per-channel int4 layer's config quantizes its inputs; None
-    where the layer is grouped (a block size: zero points, no qcheck format) or its quantizers are not Keras's."""
-    block = getattr(getattr(layer, "dtype_policy", None), "block_size", None)
+def _keras_int4_roles(layer: Any) -> tuple[str, str] | None:
+    """An int4 layer's weights format and ``"none"`` (weight-only) or ``int8_keras`` as its config quantizes its
+    inputs; None where its block size is not one a qcheck format groups by or its quantizers are not Keras's."""
+    # The block size the call reads (dense.py:837, einsum_dense.py's _int4_call likewise), set by _int4_build from
+    # the config or the dtype policy (get_block_size_for_layer, quantization_config.py:303-335).
+    block = getattr(layer, "_int4_block_size", getattr(getattr(layer, "dtype_policy", None), "block_size", None))
     if block is not None and block > 0:
-        return None
+        if block != formats.get_format(KERAS_INT4_GROUPED).block:
+            return None
+        return KERAS_INT4_GROUPED, "none"  # a grouped call never quantizes its input (dense.py:884-921)
     config = getattr(layer, "quantization_config", None)
     weights = getattr(config, "weight_quantizer", None)
     if weights is not None and not _keras_int4(weights):
         return None
     activations = getattr(config, "activation_quantizer", None)
     if activations is None:
-        return "none"
-    return "int8_keras" if _keras_int8(activations) else None
+        return KERAS_INT4, "none"
+    return (KERAS_INT4, "int8_keras") if _keras_int8(activations) else None
 
 
 def _keras(layer: Any) -> Declaration | None:
@@ -267,12 +277,14 @@ def _keras(layer: Any) -> Declaration | None:
     roles: dict[str, RoleFormat | None] = {k: RoleFormat(v) for k, v in KERAS_MODES.get(mode, {}).items()}
     detail = ""
     if mode == "int4":
-        activations = {_keras_int4_activations(sub) for sub in subs}
-        if len(activations) != 1 or None in activations:
-            return None  # grouped (zero points), quantizers not Keras's, or mixed: nothing to read
-        act = activations.pop()
-        roles = {"weights": RoleFormat(KERAS_INT4), "activations": None if act == "none" else RoleFormat(act)}
-        detail = ", per channel" + (", weight-only" if act == "none" else "")
+        found = {_keras_int4_roles(sub) for sub in subs}
+        if len(found) != 1 or None in found:
+            return None  # another block size, quantizers not Keras's, or mixed: nothing to read
+        weights, act = found.pop()
+        roles = {"weights": RoleFormat(weights), "activations": None if act == "none" else RoleFormat(act)}
+        grouping = (f", grouped by {formats.get_format(weights).block} with zero points" if weights == KERAS_INT4_GROUPED
+                    else ", per channel")
+        detail = grouping + (", weight-only" if act == "none" else "")
     if not roles:
         return None  # gptq, awq: no qcheck format for their packed codes
     stored = {}

@@ -13,7 +13,8 @@ tensor by its own amax (TransformerEngine's Float8CurrentScaling); ``nvfp4`` and
 ``preserve_max_val=True``); ``int8_aqt`` and ``int8_qwix`` are the int8 that
 AQT's and qwix's defaults compute, absmax/127.5; ``int8_keras`` is Keras's, an encode scale
 127 / (absmax + 1e-7), and ``int4_keras`` its per-channel int4, 7 / (absmax + 1e-7) with codes -8..7 in
-ml_dtypes' int4; ``int8_qwix_minmax`` is qwix's asymmetric (minmax) int8, a zero point per slice beside
+ml_dtypes' int4, and ``int4_keras_grouped`` its default int4, a scale and an int8 zero point per group of 128
+along the contraction axis; ``int8_qwix_minmax`` is qwix's asymmetric (minmax) int8, a zero point per slice beside
 its scale; ``mxfp8_jax`` and ``nvfp4_jax`` are the block formats
 ``jax.nn.scaled_dot_general`` computes (see :mod:`qcheck.adapters`). :func:`quantize` returns the element codes and the
 scales in their storage types, :func:`dequantize` maps them back, and

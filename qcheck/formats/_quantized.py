@@ -26,6 +26,8 @@ class Quantized:
       127 / (absmax + 1e-7): x ≈ codes / slice.
     - ``int8_qwix_minmax``: ``"slice"`` as for ``int8_qwix`` ((max - min) / 255), and
       ``"zero_point"``, int8, the same shape: x ≈ (codes - zero_point) · slice.
+    - ``int4_keras_grouped``: ``"block"``, float32 ``[..., n_groups]`` (groups of 128, a last partial group
+      counted: Keras zero-pads it), and ``"zero_point"``, int8, the same shape: x ≈ (codes - zero_point) · block.
     - fp8 formats: none (scale 1).
     - ``*_current``: ``"tensor"``, a float32 scalar, the encode scale
       fmax / amax: x ≈ codes · (1 / tensor).

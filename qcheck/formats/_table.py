@@ -19,7 +19,8 @@ from qcheck._choices import require_choice
 from qcheck.formats._block_scaled import (MX_BLOCK, NVFP4_BLOCK, NVFP4_JIT_DECODE_ULPS, e8m0_block_dequantize,
                                           mxfp8_quantize, nvfp4_dequantize, nvfp4_quantize)
 from qcheck.formats._fp8 import cast_dequantize, cast_quantize, current_dequantize, current_quantize
-from qcheck.formats._int4 import int4_keras_quantize
+from qcheck.formats._int4 import (KERAS_INT4_GROUP, int4_keras_grouped_quantize, int4_keras_quantize,
+                                  int4_zero_point_dequantize)
 from qcheck.formats._int8 import (int8_aqt_quantize, int8_dequantize, int8_keras_dequantize, int8_keras_quantize,
                                   int8_qwix_minmax_quantize, int8_qwix_quantize, int8_quantize,
                                   int8_zero_point_dequantize)
@@ -119,6 +120,18 @@ FORMATS: tuple[Format, ...] = (
            "round(-128 - min / scale), codes round(x / scale + zero point) saturating to -128..127, x ≈ (codes - "
            "zero point) · scale (qwix's calibration_method='minmax')", ("int8_qwix",), int8_qwix_minmax_quantize,
            int8_zero_point_dequantize),
+    # Keras's default quantize("int4"): Int4QuantizationConfig(block_size=128), asymmetric per group of 128
+    # inputs. Kind "block": one scale (and one zero point) per group of `block` elements along the flattened
+    # contraction axes, laid out [..., n_groups] as the other block formats'; unlike theirs, a last partial group
+    # is allowed (Keras pads it with zeros, which take part in its min and max). Sibling: Keras's per-channel
+    # int4, the rule a layer built with block_size=-1 computes (their codes part wherever a group's range is
+    # not the channel's, or not symmetric).
+    Format("int4_keras_grouped", "block", _INT4, KERAS_INT4_GROUP, {"block": _F32, "zero_point": _INT8},
+           "asymmetric per group of 128 along the contraction axis: scale ((max - min) + 1e-7) / 15, an int8 zero "
+           "point round(-min / scale) - 8 clipped to [-8, 7], codes round(x / scale) + zero point clipped to "
+           "[-8, 7], x ≈ (codes - zero point) · scale (Keras's abs_max_quantize_grouped_with_zero_point; a last "
+           "partial group is zero-padded)", ("int4_keras",), int4_keras_grouped_quantize,
+           int4_zero_point_dequantize),
 )
 
 _BY_NAME: dict[str, Format] = {f.name: f for f in FORMATS}

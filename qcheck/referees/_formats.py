@@ -203,6 +203,52 @@ def _int4_keras(x: np.ndarray, axes: tuple[int, ...], *, ftz: bool, xla_reciproc
     return codes.astype(_INT4), {"slice": scale}
 
 
+_KERAS_GROUP = 128  # [def] Keras Int4QuantizationConfig's default block_size: 128 inputs per scale and zero point
+_INT4_STEPS = _F32(15)  # [def] Keras: a group's [min, max] spans qmax - qmin = 7 - (-8) steps
+
+
+class _Groups:
+    """``x`` with ``axes`` moved last, flattened and zero-padded to ``[..., n_groups, group]`` (Keras pads a last
+    partial group with zero rows, which then count in its min and max)."""
+
+    def __init__(self, shape: tuple[int, ...], axes: tuple[int, ...], group: int):
+        self.rest = [a for a in range(len(shape)) if a not in axes]
+        self.perm = (*self.rest, *axes)
+        self.moved = tuple(shape[a] for a in self.perm)
+        self.lead = self.moved[: len(self.rest)]
+        self.k = math.prod(shape[a] for a in axes)
+        self.n = -(-self.k // group)
+        self.group = group
+
+    def split(self, x: np.ndarray) -> np.ndarray:
+        flat = np.transpose(x, self.perm).reshape(*self.lead, self.k)
+        pad = np.zeros((*self.lead, self.n * self.group - self.k), flat.dtype)
+        return np.concatenate([flat, pad], axis=-1).reshape(*self.lead, self.n, self.group)
+
+    def join(self, g: np.ndarray) -> np.ndarray:
+        flat = g.reshape(*self.lead, self.n * self.group)[..., : self.k]
+        return np.transpose(flat.reshape(self.moved), np.argsort(self.perm))
+
+
+def _int4_keras_grouped(x: np.ndarray, axes: tuple[int, ...], *, ftz: bool, xla_reciprocal: bool,
+                        uniforms: np.ndarray | None):
+    # [def] Keras abs_max_quantize_grouped_with_zero_point (numpy path, as quantize() calls it): per group of 128
+    # along the contraction axis, zero-padded, its min and max. qcheck's quantizer keeps every division whole
+    # (no operand XLA sees as a constant or a broadcast), so xla_reciprocal models nothing here.
+    g = _Groups(x.shape, axes, _KERAS_GROUP)
+    groups = g.split(x.astype(_F32))
+    lo = np.min(groups, axis=-1, keepdims=True)
+    hi = np.max(groups, axis=-1, keepdims=True)
+    # [def] scale = ((max - min) + epsilon) / 15, in float32.
+    with np.errstate(over="ignore"):
+        scale = flush(((hi - lo).astype(_F32) + KERAS_EPSILON).astype(_F32) / _INT4_STEPS, ftz).astype(_F32)
+    # [def] zero point = round(-min / scale) + qmin (half to even), clipped to [-8, 7], stored int8.
+    zero = np.clip(np.round(flush((-lo / scale).astype(_F32), ftz)) + _INT4_LO, _INT4_LO, _INT4_HI)
+    # [def] codes = round(x / scale) + zero point, clipped to [-8, 7].
+    codes = np.clip(np.round(flush((groups / scale).astype(_F32), ftz)) + zero, _INT4_LO, _INT4_HI)
+    return g.join(codes).astype(_INT4), {"block": scale[..., 0], "zero_point": zero[..., 0].astype(np.int8)}
+
+
 def _cast(x: np.ndarray, axes: tuple[int, ...], *, ftz: bool, xla_reciprocal: bool, uniforms: np.ndarray | None, dtype: np.dtype):
     return _saturate(x, dtype), {}  # [def] the element type at scale 1, saturating
 
@@ -350,6 +396,16 @@ def _over_slice(c: np.ndarray, scales: dict[str, np.ndarray], axes: tuple[int, .
     return _divide(c, scales["slice"], xla_reciprocal)
 
 
+def _by_group_from_zero_point(c: np.ndarray, scales: dict[str, np.ndarray], axes: tuple[int, ...],
+                              fmt: str) -> np.ndarray:
+    # [def] Keras dequantize_with_sz_map: x = (code - its group's zero point) · its group's scale; the difference
+    # is exact, the product rounds once.
+    g = _Groups(c.shape, axes, _KERAS_GROUP)
+    with np.errstate(over="ignore"):
+        out = (g.split(c) - scales["zero_point"].astype(_F32)[..., None]) * scales["block"][..., None]
+    return g.join(out.astype(_F32))
+
+
 def _as_is(c: np.ndarray, scales: dict[str, np.ndarray], axes: tuple[int, ...], fmt: str) -> np.ndarray:
     return c  # [def] scale 1
 
@@ -410,6 +466,7 @@ _REFEREES: dict[str, _Referee] = {
     "int4_keras": _Referee(_int4_keras, _over_slice),
     "e3m4": _Referee(functools.partial(_cast, dtype=_E3M4), _as_is),
     "int8_qwix_minmax": _Referee(_int8_qwix_minmax, _by_slice_from_zero_point),
+    "int4_keras_grouped": _Referee(_int4_keras_grouped, _by_group_from_zero_point),
 }
 _BUILTIN = tuple(_REFEREES)
 
