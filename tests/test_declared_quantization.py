@@ -133,6 +133,13 @@ def test_int4_codes_where_int8_is_declared_should_fail():
                  r"kind, int4 codes")
 
 
+def test_six_bit_codes_where_int8_is_declared_should_fail_naming_the_levels():
+    # ±31 codes (absmax / 31) are no format qcheck knows: the diagnosis counts the levels against int8's.
+    _assert_fails(_ragged(weight_axes=1, levels=31), X, declared="int8",
+           match=r"rhs \(weight\): codes are not int8's: .*the codes reach only ±31 \(\d+ distinct levels\): fewer "
+                 r"bits than int8's ±127")
+
+
 def _aqt_after_a_literal_factor(weight_axes):
     # haliax multiplies each weight by its reparametrisation's literal scale (weight * 1.0 under
     # LinearStandardParam, a 1/sqrt(fan) under muP) before AQT's int8 quantizes it.

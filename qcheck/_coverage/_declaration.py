@@ -294,11 +294,13 @@ def _diagnose(x: np.ndarray, codes: np.ndarray, fmt: str, axes: tuple[int, ...])
         if kept and axes and _matches(x, codes, fmt, tuple(kept)):  # the scales run along the other axes
             return f"they match scales reduced over axes {tuple(kept)} instead: one scale per index of axes {axes}"
     c = _as_f32(codes)
-    if jax.numpy.issubdtype(np.asarray(codes).dtype, jax.numpy.integer) or record.kind == "int":
+    if jax.numpy.issubdtype(record.element, jax.numpy.integer):
         levels = int(np.unique(c).size)
         top = float(np.max(np.abs(c))) if c.size else 0.0
-        if top < 64:
-            return f"the codes reach only ±{top:g} ({levels} distinct levels): fewer bits than int8's ±127"
+        full = int(jax.numpy.iinfo(record.element).max)  # the declared format's largest code: 127, or int4's 7
+        if top < (full + 1) / 2:
+            return (f"the codes reach only ±{top:g} ({levels} distinct levels): fewer bits than {fmt}'s "
+                    f"±{full}")
     return "they match no other format or granularity qcheck tries"
 
 
