@@ -42,6 +42,7 @@ line in Keras (``keras/src/layers/core/dense.py``, ``Dense._float8_call``), neve
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 import re
@@ -434,10 +435,11 @@ def test_keras_int8_dense_without_its_zero_guard_fails_the_row_of_zeros_naming_t
 
 # -- 7. int4: codes packed two to a byte, unpacked in the call ------------------------------------------------
 
+@functools.cache
 def _int4_layers(keras, block_size):
     """A Dense and an EinsumDense after ``quantize("int4")``: per channel (``block_size=-1``, qcheck's
     ``int4_keras``) or Keras's default, grouped by 128 with zero points (``Int4QuantizationConfig``'s default,
-    keras/src/quantizers/quantization_config.py:113)."""
+    keras/src/quantizers/quantization_config.py:113). Built once per block size: the checks only read them."""
     config = None if block_size is None else keras.quantizers.Int4QuantizationConfig(block_size=block_size)
     dense = keras.layers.Dense(UNITS, name=NAME)
     einsum = keras.layers.EinsumDense("bd,dh->bh", output_shape=(UNITS,), bias_axes="h", name=NAME)
@@ -472,19 +474,6 @@ def test_keras_int4_per_channel_layers_pass_the_read_declaration_should_pass(ker
         assert site.findings == (), site.findings
 
 
-@pytest.mark.parametrize("which", [0, 1], ids=["Dense", "EinsumDense"])
-def test_keras_int4_layer_declared_int8_keras_fails_naming_the_site_and_int4_keras(keras, which):
-    """Keras 3.15.1: the should-fail twin. Declared int8_keras weights, the int4 layer fails at its site: its
-    kernel is int4 codes, and the finding names int4_keras as the format of that type."""
-    layer = _int4_layers(keras, -1)[which]
-    with pytest.raises(AssertionError) as failure:
-        qcheck.assert_quantized(layer, X, declared={"weights": "int8_keras", "activations": None})
-    message = _message(failure)
-    assert re.search(INT4_SITES[which], message), message
-    assert ("rhs (weight) is cast to int4; declared int8_keras, whose codes and scales are int8; int4 is the code "
-            "type of int4_keras") in message, message
-
-
 def test_keras_int4_default_grouped_layers_pass_the_read_declaration_should_pass(keras):
     """Keras 3.15.1's default ``quantize("int4")`` is grouped by 128 along the input with zero points
     (``Int4QuantizationConfig(block_size=128)``, quantization_config.py:113), dequantized as
@@ -504,18 +493,29 @@ def test_keras_int4_default_grouped_layers_pass_the_read_declaration_should_pass
         assert site.findings == (), site.findings
 
 
+#: Keras 3.15.1's int4 layers declared with another rule than they use (the should-fail twins), one row each: the
+#: block size quantize() was given (-1: per channel; None: Keras's default groups of 128), the rule declared, and
+#: the finding at the site, which names the format whose types the kernel is. Per channel, the kernel is int4
+#: codes; grouped, int8 zero points are read beside them (kernel_zero, dense.py:719-725), which per-channel int4
+#: has none of.
+WRONG_INT4_RULES = [
+    pytest.param(-1, "int8_keras", "rhs (weight) is cast to int4; declared int8_keras, whose codes and scales are "
+                 "int8; int4 is the code type of int4_keras", id="per-channel-declared-int8_keras"),
+    pytest.param(None, "int4_keras", "rhs (weight) is cast to int8; declared int4_keras, whose codes and scales are "
+                 "int4; int4, int8 is the code type of int4_keras_grouped", id="grouped-declared-int4_keras"),
+]
+
+
+@pytest.mark.parametrize("block_size, declared, finding", WRONG_INT4_RULES)
 @pytest.mark.parametrize("which", [0, 1], ids=["Dense", "EinsumDense"])
-def test_keras_int4_grouped_layer_declared_per_channel_int4_keras_fails_naming_the_site_should_fail(keras, which):
-    """Keras 3.15.1: the should-fail twin. Declared per-channel int4_keras on the default (grouped) layer, it fails
-    at its site: beside the int4 codes the kernel's int8 zero points are read (kernel_zero, dense.py:719-725), which
-    per-channel int4 has none of, and the finding names int4_keras_grouped as the format of those types."""
-    layer = _int4_layers(keras, None)[which]
+def test_keras_int4_layer_declared_with_another_rule_fails_naming_the_site_should_fail(keras, which, block_size,
+                                                                                       declared, finding):
+    layer = _int4_layers(keras, block_size)[which]
     with pytest.raises(AssertionError) as failure:
-        qcheck.assert_quantized(layer, X, declared={"weights": "int4_keras", "activations": None})
+        qcheck.assert_quantized(layer, X, declared={"weights": declared, "activations": None})
     message = _message(failure)
     assert re.search(INT4_SITES[which], message), message
-    assert ("rhs (weight) is cast to int8; declared int4_keras, whose codes and scales are int4; int4, int8 is the "
-            "code type of int4_keras_grouped") in message, message
+    assert finding in message, message
 
 
 def test_keras_int4_other_block_size_reads_nothing(keras):
