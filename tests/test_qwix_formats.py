@@ -654,6 +654,22 @@ def test_qwix_reader_reads_nothing_from_a_subchannel_rule_and_says_so():
 
 @pytest.mark.filterwarnings(r"ignore:The 'm\.iter_modules\(\)' method is deprecated:DeprecationWarning")
 @pytest.mark.filterwarnings(r"ignore:'\.value' access is now deprecated:DeprecationWarning")
+def test_qwix_reader_says_so_where_the_provider_keeps_no_rules_list(monkeypatch):
+    """The reader reads qwix 0.1.8's private ``_rules``: a qwix keeping them elsewhere is a reason, not a model that
+    no rule reaches (which reads nothing quietly)."""
+    import qcheck
+
+    from qcheck._coverage._readers import _qwix_provider
+
+    model = _block(qwix.QtRule(module_path=".*", **_INT8_RULE))
+    monkeypatch.delattr(_qwix_provider(model), "_rules")
+    why = "qwix QtProvider keeps no _rules list (qwix 0.1.8's): its rules cannot be read"
+    with pytest.raises(ValueError, match=re.escape(why)):
+        qcheck.coverage(model, X_ZP, declared=True)
+
+
+@pytest.mark.filterwarnings(r"ignore:The 'm\.iter_modules\(\)' method is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings(r"ignore:'\.value' access is now deprecated:DeprecationWarning")
 def test_qwix_reader_holds_each_module_to_its_own_rule_should_pass():
     """A rule reaching one module only (module_path='inner.*', weight-only): that module's site is held to
     int8_qwix on its weights, and the module no rule reaches is read as declared full precision, as qwix leaves

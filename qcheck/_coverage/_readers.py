@@ -371,7 +371,10 @@ def _qwix(layer: Any) -> Declaration | str | None:
         return f"qwix {kind}: only QtProvider's rules are read"
     # QuantizationProvider keeps its rules, defaults filled in (_init_rule), as ``_rules``: qwix 0.1.8
     # qconfig.py:118; it has no public accessor (get_unused_rules lists the unmatched ones only).
-    rules = list(getattr(provider, "_rules", ()))
+    if not isinstance(getattr(provider, "_rules", None), (list, tuple)):
+        # Another qwix keeps them elsewhere: say so, rather than read "no rule reaches any module".
+        return f"qwix {kind} keeps no _rules list (qwix 0.1.8's): its rules cannot be read"
+    rules = list(provider._rules)
     from flax import nnx
 
     if not isinstance(layer, nnx.Module):
