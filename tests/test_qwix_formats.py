@@ -659,10 +659,9 @@ def test_qwix_reader_says_so_where_the_provider_keeps_no_rules_list(monkeypatch)
     no rule reaches (which reads nothing quietly)."""
     import qcheck
 
-    from qcheck._coverage._readers import _qwix_provider
-
-    model = _block(qwix.QtRule(module_path=".*", **_INT8_RULE))
-    monkeypatch.delattr(_qwix_provider(model), "_rules")
+    provider = qwix.QtProvider([qwix.QtRule(module_path=".*", **_INT8_RULE)])
+    model = qwix.quantize_model(_Block(False), provider, X_ZP)
+    monkeypatch.delattr(provider, "_rules")  # the object the model's calls go through
     why = "qwix QtProvider keeps no _rules list (qwix 0.1.8's): its rules cannot be read"
     with pytest.raises(ValueError, match=re.escape(why)):
         qcheck.coverage(model, X_ZP, declared=True)
