@@ -41,17 +41,21 @@ def _dequantize(q, fmt):
 
 def _referee(x, axes, *, ftz, xla_reciprocal):  # the user's numpy referee, from the format's definition
     f32 = np.float32
+    # A bool (both divisions by the reciprocal, or neither), or a Form naming each (its record lists every form).
+    constant = getattr(xla_reciprocal, "constant", xla_reciprocal)
+    operand = getattr(xla_reciprocal, "operand", xla_reciprocal)
     amax = np.max(np.abs(x), axis=axes, keepdims=True)
-    scale = (amax * (f32(1) / f32(LEVELS)) if xla_reciprocal else amax / f32(LEVELS)).astype(f32)
+    scale = (amax * (f32(1) / f32(LEVELS)) if constant else amax / f32(LEVELS)).astype(f32)
     if ftz:  # XLA's CPU backend flushes float32 subnormals
         scale = np.where(scale < np.finfo(f32).tiny, f32(0), scale)
     scale = np.where(scale > 0, scale, f32(1)).astype(f32)
-    q = (x * (f32(1) / scale) if xla_reciprocal else x / scale).astype(f32)
+    q = (x * (f32(1) / scale) if operand else x / scale).astype(f32)
     return np.clip(np.round(q), -LEVELS, LEVELS).astype(np.int8), {"slice": scale}
 
 
 MYFMT = formats.Format("myfmt", "int", np.dtype(np.int8), None, {"slice": np.dtype(np.float32)},
-                       "absmax / 100 per slice, codes ±100", ("int8",), _quantize, _dequantize)
+                       "absmax / 100 per slice, codes ±100", ("int8",), _quantize, _dequantize,
+                       forms=formats.ALL_FORMS)
 
 
 def layer(x):
@@ -62,7 +66,7 @@ def layer(x):
 def test_a_users_format_declared_should_pass_bitwise():
     with formats.registered_formats((MYFMT, _referee)):
         (r,) = qcheck.assert_quantized(layer, X, declared="myfmt")
-        assert r.rhs_declared == "myfmt" and str(r.rhs_hold) == "bitwise"
+        assert r.rhs_declared == "myfmt" and r.rhs_hold.bitwise and r.rhs_hold.form in formats.ALL_FORMS
         # The referee is consulted where qcheck's own are.
         codes, scales = referees.reference_quantize(np.asarray(X), "myfmt", axis=1)
         assert np.abs(codes).max() == LEVELS and set(scales) == {"slice"}

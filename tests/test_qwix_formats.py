@@ -9,10 +9,10 @@ below sqrt(float32 tiny) = 2^-63 becomes 1; mxfp8 rounds the scale up to
 element type's range and cast. qcheck.referees._libraries writes that rule in
 numpy, and the exact check names a site that equals it; the models below are
 those functions on qwix's own layouts, each pinned bitwise against qwix, so a
-diagnosis made with one is the library's, not a guess. XLA rewrites a division by a constant (absmax / bound)
-into a multiplication by its float32 reciprocal, eager and jitted, and under jit
-also x / scale (as qcheck.referees' ``xla_reciprocal`` notes); eager divides
-there. The models take that switch.
+diagnosis made with one is the library's, not a guess. XLA may compute a division by a constant (absmax /
+bound) and x / scale each as a product with its float32 reciprocal (jax 0.10.2 rewrites both under jit and the
+constant's eager; 0.12.1 the constant's under jit only): the models take the form (qcheck.referees.FORMS), and
+a model equals qwix when it does in one form over the whole array.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from flax import nnx
 
 from qcheck import checks, referees
 from qcheck.referees._libraries import (QWIX_MIN_SCALE, quantize_qwix_mxfp8, quantize_qwix_nvfp4, qwix_cast, qwix_divide,
-                                    qwix_scale)
+                                    qwix_per_tensor_e4m3fn, qwix_scale)
 from qcheck.checks._site import assert_site_exact
 
 from tests.helpers import extra_missing, requires_extra
@@ -80,19 +80,33 @@ def _blocks(x: np.ndarray, block: int) -> np.ndarray:
     return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
-def model_e4m3fn_per_tensor(x: np.ndarray, xla_reciprocal: bool) -> tuple[np.ndarray, np.ndarray]:
+def model_e4m3fn_per_tensor(x: np.ndarray, xla_reciprocal, bound: float = 448.0) -> tuple[np.ndarray, np.ndarray]:
     """qwix.quantize(x, float8_e4m3fn, channelwise_axes=(0,)): one scale per x[i]."""
-    amax = np.max(np.abs(x), axis=(1, 2), keepdims=True)
-    scale = qwix_scale(amax, 448.0)
-    return qwix_cast(qwix_divide(x, scale, xla_reciprocal), E4M3), scale
+    return qwix_per_tensor_e4m3fn(x, (1, 2), xla_reciprocal, bound)
 
 
-def model_mxfp8(x: np.ndarray, xla_reciprocal: bool) -> tuple[np.ndarray, np.ndarray]:
+def assert_model_in_some_form(what: str, model, x: np.ndarray, codes, scale) -> str:
+    """The model's codes and scales are qwix's bitwise in one referee form, the whole array in it; returns the
+    form, else an AssertionError naming each form's first difference."""
+    failures = []
+    for form in referees.FORMS:
+        want_codes, want_scale = model(x, xla_reciprocal=form)
+        try:
+            assert_same_bits(f"{what}: codes", want_codes, codes)
+            assert_same_bits(f"{what}: scales", want_scale.reshape(np.shape(scale)), scale)
+        except AssertionError as e:
+            failures.append(f"[{form}] {e}")
+            continue
+        return form
+    raise AssertionError("; ".join(failures))
+
+
+def model_mxfp8(x: np.ndarray, xla_reciprocal) -> tuple[np.ndarray, np.ndarray]:
     """qwix.quantize(x, "mxfp8", channelwise_axes=(0,), tiled_axes={1: 32}) for 2-d ``x``."""
     return quantize_qwix_mxfp8(x, (x.ndim - 1,), xla_reciprocal)
 
 
-def model_nvfp4(x: np.ndarray, xla_reciprocal: bool) -> tuple[np.ndarray, np.ndarray]:
+def model_nvfp4(x: np.ndarray, xla_reciprocal) -> tuple[np.ndarray, np.ndarray]:
     """qwix.quantize(x, "nvfp4", channelwise_axes=(0,), tiled_axes={1: 16}) for 2-d ``x``: one level."""
     return quantize_qwix_nvfp4(x, (x.ndim - 1,), xla_reciprocal)
 
@@ -130,18 +144,22 @@ def test_qwix_equals_its_numpy_model_should_pass(fmt, data, run):
     library, model, sets = MODELS[fmt]
     x = sets[data]
     codes, scale, _ = library(x, run)
-    want_codes, want_scale = model(x, xla_reciprocal=run == "jit")
-    assert_same_bits(f"qwix {fmt} model ({run}): codes", want_codes, codes)
-    assert_same_bits(f"qwix {fmt} model ({run}): scales", want_scale.reshape(scale.shape), scale)
+    assert_model_in_some_form(f"qwix {fmt} model ({run})", model, x, codes, scale)
 
 
-def test_qwix_model_fails_with_a_true_division_by_the_bound():
-    # The rewrite matters: absmax / 448 as an IEEE division misses qwix's scale (eager too).
+def test_qwix_model_forms_part_on_its_inputs():
+    # Not vacuous: on these inputs the forms give other scales, so "in some form" still picks one.
     amax = np.max(np.abs(WIDE), axis=(1, 2), keepdims=True)
-    _, scale, _ = qwix_e4m3fn(WIDE, "eager")
-    with pytest.raises(AssertionError, match=r"qwix e4m3fn model \(eager\): scales differ at index \(\d+, 0, 0\): "
-                                             r"qcheck np.float32\(.*\) vs qwix np.float32\(.*\); \d+ of 24 differ"):
-        assert_same_bits("qwix e4m3fn model (eager): scales", qwix_scale(amax, 448.0, False), scale)
+    assert not np.array_equal(qwix_scale(amax, 448.0, True), qwix_scale(amax, 448.0, False))
+
+
+def test_qwix_model_fails_with_another_types_bound_in_every_form():
+    # A real rule change fails whatever form XLA picks: e4m3fnuz's bound (240) where qwix's e4m3fn takes 448.
+    codes, scale, _ = qwix_e4m3fn(WIDE, "jit")
+    with pytest.raises(AssertionError, match=r"\[as written\] qwix e4m3fn model \(jit\): codes differ .*; "
+                                             r"\[all by reciprocal\] .*; \[constant by reciprocal\] .*"):
+        assert_model_in_some_form("qwix e4m3fn model (jit)", lambda x, xla_reciprocal: model_e4m3fn_per_tensor(
+            x, xla_reciprocal, bound=240.0), WIDE, codes, scale)
 
 
 # -- 1. per-tensor e4m3fn: qcheck's e4m3fn_current, but for the floor and the division order -----
@@ -442,10 +460,14 @@ def test_qwix_minmax_int8_equals_the_referee_bitwise_should_pass(run):
     (measured: the definition's IEEE division by 255 misses 30 of these 52 scales; on 4000 rows of 64 other
     values an IEEE x / scale moved one eager code); and qcheck's own quantizer is both."""
     codes, scale, zero_point, deq = qwix_minmax_int8(MINMAX, run)
-    ref_codes, ref_scales = _referee_minmax(MINMAX)
-    assert_same_bits(f"int8_qwix_minmax referee vs qwix ({run}): codes", ref_codes, codes)
-    assert_same_bits(f"int8_qwix_minmax referee vs qwix ({run}): scales", ref_scales["slice"], scale)
-    assert_same_bits(f"int8_qwix_minmax referee vs qwix ({run}): zero points", ref_scales["zero_point"], zero_point)
+
+    def minmax_model(x, xla_reciprocal):
+        c, s = _referee_minmax(x, xla_reciprocal)
+        return np.concatenate([c, s["zero_point"]], axis=-1), s["slice"]
+
+    form = assert_model_in_some_form(f"int8_qwix_minmax referee vs qwix ({run})", minmax_model, MINMAX,
+                                     np.concatenate([codes, zero_point], axis=-1), scale)
+    ref_codes, ref_scales = _referee_minmax(MINMAX, form)
     ref_deq = referees.reference_dequantize(ref_codes, ref_scales, "int8_qwix_minmax", ftz=True)
     assert_same_bits(f"int8_qwix_minmax referee vs qwix ({run}): dequantized", ref_deq, deq)
     # The rows reach what they are for: all positive and all zero at zero point -128, all negative at 127.
@@ -616,6 +638,22 @@ def test_qwix_reader_holds_the_rules_read_bitwise_should_pass(rules, read):
         assert {r.scope for r in records} == {"inner/lin", "out"}, qcheck.format_coverage(records)
         for r in records:
             assert r.findings == () and r.lhs_hold.bitwise and r.rhs_hold.bitwise, (r.scope, r.lhs_hold, r.rhs_hold)
+
+
+@pytest.mark.filterwarnings(r"ignore:The 'm\.iter_modules\(\)' method is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings(r"ignore:'\.value' access is now deprecated:DeprecationWarning")
+def test_qwix_int8_stock_layers_declared_qcheck_int8_should_fail():
+    """Beside the control above (the stock int8 rule read, held bitwise in whichever form XLA computes: jax 0.10.2
+    to 0.12.1): declared qcheck's int8 (absmax / 127), qwix's codes (absmax / 127.5) fail at every site, named."""
+    import qcheck
+
+    model = _block(qwix.QtRule(module_path=".*", **_INT8_RULE))
+    with pytest.raises(AssertionError) as failure:
+        qcheck.assert_quantized(model, X_ZP, declared="int8")
+    message = str(failure.value)
+    assert "2 of 2 matmuls differ from the declared quantization" in message, message
+    assert re.search(r"codes are not int8's: \d+ of \d+ codes differ from the referee's; .*; they are "
+                     r"int8_(qwix|aqt)'s codes: another rule of the same kind and width", message), message
 
 
 @pytest.mark.filterwarnings(r"ignore:The 'm\.iter_modules\(\)' method is deprecated:DeprecationWarning")

@@ -230,7 +230,7 @@ def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
     return np.shape(a) == np.shape(b) and not np.any(_codes_differ(a, b))
 
 
-def _reference_codes(x: np.ndarray, fmt: str, axes: tuple[int, ...], xla_reciprocal: bool) -> np.ndarray | None:
+def _reference_codes(x: np.ndarray, fmt: str, axes: tuple[int, ...], xla_reciprocal: bool | str) -> np.ndarray | None:
     ftz = jax.default_backend() == "cpu"  # XLA's CPU backend flushes float32 subnormals
     try:
         # A block of zeros scales by E8M0's smallest code: numpy warns on the scale's overflowing inverse, whose
@@ -243,9 +243,17 @@ def _reference_codes(x: np.ndarray, fmt: str, axes: tuple[int, ...], xla_recipro
     return codes
 
 
+def _matching_form(x: np.ndarray, codes: np.ndarray, fmt: str, axes: tuple[int, ...]) -> str | None:
+    """The first of the format's admissible forms (its record's ``forms``) under which the referee's codes of ``x``
+    are ``codes`` bitwise, the whole tensor in that one form; None where none is. A form whose codes are not
+    finite where ``x`` is is no hold: the rule computed so is itself the defect."""
+    return next((form for form in formats.get_format(fmt).forms
+                 if (r := _reference_codes(x, fmt, axes, form)) is not None and _bits_equal(codes, r)
+                 and referees.keeps_finite(x, r)), None)
+
+
 def _matches(x: np.ndarray, codes: np.ndarray, fmt: str, axes: tuple[int, ...]) -> bool:
-    return any(_bits_equal(codes, r) for rec in (False, True)
-               if (r := _reference_codes(x, fmt, axes, rec)) is not None)
+    return _matching_form(x, codes, fmt, axes) is not None
 
 
 def _stochastic_ok(x: np.ndarray, codes: np.ndarray, fmt: str, axes: tuple[int, ...]) -> bool:
@@ -337,12 +345,14 @@ class Hold:
     * ``type``: only the narrow types it was cast to (the codes could not be read: ``reason`` says why);
     * ``none``: nothing (an opaque kernel whose roles are unknown).
 
-    ``accepted_by``: the ``accept_weaker`` rule that accepted a hold below bitwise, else None.
+    ``accepted_by``: the ``accept_weaker`` rule that accepted a hold below bitwise, else None. ``form``: for a
+    bitwise hold, the referee's form (``qcheck.referees.FORMS``) its codes matched in, where the format has several.
     """
 
     strength: str
     reason: str | None = None
     accepted_by: str | None = None
+    form: str | None = dataclasses.field(default=None, compare=False)
 
     @property
     def bitwise(self) -> bool:
@@ -350,6 +360,7 @@ class Hold:
 
     def __str__(self) -> str:
         why = f": {self.reason}" if self.reason else ""
+        why += f" (its divisions {self.form})" if self.form and self.form != "as written" else ""
         accepted = f" (accepted by {self.accepted_by})" if self.accepted_by else ""
         return f"{self.strength}{why}{accepted}"
 
@@ -401,11 +412,11 @@ def _judge_codes(x: np.ndarray, codes: np.ndarray, divisor: Any, fmt: RoleFormat
         x, codes = x.reshape(shape), np.asarray(codes).reshape(shape)
     else:
         red = tuple(range(x.ndim))
-    if _matches(x, codes, fmt.format, red):
-        return None, BITWISE
+    if (form := _matching_form(x, codes, fmt.format, red)) is not None:
+        return None, Hold("bitwise", form=form if len(formats.get_format(fmt.format).forms) > 1 else None)
     if formats.get_format(fmt.format).stochastic and _stochastic_ok(x, codes, fmt.format, red):
         return None, BITWISE
-    ref = _reference_codes(x, fmt.format, red, False)
+    ref = _reference_codes(x, fmt.format, red, formats.get_format(fmt.format).forms[0])
     if ref is None:
         return (f"its codes cannot be laid out in {fmt} blocks along axes {red} of the quantizer's input {x.shape}",
                 BITWISE)
@@ -435,17 +446,18 @@ def _judge_zero_point(zero_point: np.ndarray, x: np.ndarray, fmt: RoleFormat, ax
         red = tuple(sorted({int(a) % x.ndim for a in axes}))
     ftz = jax.default_backend() == "cpu"
     refs = [referees.reference_quantize(x, fmt.format, axis=red or tuple(range(x.ndim)), ftz=ftz,
-                                        xla_reciprocal=rec)[1]["zero_point"] for rec in (False, True)]
+                                        xla_reciprocal=form)[1]["zero_point"]
+            for form in formats.get_format(fmt.format).forms]
     zero_point = np.asarray(zero_point)
     if refs[0].shape != zero_point.shape:
         return None, Hold("type", f"the zero point {zero_point.shape} is not one per slice of the quantizer's input "
                                   f"{x.shape} along axes {red} ({refs[0].shape})")
     if any(_bits_equal(zero_point, r) for r in refs):
         return None, BITWISE
-    differ = _codes_differ(zero_point, refs[1])
+    differ = _codes_differ(zero_point, refs[0])
     idx = tuple(int(i) for i in np.argwhere(differ)[0])
     return (f"zero point is not {fmt}'s: {int(differ.sum())} of {zero_point.size} differ from the referee's; first "
-            f"at {list(idx)}: {_as_f32(zero_point)[idx]:g} where the referee gives {_as_f32(refs[1])[idx]:g}"), BITWISE
+            f"at {list(idx)}: {_as_f32(zero_point)[idx]:g} where the referee gives {_as_f32(refs[0])[idx]:g}"), BITWISE
 
 
 def _merged_layout(shape: tuple[int, ...], axes: tuple[Any, ...]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

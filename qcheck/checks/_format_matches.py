@@ -86,8 +86,9 @@ def assert_format_matches_referee(
     rng: jax.Array | None = None,
     jit: bool = True,
     label: str = "",
-) -> None:
-    """``formats.quantize`` and ``formats.qdq`` of float32 ``x`` equal :mod:`qcheck.referees`' bit for bit.
+) -> str:
+    """``formats.quantize`` and ``formats.qdq`` of float32 ``x`` equal :mod:`qcheck.referees`' bit for bit; returns
+    the referee's form (``qcheck.referees.FORMS``) they matched in.
 
     Codes, every named scale (names, types, shapes and bits) and the qdq output
     are compared. With ``rng`` (nvfp4 only) the referee gets the uniforms the
@@ -97,7 +98,9 @@ def assert_format_matches_referee(
     Named exclusions, each one documented where it is defined:
     XLA's CPU backend flushes float32 subnormals (read and written), so on CPU
     the referee runs with ``ftz=True``; XLA computes int8's amax / 127 as amax ·
-    float32(1/127), so it runs with ``xla_reciprocal=True`` (see
+    float32(1/127) and may compute x / scale as x · float32(1/scale), each on
+    its own, so the referee runs in each form the format's record admits
+    (``Format.forms``), one at a time over the whole array (see
     :mod:`qcheck.referees` for both); and
     :data:`NVFP4_JIT_DECODE_ULPS` for nvfp4's dequantized output under jit.
     """
@@ -115,12 +118,24 @@ def assert_format_matches_referee(
         q, out = _eager(x, fmt, axis, rng)
     uniforms = None if rng is None else nvfp4_uniforms(rng, x.shape, axis)
     ftz = jax.default_backend() == "cpu"
-    codes, scales = referees.reference_quantize(x, fmt, axis=axis, uniforms=uniforms, ftz=ftz, xla_reciprocal=True)
-    want = referees.reference_dequantize(codes, scales, fmt, axis=axis, ftz=ftz, xla_reciprocal=True)
-    _first_difference(fmt, "codes", q.codes, codes)
-    if set(q.scales) != set(scales):
-        raise AssertionError(f"{fmt}: scales {sorted(q.scales)}, the referee's {sorted(scales)}")
-    for name in sorted(scales):
-        _first_difference(fmt, f"scale {name!r}", q.scales[name], scales[name])
-    ulps = formats.get_format(fmt).decode_ulps if jit else 0
-    _first_difference(fmt, "qdq output", out, want, ulps)
+    ulps = record.decode_ulps if jit else 0
+    failures = []
+    for form in record.forms:  # held in one form at a time, the whole tensor
+        codes, scales = referees.reference_quantize(x, fmt, axis=axis, uniforms=uniforms, ftz=ftz, xla_reciprocal=form)
+        want = referees.reference_dequantize(codes, scales, fmt, axis=axis, ftz=ftz, xla_reciprocal=form)
+        try:
+            _first_difference(fmt, "codes", q.codes, codes)
+            if set(q.scales) != set(scales):
+                raise AssertionError(f"{fmt}: scales {sorted(q.scales)}, the referee's {sorted(scales)}")
+            for name in sorted(scales):
+                _first_difference(fmt, f"scale {name!r}", q.scales[name], scales[name])
+            _first_difference(fmt, "qdq output", out, want, ulps)
+        except AssertionError as e:
+            failures.append((form, e))
+            continue
+        return form
+    (form, first), *others = failures
+    if not others:
+        raise first
+    raise AssertionError(f"{first} (with its divisions {form}); in its other admissible forms too: "
+                         + "; ".join(f"with its divisions {f}: {e}" for f, e in others))

@@ -88,10 +88,11 @@ def _wrong_axes(axes: tuple[int, ...], ndim: int) -> tuple[int, ...]:
     return (ndim - 1,) if axes != (ndim - 1,) else (ndim - 2,)
 
 
-def _qdq(x: np.ndarray, fmt: str, axes: tuple[int, ...], order: str = NVFP4_DECODE_ORDERS[0]) -> np.ndarray:
+def _qdq(x: np.ndarray, fmt: str, axes: tuple[int, ...], order: str = NVFP4_DECODE_ORDERS[0],
+         form: str = "all by reciprocal") -> np.ndarray:
     ftz = jax.default_backend() == "cpu"  # XLA's CPU backend flushes float32 subnormals
     if order == NVFP4_DECODE_ORDERS[0]:
-        return referees.reference_qdq(x, fmt, axis=axes, ftz=ftz, xla_reciprocal=True)
+        return referees.reference_qdq(x, fmt, axis=axes, ftz=ftz, xla_reciprocal=form)
     # XLA's order (only for a format whose record allows decode_ulps): the block scale over the tensor scale.
     codes, scales = referees.reference_quantize(x, fmt, axis=axes, ftz=ftz)
     blocks = Blocks(codes.shape, tuple(sorted(a % x.ndim for a in axes)), formats.get_format(fmt).block, fmt)
@@ -102,13 +103,27 @@ def _qdq(x: np.ndarray, fmt: str, axes: tuple[int, ...], order: str = NVFP4_DECO
     return flush(blocks.join(out.astype(np.float32)), ftz)
 
 
+def _qdq_in(x: np.ndarray, fmt: str, axes: tuple[int, ...], *, form: str) -> np.ndarray:
+    return _qdq(x, fmt, axes, form=form)
+
+
+def forms_of(*fmts: str) -> tuple[str, ...]:
+    """The referee forms every one of ``fmts`` admits (their records' ``forms``), in the first's order: one
+    program computes its divisions one way, so a site's operands are held in one form together."""
+    return tuple(f for f in formats.get_format(fmts[0]).forms
+                 if all(f in formats.get_format(other).forms for other in fmts[1:]))
+
+
 def _orders(fmt: str) -> tuple[str, ...]:
     # A format whose record says XLA may reorder its decode (nvfp4) is held to either order.
     return NVFP4_DECODE_ORDERS if formats.get_format(fmt).decode_ulps else NVFP4_DECODE_ORDERS[:1]
 
 
-def _neighbours(mm: Matmul, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt) -> Iterator[tuple[str, np.ndarray]]:
-    """(description, result) of each bug the reference must tell apart, computed lazily."""
+def _neighbours(mm: Matmul, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt, form: str = "all by reciprocal"
+                ) -> Iterator[tuple[str, np.ndarray]]:
+    """(description, result) of each bug the reference must tell apart, its divisions in ``form``, computed
+    lazily."""
+    _qdq = functools.partial(_qdq_in, form=form)
     yield "the unquantized matmul", mm.reference(lhs, rhs)
     yield "lhs unquantized", mm.reference(lhs, q_rhs)
     yield "rhs unquantized", mm.reference(q_lhs, rhs)
@@ -155,24 +170,26 @@ def _library_neighbours(mm: Matmul, lhs, rhs, lhs_fmt: str, rhs_fmt: str) -> Ite
         yield desc, mm.reference(ql(lhs, mm.axes(lhs.ndim, rhs.ndim).lhs, ftz), qr(rhs, mm.axes(lhs.ndim, rhs.ndim).rhs, ftz))
 
 
-def _integer_reference(mm: Matmul, lhs, rhs, lhs_fmt: str, rhs_fmt: str, order: str, rhs_axes=None) -> np.ndarray:
-    """The integer-mode reference: referee codes multiplied exactly, then the scales in ``order``."""
+def _integer_reference(mm: Matmul, lhs, rhs, lhs_fmt: str, rhs_fmt: str, order: str, rhs_axes=None,
+                       form: str = "all by reciprocal") -> np.ndarray:
+    """The integer-mode reference: referee codes (in ``form``) multiplied exactly, then the scales in ``order``."""
     ftz = jax.default_backend() == "cpu"
     rhs_axes = mm.axes(lhs.ndim, rhs.ndim).rhs if rhs_axes is None else rhs_axes
     (cl, sl), (cr, sr) = ((c, s["slice"]) for c, s in (
-        referees.reference_quantize(lhs, lhs_fmt, axis=mm.axes(lhs.ndim, rhs.ndim).lhs, ftz=ftz, xla_reciprocal=True),
-        referees.reference_quantize(rhs, rhs_fmt, axis=rhs_axes, ftz=ftz, xla_reciprocal=True)))
+        referees.reference_quantize(lhs, lhs_fmt, axis=mm.axes(lhs.ndim, rhs.ndim).lhs, ftz=ftz, xla_reciprocal=form),
+        referees.reference_quantize(rhs, rhs_fmt, axis=rhs_axes, ftz=ftz, xla_reciprocal=form)))
     return mm.integer(cl, sl, cr, sr, order=order, ftz=ftz)
 
 
-def _integer_neighbours(mm: Matmul, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt) -> Iterator[tuple[str, np.ndarray]]:
+def _integer_neighbours(mm: Matmul, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt, form: str = "all by reciprocal"
+                        ) -> Iterator[tuple[str, np.ndarray]]:
     """The integer-mode bugs: the float matmul a library might run instead, the scales in the other order."""
     yield "the float32 matmul of the dequantized operands (arithmetic='float')", mm.reference(q_lhs, q_rhs)
     yield (f"the scales applied in the other order ({SCALE_ORDERS[1]})",
-           _integer_reference(mm, lhs, rhs, lhs_fmt, rhs_fmt, SCALE_ORDERS[1]))
+           _integer_reference(mm, lhs, rhs, lhs_fmt, rhs_fmt, SCALE_ORDERS[1], form=form))
     if mm.shared_rhs_axes is not None:
         yield _SHARED + ", in integer arithmetic", _integer_reference(
-            mm, lhs, rhs, lhs_fmt, rhs_fmt, SCALE_ORDERS[0], rhs_axes=mm.shared_rhs_axes)
+            mm, lhs, rhs, lhs_fmt, rhs_fmt, SCALE_ORDERS[0], rhs_axes=mm.shared_rhs_axes, form=form)
 
 
 def _check(site: str, mm: Matmul, lhs, rhs, got, lhs_fmt: str, rhs_fmt: str, *, strict: bool,
@@ -180,11 +197,19 @@ def _check(site: str, mm: Matmul, lhs, rhs, got, lhs_fmt: str, rhs_fmt: str, *, 
     __tracebackhide__ = True
     integer = arithmetic == "integer"
     prefix = f"site {site!r} {mm.what} ({lhs_fmt} x {rhs_fmt}{', integer matmul' if integer else ''})"
-    q = {(o1, o2): (_qdq(lhs, lhs_fmt, mm.axes(lhs.ndim, rhs.ndim).lhs, o1), _qdq(rhs, rhs_fmt, mm.axes(lhs.ndim, rhs.ndim).rhs, o2))
-         for o1, o2 in itertools.product(_orders(lhs_fmt), _orders(rhs_fmt))}
-    q_lhs, q_rhs = q[(NVFP4_DECODE_ORDERS[0], NVFP4_DECODE_ORDERS[0])]
+    axes = mm.axes(lhs.ndim, rhs.ndim)
+    forms = forms_of(lhs_fmt, rhs_fmt)
+    q_lhs, q_rhs = _qdq(lhs, lhs_fmt, axes.lhs, form=forms[0]), _qdq(rhs, rhs_fmt, axes.rhs, form=forms[0])
+
+    def operands():  # every admissible (form, decode order) pair's operands, lazily: the first usually matches
+        for form, o1, o2 in itertools.product(forms, _orders(lhs_fmt), _orders(rhs_fmt)):
+            a, b = _qdq(lhs, lhs_fmt, axes.lhs, o1, form), _qdq(rhs, rhs_fmt, axes.rhs, o2, form)
+            # A form whose referee makes NaN of finite operands (a flushed scale divided by) holds nothing.
+            if referees.keeps_finite(lhs, a) and referees.keeps_finite(rhs, b):
+                yield a, b
+
     if integer:
-        want = _integer_reference(mm, lhs, rhs, lhs_fmt, rhs_fmt, SCALE_ORDERS[0])
+        want = _integer_reference(mm, lhs, rhs, lhs_fmt, rhs_fmt, SCALE_ORDERS[0], form=forms[0])
         bugs = itertools.chain(_neighbours(mm, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt),
                                _integer_neighbours(mm, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt))
     else:
@@ -193,15 +218,26 @@ def _check(site: str, mm: Matmul, lhs, rhs, got, lhs_fmt: str, rhs_fmt: str, *, 
     if not strict:  # the layer's own operands: only the bug every path can have must be tellable
         bugs = itertools.islice(bugs, 1)
     known = refuse_known_bugs(prefix, want, bugs, advice="use probe_site_operands (with lhs_format= and rhs_format=)")
-    if integer and bitwise_equal(got, want):
+    if integer and any(bitwise_equal(got, want if form == forms[0] else
+                                     _integer_reference(mm, lhs, rhs, lhs_fmt, rhs_fmt, SCALE_ORDERS[0], form=form))
+                       for form in forms):
         return
-    candidates = ((a, b, layout) for (a, b) in q.values() for layout in mm.layouts(lhs.shape, rhs.shape))
+    candidates = ((a, b, layout) for (a, b) in operands() for layout in mm.layouts(lhs.shape, rhs.shape))
     if not integer and any(bitwise_equal(got, mm.reference(a, b, layout)) for a, b, layout in candidates):
         return
     if not strict and got.shape == want.shape:  # now it failed, name the bug if it is a known one
-        known.update(_neighbours(mm, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt))
+        known.update(_neighbours(mm, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt, forms[0]))
         if integer:
-            known.update(_integer_neighbours(mm, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt))
+            known.update(_integer_neighbours(mm, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt, forms[0]))
+    if got.shape == want.shape:  # a bug computed in another admissible form is the same bug: name it so
+        for form in forms[1:]:
+            ql, qr = _qdq(lhs, lhs_fmt, axes.lhs, form=form), _qdq(rhs, rhs_fmt, axes.rhs, form=form)
+            others = itertools.chain(_neighbours(mm, lhs, rhs, ql, qr, lhs_fmt, rhs_fmt, form),
+                                     _integer_neighbours(mm, lhs, rhs, ql, qr, lhs_fmt, rhs_fmt, form) if integer
+                                     else ())
+            for desc, bug in others:
+                if desc in known and not bitwise_equal(got, known[desc]) and bitwise_equal(got, bug):
+                    known[desc] = bug
 
     def otherwise() -> str:
         if not integer and (lib := next((desc for desc, bug in _library_neighbours(mm, lhs, rhs, lhs_fmt, rhs_fmt)

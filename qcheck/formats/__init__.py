@@ -37,12 +37,13 @@ from qcheck.formats._fp8 import CURRENT_MAX_SCALE  # noqa: E402
 from qcheck.formats._int8 import INT8_EDGE, INT8_MAX  # noqa: E402
 from qcheck.formats._jax_rules import NVFP4_RANGE, jax_nvfp4_global_scale  # noqa: E402
 from qcheck.formats._quantized import Quantized  # noqa: E402
-from qcheck.formats._record import Format  # noqa: E402
+from qcheck.formats._record import ALL_FORMS, TWO_FORMS, Format  # noqa: E402
 from qcheck.formats._registry import register_format, registered_formats  # noqa: E402
 from qcheck.formats._table import (AXIS_FORMATS, FORMATS, FP8_DTYPES, FP8_SIBLINGS, block_size,  # noqa: E402
                                    builtin_format_names, cast_format, format_names, get_format)
 
 __all__ = [
+    "ALL_FORMS",
     "AXIS_FORMATS",
     "CURRENT_MAX_SCALE",
     "E2M1_GRID",
@@ -58,6 +59,7 @@ __all__ = [
     "INT8_MAX",
     "MX_BLOCK",
     "NVFP4_BLOCK",
+    "TWO_FORMS",
     "NVFP4_MIN_AMAX",
     "NVFP4_RANGE",
     "Format",

@@ -19,6 +19,14 @@ from qcheck.formats._quantized import Codes, Quantized
 Kind = Literal["cast", "int", "current", "block"]
 
 
+#: The forms of a format with no division a compiler could rewrite on its own (or none at all): as written, and
+#: with every division by its reciprocal.
+TWO_FORMS = ("as written", "all by reciprocal")
+#: Every form of a quantizer that divides by a constant (its scale) and by a broadcast operand (its input by the
+#: scale): each rewrite alone is legal too.
+ALL_FORMS = ("all by reciprocal", "constant by reciprocal", "as written", "scale by reciprocal")
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Format:
     """One number format qcheck knows, as :func:`~qcheck.formats.quantize` computes it.
@@ -44,6 +52,10 @@ class Format:
     the checks' probes' magnitudes (e5m2 and e5m2fnuz), which then fill some contraction fibres from it.
     ``probe_spread``: the probes must spread their block amaxes over many binades (a power-of-two scale
     rounded up, as ``mxfp8_jax``'s, comes out the same for every block of values that all reach about 2^10).
+    ``forms``: the forms a compiler may legally compute its divisions in (names of ``qcheck.referees.FORMS``):
+    XLA may compute ``amax / 127.5`` as ``amax · fl(1/127.5)`` and ``x / scale`` as ``x · fl(1/scale)``, each
+    on its own (jax 0.10.2 to 0.12.0.1 rewrote both, 0.12.1 the first only). A site is held bitwise when its
+    codes are the referee's under one of them, applied to the whole tensor.
     """
 
     name: str
@@ -61,6 +73,7 @@ class Format:
     decode_ulps: int = 0
     parting_binade: tuple[int, int] | None = None
     probe_spread: bool = False
+    forms: tuple[str, ...] = TWO_FORMS
 
     @property
     def normal_range(self) -> tuple[float, float] | None:

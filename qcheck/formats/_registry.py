@@ -64,7 +64,9 @@ def register_format(record: Format, referee: Referee, *, dequantize: Callable | 
     subnormals to zero) and ``xla_reciprocal`` (XLA computes a division by a
     constant, or by a broadcast operand, as a product with the float32
     reciprocal: ``amax / 100`` as ``amax * float32(1 / 100)``); the declared
-    check accepts codes that either way gives. A stochastic record's referee
+    check accepts codes that one way gives over the whole tensor. A record whose
+    ``forms`` list the mixed ones (``ALL_FORMS``) gets a ``qcheck.referees.Form``
+    for those, a bool otherwise. A stochastic record's referee
     also takes ``uniforms=``. ``dequantize(codes as float32, scales, axes)``
     maps codes back; by default a code times its ``slice`` scale (``int``;
     divided where the record ``divides``), the code itself (``cast``), or the

@@ -25,7 +25,7 @@ from qcheck.formats._int8 import (int8_aqt_quantize, int8_dequantize, int8_keras
                                   int8_qwix_minmax_quantize, int8_qwix_quantize, int8_quantize,
                                   int8_zero_point_dequantize)
 from qcheck.formats._jax_rules import mxfp8_jax_quantize, nvfp4_jax_dequantize, nvfp4_jax_quantize
-from qcheck.formats._record import Format
+from qcheck.formats._record import ALL_FORMS, Format
 
 _INT8 = np.dtype(np.int8)
 _INT4 = np.dtype(ml_dtypes.int4)
@@ -41,7 +41,8 @@ _E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 
 def _int(name: str, rule: str, quantize, siblings: tuple[str, ...], dequantize=int8_dequantize,
          divides: bool = False) -> Format:
-    return Format(name, "int", _INT8, None, {"slice": _F32}, rule, siblings, quantize, dequantize, divides=divides)
+    return Format(name, "int", _INT8, None, {"slice": _F32}, rule, siblings, quantize, dequantize, divides=divides,
+                  forms=ALL_FORMS)
 
 
 def _cast(name: str, element: np.dtype, sibling: str, grad: str | None = None,
@@ -90,7 +91,7 @@ FORMATS: tuple[Format, ...] = (
            ("nvfp4",), nvfp4_jax_quantize, nvfp4_jax_dequantize),
     Format("mxfp8_jax", "block", _E4M3FN, MX_BLOCK, {"block": _E8M0},
            "JAX's: amax_b / 448 rounded up to a power of two per block of 32", ("mxfp8", "e4m3fn"),
-           mxfp8_jax_quantize, e8m0_block_dequantize, probe_spread=True),
+           mxfp8_jax_quantize, e8m0_block_dequantize, probe_spread=True, forms=ALL_FORMS),
     _int("int8_aqt", "absmax / 127.5 per slice, x · (1 / scale) clipped to ±127 (AQT v2's default)",
          int8_aqt_quantize, ("int8", "int8_qwix")),
     _int("int8_qwix", "absmax / 127.5 per slice, a saturating cast to -128..127 (qwix's)", int8_qwix_quantize,
@@ -107,7 +108,7 @@ FORMATS: tuple[Format, ...] = (
     Format("int4_keras", "int", _INT4, None, {"slice": _F32},
            "an encode scale 7 / (absmax + 1e-7) per slice, x · scale clipped to [-8, 7], x ≈ codes / scale "
            "(Keras's abs_max_quantize with value_range (-8, 7))", (), int4_keras_quantize, int8_keras_dequantize,
-           divides=True),
+           divides=True, forms=ALL_FORMS),
     # An IEEE-style 8-bit float with 3 exponent and 4 mantissa bits (ml_dtypes 0.7.0 float8_e3m4: max 15.5,
     # normal from 2^-2, inf and NaN, so an unsaturated cast of 100 is inf): more precision, less range. Its
     # sibling is e4m3fn, the fp8 type a bug would cast to instead; its gradient flavour e5m2, the gradient type
@@ -119,7 +120,7 @@ FORMATS: tuple[Format, ...] = (
            "asymmetric: (max - min) / 255 per slice, min and max clipped around 0, an int8 zero point "
            "round(-128 - min / scale), codes round(x / scale + zero point) saturating to -128..127, x ≈ (codes - "
            "zero point) · scale (qwix's calibration_method='minmax')", ("int8_qwix",), int8_qwix_minmax_quantize,
-           int8_zero_point_dequantize),
+           int8_zero_point_dequantize, forms=ALL_FORMS),
     # Keras's default quantize("int4"): Int4QuantizationConfig(block_size=128), asymmetric per group of 128
     # inputs. Kind "block": one scale (and one zero point) per group of `block` elements along the flattened
     # contraction axes, laid out [..., n_groups] as the other block formats'; unlike theirs, a last partial group

@@ -12,14 +12,14 @@ only which operand ``jnp.einsum`` hands ``dot_general`` first).
 
 from __future__ import annotations
 
-from qcheck.referees._formats import (Blocks, add_referee, builtin_referee_names, flush, referee_format_names,
+from qcheck.referees._formats import (FORMS, Blocks, Form, add_referee, form_name, form_of, keeps_finite, builtin_referee_names, flush, referee_format_names,
                                       reference_dequantize, reference_qdq, reference_quantize, remove_referee)
 from qcheck.referees._integer import MATMUL_MODES, SCALE_ORDERS, integer_einsum, integer_ragged_dot
 from qcheck.referees._libraries import LIBRARY_RULES
 from qcheck.referees._moe import (MOE_ACTIVATIONS, MOE_STYLES, MoEReference, reference_activation, reference_capacity,
                                   reference_experts, reference_moe)
 
-__all__ = ["Blocks", "LIBRARY_RULES", "add_referee", "builtin_referee_names", "MATMUL_MODES", "MOE_ACTIVATIONS", "MOE_STYLES", "MoEReference", "SCALE_ORDERS",
+__all__ = ["FORMS", "Form", "form_name", "form_of", "keeps_finite", "Blocks", "LIBRARY_RULES", "add_referee", "builtin_referee_names", "MATMUL_MODES", "MOE_ACTIVATIONS", "MOE_STYLES", "MoEReference", "SCALE_ORDERS",
            "flush", "integer_einsum", "integer_ragged_dot", "referee_format_names", "reference_activation",
            "reference_capacity", "reference_dequantize", "reference_experts", "reference_moe", "reference_qdq",
            "reference_quantize", "remove_referee"]

@@ -13,12 +13,18 @@ Arithmetic is IEEE float32 (numpy does not flush subnormals). ``ftz=True``
 models a backend that does: every float32 read or written as a subnormal is
 zero of the same sign, as XLA's CPU backend computes (flush-to-zero and
 denormals-are-zero). It changes nothing for values away from float32's
-subnormal range. ``xla_reciprocal=True`` models the rewrites of the int8
-formats' divisions XLA makes that move a quantizer's bits: ``amax / 127`` (or
-127.5; a division by a constant) becomes ``amax · float32(1/127)``, one ulp away
-in about 4% of slices for 127 and 77% for 127.5, and ``x / scale`` (a division
-by a broadcast operand) becomes ``x · (1 / scale)``, which moves a code where
-the quotient is within an ulp of a half (1 of 262144 normal values); measured on XLA CPU, jax 0.10.2, eager and jitted.
+subnormal range. ``xla_reciprocal`` models the rewrites of the int8
+formats' divisions XLA may make, each of which moves a quantizer's bits:
+``amax / 127`` (or 127.5; a division by a constant) as ``amax · float32(1/127)``,
+one ulp away in about 4% of slices for 127 and 77% for 127.5, and ``x / scale``
+(a division by a broadcast operand) as ``x · (1 / scale)``, which moves a code
+where the quotient is within an ulp of a half (1 of 262144 normal values). Each
+rewrite is legal on its own, so a referee holds the rule in every combination,
+a :class:`Form`: ``True`` is both rewrites (XLA CPU, jax 0.10.2 to 0.12.0.1,
+eager and jitted), ``False`` neither (the definition), and a form's name or
+:class:`Form` either one alone (jax 0.12.1 rewrites the constant's division and
+keeps ``x / scale``). A form applies to the whole tensor, never element by
+element.
 """
 
 from __future__ import annotations
@@ -34,6 +40,42 @@ import numpy as np
 from qcheck.referees._choice import choice
 
 _F32 = np.float32
+
+
+class Form(NamedTuple):
+    """Which divisions of a quantizer XLA computes as a product with the float32 reciprocal of the divisor:
+    ``constant``, one by a constant (``amax / 127.5``); ``operand``, one by a broadcast operand (``x / scale``)."""
+
+    constant: bool
+    operand: bool
+
+
+#: Every form a compiler may legally give a quantizer's divisions, by name, the definition first.
+FORMS: dict[str, Form] = {
+    "as written": Form(False, False),
+    "all by reciprocal": Form(True, True),
+    "constant by reciprocal": Form(True, False),
+    "scale by reciprocal": Form(False, True),
+}
+
+
+def form_of(xla_reciprocal: bool | str | Form) -> Form:
+    """The :class:`Form` ``xla_reciprocal`` names: a bool (both rewrites or neither), a name in :data:`FORMS`, or
+    a :class:`Form`."""
+    if isinstance(xla_reciprocal, Form):
+        return xla_reciprocal
+    if isinstance(xla_reciprocal, (bool, np.bool_)):
+        return Form(bool(xla_reciprocal), bool(xla_reciprocal))
+    if isinstance(xla_reciprocal, str):
+        return FORMS[choice("referee form", xla_reciprocal, tuple(FORMS))]
+    raise TypeError(f"xla_reciprocal must be a bool, a form name ({', '.join(FORMS)}) or a Form, "
+                    f"got {type(xla_reciprocal).__name__}")
+
+
+def form_name(xla_reciprocal: bool | str | Form) -> str:
+    """The name in :data:`FORMS` of the form ``xla_reciprocal`` stands for."""
+    form = form_of(xla_reciprocal)
+    return next(name for name, f in FORMS.items() if f == form)
 
 # [def] the element types, by format name.
 _FP8 = {
@@ -120,11 +162,12 @@ def _int8(x: np.ndarray, axes: tuple[int, ...], *, ftz: bool, xla_reciprocal: bo
     # [def] symmetric absmax: scale = max|x| over the contraction axes / 127
     # ([XLA] or times the float32 reciprocal of 127, as XLA computes it).
     amax = np.max(np.abs(x), axis=axes, keepdims=True)
-    scale = flush(amax * (_F32(1) / _F32(_INT8_BOUND)) if xla_reciprocal else amax / _F32(_INT8_BOUND), ftz)
+    form = form_of(xla_reciprocal)
+    scale = flush(amax * (_F32(1) / _F32(_INT8_BOUND)) if form.constant else amax / _F32(_INT8_BOUND), ftz)
     # [qcheck] a slice whose scale is zero keeps scale 1, so zeros stay zeros.
     scale = np.where(scale > 0, scale, _F32(1)).astype(_F32)
     # [def] round half to even, then clip to ±127.
-    codes = np.clip(np.round(flush(_divide(x, scale, xla_reciprocal), ftz)), -_INT8_BOUND, _INT8_BOUND)
+    codes = np.clip(np.round(flush(_divide(x, scale, form.operand), ftz)), -_INT8_BOUND, _INT8_BOUND)
     return codes.astype(np.int8), {"slice": scale}
 
 
@@ -135,9 +178,10 @@ def _divide(x: np.ndarray, scale: np.ndarray, xla_reciprocal: bool) -> np.ndarra
         return (x * (_F32(1) / scale) if xla_reciprocal else x / scale).astype(_F32)
 
 
-def _edge_scale(amax: np.ndarray, ftz: bool, xla_reciprocal: bool) -> np.ndarray:
+def _edge_scale(amax: np.ndarray, ftz: bool, xla_reciprocal) -> np.ndarray:
     # [def] AQT's default and qwix: scale = absmax / 127.5 ([XLA] or times the float32 reciprocal of 127.5).
-    return flush(amax * (_F32(1) / _INT8_EDGE) if xla_reciprocal else amax / _INT8_EDGE, ftz).astype(_F32)
+    constant = form_of(xla_reciprocal).constant
+    return flush(amax * (_F32(1) / _INT8_EDGE) if constant else amax / _INT8_EDGE, ftz).astype(_F32)
 
 
 def _int8_aqt(x: np.ndarray, axes: tuple[int, ...], *, ftz: bool, xla_reciprocal: bool, uniforms: np.ndarray | None):
@@ -157,7 +201,8 @@ def _int8_qwix(x: np.ndarray, axes: tuple[int, ...], *, ftz: bool, xla_reciproca
     scale = _edge_scale(np.max(np.abs(x), axis=axes, keepdims=True), ftz, xla_reciprocal)
     scale = np.where(scale < QWIX_MIN_SCALE, _F32(1), scale).astype(_F32)  # [def] qwix: a scale below 2^-63 is 1
     # [def] qwix: round half to even, then a saturating cast to int8: codes -128..127.
-    codes = np.clip(np.round(flush(_divide(x, scale, xla_reciprocal), ftz)), -_INT8_BOUND - 1, _INT8_BOUND)
+    operand = form_of(xla_reciprocal).operand
+    codes = np.clip(np.round(flush(_divide(x, scale, operand), ftz)), -_INT8_BOUND - 1, _INT8_BOUND)
     return codes.astype(np.int8), {"slice": scale}
 
 
@@ -172,14 +217,15 @@ def _int8_qwix_minmax(x: np.ndarray, axes: tuple[int, ...], *, ftz: bool, xla_re
     with np.errstate(over="ignore"):
         span = flush((hi - lo).astype(_F32), ftz)
     # [def] scale = span / 255 ([XLA] or times the float32 reciprocal of 255); below 2^-63 it is 1.
-    scale = flush(span * (_F32(1) / _INT8_STEPS) if xla_reciprocal else span / _INT8_STEPS, ftz).astype(_F32)
+    form = form_of(xla_reciprocal)
+    scale = flush(span * (_F32(1) / _INT8_STEPS) if form.constant else span / _INT8_STEPS, ftz).astype(_F32)
     scale = np.where(scale < QWIX_MIN_SCALE, _F32(1), scale).astype(_F32)
     # [def] zero point = -128 - min / scale (an IEEE division: min and scale have one shape, nothing for XLA to
     # rewrite), rounded half to even, saturating to int8.
     zero_point = np.clip(np.round(flush((_F32(_INT8_LOW) - flush((lo / scale).astype(_F32), ftz)).astype(_F32),
                                         ftz)), _INT8_LOW, _INT8_BOUND).astype(np.int8)
     # [def] codes = x / scale plus the zero point, rounded half to even, saturating to -128..127.
-    shifted = flush((flush(_divide(x, scale, xla_reciprocal), ftz) + zero_point.astype(_F32)).astype(_F32), ftz)
+    shifted = flush((flush(_divide(x, scale, form.operand), ftz) + zero_point.astype(_F32)).astype(_F32), ftz)
     codes = np.clip(np.round(shifted), _INT8_LOW, _INT8_BOUND)
     return codes.astype(np.int8), {"slice": scale, "zero_point": zero_point}
 
@@ -330,10 +376,20 @@ def _mxfp8_jax(x: np.ndarray, axes: tuple[int, ...], *, ftz: bool, xla_reciproca
     b = Blocks(x.shape, axes, _MX_BLOCK, "mxfp8_jax")
     blocks = b.split(x)
     amax = np.max(np.abs(blocks), axis=-1, keepdims=True)
-    # [XLA] amax / 448 as amax times float32(1 / 448), the constant division's rewrite.
-    bits = _e8m0_round_up(flush(amax * (_F32(1) / _E4M3_MAX), ftz))
-    # [def: JAX e8m0_to_dtype] 2^(bits - 127); bits 0 read as 2^-127. ldexp by it is exact.
-    codes = _saturate(flush(np.ldexp(blocks, -(bits.astype(np.int32) - 127)).astype(_F32), ftz), _FP8["e4m3fn"])
+    form = form_of(xla_reciprocal)
+    # [def: JAX] amax / 448 ([XLA] or times float32(1 / 448), the constant division's rewrite).
+    bits = _e8m0_round_up(flush(amax * (_F32(1) / _E4M3_MAX) if form.constant else amax / _E4M3_MAX, ftz))
+    # [def: JAX e8m0_to_dtype] 2^(bits - 127); bits 0 read as 2^-127, a float32 subnormal.
+    exp = bits.astype(np.int32) - 127
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        if form.operand:
+            # [XLA] x times float32(1 / 2^e) = 2^-e, a normal float32 for every code: ldexp, exact.
+            scaled = np.ldexp(blocks, -exp).astype(_F32)
+        else:
+            # [def: JAX] x / 2^e; ftz flushes the 2^-127 of code 0 (an all-zero or tiny block) to 0, and the
+            # division then gives 0 / 0 = NaN and x / 0 = inf (XLA's CPU backend, jax 0.12.1 under jit).
+            scaled = (blocks / flush(np.ldexp(_F32(1), exp).astype(_F32), ftz)).astype(_F32)
+    codes = _saturate(flush(scaled, ftz), _FP8["e4m3fn"])
     return b.join(codes), {"block": bits[..., 0].view(_E8M0)}
 
 
@@ -390,10 +446,10 @@ def _by_slice_from_zero_point(c: np.ndarray, scales: dict[str, np.ndarray], axes
 
 
 def _over_slice(c: np.ndarray, scales: dict[str, np.ndarray], axes: tuple[int, ...], fmt: str,
-                xla_reciprocal: bool = False) -> np.ndarray:
+                xla_reciprocal: bool | Form = False) -> np.ndarray:
     # [def] Keras: x = code / encode scale ([XLA] or code times the float32 reciprocal of the scale, as XLA
     # computes a division by a broadcast operand). A zero slice's scale 1.27e9 has a normal reciprocal.
-    return _divide(c, scales["slice"], xla_reciprocal)
+    return _divide(c, scales["slice"], form_of(xla_reciprocal).operand)
 
 
 def _by_group_from_zero_point(c: np.ndarray, scales: dict[str, np.ndarray], axes: tuple[int, ...],
@@ -471,6 +527,14 @@ _REFEREES: dict[str, _Referee] = {
 _BUILTIN = tuple(_REFEREES)
 
 
+def keeps_finite(x: np.ndarray, q: np.ndarray) -> bool:
+    """Whether ``q`` (codes or values quantized from ``x``) is finite wherever ``x`` is. A form in which a rule
+    makes NaN of a finite input (it divides by a scale the backend flushed to zero) computes the rule's defect:
+    the checks hold no site to it."""
+    x, q = np.asarray(x), np.asarray(q).astype(_F32)
+    return x.shape != q.shape or bool(np.all(np.isfinite(q)[np.isfinite(x)]))
+
+
 def referee_format_names() -> tuple[str, ...]:
     """The format names the referee knows: its own, then the plug-ins' (:func:`add_referee`)."""
     return tuple(_REFEREES)
@@ -486,7 +550,8 @@ def add_referee(name: str, quantize: Callable[..., tuple[np.ndarray, dict[str, n
                 stochastic: bool = False) -> None:
     """Consult a user's referee for plug-in format ``name`` (``qcheck.formats.register_format`` calls this).
 
-    ``quantize(x, axes, *, ftz, xla_reciprocal)`` (and ``uniforms=`` where ``stochastic``) returns (codes,
+    ``quantize(x, axes, *, ftz, xla_reciprocal)`` (and ``uniforms=`` where ``stochastic``; ``xla_reciprocal``
+    a bool, or a :class:`Form` for a format whose record lists a mixed form) returns (codes,
     scales); ``dequantize(codes as float32, scales, axes)`` the values. Both are the user's, in numpy.
     """
     if name in _REFEREES:
@@ -494,7 +559,12 @@ def add_referee(name: str, quantize: Callable[..., tuple[np.ndarray, dict[str, n
 
     def q(x, axes, *, ftz, xla_reciprocal, uniforms):
         kw = {"uniforms": uniforms} if stochastic else {}
-        codes, scales = quantize(x, axes, ftz=ftz, xla_reciprocal=xla_reciprocal, **kw)
+        # A bool where the form is one (every division as written, or every one by its reciprocal): what a user's
+        # referee written for the two forms reads; a Form for the mixed ones, asked only where the format's record
+        # lists them.
+        form = form_of(xla_reciprocal)
+        flag = form.constant if form.constant == form.operand else form
+        codes, scales = quantize(x, axes, ftz=ftz, xla_reciprocal=flag, **kw)
         return np.asarray(codes), {k: np.asarray(v) for k, v in dict(scales).items()}
 
     _REFEREES[name] = _Referee(q, lambda c, scales, axes, fmt: dequantize(c, scales, axes), stochastic)
@@ -529,7 +599,7 @@ def reference_quantize(
     axis: int | tuple[int, ...] = -1,
     uniforms: np.ndarray | None = None,
     ftz: bool = False,
-    xla_reciprocal: bool = False,
+    xla_reciprocal: bool | str | Form = False,
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """``x`` (float32) in format ``fmt``: ``(codes, scales)``, laid out as ``qcheck.formats.quantize`` stores them.
 
@@ -539,8 +609,9 @@ def reference_quantize(
     ``block``). ``axis`` is the contraction axes (int8's slices, the block
     formats' blocks). ``uniforms`` (``x``'s shape, in [0, 1)) makes ``nvfp4``
     round stochastically: element i rounds up when ``uniforms[i]`` is below its
-    distance to the lower neighbour. ``ftz`` and ``xla_reciprocal`` model XLA
-    (see the module docstring); both off is the definition.
+    distance to the lower neighbour. ``ftz`` and ``xla_reciprocal`` (a bool, a
+    name in :data:`FORMS` or a :class:`Form`) model XLA (see the module
+    docstring); both off is the definition.
     """
     x = _check(x, fmt, uniforms)
     axes = _axes(axis, x.ndim)
@@ -550,7 +621,7 @@ def reference_quantize(
 
 def reference_dequantize(
     codes: np.ndarray, scales: dict[str, np.ndarray], fmt: str, *, axis: int | tuple[int, ...] = -1, ftz: bool = False,
-    xla_reciprocal: bool = False,
+    xla_reciprocal: bool | str | Form = False,
 ) -> np.ndarray:
     """The float32 values ``codes`` and ``scales`` stand for; ``xla_reciprocal`` models XLA's rewrite of a
     division by the scale (``int8_keras``'s, the one format that divides) as a product with its reciprocal."""
@@ -570,7 +641,7 @@ def reference_qdq(
     axis: int | tuple[int, ...] = -1,
     uniforms: np.ndarray | None = None,
     ftz: bool = False,
-    xla_reciprocal: bool = False,
+    xla_reciprocal: bool | str | Form = False,
 ) -> np.ndarray:
     """Quantize then dequantize ``x`` (float32) in ``fmt``, in float32; see :func:`reference_quantize`."""
     codes, scales = reference_quantize(x, fmt, axis=axis, uniforms=uniforms, ftz=ftz, xla_reciprocal=xla_reciprocal)

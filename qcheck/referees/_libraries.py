@@ -31,7 +31,7 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 
-from qcheck.referees._formats import QWIX_MIN_SCALE, Blocks, flush
+from qcheck.referees._formats import QWIX_MIN_SCALE, Blocks, Form, flush, form_of
 
 _F32 = np.float32
 _E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -50,6 +50,15 @@ def qwix_scale(amax: np.ndarray, bound: float, constant_reciprocal: bool = True)
     return np.where(s < QWIX_MIN_SCALE, _F32(1), s).astype(_F32)
 
 
+def qwix_per_tensor_e4m3fn(x: np.ndarray, axes: tuple[int, ...], xla_reciprocal: bool | str | Form = True,
+                           bound: float = 448.0) -> tuple[np.ndarray, np.ndarray]:
+    """qwix's e4m3fn with one scale per slice over ``axes``: ``(codes, scales)`` in ``xla_reciprocal``'s form
+    (``bound``: the element type's max, 448; another is the rule of another type)."""
+    form = form_of(xla_reciprocal)
+    scale = qwix_scale(np.max(np.abs(x), axis=axes, keepdims=True), bound, form.constant)
+    return qwix_cast(qwix_divide(x, scale, form.operand), _E4M3), scale
+
+
 def qwix_cast(v: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """qwix's ``convert_to``: clip to the type's finite range, then cast."""
     fmax = _F32(ml_dtypes.finfo(dtype).max)
@@ -61,22 +70,28 @@ def _ceil_log2(s: np.ndarray) -> np.ndarray:
     return np.where(m == 0.5, e - 1, e).astype(np.int32)
 
 
-def quantize_qwix_mxfp8(x: np.ndarray, axes: tuple[int, ...], xla_reciprocal: bool) -> tuple[np.ndarray, np.ndarray]:
-    """qwix's mxfp8 along ``axes`` in blocks of 32: ``(e4m3fn codes shaped as x, float32 scales [..., blocks])``."""
+def quantize_qwix_mxfp8(x: np.ndarray, axes: tuple[int, ...], xla_reciprocal: bool | str | Form
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """qwix's mxfp8 along ``axes`` in blocks of 32: ``(e4m3fn codes shaped as x, float32 scales [..., blocks])``,
+    its divisions in ``xla_reciprocal``'s form (:func:`qcheck.referees.form_of`)."""
+    form = form_of(xla_reciprocal)
     b = Blocks(x.shape, axes, 32, "mxfp8")
     blocks = b.split(np.asarray(x, _F32))
-    s = qwix_scale(np.max(np.abs(blocks), axis=-1, keepdims=True), 448.0)
+    s = qwix_scale(np.max(np.abs(blocks), axis=-1, keepdims=True), 448.0, form.constant)
     scale = np.ldexp(_F32(1), _ceil_log2(s)).astype(_F32)  # qwix: 2 ** ceil(log2(scale))
-    return b.join(qwix_cast(qwix_divide(blocks, scale, xla_reciprocal), _E4M3)), scale[..., 0]
+    return b.join(qwix_cast(qwix_divide(blocks, scale, form.operand), _E4M3)), scale[..., 0]
 
 
-def quantize_qwix_nvfp4(x: np.ndarray, axes: tuple[int, ...], xla_reciprocal: bool) -> tuple[np.ndarray, np.ndarray]:
-    """qwix's nvfp4 along ``axes`` in blocks of 16, one level: ``(e2m1 codes, e4m3fn block scales as float32)``."""
+def quantize_qwix_nvfp4(x: np.ndarray, axes: tuple[int, ...], xla_reciprocal: bool | str | Form
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """qwix's nvfp4 along ``axes`` in blocks of 16, one level: ``(e2m1 codes, e4m3fn block scales as float32)``,
+    its divisions in ``xla_reciprocal``'s form."""
+    form = form_of(xla_reciprocal)
     b = Blocks(x.shape, axes, 16, "nvfp4")
     blocks = b.split(np.asarray(x, _F32))
-    s = qwix_scale(np.max(np.abs(blocks), axis=-1, keepdims=True), 6.0)
+    s = qwix_scale(np.max(np.abs(blocks), axis=-1, keepdims=True), 6.0, form.constant)
     scale = qwix_cast(s, _E4M3).astype(_F32)  # qwix: the block scale cast to e4m3fn; no tensor scale
-    return b.join(qwix_cast(qwix_divide(blocks, scale, xla_reciprocal), _E2M1)), scale[..., 0]
+    return b.join(qwix_cast(qwix_divide(blocks, scale, form.operand), _E2M1)), scale[..., 0]
 
 
 def quantize_jax_nvfp4_e1f12ba4(x: np.ndarray, axes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.float32]:
