@@ -100,6 +100,17 @@ def test_json_holds_each_failure_in_full(capsys, monkeypatch):
                                                     "figure": None}
 
 
+def test_version_names_qcheck_and_the_toolchain_it_runs_on():
+    import jax
+
+    from qcheck.suite._toolchain import division_form
+
+    done = subprocess.run([sys.executable, "-m", "qcheck", "--version"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert re.fullmatch(rf"qcheck \S+ on jax {re.escape(jax.__version__)}, jaxlib \S+, flax \S+, ml_dtypes \S+, "
+                        rf"numpy \S+; backend cpu; XLA divisions {division_form()} \(jitted\)\n", done.stdout), done.stdout
+
+
 def test_help_explains_the_columns_and_cells():
     done = subprocess.run([sys.executable, "-m", "qcheck", "--help"], capture_output=True, text=True)
     assert done.returncode == 0

@@ -63,9 +63,31 @@ def _jobs(text: str) -> int | str:
     return int(text)
 
 
+class _Version(argparse.Action):
+    """``--version``: qcheck's version and the toolchain it runs on (versions, backend, XLA's division form)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print qcheck's version and the toolchain it runs on, then exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import importlib.metadata
+
+        from qcheck._versions import DISTRIBUTION
+        from qcheck.suite._toolchain import describe
+
+        try:
+            version = importlib.metadata.version(DISTRIBUTION)
+        except importlib.metadata.PackageNotFoundError:
+            version = "(not installed)"
+        print(f"qcheck {version} on {describe()}")
+        parser.exit()
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="qcheck", description=_MATRIX_HELP,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action=_Version)
     _add_recipes_option(p)
     sub = p.add_subparsers(dest="command", metavar="{matrix,coverage,golden,rng}")
     m = sub.add_parser("matrix", help="run every invariant on every case (the default)", description=_MATRIX_HELP,
@@ -161,6 +183,7 @@ def _selected(args: argparse.Namespace, module_recipes: tuple[str, ...]) -> tupl
 def _golden(args: argparse.Namespace, module_recipes: tuple[str, ...]) -> int:
     from qcheck.recipes import recipe_names
     from qcheck.suite import golden
+    from qcheck.suite._declared_cells import check_golden_case
 
     names = tuple(args.names) or module_recipes or None
     if args.golden_command == "check":
@@ -171,14 +194,14 @@ def _golden(args: argparse.Namespace, module_recipes: tuple[str, ...]) -> int:
         for case, root in found.cases:
             progress.start(case.id)
             try:
-                golden.assert_case_matches(case, root)
+                outcome = check_golden_case(case, root)
             except (AssertionError, ValueError) as e:
                 failed.append(str(e))
                 progress.close()
                 print(f"FAIL {case.id}")
             else:
                 progress.close()
-                print(f"ok   {case.id}")
+                print(f"ok   {case.id}" if outcome == "match" else f"ok   {case.id}: {outcome.splitlines()[0]}")
             progress.advance(case.id)
         progress.close()
         _report_others(found)
