@@ -32,6 +32,16 @@ def _release(version: str) -> tuple[int, ...]:
     return tuple(numbers)
 
 
+_VERSION = re.compile(r"\d+(\.\d+)*((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?")
+
+
+def parse_version(version: str, what: str) -> tuple[int, ...]:
+    """The release numbers of ``version``; a ValueError of one line naming ``what`` where it is not a version."""
+    if not isinstance(version, str) or not _VERSION.fullmatch(version):
+        raise ValueError(f"{what}: {version!r} is not a version qcheck can parse (a release such as '0.12.1')")
+    return _release(version)
+
+
 def _minimums() -> dict[str, str]:
     """``{distribution: minimum}`` from qcheck's own metadata; empty when qcheck runs uninstalled."""
     try:

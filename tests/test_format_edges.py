@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from qcheck import formats, referees
+from tests import format_properties
 
 N = 32  # one MXFP8 block, two NVFP4 blocks
 TINY = float(np.finfo(np.float32).tiny)
@@ -59,29 +60,33 @@ def test_every_format_on_its_edge_rows_matches_the_referee_and_stays_finite(fmt)
     q = quantizer(fmt.name)(jnp.asarray(x))
     codes, scales = _flt(q.codes), {k: np.asarray(v, np.float32) for k, v in q.scales.items()}
     ftz = jax.default_backend() == "cpu"
-    ref_codes, ref_scales = referees.reference_quantize(x, fmt.name, axis=-1, ftz=ftz)
-    # XLA may divide by a scale as a multiply by its reciprocal: the referee's model of that is the other answer.
-    xla_codes, xla_scales = referees.reference_quantize(x, fmt.name, axis=-1, ftz=ftz, xla_reciprocal=True)
+    defect = format_properties.FORMAT_DEFECTS.get(fmt.name)
+    # JAX's MXFP8 on jax 0.12.1: the zero row, and the tiny row's flushed elements, are NaN, as declared.
+    nan_rows = {"zeros", "tiny"} if defect is not None and defect.seen_here else set()
+    if nan_rows:
+        assert np.all(np.isnan(codes[0])), f"{fmt.name}: {defect.reason}, but the zero row's codes are {codes[0][:4]}"
+    # Held in one of the format's admissible forms (XLA may divide by a scale or multiply by its reciprocal, each
+    # division on its own), the whole array in it.
+    refs = [referees.reference_quantize(x, fmt.name, axis=-1, ftz=ftz, xla_reciprocal=f) for f in fmt.forms]
+    ref_codes, ref_scales = next(((c, r) for c, r in refs if np.array_equal(codes, _flt(c), equal_nan=True)),
+                                 refs[0])
     for i, kind in enumerate(table):
+        if kind in nan_rows:
+            continue
         assert np.all(np.isfinite(codes[i])), f"{fmt.name}, row {kind}: codes {codes[i][:4]} not finite"
         for name, s in scales.items():
             row = s[i] if s.ndim and s.shape[0] == x.shape[0] else s
             assert np.all(np.isfinite(row)), f"{fmt.name}, row {kind}: {name} scale {row} not finite"
-    # An all-zero row's codes are the code of 0: 0, or the row's zero point where the format has one.
-    zero = scales["zero_point"][0] if "zero_point" in scales else 0
-    assert np.all(codes[0] == zero), f"{fmt.name}: an all-zero row's codes are {codes[0][:4]}, not {zero}"
+    if not nan_rows:  # an all-zero row's codes are the code of 0: 0, or the row's zero point
+        zero = scales["zero_point"][0] if "zero_point" in scales else 0
+        assert np.all(codes[0] == zero), f"{fmt.name}: an all-zero row's codes are {codes[0][:4]}, not {zero}"
     if fmt.kind == "cast":  # scale 1: beyond the range is the largest code, saturated
         assert np.array_equal(np.abs(codes[3]), np.full(N, _top(fmt), np.float32)), (fmt.name, codes[3][:4])
     differ = ~((codes == _flt(ref_codes)) | (np.isnan(codes) & np.isnan(_flt(ref_codes))))
-    if differ.any() and np.array_equal(codes, _flt(xla_codes), equal_nan=True):
-        # All of them as the referee's model of XLA's rewrite computes them (int8_qwix_minmax's ±127 row: its
-        # scale 254 · fl(1/255) is an ulp off 254 / 255, which moves the quotient 127 / scale off its tie).
-        differ[:] = False
     assert not differ.any(), (f"{fmt.name}: codes differ from the referee's on rows "
                               f"{sorted({list(table)[i] for i in np.argwhere(differ)[:, 0]})}")
     for name, s in scales.items():
-        assert any(np.array_equal(s, np.asarray(r[name], np.float32), equal_nan=True)
-                   for r in (ref_scales, xla_scales)), (
+        assert np.array_equal(s, np.asarray(ref_scales[name], np.float32), equal_nan=True), (
             f"{fmt.name}: {name} scales {s.ravel()} differ from the referee's {np.ravel(ref_scales[name])}")
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from importlib import metadata
 
 from qcheck._choices import require_choice
+from qcheck._versions import parse_version
 
 #: What a declaration can cover. "gradient": anything that differentiates the
 #: layer (the suite's backward, grads, state and rng checks, golden gradients).
@@ -96,8 +97,11 @@ class KnownDefect:
     """A defect of ``library`` that qcheck's ``invariant`` catches on ``paths``: its failure is expected.
 
     The suite still runs the check there and asserts it fails with a message
-    matching ``match``; the day it passes (upstream fixed it) that assertion
-    fails and says to drop the declaration.
+    matching ``match``. ``seen``: the versions of ``library`` it was seen on (empty: every version);
+    ``fixed_in``: the first version upstream fixed it in, from which the cell is checked as any other and
+    must pass. The day it passes on a version in ``seen`` (or with ``seen`` empty) that assertion fails and
+    says to drop or narrow the declaration; on a version it was never seen on, the cell passes and says the
+    defect does not show there.
     """
 
     library: str
@@ -110,8 +114,23 @@ class KnownDefect:
     models: tuple[str, ...] = ()
     #: Whether it shows on the token-dropping layer only (True), the dropless one only (False), or both (None).
     dropping: bool | None = None
+    seen: tuple[str, ...] = ()
+    fixed_in: str | None = None
+    #: The distribution whose versions ``seen`` and ``fixed_in`` name, where it is not ``library``: a library's
+    #: defect that shows on some jax releases only (qwix's int8 ragged_dot on a mesh) is keyed on jax's.
+    seen_in: str | None = None
 
     def __post_init__(self):
+        what = f"KnownDefect of {self.library} ({self.invariant})"
+        if isinstance(self.seen, str):
+            raise TypeError(f"{what}: seen must be a tuple of version strings, got the string {self.seen!r}")
+        for v in self.seen:
+            parse_version(v, f"{what}, seen")
+        if self.fixed_in is not None:
+            fixed = parse_version(self.fixed_in, f"{what}, fixed_in")
+            late = [v for v in self.seen if parse_version(v, what) >= fixed]
+            if late:
+                raise ValueError(f"{what}: seen on {', '.join(late)}, at or after fixed_in {self.fixed_in}")
         if isinstance(self.paths, str) or not self.paths:
             raise TypeError(f"paths must be a non-empty tuple of {', '.join(PATHS)}, got {self.paths!r}")
         for path in self.paths:
@@ -123,5 +142,32 @@ class KnownDefect:
 
     version = Unsupported.version
 
+    @property
+    def keyed_on(self) -> str:
+        """The distribution ``seen`` and ``fixed_in`` name versions of."""
+        return self.seen_in or self.library
+
+    @property
+    def keyed_version(self) -> str:
+        """The installed version of :attr:`keyed_on` ("not installed" if it is not)."""
+        try:
+            return metadata.version(self.keyed_on)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    @property
+    def fixed_here(self) -> bool:
+        """Whether the installed version is at or after ``fixed_in``: the cell is then checked as any other."""
+        installed = self.keyed_version
+        return (self.fixed_in is not None and installed != "not installed"
+                and parse_version(installed, self.keyed_on) >= parse_version(self.fixed_in, self.keyed_on))
+
+    @property
+    def seen_here(self) -> bool:
+        """Whether the installed version is one it was seen on (every version, where ``seen`` is empty)."""
+        return not self.seen or self.keyed_version in self.seen
+
     def text(self) -> str:
-        return f"known defect of {self.library} {self.version}: {self.reason}"
+        on = "" if self.seen_in is None else f"{self.seen_in} "
+        seen = f" (seen on {on}{', '.join(self.seen)})" if self.seen else ""
+        return f"known defect of {self.library} {self.version}{seen}: {self.reason}"

@@ -14,4 +14,5 @@ def test_golden_case(qcheck_golden, request):
     if request.config.getoption("--update-golden"):
         assert any(word in outcome for word in WRITTEN), outcome
     else:
-        assert outcome == "match"
+        # "match", or a library defect the recipe declares on this case, checked to still show as declared.
+        assert outcome == "match" or outcome.startswith("known defect of "), outcome
