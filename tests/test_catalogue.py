@@ -56,7 +56,7 @@ DENSE, SPARSE = cases.Variant("mixtral", "dense", False), cases.Variant("mixtral
 
 def layer(recipe, *, dropping=False, path="dense", cls=MoE) -> MoE:
     return cls(MODELS["mixtral"], get_recipe(recipe), path=path,
-               capacity_factor=1.0 if dropping else -1.0, rngs=nnx.Rngs(cases.SEED))
+               capacity_factor=1.0 if dropping else -1.0, rngs=nnx.Rngs(cases.SEED), seed=cases.SEED)
 
 
 def swap_site(target: MoE, name: str, recipe, cls=QuantSite) -> None:
@@ -364,7 +364,7 @@ class RoundedByBatch(MoE):
 
 
 def rounded_by_batch(recipe: Recipe) -> RoundedByBatch:
-    return RoundedByBatch(MODELS["mixtral"], recipe, rngs=nnx.Rngs(cases.SEED))
+    return RoundedByBatch(MODELS["mixtral"], recipe, rngs=nnx.Rngs(cases.SEED), seed=cases.SEED)
 
 
 def rounds_by_batch_and_trains(planted: dict) -> None:
@@ -432,7 +432,7 @@ class PlantedGrad(Recipe):
 
 
 def _planted_grads(bug: str) -> tuple[dict, dict]:
-    broken = MoE(MODELS["mixtral"], PlantedGrad(bug), rngs=nnx.Rngs(cases.SEED))
+    broken = MoE(MODELS["mixtral"], PlantedGrad(bug), rngs=nnx.Rngs(cases.SEED), seed=cases.SEED)
     twin = cases.layer_step(cases.Case("none", cases.Variant("mixtral", "dense", False)))
     return invariants.grad_leaves(step.train_step(broken, X).grads), invariants.grad_leaves(twin.grads)
 
@@ -696,8 +696,8 @@ def gemma_dropping_its_scale(p: Planting) -> dict:
     # the numerics pinned on the seed move, and only because the scale is drawn away from 1.
     golden.write_case(GEMMA, p.tmp_path, overwrite=False)
     real = cases.layer
-    dropped = DropsExpertScale(MODELS["gemma"], get_recipe("none"), rngs=nnx.Rngs(cases.SEED))
-    sparse = DropsExpertScale(MODELS["gemma"], get_recipe("none"), path="sparse", rngs=nnx.Rngs(cases.SEED))
+    dropped = DropsExpertScale(MODELS["gemma"], get_recipe("none"), rngs=nnx.Rngs(cases.SEED), seed=cases.SEED)
+    sparse = DropsExpertScale(MODELS["gemma"], get_recipe("none"), path="sparse", rngs=nnx.Rngs(cases.SEED), seed=cases.SEED)
     x = cases.layer_input("gemma")
     paths = {"dense": np.asarray(step.apply(dropped, x)[0]), "sparse": np.asarray(step.apply(sparse, x)[0])}
     p.monkeypatch.setattr(cases, "layer", lambda case: dropped if case == GEMMA.case else real(case))
@@ -727,17 +727,17 @@ def reused_flax_op(p: Planting) -> dict:
 
 
 def mesh_only_reassembly(p: Planting) -> Callable:
-    return lambda mesh: MeshOnlyReassembly(MODELS["mixtral"], get_recipe("int8"), rngs=nnx.Rngs(cases.SEED), mesh=mesh)
+    return lambda mesh: MeshOnlyReassembly(MODELS["mixtral"], get_recipe("int8"), rngs=nnx.Rngs(cases.SEED), seed=cases.SEED, mesh=mesh)
 
 
 def planted_layer(cls: type[MoE], model: str) -> Callable[[Planting], MoE]:
     """The unquantized layer of ``model`` with the bug ``cls`` plants in the layer code every recipe runs."""
-    return lambda p: cls(MODELS[model], get_recipe("none"), rngs=nnx.Rngs(cases.SEED))
+    return lambda p: cls(MODELS[model], get_recipe("none"), rngs=nnx.Rngs(cases.SEED), seed=cases.SEED)
 
 
 def unsharded_twin(p: Planting) -> Callable:
     # The twin ignores the mesh; only its input lands on it.
-    return lambda mesh: MoE(MODELS["mixtral"], get_recipe("int8"), rngs=nnx.Rngs(cases.SEED))
+    return lambda mesh: MoE(MODELS["mixtral"], get_recipe("int8"), rngs=nnx.Rngs(cases.SEED), seed=cases.SEED)
 
 
 # -- what a row's control asserts before its checks fail: where the bug hides -----------------------------
@@ -817,7 +817,7 @@ def quantized_tracks_its_twin(case: cases.Case) -> None:
     broken = cases.layer(case)
     # The bug is in code the quantized layer and its twin share: int8 tracks the planted twin, as check_layer sees.
     x = cases.layer_input(broken.config.model)
-    int8 = type(broken)(broken.config, get_recipe("int8"), rngs=nnx.Rngs(cases.SEED))
+    int8 = type(broken)(broken.config, get_recipe("int8"), rngs=nnx.Rngs(cases.SEED), seed=cases.SEED)
     assert checks.assert_tracks(step.apply(int8, x)[0], step.apply(broken, x)[0], max_rel_norm=0.22) < 0.22
 
 
@@ -1146,7 +1146,7 @@ CATALOGUE = [
                ValueError),)),
     Bug("check_layer_catches_nan_gradients",
         "NaN gradients from a layer whose forward pass is fine", "`check_layer`: gradients",
-        lambda p: NaNBackwardMoE(MODELS["mixtral"], get_recipe("fp8"), path="sparse", rngs=nnx.Rngs(0)),
+        lambda p: NaNBackwardMoE(MODELS["mixtral"], get_recipe("fp8"), path="sparse", rngs=nnx.Rngs(0), seed=0),
         (Catch(check_layer, lambda broken: (broken, sparse_moe("none"), CHECK_LAYER_X),
                r"^check_layer: 5 check\(s\) failed:\n", {"skip": MOE_FULL_PRECISION}),),
         then=names_every_gradient_nan),

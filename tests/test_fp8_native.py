@@ -105,7 +105,7 @@ def test_recipe_fp8_native_needs_a_target():
 
 
 def _layer(recipe: Recipe, path: str = "dense") -> MoE:
-    return MoE(MODELS["mixtral"], recipe, path=path, rngs=nnx.Rngs(cases.SEED))
+    return MoE(MODELS["mixtral"], recipe, path=path, rngs=nnx.Rngs(cases.SEED), seed=cases.SEED)
 
 
 @pytest.mark.parametrize("name", ["fp8", "nanoo_fp8", "flax_fp8", "flax_nanoo_fp8", "fp8_current", "mxfp8"])

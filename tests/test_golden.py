@@ -105,6 +105,82 @@ def test_update_rewrites_a_changed_file_and_says_what_changed(root):
     golden.assert_case_matches(CASE, root)
 
 
+def _written_under(root: Path, form: str, shift: float = 0.0) -> None:
+    """CASE's main file as a toolchain computing its divisions in ``form`` would have left it (its rel_norm moved by
+    ``shift``: the values that toolchain gave)."""
+    def change(record):
+        record["provenance"]["xla_form"] = form
+        record["rel_norm"] += shift
+        redigest(record)
+
+    edit(CASE.file(root), change)
+
+
+def _other_form() -> str:
+    from qcheck.suite._toolchain import division_form
+
+    return next(f for f in ("all by reciprocal", "constant by reciprocal") if f != division_form())
+
+
+def test_another_toolchains_values_are_recorded_beside_the_file_and_held_there(root):
+    # Should-pass: the main file was written where XLA computed the divisions in another form, and its values
+    # differ from this toolchain's; an update records this toolchain's beside it and leaves the main file alone.
+    from qcheck.suite._toolchain import division_form
+
+    _written_under(root, _other_form(), shift=0.01)
+    before = CASE.file(root).read_bytes()
+    beside = CASE.form_file(root, division_form())
+    assert golden.write_case(CASE, root, overwrite=True) == f"{beside}: new"
+    assert CASE.file(root).read_bytes() == before and beside.exists()
+    golden.assert_case_matches(CASE, root)
+    assert golden.collect(root, ("int8",)).strays == []  # the form's file is the case's, not a stray
+
+
+def test_a_toolchain_that_moved_is_named_where_its_values_are_not_recorded(root):
+    # Should-fail beside the test above: no file for this toolchain's form, so the main one holds it and fails,
+    # naming the parts of the toolchain that moved, not the recipe.
+    from qcheck.suite._toolchain import division_form
+
+    other = _other_form()
+    _written_under(root, other, shift=0.01)
+    with pytest.raises(AssertionError, match=rf"(?s)rel_norm: got .*the toolchain moved since the file was written "
+                                             rf"\(XLA's divisions {other} -> {division_form()}\): if the recipe did "
+                                             r"not change, this is the toolchain's doing; `qcheck golden update int8"):
+        golden.assert_case_matches(CASE, root)
+
+
+def test_on_the_toolchain_that_wrote_the_file_a_failure_says_the_recipe_moved(root):
+    _written_under(root, _other_form(), shift=0.01)
+    from qcheck.suite._toolchain import division_form
+
+    _written_under(root, division_form())  # the same form: only the values moved
+    with pytest.raises(AssertionError, match=r"(?s)rel_norm: got .*the toolchain is the one the file was written "
+                                             r"with: the recipe's numerics moved"):
+        golden.assert_case_matches(CASE, root)
+
+
+def test_values_that_match_the_main_file_need_no_file_of_their_own(root):
+    _written_under(root, _other_form())
+    assert golden.write_case(CASE, root, overwrite=True).endswith(": unchanged (this toolchain's values match it)")
+    assert [p.name for p in CASE.file(root).parent.iterdir()] == [CASE.file(root).name]
+
+
+def test_an_update_never_pins_nan(root, monkeypatch):
+    from qcheck.suite.golden import write
+
+    real = write.measure
+    monkeypatch.setattr(write, "measure", lambda case: {**real(case), "output": real(case)["output"] * np.nan})
+    before = CASE.file(root).read_bytes()
+    line = golden.write_case(CASE, root, overwrite=True)
+    assert line.endswith(": refused: its output or gradients are not finite, and a golden case never pins NaN")
+    assert CASE.file(root).read_bytes() == before
+
+
+def test_a_file_of_an_unknown_form_is_a_stray(root):
+    shutil.copy(CASE.file(root), CASE.file(root).with_name("mixtral-dense@by-magic.json"))
+    assert [e.path.name for e in golden.collect(root, ("int8",)).strays] == ["mixtral-dense@by-magic.json"]
+
+
 def test_a_missing_case_fails_with_the_command_that_creates_it(tmp_path):
     with pytest.raises(AssertionError, match=r"^assert_case_matches: golden case int8-mixtral-dense has no file .*; "
                        r"create the recipe's cases with:\n  "

@@ -80,7 +80,7 @@ class _QuantizedRouterMoE(qcheck.MoE):
 @functools.cache
 def _silent_fallback() -> qcheck.MoE:
     """An fp8 layer whose router is quantized but whose sparse expert matmuls skip their quantizer."""
-    layer = _QuantizedRouterMoE(MIXTRAL, qcheck.get_recipe("fp8"), path="sparse", rngs=nnx.Rngs(0))
+    layer = _QuantizedRouterMoE(MIXTRAL, qcheck.get_recipe("fp8"), path="sparse", rngs=nnx.Rngs(0), seed=0)
     for site in layer.sites.values():
         site.ragged_dot = jax.lax.ragged_dot
     return layer
@@ -123,7 +123,7 @@ class _NoisyMoE(qcheck.MoE):
 
 
 def test_check_layer_should_fail_on_a_non_deterministic_layer():
-    layer = _NoisyMoE(MIXTRAL, qcheck.get_recipe("fp8"), path="sparse", rngs=nnx.Rngs(0))
+    layer = _NoisyMoE(MIXTRAL, qcheck.get_recipe("fp8"), path="sparse", rngs=nnx.Rngs(0), seed=0)
     before = _bits(layer)
     with pytest.raises(AssertionError, match=re.escape("check_layer: 1 check(s) failed:\n  determinism: a second "
                                                        f"call on the same input changed {X.size} of {X.size} output "

@@ -30,7 +30,7 @@ GEMMA_ROLES = {**ROLES, "per_expert_scale": "expert_scale"}
 
 def qcheck_layer(model: str, cls: type[MoE] = MoE, *, dropping: bool = False) -> MoE:
     return cls(MODELS[model], qcheck.get_recipe("none"), capacity_factor=1.0 if dropping else -1.0,
-               rngs=nnx.Rngs(cases.SEED))
+               rngs=nnx.Rngs(cases.SEED), seed=cases.SEED)
 
 
 def check(layer, model: str, **kwargs):
@@ -78,7 +78,7 @@ def test_dropping_in_token_order_should_pass_and_from_the_last_token_should_fail
     capacity = referees.reference_capacity(cases.SEQ, 2, 8, 1.0)
     assert check(qcheck_layer("mixtral", dropping=True), "mixtral", capacity=capacity) <= 1e-5
     with pytest.raises(AssertionError, match=r"token \(\d+, \d+\) differs .*routes it to experts \[\d, \d\] with .*"
-                                             r"the layer's output there is the referee's experts \[\d\] mixed .*"
+                                             r"the layer's output there is the referee's experts \[\d?\] mixed .*"
                                              r"other experts: the choice differs"):
         check(qcheck_layer("mixtral", LastTokensFirst, dropping=True), "mixtral", capacity_factor=1.0)
     with pytest.raises(AssertionError, match=r"other experts: the choice differs"):  # the referee told no capacity

@@ -169,7 +169,7 @@ def test_assert_layer_sites_exact_should_pass_on_every_case_of_a_recipe():
 
 
 def test_assert_layer_sites_exact_should_fail_on_a_site_swapped_for_an_unquantized_one():
-    broken = MoE(MODELS["mixtral"], get_recipe("int8"), path="sparse", rngs=nnx.Rngs(cases.SEED))
+    broken = MoE(MODELS["mixtral"], get_recipe("int8"), path="sparse", rngs=nnx.Rngs(cases.SEED), seed=cases.SEED)
     from qcheck.layers.bridge import QuantSite
 
     broken.sites["wo"] = QuantSite(get_recipe("none"), "wo", rngs=nnx.Rngs(7))

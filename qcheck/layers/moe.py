@@ -18,6 +18,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -28,13 +29,27 @@ from qcheck.recipes import (ApplyRngs, Einsum, InterceptRecipe, Matmul, Ragged, 
                             get_recipe)
 
 __all__ = ["MESH_AXES", "MODELS", "PATHS", "UNQUANTIZED_BY_DESIGN", "MoE", "MoEConfig", "SiteSpec", "build_moe",
-           "transform_layer"]
+           "draw_normal", "transform_layer"]
 
 #: The mesh axes a sharded layer expects: tokens split over "data", experts over "expert".
 MESH_AXES = ("data", "expert")
 
 Path = Literal["dense", "sparse"]
 PATHS: tuple[str, ...] = ("dense", "sparse")
+
+
+def _generator(seed: int, stream: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, stream])))
+
+
+def draw_normal(seed: int, shape: tuple[int, ...], stream: int = 1) -> jax.Array:
+    """Standard normal float32 values of ``shape``, from numpy's generator on ``(seed, stream)``.
+
+    qcheck's layers and inputs draw from numpy, not ``jax.random``: a jax release changes
+    ``jax.random.normal``'s bits for the same key (0.12.1 did), and every layer built from its seed,
+    with every golden case, would move with it.
+    """
+    return jnp.asarray(_generator(seed, stream).standard_normal(shape, dtype=np.float32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +126,7 @@ class MoE(nnx.Module):
         dtype: jnp.dtype = jnp.float32,
         apply_rngs: ApplyRngs | None = None,
         mesh: Mesh | None = None,
+        seed: int | None = None,
     ):
         self.config = config
         self.mesh = _check_mesh(mesh, config)
@@ -123,12 +139,21 @@ class MoE(nnx.Module):
 
         # Weights are drawn before any site forks the streams, in a fixed order,
         # so the same seed gives the same weights whatever the recipe or path.
+        # With a seed (build_moe's) they come from numpy's generator, which no jax
+        # release moves, scaled in numpy (XLA may compute a division by a constant
+        # as a product with its reciprocal); from the stream where there is none
+        # (a scanned decoder builds its layers under nnx.vmap, one draw per layer).
         # On a mesh, expert weights are split over "expert", the router replicated.
+        gen = None if seed is None else _generator(seed, 0)
+
         def param(w, *spec):
             return nnx.Param(w if mesh is None else jax.device_put(w, self._sharding(*spec)))
 
         def init(shape, fan_in, *spec):
-            return param(jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in), *spec)
+            if gen is None:
+                return param(jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in), *spec)
+            w = gen.standard_normal(shape, dtype=np.float32) / np.float32(math.sqrt(fan_in))
+            return param(jnp.asarray(w.astype(np.float32)), *spec)
 
         self.gate = init((m, e), m)
         self.wi_0 = init((e, m, h), m, "expert")
@@ -136,7 +161,10 @@ class MoE(nnx.Module):
         self.wo = init((e, h, m), h, "expert")
         if config.router == "gemma":
             # Drawn around 1, not 1: at 1 a layer that drops the scale computes the same function.
-            scale = 1 + jax.random.uniform(rngs.params(), (e,), jnp.float32, minval=-0.5, maxval=0.5)
+            if gen is None:
+                scale = 1 + jax.random.uniform(rngs.params(), (e,), jnp.float32, minval=-0.5, maxval=0.5)
+            else:
+                scale = jnp.asarray((np.float32(0.5) + gen.random((e,), dtype=np.float32)).astype(np.float32))
             self.per_expert_scale = param(scale, "expert")
 
         names = ["wi_0", "wi_1", "wo"]
@@ -334,6 +362,7 @@ def build_moe(
         rngs=nnx.Rngs(seed),
         dtype=dtype,
         mesh=mesh,
+        seed=seed,
     )
     return transform_layer(layer, recipe) if intercept else layer
 
@@ -349,7 +378,7 @@ def transform_layer(layer: MoE, recipe: InterceptRecipe) -> MoE:
     layer.recipe_name = recipe.name
     layer.recipe_formats = recipe_formats(recipe)
     # Libraries that initialize by running the model get a fixed sample; its values do not matter to them.
-    sample = jax.random.normal(jax.random.key(0), (1, 8, layer.config.emb), jnp.float32)
+    sample = draw_normal(0, (1, 8, layer.config.emb))
     return recipe.transform(layer, sample)
 
 

@@ -21,7 +21,7 @@ from qcheck import formats
 from qcheck.layers import step
 from qcheck._choices import require_choice
 from qcheck.layers.decoder import Decoder, build_decoder
-from qcheck.layers.moe import MESH_AXES, MODELS, PATHS, MoE, build_moe, capacity
+from qcheck.layers.moe import MESH_AXES, MODELS, PATHS, MoE, build_moe, capacity, draw_normal
 from qcheck.recipes import ApplyRngs, Recipe, get_recipe, recipe_names
 
 __all__ = [
@@ -178,7 +178,7 @@ def layer(case: Case) -> MoE:
 def layer_input(model: str) -> jax.Array:
     """The fixed ``[BATCH, SEQ, emb]`` input every case of ``model`` is run on."""
     emb = MODELS[model].emb
-    return jax.random.normal(jax.random.key(SEED + 1), (BATCH, SEQ, emb), jnp.float32)
+    return draw_normal(SEED + 1, (BATCH, SEQ, emb))
 
 
 @functools.cache

@@ -15,6 +15,7 @@ from qcheck.checks.harness import assertion
 from qcheck.recipes import recipe_names
 from qcheck.suite.golden.record import measure
 from qcheck.suite.golden.store import (GoldenCase, Stored, add_command, builtin_root, grad_sample, provenance,
+                                       toolchain_file,
                                        read_case, to_record, update_command)
 
 __all__ = ["bitwise_same", "assert_case_matches", "differences", "moved_within_tolerance"]
@@ -140,11 +141,26 @@ def assert_case_matches(case: GoldenCase, root: Path, *, label: str = "") -> Non
         raise AssertionError(
             f"golden case {case.id} has no file ({path}); create the recipe's cases with:\n"
             f"  {add_command(case.recipe, root)}")
-    stored = read_case(case, root)
+    path = toolchain_file(case, root)
+    stored = read_case(case, root, path)
     problems = differences(stored, measure(case))
     if problems:
         raise AssertionError(
             f"golden case {case.id} does not match {path}:\n  " + "\n  ".join(problems)
             + f"\ngolden written with: {_provenance_line(stored.record['provenance'])}"
             + f"\nthis run:            {_provenance_line(provenance())}"
-            + f"\nif the change is intended: `{update_command(case.recipe, root)}` or `pytest --update-golden`")
+            + f"\n{_what_moved(stored.record['provenance'], provenance(), update_command(case.recipe, root))}")
+
+
+def _what_moved(then: dict[str, Any], now: dict[str, Any], update: str) -> str:
+    """Whether the recipe's numerics moved or the toolchain did, and which part of it."""
+    moved = [f"{k} {then.get(k)} -> {now[k]}" for k in ("jax", "jaxlib", "flax", "ml_dtypes", "numpy", "backend")
+             if then.get(k) != now[k]]
+    if then.get("xla_form", "unrecorded") != now["xla_form"]:
+        moved.append(f"XLA's divisions {then.get('xla_form', 'unrecorded')} -> {now['xla_form']}")
+    if not moved:
+        return (f"the toolchain is the one the file was written with: the recipe's numerics moved; if the change is "
+                f"intended: `{update}` or `pytest --update-golden`")
+    return (f"the toolchain moved since the file was written ({'; '.join(moved)}): if the recipe did not change, "
+            f"this is the toolchain's doing; `{update}` on this toolchain records its values (beside the file, "
+            f"where XLA's divisions moved); if the recipe changed, the same command on each toolchain")

@@ -31,7 +31,9 @@ import ml_dtypes
 import numpy as np
 
 from qcheck.recipes import get_recipe, is_builtin, recipe_names, recipe_source
+from qcheck.referees import FORMS
 from qcheck.suite import _process
+from qcheck.suite import _toolchain
 from qcheck.suite import cases as cases_mod
 from qcheck.suite.cases import SEED, Case, Variant
 
@@ -61,6 +63,7 @@ __all__ = [
     "render",
     "root_for",
     "to_record",
+    "toolchain_file",
     "update_command",
     "user_root",
     "writable_here",
@@ -126,6 +129,11 @@ class GoldenCase:
 
     def file(self, root: Path) -> Path:
         return Path(root) / self.recipe / f"{self.variant.id}.json"
+
+    def form_file(self, root: Path, form: str) -> Path:
+        """The file of the case's values as a toolchain computing its divisions in ``form`` gives them, where they
+        differ from the main file's (:data:`qcheck.referees.FORMS`: jax 0.12.1 keeps ``x / scale`` a division)."""
+        return Path(root) / self.recipe / f"{self.variant.id}@{form.replace(' ', '-')}.json"
 
 
 def golden_cases(recipes: tuple[str, ...] | None = None) -> list[GoldenCase]:
@@ -205,12 +213,14 @@ def collect(user: Path, recipes: tuple[str, ...] | None = None) -> Collected:
     cases = [(c, root_for(c.recipe, user)) for c in chosen]
     loaded = set(recipe_names())
     unloaded, strays = [], []
+    forms = {f.replace(" ", "-") for f in FORMS}
     for path in sorted(Path(user).glob("*/*.json")) if Path(user).is_dir() else ():
         variants = [v.id for v in cases_mod.VARIANTS]
-        if path.stem not in variants:
+        stem, _, form = path.stem.partition("@")
+        if stem not in variants or (form and form not in forms):
             strays.append(GoldenFileError(
-                path, f"is not named after a case: expected <recipe>/<variant>.json with variant one of "
-                f"{', '.join(variants)}"))
+                path, f"is not named after a case: expected <recipe>/<variant>.json (or <variant>@<form>.json, "
+                f"form one of {', '.join(sorted(forms))}) with variant one of {', '.join(variants)}"))
         elif path.parent.name not in loaded:
             unloaded.append((path, path.parent.name))
     return Collected(cases, unloaded, strays)
@@ -249,6 +259,7 @@ def provenance() -> dict[str, Any]:
         "backend": backend,
         "device_kind": device.device_kind,
         "seed": SEED,
+        "xla_form": _toolchain.division_form(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
     }
 
@@ -347,9 +358,10 @@ class Stored:
         return self.record["tolerance"]
 
 
-def read_case(case: GoldenCase, root: Path) -> Stored:
-    """Parse and validate ``case``'s file; any problem is a :class:`GoldenFileError` naming the file."""
-    path = case.file(root)
+def read_case(case: GoldenCase, root: Path, path: Path | None = None) -> Stored:
+    """Parse and validate ``case``'s file (or its form's, ``path``); any problem is a :class:`GoldenFileError`
+    naming the file."""
+    path = case.file(root) if path is None else Path(path)
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -400,6 +412,13 @@ def read_case(case: GoldenCase, root: Path) -> Stored:
     except (ValueError, AttributeError) as e:
         raise GoldenFileError(path, str(e)) from None
     return Stored(path, record, output, codes, grads)
+
+
+def toolchain_file(case: GoldenCase, root: Path) -> Path:
+    """The file this toolchain's run of ``case`` is held to: its form's (:meth:`GoldenCase.form_file`) where one was
+    written, else the main file."""
+    form = case.form_file(root, _toolchain.division_form())
+    return form if form.exists() else case.file(root)
 
 
 def update_command(recipe: str, root: Path) -> str:

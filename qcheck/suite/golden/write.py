@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from qcheck.recipes import get_recipe
+from qcheck.suite import _toolchain
 from qcheck.suite.progress import Progress
 from qcheck.suite.golden.compare import bitwise_same, differences, moved_within_tolerance
 from qcheck.suite.golden.record import measure
@@ -19,7 +22,7 @@ from qcheck.suite.golden.store import (GoldenCase, GoldenFileError, check_writab
 
 __all__ = ["summarize", "write_case", "write_cases"]
 
-_OUTCOMES = ("new", "changed", "replaced", "unchanged")
+_OUTCOMES = ("new", "changed", "replaced", "unchanged", "refused")
 
 
 def summarize(lines: list[str]) -> str:
@@ -50,31 +53,56 @@ def write_cases(cases: list[GoldenCase], user: Path, *, overwrite: bool,
     planned = []
     for c, r in targets:
         progress.start(c.id)
-        planned.append((c.file(r), *_plan(c, r, overwrite=overwrite)))
+        planned.append(_plan(c, r, overwrite=overwrite))
         progress.advance(c.id)
     write_files([(path, text) for path, text, _ in planned if text is not None])
     return [line for _, _, line in planned]
 
 
-def _plan(case: GoldenCase, root: Path, *, overwrite: bool) -> tuple[str | None, str]:
-    """What writing ``case`` would do: the file's new text (None: leave it) and the summary line."""
+def _plan(case: GoldenCase, root: Path, *, overwrite: bool) -> tuple[Path, str | None, str]:
+    """What writing ``case`` would do: the file, its new text (None: leave it) and the summary line.
+
+    The file is the main one, unless the main one was written by a toolchain computing its divisions in another
+    form (:meth:`GoldenCase.form_file`): then this toolchain's values go beside it, and only where they differ
+    from the main file's, so no toolchain overwrites another's reference.
+    """
     path = case.file(root)
     values = measure(case)
+    if not _finite(values):
+        return path, None, f"{path}: refused: its output or gradients are not finite, and a golden case never pins NaN"
+    if path.exists() and overwrite:
+        try:
+            main = read_case(case, root)
+        except GoldenFileError:
+            main = None
+        form = _toolchain.division_form()
+        if main is not None and main.record["provenance"].get("xla_form", form) != form:
+            beside = case.form_file(root, form)
+            if not beside.exists() and not differences(main, values):
+                return beside, None, f"{path}: unchanged (this toolchain's values match it)"
+            path = beside
+            if not path.exists():
+                return path, render(to_record(case, values, tolerance=main.tolerance)), f"{path}: new"
     if path.exists():
         if not overwrite:
             raise FileExistsError(
                 f"golden file {path} exists; rewrite it with `{update_command(case.recipe, root)}` "
                 "or `pytest --update-golden`")
         try:
-            stored = read_case(case, root)
+            stored = read_case(case, root, path)
         except GoldenFileError as e:
-            return render(to_record(case, values)), f"{path}: replaced an unusable file ({e})"
+            return path, render(to_record(case, values)), f"{path}: replaced an unusable file ({e})"
         if bitwise_same(stored, values):
-            return None, f"{path}: unchanged"
+            return path, None, f"{path}: unchanged"
         what = differences(stored, values) or [moved_within_tolerance(stored, values)]
-        return (render(to_record(case, values, tolerance=stored.tolerance)),
+        return (path, render(to_record(case, values, tolerance=stored.tolerance)),
                 f"{path}: changed: " + "; ".join(what))
-    return render(to_record(case, values)), f"{path}: new"
+    return path, render(to_record(case, values)), f"{path}: new"
+
+
+def _finite(values: dict) -> bool:
+    return bool(np.all(np.isfinite(np.asarray(values["output"])))
+                and all(np.all(np.isfinite(np.asarray(g))) for g in values["grads"].values()))
 
 
 def write_case(case: GoldenCase, root: Path, *, overwrite: bool) -> str:
@@ -84,7 +112,7 @@ def write_case(case: GoldenCase, root: Path, *, overwrite: bool) -> str:
     whose values are bitwise unchanged is left alone (its provenance too).
     """
     get_recipe(case.recipe)
-    text, line = _plan(case, root, overwrite=overwrite)
+    path, text, line = _plan(case, root, overwrite=overwrite)
     if text is not None:
-        write_files([(case.file(root), text)])
+        write_files([(path, text)])
     return line
