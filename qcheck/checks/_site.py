@@ -229,7 +229,8 @@ def _check(site: str, mm: Matmul, lhs, rhs, got, lhs_fmt: str, rhs_fmt: str, *, 
         known.update(_neighbours(mm, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt, forms[0]))
         if integer:
             known.update(_integer_neighbours(mm, lhs, rhs, q_lhs, q_rhs, lhs_fmt, rhs_fmt, forms[0]))
-    if got.shape == want.shape:  # a bug computed in another admissible form is the same bug: name it so
+    if got.shape == want.shape and not any(bitwise_equal(got, bug) for bug in known.values()):
+        # A bug computed in another admissible form is the same bug: name it so, where none is named already.
         for form in forms[1:]:
             ql, qr = _qdq(lhs, lhs_fmt, axes.lhs, form=form), _qdq(rhs, rhs_fmt, axes.rhs, form=form)
             others = itertools.chain(_neighbours(mm, lhs, rhs, ql, qr, lhs_fmt, rhs_fmt, form),
