@@ -194,14 +194,18 @@ def setup(*, worker: bool | None = None, cache_dir: str | None = None, own: bool
     """Set up a qcheck process: XLA flags before JAX starts, then the CPU default and the compilation cache.
 
     ``worker``: one of several worker processes (one intra-op thread; default:
-    under pytest-xdist). ``cache_dir``: a compilation cache to use; without it,
+    under pytest-xdist). A process of qcheck's own (``own``) runs one intra-op
+    thread too, worker or not: XLA's CPU dot may sum a contraction in as many
+    partial sums as it has threads (jax 0.12.1 does, on NVFP4's stochastically
+    rounded gradients of the dropping layer), and a case's bits must not depend
+    on the worker count. ``cache_dir``: a compilation cache to use; without it,
     :func:`persistent_cache_dir`'s. ``own``: a process of qcheck's own (the
     ``qcheck`` command, qcheck's test suite), which keeps the per-user cache
     by default and collects less garbage (:func:`collect_less`); its cache
     choice goes into ``$QCHECK_XLA_CACHE`` for the processes it starts
     (``0`` where it keeps none).
     """
-    configure(environ, one_thread=worker)
+    configure(environ, one_thread=True if own else worker)
     if own:
         collect_less()
     persistent = persistent_cache_dir(environ, default=own)
