@@ -7,7 +7,11 @@ process keeps its own settings (pytester, which the plugin's own tests need,
 is enabled by ``addopts`` in pyproject.toml, read only in qcheck's own runs).
 """
 
+import functools
 import os
+import re
+import warnings
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -64,9 +68,51 @@ def _configure_test_process() -> None:
     settings.load_profile(os.environ.get("QCHECK_HYPOTHESIS_PROFILE", "ci"))
 
 
+# A deprecation raised in an installed library's own code (MaxText 0.2.5's megablox using what jax 0.12.1
+# deprecates) is the library's to fix: it is shown in the warnings summary, and a client stage does not fail on a
+# release upstream. In qcheck's own code and tests a deprecation stays an error (pyproject.toml's "error"), and so
+# does one that a library attributes to its caller there (JAX and Flax name the caller's frame: stacklevel).
+# Python's filters match the name of the module a warning is attributed to, not its file: the filter names every
+# top-level module that an installed distribution other than qcheck and the test tools provides. FutureWarning is
+# Python's deprecation category for end users.
+DEPRECATIONS = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
+#: Not libraries here: the test tools' deprecations are about how qcheck's tests and plugin, their callers in this
+#: session, use them, and pytest and Hypothesis often attribute them to their own frames.
+_NOT_LIBRARIES = {"qcheck-jax", "pytest", "pluggy", "pytest-xdist", "hypothesis"}
+
+
+@functools.cache
+def library_modules() -> tuple[str, ...]:
+    """The top-level module names of every installed distribution but qcheck and the test tools, less any name this
+    checkout holds (a distribution that ships a top-level ``tests`` package must not cover qcheck's tests)."""
+    own = {p.stem for p in _HERE.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()}
+    return tuple(sorted(
+        name for name, dists in metadata.packages_distributions().items()
+        if name.isidentifier() and name not in own
+        and not any(re.sub(r"[-_.]+", "-", d).lower() in _NOT_LIBRARIES for d in dists)))
+
+
+def library_module_pattern() -> str:
+    """A regex matching those modules and their submodules (pytest takes an ini line's module field as a regex)."""
+    return "^(" + "|".join(map(re.escape, library_modules())) + r")(\.|$)"
+
+
+def _report_library_deprecations(config: pytest.Config) -> None:
+    if not library_modules():
+        return
+    module = library_module_pattern()
+    for category in DEPRECATIONS:
+        # Added after pyproject.toml's "error", so it takes precedence: pytest applies the lines in order, each
+        # going first, afresh around collection and each test. The filters in force now were set up before
+        # pytest_configure ran: they get it directly, for what this configure imports (JAX, Flax).
+        config.addinivalue_line("filterwarnings", f"default::{category.__name__}:{module}")
+        warnings.filterwarnings("default", category=category, module=module)
+
+
 def pytest_configure(config):
     if not _own_session(config):
         return
+    _report_library_deprecations(config)
     _process.configure()  # before anything starts a JAX backend (the xdist workers, started later, inherit it)
     if _runs_tests(config):
         _configure_test_process()

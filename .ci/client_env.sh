@@ -1,15 +1,26 @@
 # Sourced by the pinned clients' scripts (.ci/maxtext.sh, .ci/levanter.sh, .ci/gemma.sh, .ci/tokamax.sh,
-# .ci/keras.sh): each lives in its own Python 3.12 environment, so none of them touches the suite's environments
-# or another client's.
+# .ci/keras.sh, and .ci/bare.sh for the [test]-alone stage): each lives in its own Python 3.12 environment, so none
+# of them touches the suite's environments or another client's.
+#
+# Each environment installs from a lock of its whole stack, .ci/locks/NAME.txt (what `bash .ci/lock NAME` froze
+# after building it unlocked, the same way): pip's -c on every install, so a release upstream cannot change a stage
+# between two landings, and after qcheck goes in, the environment must be the lock exactly.
 PYTHON312=${PYTHON312:-python3.12}
+CI_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(dirname "$CI_DIR")
+
+# python312: the path of a Python 3.12 interpreter. A pyenv shim named python3.12 may exist without that version
+# selected: try it, then pyenv's 3.12.
+python312() {
+  if "$PYTHON312" -c '' 2> /dev/null; then "$PYTHON312" -c 'import sys; print(sys.executable)'
+  else PYENV_VERSION=${PYENV_312:-3.12.1} pyenv exec python -c 'import sys; print(sys.executable)'; fi
+}
 
 # venv312 VENV: create VENV with Python 3.12 unless it exists.
 venv312() {
   local venv=$1
   [ -x "$venv/bin/python" ] && return 0
-  # A pyenv shim named python3.12 may exist without that version selected: try it, then pyenv's 3.12.
-  if "$PYTHON312" -c '' 2> /dev/null; then "$PYTHON312" -m venv "$venv"
-  else PYENV_VERSION=${PYENV_312:-3.12.1} pyenv exec python -m venv "$venv"; fi
+  "$(python312)" -m venv "$venv"
 }
 
 # run PYTHON CMD...: CMD with that environment's tools first on PATH, on the CPU (a client's script may add more).
@@ -18,25 +29,78 @@ run() {
   PATH="$(dirname "$py"):$PATH" JAX_PLATFORMS=cpu "$@"
 }
 
-# pinned_stack VENV NAME==VERSION...: the client's own stack in VENV, once (a stamp names the pins); no qcheck, so it
-# can build while qcheck's tree is in use.
-pinned_stack() {
-  local venv=$1; shift
-  local stamp="$venv/.qcheck-stack-$(echo "$*" | tr ' =' '_-')"
+# use_lock NAME: the client's lock becomes LOCK, which locked_pip constrains every install to. .ci/lock sets
+# QCHECK_CI_UNLOCKED=1 to build the stack as pip resolves it today, the lock it then writes being what it got.
+use_lock() {
+  LOCK_NAME=$1
+  LOCK=
+  [ -n "${QCHECK_CI_UNLOCKED:-}" ] || LOCK="$CI_DIR/locks/$1.txt"
+}
+need_lock() {
+  [ -z "$LOCK" ] || [ -f "$LOCK" ] || { echo "$LOCK missing: write it with bash .ci/lock $LOCK_NAME" >&2; exit 1; }
+}
+
+# locked_pip PYTHON ARGS...: pip install ARGS into PYTHON's environment, constrained by the lock.
+locked_pip() {
+  local py=$1; shift
+  need_lock
+  "$py" -m pip install -q ${LOCK:+-c "$LOCK"} "$@"
+}
+
+# lock_id: what the stamp of a stack built from the lock names: the lock's hash, so a changed lock rebuilds.
+lock_id() {
+  need_lock
+  if [ -n "$LOCK" ]; then sha256sum "$LOCK" | cut -c1-16; else echo unlocked; fi
+}
+
+# build_stack VENV BUILD: the client's own stack in VENV (BUILD PYTHON installs it), once per lock: no qcheck, so it
+# can build while qcheck's tree is in use. A stack these scripts built from another lock is removed first, so
+# that nothing the new lock dropped stays behind; a VENV without their stamp is never removed.
+build_stack() {
+  local venv=$1 build=$2 stamp
+  need_lock
+  stamp="$venv/.qcheck-stack-$LOCK_NAME-$(lock_id)"
+  [ -f "$stamp" ] && return 0
+  if compgen -G "$venv/.qcheck-*" > /dev/null; then rm -rf "$venv"; fi
   venv312 "$venv"
-  if [ ! -f "$stamp" ]; then
-    "$venv/bin/python" -m pip install -q "$@"
-    touch "$stamp"
+  "$build" "$venv/bin/python"
+  touch "$stamp"
+}
+
+# frozen PYTHON: the environment as pip freeze writes it, less qcheck (installed editable from this tree).
+frozen() {
+  "$1" -m pip freeze --exclude-editable | grep -Eiv '^qcheck[-_]jax( |=|@|$)' || true
+}
+
+# add_qcheck VENV EXTRAS: qcheck, editable with EXTRAS (test, or test,aqt), into the stack; then the environment must
+# be the lock exactly: qcheck moved no pin, and no step of the client's script installs what the lock does not name.
+add_qcheck() {
+  local venv=$1 extras=$2
+  locked_pip "$venv/bin/python" -e "$REPO[$extras]"
+  [ -n "$LOCK" ] || return 0
+  if ! diff <(grep -Ev '^(#|$)' "$LOCK") <(frozen "$venv/bin/python") > "$venv/.qcheck-lock-diff"; then
+    echo "$venv differs from ${LOCK#"$REPO"/} (< the lock, > the environment):" >&2
+    cat "$venv/.qcheck-lock-diff" >&2
+    echo "if the script's steps changed on purpose, write the lock again: bash .ci/lock $LOCK_NAME" >&2
+    exit 1
   fi
 }
 
-# pinned_env VENV NAME==VERSION...: the stack, then qcheck (editable, with [test]); qcheck must not move a pin.
-pinned_env() {
+# pinned_stack VENV NAME==VERSION...: a stack that is these pins and what they need.
+pinned_stack() {
   local venv=$1; shift
-  pinned_stack "$venv" "$@"
-  "$venv/bin/python" -m pip install -q -e "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)[test]"
-  "$venv/bin/python" -c 'import importlib.metadata as m, sys
+  PINNED=("$@")
+  build_stack "$venv" install_pinned
+}
+install_pinned() { locked_pip "$1" "${PINNED[@]}"; }
+
+# pinned_env VENV NAME==VERSION...: the stack, then qcheck (editable, with [test]), held to the lock; qcheck must not
+# move a pin (checked unlocked too, so that .ci/lock never writes a lock whose pins qcheck moved).
+pinned_env() {
+  pinned_stack "$@"
+  add_qcheck "$1" test
+  "$1/bin/python" -c 'import importlib.metadata as m, sys
 pins = [p.split("==") for p in sys.argv[1:] if "==" in p]
 moved = [f"{name} {m.version(name)} (pinned {version})" for name, version in pins if m.version(name) != version]
-sys.exit("installing qcheck moved the pins: " + ", ".join(moved) if moved else 0)' "$@"
+sys.exit("installing qcheck moved the pins: " + ", ".join(moved) if moved else 0)' "${@:2}"
 }

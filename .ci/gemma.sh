@@ -10,40 +10,31 @@
 # `pip install gemma` does not resolve (its resolver backtracks through kauldron -> xmanager ->
 # google-cloud-aiplatform for hours). gemma and kauldron go in without their dependencies, then the few
 # that `from gemma import gm, peft` and Gemma 4's modules import: about 30 s. kauldron's unmet
-# requirements (tensorflow, xmanager, clu, ...) are left out; pip lists them as conflicts.
+# requirements (tensorflow, xmanager, clu, ...) are left out; pip lists them as conflicts. Every install is held to
+# .ci/locks/gemma.txt (bash .ci/lock gemma writes it; .ci/client_env.sh), jax 0.12.0.1 among it.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 GEMMA_VERSION=4.0.1
 KAULDRON_VERSION=1.4.4
 . "$repo/.ci/client_env.sh"
+use_lock gemma
 
 deps() {
   local py=$1
-  "$py" -m pip install -q jax==0.12.0.1 jaxlib==0.12.0.1 flax==0.12.12 numpy ml-dtypes
-  "$py" -m pip install -q --no-deps "gemma==$GEMMA_VERSION" "kauldron==$KAULDRON_VERSION"
-  "$py" -m pip install -q --no-deps einops lark ml_collections immutabledict typeguard jaxtyping wadler_lindig
-  "$py" -m pip install -q "etils[edc,enp,epath,epy,etree,etqdm]" tqdm
+  locked_pip "$py" jax==0.12.0.1 jaxlib==0.12.0.1 flax==0.12.12 numpy ml-dtypes
+  locked_pip "$py" --no-deps "gemma==$GEMMA_VERSION" "kauldron==$KAULDRON_VERSION"
+  locked_pip "$py" --no-deps einops lark ml_collections immutabledict typeguard jaxtyping wadler_lindig
+  locked_pip "$py" "etils[edc,enp,epath,epy,etree,etqdm]" tqdm
 }
 
-stack_() {  # the client's own stack, once: no qcheck, so it can build while qcheck's tree is in use
-  local venv=$1 stamp
-  stamp="$venv/.qcheck-gemma-$GEMMA_VERSION"
-  venv312 "$venv"
-  if [ ! -f "$stamp" ]; then  # gemma's stack once; qcheck itself every time (editable, cheap)
-    deps "$venv/bin/python"
-    touch "$stamp"
-  fi
-}
-
-env_() {
-  local venv=$1
-  stack_ "$venv"
-  "$venv/bin/python" -m pip install -q -e "$repo[test]"
+env_() {  # gemma's stack once per lock (build_stack); qcheck itself every time (editable, cheap)
+  build_stack "$1" deps
+  add_qcheck "$1" test
 }
 
 case "${1:-}" in
   env) env_ "$2" ;;
-  stack) stack_ "$2" ;;
+  stack) build_stack "$2" deps ;;
   deps) deps "$2" ;;
   run) run "${@:2}" ;;
   *) echo "usage: .ci/gemma.sh env VENV | stack VENV | deps PYTHON | run PYTHON CMD..." >&2; exit 2 ;;

@@ -11,23 +11,23 @@
 # tests/test_keras.py was checked on. keras-hub 0.32.0 (tests/test_keras_hub.py: its MoE backbones) requires
 # tensorflow-text, a TensorFlow of about 3 GB that its model code never imports: it goes in with --no-deps, then
 # the four packages its import needs (measured: regex 2026.12.2, tokenizers 0.23.3, kagglehub 1.0.3,
-# sentencepiece 0.2.3). pip's check then names tensorflow-text (and kagglesdk's pin) as unmet: expected.
+# sentencepiece 0.2.3). pip's check then names tensorflow-text (and kagglesdk's pin) as unmet: expected. Every install
+# is held to .ci/locks/keras.txt (bash .ci/lock keras writes it; .ci/client_env.sh).
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 KERAS_VERSION=3.15.1
 . "$repo/.ci/client_env.sh"
+use_lock keras
 
 PINS=("keras==$KERAS_VERSION" "jax[cpu]")
 KERAS_HUB_VERSION=0.32.0
 HUB_IMPORTS=(regex tokenizers kagglehub sentencepiece)
 
-# hub VENV: keras-hub without its dependencies, then what its import needs, once (a stamp names the version).
-hub() {
-  local venv=$1 stamp="$1/.qcheck-keras-hub-$KERAS_HUB_VERSION"
-  [ -f "$stamp" ] && return 0
-  "$venv/bin/python" -m pip install -q --no-deps "keras-hub==$KERAS_HUB_VERSION"
-  "$venv/bin/python" -m pip install -q "${HUB_IMPORTS[@]}"
-  touch "$stamp"
+# install PYTHON: Keras and JAX; then keras-hub without its dependencies, and what its import needs.
+install() {
+  locked_pip "$1" "${PINS[@]}"
+  locked_pip "$1" --no-deps "keras-hub==$KERAS_HUB_VERSION"
+  locked_pip "$1" "${HUB_IMPORTS[@]}"
 }
 
 # Keras picks its backend when first imported: JAX, whatever ~/.keras/keras.json says. Keras also writes a
@@ -37,8 +37,8 @@ run_() {
 }
 
 case "${1:-}" in
-  env) pinned_env "$2" "${PINS[@]}" && hub "$2" ;;
-  stack) pinned_stack "$2" "${PINS[@]}" && hub "$2" ;;
+  env) build_stack "$2" install && add_qcheck "$2" test ;;
+  stack) build_stack "$2" install ;;
   run) run_ "${@:2}" ;;
   *) echo "usage: .ci/keras.sh env VENV | stack VENV | run PYTHON CMD..." >&2; exit 2 ;;
 esac

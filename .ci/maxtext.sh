@@ -6,6 +6,7 @@
 #   .ci/maxtext.sh stack VENV        the client's own stack alone, without qcheck (.ci/run builds it in the background)
 #   .ci/maxtext.sh deps PYTHON       MaxText's CPU requirements into the environment of PYTHON
 #                                    (maxtext must be installed there already; tox uses this)
+# Every install is held to .ci/locks/maxtext.txt (bash .ci/lock maxtext writes it; .ci/client_env.sh).
 #   .ci/maxtext.sh run PYTHON CMD..  CMD with PYTHON's bin first on PATH and the variables MaxText needs on CPU
 #
 # MaxText's wheel declares no dependencies: it ships its requirement lists inside
@@ -15,6 +16,7 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 MAXTEXT_VERSION=0.2.5
 . "$repo/.ci/client_env.sh"
+use_lock maxtext
 
 site_packages() { "$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
 
@@ -24,25 +26,18 @@ deps() {
   [ -f "$req" ] || { echo ".ci/maxtext.sh: $req missing: is maxtext==$MAXTEXT_VERSION installed for $py?" >&2; exit 1; }
   filtered=$(mktemp)
   grep -Ev '^(cuda-|nvidia-|pynvml|apache-tvm-ffi)' "$req" > "$filtered"
-  "$py" -m pip install -q -r "$filtered"
+  locked_pip "$py" -r "$filtered"
   rm -f "$filtered"
 }
 
-stack_() {  # the client's own stack, once: no qcheck, so it can build while qcheck's tree is in use
-  local venv=$1 stamp
-  stamp="$venv/.qcheck-maxtext-$MAXTEXT_VERSION"
-  venv312 "$venv"
-  if [ ! -f "$stamp" ]; then  # the 2 GB of requirements once; qcheck itself every time (editable, cheap)
-    "$venv/bin/python" -m pip install -q "maxtext==$MAXTEXT_VERSION"
-    deps "$venv/bin/python"
-    touch "$stamp"
-  fi
+install() {  # the 2 GB of requirements once per lock (build_stack); qcheck itself every time (editable, cheap)
+  locked_pip "$1" "maxtext==$MAXTEXT_VERSION"
+  deps "$1"
 }
 
 env_() {
-  local venv=$1
-  stack_ "$venv"
-  "$venv/bin/python" -m pip install -q -e "$repo[test,aqt]"
+  build_stack "$1" install
+  add_qcheck "$1" test,aqt
 }
 
 run() {
@@ -53,7 +48,7 @@ run() {
 
 case "${1:-}" in
   env) env_ "$2" ;;
-  stack) stack_ "$2" ;;
+  stack) build_stack "$2" install ;;
   deps) deps "$2" ;;
   run) run "${@:2}" ;;
   *) echo "usage: .ci/maxtext.sh env VENV | stack VENV | deps PYTHON | run PYTHON CMD..." >&2; exit 2 ;;

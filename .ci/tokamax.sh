@@ -7,12 +7,14 @@
 #   .ci/tokamax.sh run PYTHON CMD..  CMD with PYTHON's bin first on PATH, on the CPU
 #
 # `pip install tokamax==0.0.17 qwix==0.1.8` on Python 3.12 resolves in about 40 s (jax 0.12.0.1, flax),
-# with no conflicts; the pins keep what tests/test_tokamax.py was checked on.
+# with no conflicts; the pins keep what tests/test_tokamax.py was checked on, and .ci/locks/tokamax.txt (bash .ci/lock
+# tokamax writes it) the rest of the stack: every install is held to it (.ci/client_env.sh).
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 TOKAMAX_VERSION=0.0.17
 QWIX_VERSION=0.1.8
 . "$repo/.ci/client_env.sh"
+use_lock tokamax
 
 PINS=("tokamax==$TOKAMAX_VERSION" "qwix==$QWIX_VERSION")
 case "${1:-}" in
