@@ -26,6 +26,14 @@ UNSUPPORTED_KINDS = ("gradient",)
 PATHS = ("dense", "sparse")
 
 
+def installed_version(distribution: str) -> str:
+    """The installed version of ``distribution`` ("not installed" if it is not)."""
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
 @dataclasses.dataclass(frozen=True)
 class Unsupported:
     """One refusal: ``library`` (its distribution name) refuses ``kind`` on ``paths``, for ``reason``.
@@ -58,10 +66,7 @@ class Unsupported:
     @property
     def version(self) -> str:
         """The installed version of ``library`` ("not installed" if it is not)."""
-        try:
-            return metadata.version(self.library)
-        except metadata.PackageNotFoundError:
-            return "not installed"
+        return installed_version(self.library)
 
     def text(self) -> str:
         """``not supported by <library> <version>: <reason>``: the matrix's note for the cells it covers."""
@@ -150,10 +155,7 @@ class KnownDefect:
     @property
     def keyed_version(self) -> str:
         """The installed version of :attr:`keyed_on` ("not installed" if it is not)."""
-        try:
-            return metadata.version(self.keyed_on)
-        except metadata.PackageNotFoundError:
-            return "not installed"
+        return installed_version(self.keyed_on)
 
     @property
     def fixed_here(self) -> bool:
