@@ -68,10 +68,11 @@ def _configure_test_process() -> None:
     settings.load_profile(os.environ.get("QCHECK_HYPOTHESIS_PROFILE", "ci"))
 
 
-# A deprecation raised in an installed library's own code (MaxText 0.2.5's megablox using what jax 0.12.1
-# deprecates) is the library's to fix: it is shown in the warnings summary, and a client stage does not fail on a
-# release upstream. In qcheck's own code and tests a deprecation stays an error (pyproject.toml's "error"), and so
-# does one that a library attributes to its caller there (JAX and Flax name the caller's frame: stacklevel).
+# A deprecation raised in an installed library's own code (qwix 0.1.8's Pallas module, which MaxText 0.2.5's
+# megablox imports, using jax.pallas.GridSpec, which jax 0.12.1 deprecates) is the library's to fix: it is shown in
+# the warnings summary, and a client stage does not fail on a release upstream. In qcheck's own code and tests a
+# deprecation stays an error (pyproject.toml's "error"), and so does one that a library attributes to its caller
+# there (JAX's deprecations name the caller's frame: stacklevel).
 # Python's filters match the name of the module a warning is attributed to, not its file: the filter names every
 # top-level module that an installed distribution other than qcheck and the test tools provides. FutureWarning is
 # Python's deprecation category for end users.

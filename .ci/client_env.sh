@@ -75,12 +75,12 @@ frozen() {
 # add_qcheck VENV EXTRAS: qcheck, editable with EXTRAS (test, or test,aqt), into the stack; then the environment must
 # be the lock exactly: qcheck moved no pin, and no step of the client's script installs what the lock does not name.
 add_qcheck() {
-  local venv=$1 extras=$2
+  local venv=$1 extras=$2 differences
   locked_pip "$venv/bin/python" -e "$REPO[$extras]"
   [ -n "$LOCK" ] || return 0
-  if ! diff <(grep -Ev '^(#|$)' "$LOCK") <(frozen "$venv/bin/python") > "$venv/.qcheck-lock-diff"; then
+  if ! differences=$(diff <(grep -Ev '^(#|$)' "$LOCK") <(frozen "$venv/bin/python")); then
     echo "$venv differs from ${LOCK#"$REPO"/} (< the lock, > the environment):" >&2
-    cat "$venv/.qcheck-lock-diff" >&2
+    echo "$differences" >&2
     echo "if the script's steps changed on purpose, write the lock again: bash .ci/lock $LOCK_NAME" >&2
     exit 1
   fi
