@@ -158,10 +158,12 @@ def with_normal_block_scales(x: np.ndarray, fmt: Format) -> np.ndarray:
     where it shows (tests/test_format_edges.py's zero row, tests/test_adapters.py), the properties held elsewhere.
     """
     if fmt.name in FORMAT_DEFECTS and FORMAT_DEFECTS[fmt.name].seen_here:
-        # Element 1, not 0: zero_stays_zero zeroes every third element, and must not zero a lifted block again.
+        # Elements 1 and 2 of every block at least that large: zero_stays_zero zeroes every third element of a
+        # row, and one of two neighbours survives it, so no block it leaves is all zeros again.
         blocks = _blocks(x, fmt).copy()
-        low = np.max(np.abs(blocks), axis=-1) < _DEFECT_MIN_AMAX
-        blocks[..., 1] = np.where(low, np.float32(_DEFECT_MIN_AMAX), blocks[..., 1])
+        for i in (1, 2):
+            small = np.abs(blocks[..., i]) < _DEFECT_MIN_AMAX
+            blocks[..., i] = np.where(small, np.float32(_DEFECT_MIN_AMAX), blocks[..., i])
         return blocks.reshape(x.shape)
     if fmt.min_amax:
         blocks = _blocks(x, fmt).copy()
