@@ -176,6 +176,17 @@ def test_an_update_never_pins_nan(root, monkeypatch):
     assert CASE.file(root).read_bytes() == before
 
 
+def test_a_toolchain_of_a_form_the_referee_does_not_know_is_refused(root, monkeypatch):
+    from qcheck.suite import _toolchain
+
+    _written_under(root, "all by reciprocal", shift=0.01)
+    monkeypatch.setattr(_toolchain, "division_form", lambda: "unknown")
+    line = golden.write_case(CASE, root, overwrite=True)
+    assert line.endswith(": refused: XLA computes its divisions in a form the referee does not know (qcheck "
+                         "--version), so no file of this toolchain's values is written"), line
+    assert [p.name for p in CASE.file(root).parent.iterdir()] == [CASE.file(root).name]
+
+
 def test_a_file_of_an_unknown_form_is_a_stray(root):
     shutil.copy(CASE.file(root), CASE.file(root).with_name("mixtral-dense@by-magic.json"))
     assert [e.path.name for e in golden.collect(root, ("int8",)).strays] == ["mixtral-dense@by-magic.json"]

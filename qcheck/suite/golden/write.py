@@ -77,6 +77,9 @@ def _plan(case: GoldenCase, root: Path, *, overwrite: bool) -> tuple[Path, str |
             main = None
         form = _toolchain.division_form()
         if main is not None and main.record["provenance"].get("xla_form", form) != form:
+            if form == "unknown":  # no file could hold it: the referee would hold this toolchain's values to nothing
+                return path, None, (f"{path}: refused: XLA computes its divisions in a form the referee does not know "
+                                    f"(qcheck --version), so no file of this toolchain's values is written")
             beside = case.form_file(root, form)
             if not beside.exists() and not differences(main, values):
                 return beside, None, f"{path}: unchanged (this toolchain's values match it)"
