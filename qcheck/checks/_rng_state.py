@@ -35,7 +35,7 @@ from qcheck.checks._programs import lowered_entry_params
 LAYERS = (1, 2, 8)
 
 #: How many growing variables a failure lists (the rest are counted).
-_SHOWN = 8
+_SHOWN = 12
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,20 +159,40 @@ def _signature(rows: list[tuple[str, Any, bool]]) -> tuple:
 
 
 def _pattern(path: str) -> str:
-    return re.sub(r"\d+", "*", path)
+    """``path`` with each layer's number starred: a segment that is a number, or a name's ``_<number>`` suffix
+    (``layers_3``, ``wi_0``); digits inside a name (``fp8``, ``dot_general0``) stay."""
+    return "/".join(re.sub(r"^\d+$|(?<=_)\d+$", "*", part) for part in path.split("/"))
+
+
+def _holder(path: str) -> tuple[str, str]:
+    """``(holder, stream)``: an ``nnx.Rngs``'s leaf ``.../rngs/<stream>/key`` (or ``count``) is its holder's and
+    stream's; any other RNG leaf is its own."""
+    parts = path.split("/")
+    if len(parts) > 2 and parts[-1] in ("key", "count"):
+        return "/".join(parts[:-2]), parts[-2]
+    return path, ""
 
 
 def _growing(paths: Mapping[int, tuple[str, ...]]) -> list[str]:
-    """One line per RNG variable whose count changes with the layers: its path (``*`` for a number), its
-    count per layer count, and one of its paths at the most layers."""
-    counts = {n: collections.Counter(map(_pattern, p)) for n, p in paths.items()}
-    deepest = paths[max(paths)]
+    """One line per holder of RNG state whose leaves change in number with the layers: its path (``*`` for a
+    layer's number), its streams, its leaves per layer count, and one of its paths at the most layers."""
+    counts: dict[int, collections.Counter] = {}
+    streams: dict[str, set[str]] = collections.defaultdict(set)
+    examples: dict[str, str] = {}
+    for n in sorted(paths):
+        counts[n] = collections.Counter()
+        for leaf in paths[n]:
+            holder, stream = _holder(leaf)
+            counts[n][_pattern(holder)] += 1
+            streams[_pattern(holder)].add(stream)
+            examples[_pattern(holder)] = holder  # the last one at the most layers: the deepest layer's
     lines = []
-    for p in sorted({p for c in counts.values() for p in c}):
+    for p in sorted(streams):
         per = {n: counts[n][p] for n in sorted(counts)}
         if len(set(per.values())) > 1:
-            example = next((leaf for leaf in reversed(deepest) if _pattern(leaf) == p), p)
-            lines.append(f"{p} {per}" + (f" (e.g. {example})" if example != p else ""))
+            named = ", ".join(sorted(streams[p] - {""}))
+            lines.append(f"{p}{f' ({named})' if named else ''}: {per}"
+                         + (f" (e.g. {examples[p]})" if examples[p] != p else ""))
     return lines
 
 
@@ -184,14 +204,15 @@ def _listed(lines: list[str]) -> str:
 def _what_grows(by_layers: Mapping[int, StepRngState]) -> str:
     growing = _growing({n: s.rng_leaves for n, s in by_layers.items()})
     if growing:
-        return ("; the RNG variables that change (a forked stream per wrapper per layer?), by path (* a number) "
-                "and count per layer count:" + _listed(growing))
+        return ("; the RNG variables that change (a stream per wrapper per layer?), by module path (* a layer's "
+                "number), their streams and leaves per layer count:" + _listed(growing))
     shared = _growing({n: s.rng_references for n, s in by_layers.items()})
     if shared:
         # NNX stores a variable once however many modules hold it; a pytree flattens it at every reference.
         return ("; the model's RNG variables do not change, their references do: the step takes the module as a "
                 "pytree (jax.jit), which passes a shared variable once per reference (nnx.jit, or nnx.split "
-                "outside the jit, passes it once); by path (* a number) and count per layer count:"
+                "outside the jit, passes it once); by module path (* a layer's number), streams and references per "
+                "layer count:"
                 + _listed(shared))
     return "; no RNG variable of the model changes: what grows enters the step beside the model"
 
@@ -245,9 +266,10 @@ def assert_rng_state_flat(build: Callable[[int], Any], step: Callable[..., Any],
     """
     __tracebackhide__ = True
     counts = _layers(layers)
-    for name, fn in (("build", build), ("step", step)):
-        if not callable(fn):
-            raise TypeError(f"{name}: a function, not a {type(fn).__name__}")
+    if isinstance(build, (nnx.Module, linen.Module)) or not callable(build):  # a module is callable, of x
+        raise TypeError(f"build: a function of the layer count that builds the model, not a {type(build).__name__}")
+    if not callable(step):
+        raise TypeError(f"step: the step the model runs in, a function, not a {type(step).__name__}")
     by_layers, signatures = {}, {}
     for n in counts:
         with user_code("assert_rng_state_flat", "build"):
