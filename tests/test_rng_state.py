@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -197,3 +199,18 @@ def test_rng_state_flat_counts_what_the_suites_rng_invariant_counts():
                                            layers=(1, 2))
     suite = invariants.rng_states("mixtral", "nvfp4", depths=(1, 2))
     assert figures.u32 == suite[1].u32 == suite[2].u32
+
+
+# -- docs/checking-your-training-loop.md --------------------------------------------------------------------
+
+
+def test_the_guide_example_fails_on_a_fork_per_layer_and_passes_on_the_callers_streams():
+    doc = (Path(__file__).parent.parent / "docs" / "checking-your-training-loop.md").read_text()
+    (block,) = re.findall(r"<!-- training-loop: rng -->\n```python\n(.*?)```", doc, re.S)
+    shown = re.search(r"```text\n(assert_rng_state_flat: .*?)\n```", doc, re.S).group(1)
+    with pytest.raises(AssertionError) as info:
+        exec(compile(block, "docs/checking-your-training-loop.md[rng]", "exec"), {"__name__": "doc_rng"})
+    assert str(info.value) == shown  # the doc shows the message as it is
+    fixed = block.replace("rngs.fork()  # a stream of its own, per layer", "rngs")
+    assert fixed != block
+    exec(compile(fixed, "docs/checking-your-training-loop.md[rng, fixed]", "exec"), {"__name__": "doc_rng"})
