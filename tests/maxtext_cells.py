@@ -110,7 +110,6 @@ def inputs(seed: int = 0) -> np.ndarray:
 QWIX_LAYERS, QWIX_HEADS, QWIX_KV_HEADS, QWIX_HEAD_DIM, QWIX_VOCAB, QWIX_SEQUENCE = 1, 4, 2, 8, 128, 8
 
 
-@functools.cache
 def qwix_model(quantization: str, layers: int = QWIX_LAYERS, qwix: bool = True):
     """(forward, inputs, model): a whole tiny Mixtral as MaxText builds it with ``use_qwix_quantization=True``.
 
@@ -122,6 +121,11 @@ def qwix_model(quantization: str, layers: int = QWIX_LAYERS, qwix: bool = True):
     ``layers``: its decoder layers (unrolled); ``qwix=False``: MaxText's other path for ``quantization``
     (AQT's, for ``"int8"``).
     """
+    return _qwix_model(quantization, layers, qwix)  # one cache entry however the arguments are spelled
+
+
+@functools.cache
+def _qwix_model(quantization: str, layers: int, qwix: bool):
     import warnings
 
     import jax

@@ -70,7 +70,8 @@ class RngStateFigures:
 
 
 def _is_key(leaf: Any) -> bool:
-    return jax.dtypes.issubdtype(getattr(leaf, "dtype", None) or np.float32, jax.dtypes.prng_key)
+    dtype = getattr(leaf, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def _leaf_sig(leaf: Any) -> tuple[tuple[int, ...], str]:
@@ -85,19 +86,18 @@ def _references(model: Any) -> tuple[str, ...]:
     return tuple(path_name(p) for p, v in flat if isinstance(v, nnx.RngState) or _is_key(v))
 
 
-def _flat(model: Any) -> tuple[str, list[tuple[str, Any, bool]]]:
-    """``(kind, [(path, leaf, is_rng)])`` of the model's state: NNX module, Linen (module, variables), pytree."""
+def _flat(model: Any) -> list[tuple[str, Any, bool]]:
+    """``[(path, leaf, is_rng)]`` of the model's state: an NNX module, a Linen (module, variables), a pytree."""
     if isinstance(model, nnx.Module):
-        return "nnx", [(path_name(p), v[...], isinstance(v, nnx.RngState) or _is_key(v[...]))
+        return [(path_name(p), v[...], isinstance(v, nnx.RngState) or _is_key(v[...]))
                        for p, v in nnx.to_flat_state(nnx.state(model))]
-    kind, tree = ("linen", model[1]) if _is_linen_pair(model) else ("pytree", model)
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    flat = jax.tree_util.tree_flatten_with_path(model[1] if _is_linen_pair(model) else model)[0]
     rows = []
     for p, leaf in flat:
         name = path_name(p)
         in_rngs = bool(p) and getattr(p[0], "key", None) == "rngs"
         rows.append((name, leaf, in_rngs or _is_key(leaf) or getattr(leaf, "dtype", None) == np.uint32))
-    return kind, rows
+    return rows
 
 
 def _is_linen_pair(model: Any) -> bool:
@@ -105,12 +105,12 @@ def _is_linen_pair(model: Any) -> bool:
             and isinstance(model[1], Mapping))
 
 
-def step_args(model: Any) -> tuple[Any, ...]:
+def _step_args(model: Any) -> tuple[Any, ...]:
     """What the step takes before the user's inputs: the module, a Linen module and its variables, the pytree."""
     return tuple(model) if _is_linen_pair(model) else (model,)
 
 
-def lower_step(step: Callable[..., Any], *args: Any) -> jax.stages.Lowered:
+def _lower_step(step: Callable[..., Any], *args: Any) -> jax.stages.Lowered:
     """``step`` lowered as its user jits it (``jax.jit``, ``nnx.jit``: its own ``lower``), else under ``jax.jit``."""
     lowered = step.lower(*args) if callable(getattr(step, "lower", None)) else jax.jit(step).lower(*args)
     if not isinstance(lowered, jax.stages.Lowered):
@@ -122,7 +122,7 @@ def lower_step(step: Callable[..., Any], *args: Any) -> jax.stages.Lowered:
 
 def step_rng_state(lowered: jax.stages.Lowered, model: Any) -> StepRngState:
     """The RNG state entering ``lowered``, a step of ``model`` (what :func:`judge_rng_state_flat` compares)."""
-    return _counted(lowered, model, _flat(model)[1])
+    return _counted(lowered, model, _flat(model))
 
 
 def _counted(lowered: jax.stages.Lowered, model: Any, rows: list[tuple[str, Any, bool]]) -> StepRngState:
@@ -274,13 +274,13 @@ def assert_rng_state_flat(build: Callable[[int], Any], step: Callable[..., Any],
     for n in counts:
         with user_code("assert_rng_state_flat", "build"):
             model = build(n)
-        rows = _flat(model)[1]
+        rows = _flat(model)
         signatures[n] = _signature(rows)
         if signatures[n] == signatures[counts[0]] and n != counts[0]:
             raise ValueError(f"build: the model did not grow: build({counts[0]}) and build({n}) give the same "
                              f"{len(rows)} state leaves of the same shapes; build(n) builds the model at n layers")
         with user_code("assert_rng_state_flat", "step"):
-            lowered = lower_step(step, *step_args(model), *args)
+            lowered = _lower_step(step, *_step_args(model), *args)
         _returns_state(lowered, rows, n)
         by_layers[n] = _counted(lowered, model, rows)
         del model, lowered
