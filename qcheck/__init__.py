@@ -29,6 +29,7 @@ _WHERE: dict[str, str] = {
     "assert_quantized": "qcheck.checks",
     "assert_ragged_groups_independent": "qcheck.checks",
     "assert_recipe_fp8_native": "qcheck.checks",
+    "assert_rng_state_flat": "qcheck.checks",
     "assert_site_backward_exact": "qcheck.checks",
     "assert_site_exact": "qcheck.checks",
     "assert_tracks": "qcheck.checks",
@@ -36,6 +37,7 @@ _WHERE: dict[str, str] = {
     "copy_params_into": "qcheck.checks",
     "fp8_state": "qcheck.checks",
     "LayerFigures": "qcheck.checks",
+    "RngStateFigures": "qcheck.checks",
     # the coverage map, its records and skips
     "coverage": "qcheck._coverage",
     "format_coverage": "qcheck._coverage",
@@ -84,13 +86,13 @@ if TYPE_CHECKING:  # the table above, for type checkers: one import per module, 
     from qcheck._coverage import (KernelRoles, MatmulRecord, Skip, coverage, format_coverage, skip_at,
                                   skip_functions, skip_modules, skip_where, warmed_up, weights)
     from qcheck._errors import UserCodeError
-    from qcheck.checks import (LayerFigures, assert_amax_histories_follow_operands, assert_format_matches_referee,
+    from qcheck.checks import (LayerFigures, RngStateFigures, assert_amax_histories_follow_operands, assert_format_matches_referee,
                                assert_fp8_dtypes_native, assert_fp8_state_matches, assert_fresh_cast_exact,
                                assert_layer_sites_backward_exact, assert_layer_sites_exact,
                                assert_moe_matches_referee, assert_native_matches_emulation, assert_no_recompiles,
                                assert_no_uninitialized_reads, assert_quantized, assert_ragged_groups_independent,
-                               assert_recipe_fp8_native, assert_site_backward_exact, assert_site_exact,
-                               assert_tracks, check_layer, copy_params_into, fp8_state)
+                               assert_recipe_fp8_native, assert_rng_state_flat, assert_site_backward_exact,
+                               assert_site_exact, assert_tracks, check_layer, copy_params_into, fp8_state)
     from qcheck.layers.bridge import QuantSite
     from qcheck.layers.decoder import build_decoder
     from qcheck.layers.moe import MODELS, PATHS, MoE, MoEConfig, build_moe

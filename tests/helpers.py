@@ -14,6 +14,7 @@ from flax import nnx
 
 import qcheck
 from qcheck import formats
+from qcheck.layers import step as qcheck_step
 from qcheck.layers.bridge import QuantSite
 from qcheck.layers.moe import UNQUANTIZED_BY_DESIGN
 from qcheck.recipes import NVFP4, DelayedScalingFp8
@@ -178,6 +179,21 @@ CHECK_LAYER_X = np.random.default_rng(0).normal(size=(2, 32, 32)).astype(np.floa
 
 #: qcheck's layer keeps its router and its combine einsum unquantized, by design: the skip rule saying so.
 MOE_FULL_PRECISION = qcheck.skip_functions(*UNQUANTIZED_BY_DESIGN)
+
+
+@nnx.jit
+def module_train_step(module: nnx.Module, x: jax.Array):
+    """A user's train step on an NNX module, jitted as they run it: the module in (its state, each variable once,
+    however many modules share it), the loss, the gradients and the state after the step out (qcheck's own train
+    step, over the module's split)."""
+    graphdef, params, meta, rest = qcheck_step.split_for_step(module)
+    return qcheck_step.train_step_fn(graphdef)(params, meta, rest, x)
+
+
+def decoder_at(recipe: str, apply_rngs: str | None = None):
+    """``build(n)`` for ``assert_rng_state_flat``: qcheck's unrolled Mixtral decoder at n layers under ``recipe``
+    (``apply_rngs="private"``: every site keeps its own fork, the seed's bug)."""
+    return lambda n: qcheck.build_decoder("mixtral", recipe, layers=n, seed=0, apply_rngs=apply_rngs)
 
 
 @functools.cache

@@ -110,8 +110,7 @@ def inputs(seed: int = 0) -> np.ndarray:
 QWIX_LAYERS, QWIX_HEADS, QWIX_KV_HEADS, QWIX_HEAD_DIM, QWIX_VOCAB, QWIX_SEQUENCE = 1, 4, 2, 8, 128, 8
 
 
-@functools.cache
-def qwix_model(quantization: str):
+def qwix_model(quantization: str, layers: int = QWIX_LAYERS, qwix: bool = True):
     """(forward, inputs, model): a whole tiny Mixtral as MaxText builds it with ``use_qwix_quantization=True``.
 
     ``model_creation_utils.from_config`` -> ``create_model`` -> ``quantizations.maybe_quantize_model``, which
@@ -119,7 +118,14 @@ def qwix_model(quantization: str):
     ``forward``: an NNX module holding ``model`` that calls it with ``enable_dropout=False`` (a static
     argument ``coverage`` would otherwise trace) and rank promotion allowed (MaxText's RoPE needs it);
     ``inputs``: (tokens, positions, segment ids). Built once per process (about 12 s on CPU).
+    ``layers``: its decoder layers (unrolled); ``qwix=False``: MaxText's other path for ``quantization``
+    (AQT's, for ``"int8"``).
     """
+    return _qwix_model(quantization, layers, qwix)  # one cache entry however the arguments are spelled
+
+
+@functools.cache
+def _qwix_model(quantization: str, layers: int, qwix: bool):
     import warnings
 
     import jax
@@ -135,13 +141,13 @@ def qwix_model(quantization: str):
     base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
     cfg = pyconfig.initialize(
         [None, base], run_name="qcheck", enable_checkpointing=False, decoder_block="mixtral",
-        base_num_decoder_layers=QWIX_LAYERS, base_emb_dim=EMB, base_num_query_heads=QWIX_HEADS,
+        base_num_decoder_layers=layers, base_emb_dim=EMB, base_num_query_heads=QWIX_HEADS,
         base_num_kv_heads=QWIX_KV_HEADS, head_dim=QWIX_HEAD_DIM, base_mlp_dim=MLP, base_moe_mlp_dim=MLP,
         num_experts=EXPERTS, num_experts_per_tok=TOP_K, vocab_size=QWIX_VOCAB, max_target_length=QWIX_SEQUENCE,
         per_device_batch_size=1, mlp_activations=["silu", "linear"], logits_via_embedding=False,
         sparse_matmul=False, megablox=False, capacity_factor=-1.0, scan_layers=False, attention="dot_product",
         enable_dropout=False, dtype="float32", weight_dtype="float32",
-        quantization=quantization, use_qwix_quantization=True, quantization_local_shard_count=1,
+        quantization=quantization, use_qwix_quantization=qwix, quantization_local_shard_count=1,
     )
     # MaxText's rotary embedding broadcasts ranks (embeddings.py:295), which qcheck's test settings refuse.
     with jax.numpy_rank_promotion("allow"):

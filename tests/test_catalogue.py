@@ -47,7 +47,8 @@ from qcheck.recipes._sites import FormatSite, SiteOps, fake_quant_matmul
 from qcheck.suite import cases, golden, invariants
 from qcheck.suite.cells import run_cell
 from tests.helpers import (CHECK_LAYER_X, MOE_FULL_PRECISION, NaNBackwardMoE, SkipGradFp8, WrongAxesNVFP4,
-                           assert_quantizers_draw_their_own_bits, nvfp4_dgrad, sparse_moe, unpermute_moe)
+                           assert_quantizers_draw_their_own_bits, decoder_at, module_train_step, nvfp4_dgrad,
+                           sparse_moe, unpermute_moe)
 
 E4M3FN, E4M3FNUZ = jnp.float8_e4m3fn, jnp.float8_e4m3fnuz
 X = cases.layer_input("mixtral")
@@ -821,6 +822,11 @@ def quantized_tracks_its_twin(case: cases.Case) -> None:
     assert checks.assert_tracks(step.apply(int8, x)[0], step.apply(broken, x)[0], max_rel_norm=0.22) < 0.22
 
 
+def one_stream_is_flat(forked) -> None:
+    """The fix beside the bug: the same decoder, its sites sharing the caller's stream, passes the same check."""
+    checks.assert_rng_state_flat(decoder_at("nvfp4"), module_train_step, X, layers=(1, 2))
+
+
 def fed_e4m3_codes(planted: dict) -> None:
     assert sorted(planted["fed"]) == ["lhs", "lhs.float8_e4m3fn", "rhs", "rhs.float8_e4m3fn"]  # no int8 anywhere
 
@@ -1301,10 +1307,14 @@ CATALOGUE = [
         (referee(NO_MIX), moe_referee("mixtral", NO_MIX)), control=quantized_tracks_its_twin),
     # The seed's bug: every wrapper keeps its fork, so the step's RNG state grows per layer.
     Bug("rng_catches_a_forked_stream_per_layer",
-        "a forked RNG stream per wrapper per layer under SHARED", "`assert_rng_state_constant` (`rng`'s check)",
-        lambda p: invariants.rng_entry_params("mixtral", "nvfp4", depths=(1, 2), apply_rngs=ApplyRngs.PRIVATE),
-        (Catch(invariants.assert_rng_state_constant, lambda forked: ({n: c["u32"] for n, c in forked.items()},),
-               r"^bug: assert_rng_state_constant: RNG state grows with depth .*\{1: 8, 2: 14\}", {"label": "bug"}),)),
+        "a forked RNG stream per wrapper per layer (every bridged site of a decoder keeping its fork: MaxText #5160)",
+        "`assert_rng_state_flat` (`rng`'s check)", lambda p: decoder_at("nvfp4", apply_rngs="private"),
+        (Catch(checks.assert_rng_state_flat, lambda build: (build, module_train_step, X),
+               r"(?s)^bug: assert_rng_state_flat: RNG state grows with the layers: u32 entry parameters of the step "
+               r"by layer count \{1: 8, 2: 14\}, RNG state leaves \{1: 8, 2: 14\}; .*\n  "
+               r"layers/\*/sites/wo/to_nnx__rngs \(default\): \{1: 2, 2: 4\} \(e\.g\. layers/1/sites/wo/to_nnx__rngs\)",
+               {"label": "bug", "layers": (1, 2)}),),
+        control=one_stream_is_flat),
     Bug("rng_control_catches_a_measurement_that_sees_nothing",
         "an RNG measurement that sees nothing", "`assert_rng_state_grows` (`rng`'s PRIVATE control)", lambda p: {1: 2, 2: 2, 8: 2},
         (Catch(invariants.assert_rng_state_grows, lambda u32: (u32,),

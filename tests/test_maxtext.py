@@ -353,10 +353,14 @@ QWIX_PATH_WARNS = [*QWIX_WARNS,
                    pytest.mark.filterwarnings("ignore:`flax.nnx.State` will be deprecated:DeprecationWarning")]
 
 
-def _qwix_path(test):
+def _qwix_warns(test):
     for mark in QWIX_PATH_WARNS:
         test = mark(test)
-    return pytest.mark.parametrize("quantization", sorted(QWIX_DECLARED))(test)
+    return test
+
+
+def _qwix_path(test):
+    return pytest.mark.parametrize("quantization", sorted(QWIX_DECLARED))(_qwix_warns(test))
 
 
 def _expert_einsum_lines() -> dict[str, str]:
@@ -462,6 +466,82 @@ def test_maxtext_qwix_declaration_is_read_from_the_config(quantization):
     assert all(not r.findings for f in QWIX_QUANTIZED for r in by_function[f])  # should pass
     expert = [r for r in by_function["RoutedMoE.dense_matmul"] if COMBINE_SCOPE not in r.scope]
     assert len(expert) == 3 and all(r.findings for r in expert)  # should fail
+
+
+#: The layer counts the RNG tests build MaxText's tiny Mixtral at (unrolled; about 5 s a layer count on CPU).
+RNG_LAYERS = (1, 2, 4)
+
+
+def _rng_state_flat(quantization: str, qwix: bool = True, **kwargs):
+    """``assert_rng_state_flat`` on MaxText's tiny Mixtral, as a user runs it: the whole model jitted by
+    ``nnx.jit``, which takes its state in and hands it back updated."""
+    from flax import nnx
+
+    @nnx.jit
+    def forward(model, tokens, positions, segments):
+        return model(tokens, positions, segments)
+
+    inputs = maxtext_cells.qwix_model(quantization, qwix=qwix)[1]
+    return qcheck.assert_rng_state_flat(lambda n: maxtext_cells.qwix_model(quantization, n, qwix)[0], forward,
+                                        *inputs, layers=RNG_LAYERS, **kwargs)
+
+
+@_qwix_warns
+def test_maxtext_rng_state_flat_passes_the_unquantized_model_should_pass():
+    """The unquantized model (``quantization=""``): the model's three streams (params, dropout, aqt), a key and a
+    count each, held once by the decoder however many layers use them."""
+    figures = _rng_state_flat("")
+    assert (figures.u32, figures.rng_leaves) == (6, 6)
+
+
+@_qwix_path
+def test_maxtext_rng_state_flat_catches_the_qwix_path_copying_the_streams_per_layer_should_fail(quantization):
+    """maxtext 0.2.5, ``use_qwix_quantization=True`` with qwix's ``QtProvider`` (``fp8``, ``int8``): the model
+    ``qwix.quantize_model`` hands back holds a copy of the caller's three streams in every MoE block (the
+    unquantized model shares one ``nnx.Rngs`` across its layers), so each layer adds 6 u32 entry parameters."""
+    _pinned()
+    with pytest.raises(AssertionError, match=(
+            r"(?s)^assert_rng_state_flat: RNG state grows with the layers: u32 entry parameters of the step by "
+            r"layer count \{1: 12, 2: 18, 4: 30\}, RNG state leaves \{1: 12, 2: 18, 4: 30\}; .*\n"
+            r"  model/decoder/layers_\*/MoeBlock_\*/rngs \(aqt, dropout, params\): \{1: 6, 2: 12, 4: 24\} "
+            r"\(e\.g\. model/decoder/layers_3/MoeBlock_0/rngs\)$")):
+        _rng_state_flat(quantization)
+
+
+#: The modules under each decoder layer whose ``dot_general`` the ``fp8_gpu`` path wraps in a ``ToNNX`` of its own.
+FP8_GPU_WRAPPED = ("MoeBlock_*/gate", "self_attention/key", "self_attention/out", "self_attention/query",
+                   "self_attention/value")
+
+
+@_qwix_warns
+def test_maxtext_rng_state_flat_catches_the_fp8_gpu_path_forking_a_stream_per_wrapper_should_fail():
+    """maxtext 0.2.5, ``quantization="fp8_gpu"`` (``NvidaFp8Provider``): ``_apply_linen_module_in_nnx``
+    (layers/quantizations.py:979-997) wraps each Flax fp8 op in a ``ToNNX`` holding ``parent_rngs.fork()``,
+    the seed's shape (MaxText #5160): 5 wrappers a layer, a key and a count each, beside the qwix path's
+    copies of the streams. Lowered on CPU: no GPU is needed to count what enters the step."""
+    _pinned()
+    wrappers = "".join(
+        rf".*\n  model/decoder/layers_\*/{re.escape(m)}/_qwix_fp8_gpu_dot_general0/to_nnx__rngs \(default\): "
+        rf"\{{1: 2, 2: 4, 4: 8\}}" for m in FP8_GPU_WRAPPED)
+    with pytest.raises(AssertionError, match=(
+            r"(?s)^assert_rng_state_flat: RNG state grows with the layers: u32 entry parameters of the step by "
+            r"layer count \{1: 22, 2: 38, 4: 70\}, RNG state leaves \{1: 22, 2: 38, 4: 70\}" + wrappers)):
+        _rng_state_flat("fp8_gpu")
+
+
+@_qwix_warns
+@pytest.mark.filterwarnings("ignore:AQT quantization is deprecated:UserWarning")
+def test_maxtext_rng_state_flat_names_the_aqt_int8_model_that_cannot_take_its_first_call():
+    """maxtext 0.2.5, ``quantization="int8"`` on AQT (``use_qwix_quantization=False``): the whole model's first
+    call fails inside MaxText's unrolled decoder, whose ``nnx.update(layer, new_state)`` (nnx_decoders.py:2264)
+    assigns the state AQT's einsums create at that call to a static attribute of ``RoutedMoE``. The check
+    gives no verdict: it names the step whose code raised. (``RoutedMoE`` alone runs: the cells above.)"""
+    _pinned()
+    with pytest.raises(qcheck.UserCodeError, match=(
+            r"^assert_rng_state_flat: step could not be traced and run on cpu: ValueError: Found data on value of "
+            r"type '<class 'flax\.nnx\.statelib\.State'>' assigned to static attribute 'quant_einsum_wi_0' of "
+            r"Pytree type '<class 'maxtext\.layers\.moe\.RoutedMoE'>'")):
+        _rng_state_flat("int8", qwix=False)
 
 
 #: The guide's skip table, row by row, on fp8: (path, the rules, what check_layer's failure then says).

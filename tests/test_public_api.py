@@ -39,7 +39,7 @@ PUBLIC = [
 CHECKS_OFFERS = {
     "check": {"check_layer", "coverage"},
     "its setup": {"copy_params_into"},
-    "figure": {"Figures", "LayerFigures", "fp8_state", "rel_norm"},
+    "figure": {"Figures", "LayerFigures", "RngStateFigures", "fp8_state", "rel_norm"},
     "operand": {"Einsum", "Matmul", "Ragged", "probe_grad", "probe_operands"},
 }
 

@@ -18,7 +18,7 @@ from qcheck.suite.cli import main
 from qcheck.layers.bridge import QuantSite
 from qcheck.recipes import ApplyRngs
 from qcheck.recipes._nvfp4 import quantizer_key
-from tests.helpers import EQN, assert_quantizers_draw_their_own_bits, nvfp4_dgrad as _dgrad
+from tests.helpers import EQN, assert_quantizers_draw_their_own_bits, module_train_step, nvfp4_dgrad as _dgrad
 
 def test_share_rngs_accepts_what_construction_accepts():
     hints = inspect.signature(QuantSite.share_rngs).parameters["rngs"].annotation
@@ -182,12 +182,6 @@ def test_rng_cli_shows_flat_shared_and_growing_private(capsys):
     assert u32[0] < u32[1]
 
 
-def _u32_of_unrolled(stack) -> int:
-    graphdef, *state = step.split_for_step(stack)
-    counts = harness.entry_params(step.train_step_fn(graphdef), *state, cases.layer_input("mixtral"), compile=False)
-    return counts.get("u32", 0)
-
-
 def test_rng_state_of_a_shared_recipe_matches_the_unquantized_twin_should_pass():
     twin = invariants.rng_entry_params("mixtral", "none", depths=(1,))[1]["u32"]
     shared = invariants.rng_entry_params("mixtral", "nvfp4", depths=(1,))[1]["u32"]
@@ -205,8 +199,8 @@ def test_rng_state_of_one_stream_the_sites_share_across_layers_is_flat_but_not_t
                 site.share_rngs(extra)
         return stack
 
-    by_depth = {n: _u32_of_unrolled(rewired(n)) for n in (1, 2)}
-    flat = invariants.assert_rng_state_constant(by_depth, label="one stream for the stack")  # flat: passes
+    flat = qcheck.assert_rng_state_flat(rewired, module_train_step, cases.layer_input("mixtral"),
+                                        layers=(1, 2)).u32  # flat: passes
     twin = invariants.rng_entry_params("mixtral", "none", depths=(1,))[1]["u32"]
     with pytest.raises(AssertionError, match=rf"^one stream for the stack: assert_rng_state_matches_twin: the train "
                        rf"step carries {flat} u32 entry parameters, the unquantized stack's {twin}: RNG state "

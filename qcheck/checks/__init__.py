@@ -37,6 +37,7 @@ from qcheck.checks._moe_matches import assert_moe_matches_referee
 from qcheck.checks._native_gemm import assert_native_matches_emulation
 from qcheck.checks._probes import probe_grad, probe_operands
 from qcheck.checks._programs import assert_no_recompiles
+from qcheck.checks._rng_state import RngStateFigures, assert_rng_state_flat
 from qcheck.checks._ragged_groups import assert_ragged_groups_independent
 from qcheck.checks._format_matches import assert_format_matches_referee
 from qcheck.checks._site import assert_layer_sites_exact, assert_site_exact

@@ -18,8 +18,10 @@ What it holds:
 - the MoE referee's parts (:func:`module_params`, :func:`referee_weights`, :func:`compare_with_referee`),
   the fp8 state's history roll (:func:`history_rolls`), a recipe's declared fp8 dtypes
   (:func:`declared_operand_fp8_dtypes`), a program's entry parameters (:func:`entry_params`,
-  :func:`lowered_entry_params`), the fresh cast's reference (:func:`cast_reference`, which
-  :mod:`qcheck.native`'s emulation shares) and the native GEMM's bound (:data:`NATIVE_GEMM_TOL`).
+  :func:`lowered_entry_params`) and the RNG state entering a step (:func:`step_rng_state`, its record
+  :class:`StepRngState`, judged by :func:`judge_rng_state_flat`), the fresh cast's reference
+  (:func:`cast_reference`, which :mod:`qcheck.native`'s emulation shares) and the native GEMM's bound
+  (:data:`NATIVE_GEMM_TOL`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from qcheck.checks._moe_matches import compare_with_referee, module_params, refe
 from qcheck.checks._native_gemm import NATIVE_GEMM_TOL
 from qcheck.checks._probes import probe_nvfp4
 from qcheck.checks._programs import entry_params, lowered_entry_params
+from qcheck.checks._rng_state import StepRngState, judge_rng_state_flat, step_rng_state
 from qcheck.checks._site import (SiteCall, judge_site_calls, judge_site_exact, operand_formats, probe_site_operands,
                                  record_site_calls)
 
@@ -43,6 +46,7 @@ __all__ = [
     "NATIVE_GEMM_TOL",
     "SiteCall",
     "SiteGradCall",
+    "StepRngState",
     "assertion",
     "cast_reference",
     "compare_with_referee",
@@ -51,6 +55,7 @@ __all__ = [
     "format_edge_rows",
     "history_rolls",
     "judge_fresh_cast",
+    "judge_rng_state_flat",
     "judge_site_backward",
     "judge_site_calls",
     "judge_site_exact",
@@ -65,5 +70,6 @@ __all__ = [
     "record_site_grads",
     "referee_weights",
     "site_grads",
+    "step_rng_state",
     "through_layer_applies",
 ]

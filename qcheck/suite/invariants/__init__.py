@@ -32,8 +32,8 @@ from qcheck.suite.invariants.exact import assert_sites_exact
 from qcheck.suite.invariants.grads import assert_grads_track
 from qcheck.suite.invariants import paths
 from qcheck.suite.invariants.paths import PATHS_ATOL, PATHS_MAX_ABS, PATHS_RTOL, assert_paths_agree, paths_case
-from qcheck.suite.invariants.rng import (RNG_CONTROL_DEPTHS, RNG_DEPTHS, RNG_MODELS, assert_rng_state_constant,
-                                         assert_rng_state_grows, assert_rng_state_matches_twin, rng_entry_params)
+from qcheck.suite.invariants.rng import (RNG_CONTROL_DEPTHS, RNG_DEPTHS, RNG_MODELS, assert_rng_state_grows,
+                                         assert_rng_state_matches_twin, rng_entry_params, rng_states)
 from qcheck.suite.invariants.sites import assert_sites_carry_no_rng_stream, assert_sites_independent
 from qcheck.suite.invariants.state import assert_fp8_state_moves_only_in_backward, fp8_meta_leaves
 from qcheck.suite.invariants.train import (TRAIN_MAX_NORM, TRAIN_MICROBATCHES, TRAIN_RTOL, assert_layer_trains,
@@ -65,7 +65,6 @@ __all__ = [
     "assert_layer_sharded_matches",
     "assert_layer_trains",
     "assert_paths_agree",
-    "assert_rng_state_constant",
     "assert_rng_state_grows",
     "assert_rng_state_matches_twin",
     "assert_sharded_matches",
@@ -79,6 +78,7 @@ __all__ = [
     "output_rows_differ",
     "paths_case",
     "rng_entry_params",
+    "rng_states",
     "run_backward",
     "run_coverage",
     "run_edges",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 
-from qcheck.checks import harness
-from qcheck.checks.harness import assertion
+from qcheck.checks import assert_rng_state_flat, harness
+from qcheck.checks.harness import assertion, judged_as
 from qcheck.layers import step
 from qcheck.recipes import ApplyRngs, Recipe
 from qcheck.suite import cases as cases_mod
@@ -28,27 +28,23 @@ def rng_entry_params(
     model: str, recipe: str, *, depths=RNG_DEPTHS, apply_rngs: ApplyRngs | None = None
 ) -> dict[int, dict[str, int]]:
     """Entry parameters of the jitted train step of an unrolled decoder, per depth."""
-    return {n: _step_entry_params(model, recipe, n, apply_rngs) for n in depths}
+    return {n: dict(s.entry_params) for n, s in rng_states(model, recipe, depths=depths, apply_rngs=apply_rngs).items()}
+
+
+def rng_states(
+    model: str, recipe: str, *, depths=RNG_DEPTHS, apply_rngs: ApplyRngs | None = None
+) -> dict[int, harness.StepRngState]:
+    """The RNG state entering the train step of an unrolled decoder, per depth, as ``assert_rng_state_flat``
+    counts it on a user's step."""
+    return {n: _step_rng_state(model, recipe, n, apply_rngs) for n in depths}
 
 
 @functools.cache
-def _step_entry_params(model: str, recipe: str, layers: int, apply_rngs: ApplyRngs | None) -> dict[str, int]:
+def _step_rng_state(model: str, recipe: str, layers: int, apply_rngs: ApplyRngs | None) -> harness.StepRngState:
     stack = cases_mod.decoder(model, recipe, layers, apply_rngs=apply_rngs)
-    graphdef, params, meta, rest = step.split_for_step(stack)
-    x = cases_mod.layer_input(model)
-    return harness.entry_params(step.train_step_fn(graphdef), params, meta, rest, x, compile=False)
-
-
-@assertion
-def assert_rng_state_constant(u32_by_depth: dict[int, int], *, label: str = "") -> int:
-    """The step's u32 entry parameters do not depend on the number of layers."""
-    __tracebackhide__ = True
-    if len(set(u32_by_depth.values())) != 1:
-        raise AssertionError(
-            f"RNG state grows with depth — u32 entry parameters by layer count: "
-            f"{u32_by_depth} (a forked stream per wrapper per layer?)"
-        )
-    return next(iter(u32_by_depth.values()))
+    # Lowered, not compiled: the parameters are read off the lowered module (the suite holds both to agree).
+    lowered = step.lower_train_step(*step.split_for_step(stack), cases_mod.layer_input(model))
+    return harness.step_rng_state(lowered, stack)
 
 
 @assertion
@@ -86,14 +82,13 @@ def run(case: Case) -> int:
     __tracebackhide__ = True
     model, label = case.variant.model, f"{case.recipe}-{case.variant.model}"
 
-    def u32(mode, depths):
-        counts = rng_entry_params(model, case.recipe, depths=depths, apply_rngs=mode)
-        return {n: c.get("u32", 0) for n, c in counts.items()}
-
-    flat = assert_rng_state_constant(u32(None, RNG_DEPTHS), label=label)
-    assert_rng_state_grows(u32(ApplyRngs.PRIVATE, RNG_CONTROL_DEPTHS), label=f"{label} (private control)")
+    # The public check's judgement: the train step's u32 entry parameters and the stack's RNG leaves flat.
+    flat = judged_as(assert_rng_state_flat, harness.judge_rng_state_flat, rng_states(model, case.recipe),
+                     label=label).u32
+    private = rng_states(model, case.recipe, depths=RNG_CONTROL_DEPTHS, apply_rngs=ApplyRngs.PRIVATE)
+    assert_rng_state_grows({n: s.u32 for n, s in private.items()}, label=f"{label} (private control)")
     # Flat, and no more than the unquantized stack carries: the caller's one stream. Traced, not compiled, and
-    # cached per model (_step_entry_params): one twin per model and process, whatever the recipe.
+    # cached per model (_step_rng_state): one twin per model and process, whatever the recipe.
     twin = rng_entry_params(model, "none", depths=(1,))[1].get("u32", 0)
     return assert_rng_state_matches_twin(flat, twin, label=case.id)
 
