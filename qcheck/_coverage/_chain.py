@@ -133,6 +133,7 @@ class QuantizerChains:
         self.quantizers.append((origin, out.actual, divisor))
         self.multiplied.append(multiplied)
         self.stacked.append(())
+        self.code_shadows[qid] = out.shadow
         out.qid, out.live = qid, True
         out.axis_map = tuple(range(len(getattr(eqn.outvars[0].aval, "shape", ()))))
 

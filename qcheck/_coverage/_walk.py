@@ -37,6 +37,9 @@ class Walker(QuantizerChains, PackedFields, ControlFlow):
         self.quantizers: list[tuple[Any, Any, Any]] = []
         self.operands: list[tuple[int, str, int, tuple[int | None, ...]]] = []
         self.multiplied: list[bool] = []  # per quantizer: its scale was multiplied in
+        # Per quantizer started by a cast or a rounding: its codes' value before quantization (their shadow), for
+        # codes that come back unpacked from a packed word (PackedFields.unpack).
+        self.code_shadows: dict[int, Any] = {}
         # Per quantizer: what its values' leading axes enumerate ("iteration" of a scan, "shard" of a shard_map,
         # outermost first): one quantizer of a body, its values stacked over the body's runs.
         self.stacked: list[tuple[str, ...]] = []
@@ -50,7 +53,7 @@ class Walker(QuantizerChains, PackedFields, ControlFlow):
     def read(self, env: dict, v: Any) -> Val:
         if isinstance(v, jcore.Literal):
             val = input_val(v.aval, v.val, const=True)
-            val.quant = None
+            val.quant, val.known = None, self.known_constant(v.aval, v.val)
             return val
         return env[v]
 
@@ -61,6 +64,7 @@ class Walker(QuantizerChains, PackedFields, ControlFlow):
             env[var] = input_val(var.aval, c if values else None)
             env[var].ident = var
             env[var].closed = True
+            env[var].known = self.known_constant(var.aval, c)
         for var, val in zip(jaxpr.invars, ins):
             env[var] = val
         live = live_eqns(jaxpr)
@@ -164,6 +168,7 @@ class Walker(QuantizerChains, PackedFields, ControlFlow):
         if len(outs) == 1:
             outs[0].scale = outs[0].scale or self.scale_like(eqn, ins)
             outs[0].repeated = self.repeated_like(eqn, ins)
+            self.integer_facts(eqn, ins, outs[0])
             if name in SAME_VALUE:
                 outs[0].ident = ins[0].ident
             if values and quant is not None:
