@@ -18,7 +18,7 @@ class UserCodeError(ValueError):
     """The code under check raised while qcheck traced or ran it; the original is its ``__cause__``."""
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else "(no message)"
 
@@ -27,7 +27,7 @@ def _first_line(e: BaseException) -> str:
 _MACHINERY = tuple(str(Path(__file__).resolve().parent / part) + os.sep for part in ("_coverage", "checks"))
 
 
-def _raised_by_qcheck(e: BaseException) -> bool:
+def raised_by_qcheck(e: BaseException) -> bool:
     if type(e).__module__.split(".")[0] in ("jax", "jaxlib"):
         return False  # compiling or running the program under check (a callback of it that raised, say)
     # JAX cuts its own frames from a traceback that crosses its API and keeps them whole in the cause it adds:
@@ -65,9 +65,9 @@ def user_code(entry: str, what: str, *, passthrough: tuple[type[BaseException], 
     except (UserCodeError, *passthrough):
         raise
     except Exception as e:  # noqa: BLE001 - any error of the user's code, reported once, chained
-        if _raised_by_qcheck(e):
+        if raised_by_qcheck(e):
             raise
         import jax  # not at import time: ``import qcheck`` stays free of JAX
 
         raise UserCodeError(f"{entry}: {what} could not be traced and run on {jax.default_backend()}: "
-                            f"{type(e).__name__}: {_first_line(e)}{_mesh_hint(e)}") from e
+                            f"{type(e).__name__}: {first_line(e)}{_mesh_hint(e)}") from e

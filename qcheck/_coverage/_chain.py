@@ -133,6 +133,7 @@ class QuantizerChains:
         self.quantizers.append((origin, out.actual, divisor))
         self.multiplied.append(multiplied)
         self.stacked.append(())
+        self.code_shadows[qid] = out.shadow
         out.qid, out.live = qid, True
         out.axis_map = tuple(range(len(getattr(eqn.outvars[0].aval, "shape", ()))))
 
@@ -277,12 +278,19 @@ class QuantizerChains:
         if name == "convert_element_type":
             x, new = ins[0].shadow, np.dtype(eqn.params["new_dtype"])
             return x.astype(new) if widest_float([x.dtype, new]) == new != x.dtype else x
-        vals = [v.shadow for v in ins]
-        if name in ("mul", "div", "max", "min", "select_n", "concatenate", "pad", "dynamic_update_slice", "clamp"):
-            dtype = widest_float([x.dtype for x in vals])
+        # An index (a gather's, a slice's start) is the same before quantization: its actual value, whatever
+        # chain it came by (codes used as indices have a float shadow).
+        values = {"gather": 1, "dynamic_slice": 1, "dynamic_update_slice": 2}.get(name, len(ins))
+        vals = [v.shadow for v in ins[:values]] + [v.actual for v in ins[values:]]
+        if name in ("add", "sub", "mul", "div", "max", "min", "select_n", "concatenate", "pad", "dynamic_update_slice",
+                    "clamp"):
+            # One type for the values before quantization: the widest float among them. Integer codes meet
+            # integers (a zero point, a bound, c + 128) whose shadow is the float the codes were rounded from.
             start = 1 if name == "select_n" else 0
-            vals = [x.astype(dtype) if dtype and i >= start and jnp.issubdtype(x.dtype, jnp.floating) else x
-                    for i, x in enumerate(vals)]
+            dtype = widest_float([x.dtype for x in vals[start:values]])
+            vals = [x.astype(dtype) if dtype and start <= i < values and x.dtype != dtype and (
+                jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)) else x
+                for i, x in enumerate(vals)]
         out = eqn.primitive.bind(*vals, **eqn.params)
         return out[0] if eqn.primitive.multiple_results else out  # one output, bound as a list (split)
 

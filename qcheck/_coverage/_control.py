@@ -156,6 +156,7 @@ class ControlFlow:
         del self.records[records:], self.errors[errors:], self.quantizers[quantizers:]
         del self.multiplied[quantizers:], self.stacked[quantizers:], self.operands[operands:]
         self.zero_points = {z: q for z, q in self.zero_points.items() if z < quantizers and q < quantizers}
+        self.code_shadows = {q: s for q, s in self.code_shadows.items() if q < quantizers}
 
     def put(self, records: list[MatmulRecord], figures: list[tuple[int, Any]], evidence: Evidence | None = None,
             values: Sequence[tuple[Any, Any, Any]] = (), label: str = "", lost: str | None = None) -> None:

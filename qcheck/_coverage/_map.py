@@ -260,7 +260,7 @@ class Prepared:
 
     def evaluate(self, flat: Sequence[Any]) -> tuple[list, list]:
         # A fresh walk each trace: a program traced again (a cached one's walk redone) holds no stale records.
-        self.walker = Walker(self.machinery, self.kernels)
+        self.walker = Walker(self.machinery, self.kernels, self.entry)
         vals = [dataclasses.replace(v, actual=x, shadow=x) for v, x in zip(self.ins, flat)]
         self.walker.run(self.closed.jaxpr, self.closed.consts, vals, self.outer, values=True)
         # Only what is asked for: unreturned, the error figures' full-precision shadow computation is not compiled.
@@ -316,7 +316,7 @@ def prepare(fn: Callable[..., Any], args: tuple, kwargs: dict, *, errors: bool, 
     if seed_at is not None:
         ins[seed_at].grad = True
     if not errors and declaration is None:
-        walker = Walker(machinery, kernels)
+        walker = Walker(machinery, kernels, entry)
         walker.run(closed.jaxpr, closed.consts, ins, outer, values=False)
         _misdeclared(walker, entry)
         return walker.records

@@ -72,9 +72,12 @@ class Val:
     ste_delta: tuple[Any, Any] | None = None  # (the quantized Val q, the identity of x)
     ident: Any = None  # what value this is: stop_gradient and copies keep their operand's
     closed: bool = False  # a constant of the program (closed over, or computed from constants only)
-    # Bits of a narrow integer read by shifts and masks (packed codes unpacked): (width, signed) of the field this
-    # value is, None where it is no such field. See QuantizerChains.unpack.
-    field: tuple[int, bool] | None = None
+    # An integer's bits read by shifts and masks (packed codes, unpacked): one qcheck._coverage._fields.Bits per
+    # form its elements take (the fields it holds, where), None where the walk does not know them. See
+    # PackedFields.unpack.
+    field: tuple[Any, ...] | None = None
+    stored: bool = False  # an input or a constant of the program, or one moved: a stored word may pack codes
+    known: Any = None  # a small integer constant's value (numpy), where the walk knows it: a shift count, a mask
     repeated: bool = False  # fewer values repeated by index (per-group scales taken by a group index)
 
 
@@ -83,7 +86,7 @@ def input_val(aval: Any, value: Any = None, const: bool = False, data: bool = Fa
     quant = OperandQuant("cast", str(np.dtype(aval.dtype)), "input") if bits else None
     scale = getattr(aval, "size", 2) == 1
     return Val(quant, const, scale, value, value, casts=frozenset({quant.dtype}) if quant else frozenset(),
-                data=data)
+                data=data, stored=not const)
 
 
 #: Layout ops whose output axes can be traced back to their operand's (the rest lose the map).

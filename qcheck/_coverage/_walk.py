@@ -19,13 +19,16 @@ from qcheck._coverage._records import (BLOCK_SCALED, ERROR_PRIMITIVES, FULL, MAT
 from qcheck._coverage._scopes import machinery_prefixes, scope_names, user_frames
 from qcheck._coverage._values import (SAME_VALUE, Val, Where, contracting_dims, eval_eqn, input_val, is_contraction,
                                       live_eqns, narrow_bits, operand_role, widest_float)
+from qcheck._errors import UserCodeError, first_line, raised_by_qcheck
 
 
 class Walker(QuantizerChains, PackedFields, ControlFlow):
     """The walk over a traced program: every matmul as a record, each operand's quantized chain, with values where
     it runs inside a program of its own."""
 
-    def __init__(self, machinery: tuple[str, ...] = (), kernels: dict[str, KernelRoles] | None = None):
+    def __init__(self, machinery: tuple[str, ...] = (), kernels: dict[str, KernelRoles] | None = None,
+                 entry: str = "coverage"):
+        self.entry = entry  # the public call, named where a step of the walk fails
         self.records: list[MatmulRecord] = []
         self.errors: list[tuple[int, Any]] = []  # (record index, traced error)
         # With values: each quantizer's (input before scaling, codes, divisor or None), and each matmul
@@ -34,6 +37,9 @@ class Walker(QuantizerChains, PackedFields, ControlFlow):
         self.quantizers: list[tuple[Any, Any, Any]] = []
         self.operands: list[tuple[int, str, int, tuple[int | None, ...]]] = []
         self.multiplied: list[bool] = []  # per quantizer: its scale was multiplied in
+        # Per quantizer started by a cast or a rounding: its codes' value before quantization (their shadow), for
+        # codes that come back unpacked from a packed word (PackedFields.unpack).
+        self.code_shadows: dict[int, Any] = {}
         # Per quantizer: what its values' leading axes enumerate ("iteration" of a scan, "shard" of a shard_map,
         # outermost first): one quantizer of a body, its values stacked over the body's runs.
         self.stacked: list[tuple[str, ...]] = []
@@ -47,7 +53,7 @@ class Walker(QuantizerChains, PackedFields, ControlFlow):
     def read(self, env: dict, v: Any) -> Val:
         if isinstance(v, jcore.Literal):
             val = input_val(v.aval, v.val, const=True)
-            val.quant = None
+            val.quant, val.known = None, self.known_constant(v.aval, v.val)
             return val
         return env[v]
 
@@ -58,6 +64,7 @@ class Walker(QuantizerChains, PackedFields, ControlFlow):
             env[var] = input_val(var.aval, c if values else None)
             env[var].ident = var
             env[var].closed = True
+            env[var].known = self.known_constant(var.aval, c)
         for var, val in zip(jaxpr.invars, ins):
             env[var] = val
         live = live_eqns(jaxpr)
@@ -71,10 +78,25 @@ class Walker(QuantizerChains, PackedFields, ControlFlow):
             if not frames or (outer.stack and outer.stack[-1] not in frames):
                 frames = frames + outer.stack
             where = Where(frames, outer.scope + scope_names(eqn), outer.no_values)
-            outs = self.eqn(eqn, ins_e, where, values=values)
+            outs = self.step(eqn, ins_e, where, values=values)
             for var, val in zip(eqn.outvars, outs):
                 env[var] = val
         return [self.read(env, v) for v in jaxpr.outvars]
+
+    def step(self, eqn: jcore.JaxprEqn, ins: list[Val], where: Where, *, values: bool) -> list[Val]:
+        """One eqn walked; where JAX refuses what the walk binds on the values it carries (a primitive that takes
+        its operands' integer types only, given the float values before quantization), a UserCodeError naming the
+        site, never a raw error. One raised in qcheck's own frames is a bug of qcheck's, and stays as it is."""
+        try:
+            return self.eqn(eqn, ins, where, values=values)
+        except Exception as e:  # noqa: BLE001 - any refusal of JAX's, said once at the site, chained
+            if isinstance(e, UserCodeError) or raised_by_qcheck(e):
+                raise
+            location, function = where.stack[0] if where.stack else ("<unknown>", "<unknown>")
+            dtypes = ", ".join(str(getattr(v.aval, "dtype", "-")) for v in eqn.invars)
+            raise UserCodeError(
+                f"{self.entry}: the walk cannot follow {eqn.primitive.name} ({dtypes}) at {location} ({function}): "
+                f"{type(e).__name__}: {first_line(e)}") from e
 
     def eqn(self, eqn: jcore.JaxprEqn, ins: list[Val], where: Where, *, values: bool) -> list[Val]:
         name = eqn.primitive.name
@@ -146,6 +168,7 @@ class Walker(QuantizerChains, PackedFields, ControlFlow):
         if len(outs) == 1:
             outs[0].scale = outs[0].scale or self.scale_like(eqn, ins)
             outs[0].repeated = self.repeated_like(eqn, ins)
+            self.integer_facts(eqn, ins, outs[0])
             if name in SAME_VALUE:
                 outs[0].ident = ins[0].ident
             if values and quant is not None:
