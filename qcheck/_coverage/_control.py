@@ -1,5 +1,6 @@
 """How the walk goes through control flow: a scan's body per iteration, a shard_map's per shard, a while loop's
-and a cond's branches, with values where it can and the reason where it cannot."""
+and a cond's branches, with values where it can and the reason where it cannot; and how a body's inputs and
+outputs keep their link to the caller's quantizers (codes made on one side of a body, multiplied on the other)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
+import numpy as np
 
 from qcheck._coverage._records import MatmulRecord, OperandQuant
 from qcheck._coverage._values import Evidence, NOT_RUN_COND, NOT_RUN_LOOP, Val, Where, eval_eqn, scan_operands
@@ -32,12 +34,16 @@ class ControlFlow:
         manual = next((p[k] for k in ("newly_manual_axes", "manual_axes", "axis_names") if p.get(k)),
                       frozenset(mesh.axis_names))
         per_shard = jax.sharding.PartitionSpec(tuple(a for a in mesh.axis_names if a in manual))
-        template = self.align(ins, jaxpr.invars)
+        template, views = self.sharded(ins, self.align(ins, jaxpr.invars), eqn, p["in_specs"], dict(mesh.shape))
         kept: dict[str, Any] = {}
 
         def run(*args):
             body_ins = [dataclasses.replace(t, actual=a, shadow=a) for t, a in zip(template, args)]
-            outs, records, figures, evidence = self.evaluated(jaxpr, consts, body_ins, where)
+            outer_views, self.views = self.views, {**self.views, **views}
+            try:
+                outs, records, figures, evidence = self.evaluated(jaxpr, consts, body_ins, where)
+            finally:
+                self.views = outer_views
             kept.update(outs=outs, records=records, at=[i for i, _ in figures], evidence=evidence)
             return (tuple(o.actual for o in outs), tuple(jnp.asarray(e, jnp.float32)[None] for _, e in figures),
                     tuple(tuple(None if v is None else jnp.asarray(v)[None] for v in q) for q in evidence.quantizers))
@@ -51,11 +57,74 @@ class ControlFlow:
             self.truncate(*sizes)
             first = str(e).splitlines()[0][:160] if str(e) else ""
             return f"inside shard_map: its body could not be run per shard with values ({type(e).__name__}: {first})"
-        self.put(kept["records"], [(i, jnp.max(e)) for i, e in zip(kept["at"], figures)], kept["evidence"],
-                 found, "shard")
+        first = self.put(kept["records"], [(i, jnp.max(e)) for i, e in zip(kept["at"], figures)], kept["evidence"],
+                         found, "shard")
         grad = any(v.grad for v in ins)
-        return [Val(o.quant, False, False, a, a, grad=grad, casts=o.casts, data=o.data)
-                for o, a in zip(kept["outs"], actual)]
+        # An output split over shards is their codes side by side: along that axis, no one quantizer's axis.
+        splits = [_splits(s, dict(mesh.shape), len(getattr(v.aval, "shape", ()))) for s, v in
+                  zip(p["out_specs"], eqn.outvars)]
+        return [self.lifted(Val(o.quant, False, False, a, a, grad=grad, casts=o.casts, data=o.data), o,
+                            kept["evidence"], first, cut=[d for d, n in enumerate(split) if n > 1])
+                for o, a, split in zip(kept["outs"], actual, splits)]
+
+    def sharded(self, ins: list[Val], template: list[Val], eqn: jcore.JaxprEqn, specs: Sequence[Any],
+                mesh_shape: dict[str, int]) -> tuple[list[Val], dict[int, tuple[int, ...]]]:
+        """A shard_map body's inputs linked to the caller's quantizers, and each such quantizer's shape as one
+        shard sees it (where the specs split an axis, the shard's slice of it)."""
+        if len(template) != len(ins):
+            return template, {}
+        out, views = [], {}
+        for v, t, spec, var in zip(ins, template, specs, eqn.invars):
+            t = self.linked(v, t)
+            split = _splits(spec, mesh_shape, len(getattr(var.aval, "shape", ())))
+            if t.qid is not None and any(n > 1 for n in split):
+                shape, axis_map = list(self.qshape(t.qid)), list(t.axis_map)
+                for d, n in enumerate(split[:len(axis_map)]):
+                    if n > 1 and isinstance(axis_map[d], int) and shape[axis_map[d]] % n == 0:
+                        shape[axis_map[d]] //= n
+                    elif n > 1:
+                        axis_map[d] = None  # a slice of what the walk cannot lay out in the quantizer's axes
+                if views.setdefault(t.qid, tuple(shape)) != tuple(shape):
+                    # The same codes split otherwise for another input: this one's split axes are not laid out.
+                    axis_map = [None if n > 1 else a for a, n in zip(axis_map, split)]
+                t = dataclasses.replace(t, axis_map=tuple(axis_map))
+            out.append(t)
+        return out, views
+
+    def linked(self, caller: Val, inner: Val, drop: int = 0) -> Val:
+        """``inner``, a body's input, keeping the link of ``caller`` (the caller's value it is, its first ``drop``
+        axes sliced off: a scan's xs) to the quantizer whose codes it is: a matmul in the body on it is held to
+        that quantizer, as it would be in the caller (codes made outside a shard_map, multiplied inside it).
+        Its values stay the caller's (:meth:`own` keeps the body from writing them)."""
+        if caller.qid is None or len(caller.axis_map) < drop:
+            return inner
+        return dataclasses.replace(inner, qid=caller.qid, axis_map=tuple(caller.axis_map[drop:]), live=caller.live)
+
+    @staticmethod
+    def lifted(out: Val, inner: Val, evidence: Evidence | None, first: int | None, lead: int = 0,
+               cut: Sequence[int] = ()) -> Val:
+        """``out``, a caller's value that is the body's output ``inner``, keeping its link to the quantizer
+        ``inner`` reached (the body's own, put back from ``first``, or a caller's): codes made in a body and
+        multiplied outside it. ``lead``: axes before the body's (a scan's iterations); ``cut``: axes that are
+        the shards' values side by side. Neither is one of the quantizer's axes."""
+        q = None if inner.qid is None or evidence is None else evidence.index(inner.qid, first)
+        if q is None:
+            return out
+        axis_map = (None,) * lead + tuple(None if d in cut else a for d, a in enumerate(inner.axis_map))
+        return dataclasses.replace(out, qid=q, axis_map=axis_map, live=inner.live)
+
+    def own(self, qid: int) -> bool:
+        """Whether quantizer ``qid`` is this body's own and unstacked: its values are in this trace, so the walk
+        may read them into a new quantizer or write its codes anew. A caller's quantizer (handed to a body) and
+        a body's (put back, its values stacked over its runs) are only linked to."""
+        return qid >= self.base and not self.stacked[qid]
+
+    def qshape(self, qid: int) -> tuple[int, ...]:
+        """The shape of one run of quantizer ``qid``'s codes as this body sees them: a shard's slice of a caller's
+        codes split by the shard_map's specs, one iteration's of a body's stacked ones."""
+        if qid in self.views:
+            return self.views[qid]
+        return tuple(np.shape(self.quantizers[qid][1]))[len(self.stacked[qid]):]
 
     def control(self, eqn: jcore.JaxprEqn, ins: list[Val], where: Where, *, values: bool) -> list[Val]:
         """scan / while / cond: the bodies walked for quantization and, with values, evaluated.
@@ -112,9 +181,12 @@ class ControlFlow:
             del self.records[start:]
             if name == "cond":
                 actual, shadow = self.cond_values(eqn, ins, counts, where)
+                links = [Val()] * len(actual)
             else:
-                actual, shadow = self.loop_values(eqn, ins, carry_q, count, where)
-            return [Val(q, False, False, a, s, grad=grad, data=data) for q, a, s in zip(quants, actual, shadow)]
+                actual, shadow, links = self.loop_values(eqn, ins, carry_q, count, where)
+            return [dataclasses.replace(Val(q, False, False, a, s, grad=grad, data=data), qid=link.qid,
+                                        axis_map=link.axis_map, live=link.live)
+                    for q, a, s, link in zip(quants, actual, shadow, links)]
         actual = eval_eqn(eqn, [v.actual for v in ins]) if values else None
         return [Val(q, False, False, None if actual is None else actual[i], None if actual is None else actual[i],
                      grad=grad, data=data) for i, q in enumerate(quants)]
@@ -142,13 +214,24 @@ class ControlFlow:
         """
         start, n_errors, n_quantizers, n_operands = (len(self.records), len(self.errors), len(self.quantizers),
                                                      len(self.operands))
-        outs = self.run(jaxpr, consts, ins, where, values=True)
+        # The caller's quantizers, below base, are only linked to from the body (their values are the caller's).
+        base, self.base = self.base, n_quantizers
+        mirrors, self.mirrors = self.mirrors, {}
+        try:
+            outs = self.run(jaxpr, consts, ins, where, values=True)
+            seen = self.mirrors
+        finally:
+            self.base, self.mirrors = base, mirrors
         records = self.records[start:]
         errors = [(i - start, e) for i, e in self.errors[n_errors:]]
+        # A split caller's zero point is held, in the body, as the shard's slice it added (zero_point_seen).
+        zero_points = {z: q for z, q in self.zero_points.items() if z >= n_quantizers or q >= n_quantizers}
+        zero_points |= {z: zero_points[m] for z, m in seen.items() if m in zero_points}
         evidence = Evidence(self.quantizers[n_quantizers:], self.multiplied[n_quantizers:],
                             self.stacked[n_quantizers:],
-                            [(i - start, side, q - n_quantizers, axes)
-                             for i, side, q, axes in self.operands[n_operands:] if q >= n_quantizers])
+                            [(i - start, side, seen.get(q, q), axes)
+                             for i, side, q, axes in self.operands[n_operands:]],
+                            n_quantizers, list(zero_points.items()))
         self.truncate(start, n_errors, n_quantizers, n_operands)
         return outs, records, errors, evidence
 
@@ -158,27 +241,39 @@ class ControlFlow:
         self.zero_points = {z: q for z, q in self.zero_points.items() if z < quantizers and q < quantizers}
 
     def put(self, records: list[MatmulRecord], figures: list[tuple[int, Any]], evidence: Evidence | None = None,
-            values: Sequence[tuple[Any, Any, Any]] = (), label: str = "", lost: str | None = None) -> None:
-        """Records of a body walked with values, their figures, and its evidence with ``values`` stacked by ``label``.
+            values: Sequence[tuple[Any, Any, Any]] = (), label: str = "", lost: str | None = None) -> int | None:
+        """Records of a body walked with values, their figures, and its evidence with ``values`` stacked by ``label``;
+        where the body's own quantizers start in the walk's list (None: not kept).
 
-        ``lost``: why the body's quantizer values are not kept (its records then say so).
+        ``lost``: why the body's quantizer values are not kept (its records then say so); its operands that
+        reach a caller's quantizer are held to it all the same.
         """
         start, first = len(self.records), len(self.quantizers)
         if lost is not None:
             records = [r if r.no_values else dataclasses.replace(r, no_values=lost) for r in records]
+            first = None
         self.records.extend(records)
         self.errors.extend((start + i, e) for i, e in figures)
         if evidence is None:
-            return
-        for value, multiplied, stacked in zip(values, evidence.multiplied, evidence.stacked):
-            self.quantizers.append(value)
-            self.multiplied.append(multiplied)
-            self.stacked.append((label, *stacked))
-        self.operands.extend((start + i, side, first + q, axes) for i, side, q, axes in evidence.operands)
+            return first
+        if first is not None:
+            for value, multiplied, stacked in zip(values, evidence.multiplied, evidence.stacked):
+                self.quantizers.append(value)
+                self.multiplied.append(multiplied)
+                self.stacked.append((label, *stacked))
+        for i, side, q, axes in evidence.operands:
+            if (at := evidence.index(q, first)) is not None:
+                self.operands.append((start + i, side, at, axes))
+        for z, q in evidence.zero_points:
+            at_z, at_q = evidence.index(z, first), evidence.index(q, first)
+            if at_z is not None and at_q is not None:
+                self.zero_points.setdefault(at_z, at_q)  # a caller's zero point shifting a caller's first
+        return first
 
     def loop_values(self, eqn: jcore.JaxprEqn, ins: list[Val], carry_q: list[OperandQuant | None], count: int,
-                    where: Where) -> tuple[list[Any], list[Any]]:
-        """A scan or while loop run again with the body walked with values; its outputs' values and shadows.
+                    where: Where) -> tuple[list[Any], list[Any], list[Val]]:
+        """A scan or while loop run again with the body walked with values; its outputs' values and shadows, and
+        the link each keeps to the quantizer it is the codes of (a scan's ys; a carry keeps none).
 
         Each of the body's ``count`` records keeps the worst figure over the
         iterations (``jnp.maximum``: a NaN in any iteration stays); a record
@@ -196,7 +291,12 @@ class ControlFlow:
         track = [q is not None and v.shadow is not v.actual for q, v in zip(carry_q, carry)]
         track_x = [v.shadow is not v.actual for v in xs]
         template = self.body_ins(ins, consts, carry_q, carry, xs)
-        const_ins = [dataclasses.replace(t, actual=v.actual, shadow=v.shadow) for t, v in zip(template, consts)]
+        # A const is the caller's value in every iteration, an xs one slice of it: both keep the caller's codes'
+        # link. A carry does not: after the first iteration it is the body's own.
+        const_ins = [self.linked(v, dataclasses.replace(t, actual=v.actual, shadow=v.shadow))
+                     for t, v in zip(template, consts)]
+        template[len(consts) + n_carry:] = [self.linked(v, t, drop=1)
+                                            for t, v in zip(template[len(consts) + n_carry:], xs)]
         kept: dict[str, Any] = {}
 
         def step(state, x):
@@ -217,6 +317,7 @@ class ControlFlow:
             new_sh = [o.shadow.astype(v.shadow.dtype) for o, v, k in zip(outs[:n_carry], carry, track) if k]
             ys = outs[n_carry:]
             kept["track_y"] = [o.shadow is not o.actual for o in ys]
+            kept["ys"] = ys
             # A scan's quantizers come out as its outputs, one per iteration; a while loop has none to stack on.
             found = evidence.quantizers if name == "scan" else []
             return (([o.actual for o in outs[:n_carry]], new_sh, worst),
@@ -237,14 +338,18 @@ class ControlFlow:
             c_act, c_sh, worst = jax.lax.while_loop(test, lambda state: step(state, ([], []))[0], init)
             ys, ys_sh, found = [], [], []
         if name == "scan":
-            self.put(kept["records"], [(i, worst[i]) for i in kept["at"]], kept["evidence"], found, "iteration")
+            first = self.put(kept["records"], [(i, worst[i]) for i in kept["at"]], kept["evidence"], found,
+                             "iteration")
         else:
-            self.put(kept["records"], [(i, worst[i]) for i in kept["at"]],
-                     lost="inside a while loop's body: its quantizers' values are not kept per iteration")
+            first = self.put(kept["records"], [(i, worst[i]) for i in kept["at"]], kept["evidence"],
+                             lost="inside a while loop's body: its quantizers' values are not kept per iteration")
         sh, shy = iter(c_sh), iter(ys_sh)
         shadows = [next(sh) if k else a for a, k in zip(c_act, track)]
         shadows += [next(shy) if k else a for a, k in zip(ys, kept["track_y"])]
-        return list(c_act) + list(ys), shadows
+        # A scan's ys are its iterations' values stacked: the codes a body made, multiplied after the loop.
+        links = [Val()] * n_carry + [self.lifted(Val(), y, kept["evidence"], first, lead=1)
+                                     for y in kept.get("ys", [])]
+        return list(c_act) + list(ys), shadows, links
 
     def cond_values(self, eqn: jcore.JaxprEqn, ins: list[Val], counts: list[int],
                     where: Where) -> tuple[list[Any], list[Any]]:
@@ -257,16 +362,19 @@ class ControlFlow:
         branches, ops = eqn.params["branches"], ins[1:]
         offsets = [sum(counts[:i]) for i in range(len(counts))]
         track = [v.shadow is not v.actual for v in ops]
-        kept: dict[int, tuple[list[MatmulRecord], list[int]]] = {}
+        kept: dict[int, tuple[list[MatmulRecord], list[int], Evidence]] = {}
 
         def branch(i: int, b: jcore.ClosedJaxpr):
             def run(act, sh):
                 shi = iter(sh)
+                template = self.align(ops, b.jaxpr.invars)
+                if len(template) == len(ops):
+                    template = [self.linked(v, t) for v, t in zip(ops, template)]
                 body_ins = [dataclasses.replace(t, actual=a, shadow=next(shi) if k else a)
-                            for t, a, k in zip(self.align(ops, b.jaxpr.invars), act, track)]
-                outs, records, figures, _ = self.evaluated(b.jaxpr, b.consts, body_ins, where)
+                            for t, a, k in zip(template, act, track)]
+                outs, records, figures, evidence = self.evaluated(b.jaxpr, b.consts, body_ins, where)
                 figures = [(j, e) for j, e in figures if j < counts[i]]
-                kept[i] = records, [offsets[i] + j for j, _ in figures]
+                kept[i] = records, [j for j, _ in figures], evidence
                 figure = [jnp.float32(NOT_RUN_COND)] * sum(counts)
                 for j, e in figures:
                     figure[offsets[i] + j] = e.astype(jnp.float32)
@@ -275,11 +383,22 @@ class ControlFlow:
 
         actual, figure = jax.lax.switch(ins[0].actual, [branch(i, b) for i, b in enumerate(branches)],
                                         [v.actual for v in ops], [v.shadow for v, k in zip(ops, track) if k])
-        records = [r for i in range(len(branches)) for r in kept[i][0]]
-        self.put(records, [(j, figure[j]) for i in range(len(branches)) for j in kept[i][1]],
-                 lost="inside a cond branch: its quantizers' values are not kept")
+        for i in range(len(branches)):
+            records, at, evidence = kept[i]
+            self.put(records, [(j, figure[offsets[i] + j]) for j in at], evidence,
+                     lost="inside a cond branch: its quantizers' values are not kept")
         return list(actual), list(actual)
 
     @staticmethod
     def agree(quants: list[OperandQuant | None]) -> OperandQuant | None:
         return quants[0] if all(q == quants[0] for q in quants) else None
+
+
+def _splits(spec: Any, mesh_shape: dict[str, int], ndim: int) -> list[int]:
+    """How many shards each of an operand's ``ndim`` axes is split into by its shard_map ``spec``."""
+    out = []
+    for d in range(ndim):
+        entry = spec[d] if spec is not None and d < len(spec) else None
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        out.append(int(np.prod([mesh_shape.get(n, 1) for n in names])) if names else 1)
+    return out

@@ -38,8 +38,13 @@ class Walker(QuantizerChains, PackedFields, ControlFlow):
         # outermost first): one quantizer of a body, its values stacked over the body's runs.
         self.stacked: list[tuple[str, ...]] = []
         # Zero points: the quantizer whose codes are another quantizer's zero point (x / s + zp, rounded: qwix's
-        # minmax int8), to the quantizer they shift. Only outside bodies (truncate drops a body's).
+        # minmax int8), to the quantizer they shift (a body's put back with its evidence).
         self.zero_points: dict[int, int] = {}
+        # Inside a body walked with values: where its own quantizers start (those below are a caller's, linked to
+        # only), and the shape a shard sees of each caller's quantizer whose codes its shard_map splits.
+        self.base = 0
+        self.views: dict[int, tuple[int, ...]] = {}
+        self.mirrors: dict[int, int] = {}  # a split caller's zero point: the body's quantizer of its slice
         self.machinery = machinery_prefixes(machinery)
         self.kernels = kernels or {}  # declared roles of opaque kernels, by kernel name
         self.misdeclared: list[str] = []  # declared roles that do not fit their kernel (the caller raises)
