@@ -108,20 +108,6 @@ class QuantizerChains:
             out.prescale, out.divisor, out.multiplied = x.prescale, x.divisor, x.multiplied
             out.zero_point = x.zero_point
 
-    def zero_point_seen(self, z: Val) -> int | None:
-        """The quantizer of zero point ``z`` as this run of a body sees it: where a shard_map splits a caller's
-        zero point, the shard's slice of its codes, a quantizer of the body's own (held beside the codes they
-        shift, shard by shard); else ``z``'s own. The body's operands that reach the caller's are held to it too
-        (:meth:`~qcheck._coverage._control.ControlFlow.evaluated` links them)."""
-        if z.qid is None or z.qid not in self.views or not z.live or z.axis_map != tuple(range(len(z.axis_map))):
-            return z.qid
-        if z.qid not in self.mirrors:
-            self.mirrors[z.qid] = len(self.quantizers)
-            self.quantizers.append((z.actual, z.actual, None))
-            self.multiplied.append(False)
-            self.stacked.append(())
-        return self.mirrors[z.qid]
-
     def quantizer_starts(self, eqn: jcore.JaxprEqn, ins: list[Val], out: Val) -> None:
         """A quantizing step (a cast, a rounding): its codes start here, of the value before the scale."""
         name = eqn.primitive.name

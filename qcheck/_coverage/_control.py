@@ -1,20 +1,19 @@
 """How the walk goes through control flow: a scan's body per iteration, a shard_map's per shard, a while loop's
-and a cond's branches, with values where it can and the reason where it cannot; and how a body's inputs and
-outputs keep their link to the caller's quantizers (codes made on one side of a body, multiplied on the other)."""
+and a cond's branches, with values where it can and the reason where it cannot (what crosses each body's
+boundary, its quantizers' evidence and the caller's, is :mod:`._boundary`'s)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
-import numpy as np
 
 from qcheck._coverage._records import MatmulRecord, OperandQuant
-from qcheck._coverage._values import Evidence, NOT_RUN_COND, NOT_RUN_LOOP, Val, Where, eval_eqn, scan_operands
+from qcheck._coverage._boundary import Evidence, splits
+from qcheck._coverage._values import NOT_RUN_COND, NOT_RUN_LOOP, Val, Where, eval_eqn, scan_operands
 
 
 class ControlFlow:
@@ -61,70 +60,11 @@ class ControlFlow:
                          found, "shard")
         grad = any(v.grad for v in ins)
         # An output split over shards is their codes side by side: along that axis, no one quantizer's axis.
-        splits = [_splits(s, dict(mesh.shape), len(getattr(v.aval, "shape", ()))) for s, v in
+        split_outs = [splits(s, dict(mesh.shape), len(getattr(v.aval, "shape", ()))) for s, v in
                   zip(p["out_specs"], eqn.outvars)]
         return [self.lifted(Val(o.quant, False, False, a, a, grad=grad, casts=o.casts, data=o.data), o,
                             kept["evidence"], first, cut=[d for d, n in enumerate(split) if n > 1])
-                for o, a, split in zip(kept["outs"], actual, splits)]
-
-    def sharded(self, ins: list[Val], template: list[Val], eqn: jcore.JaxprEqn, specs: Sequence[Any],
-                mesh_shape: dict[str, int]) -> tuple[list[Val], dict[int, tuple[int, ...]]]:
-        """A shard_map body's inputs linked to the caller's quantizers, and each such quantizer's shape as one
-        shard sees it (where the specs split an axis, the shard's slice of it)."""
-        if len(template) != len(ins):
-            return template, {}
-        out, views = [], {}
-        for v, t, spec, var in zip(ins, template, specs, eqn.invars):
-            t = self.linked(v, t)
-            split = _splits(spec, mesh_shape, len(getattr(var.aval, "shape", ())))
-            if t.qid is not None and any(n > 1 for n in split):
-                shape, axis_map = list(self.qshape(t.qid)), list(t.axis_map)
-                for d, n in enumerate(split[:len(axis_map)]):
-                    if n > 1 and isinstance(axis_map[d], int) and shape[axis_map[d]] % n == 0:
-                        shape[axis_map[d]] //= n
-                    elif n > 1:
-                        axis_map[d] = None  # a slice of what the walk cannot lay out in the quantizer's axes
-                if views.setdefault(t.qid, tuple(shape)) != tuple(shape):
-                    # The same codes split otherwise for another input: this one's split axes are not laid out.
-                    axis_map = [None if n > 1 else a for a, n in zip(axis_map, split)]
-                t = dataclasses.replace(t, axis_map=tuple(axis_map))
-            out.append(t)
-        return out, views
-
-    def linked(self, caller: Val, inner: Val, drop: int = 0) -> Val:
-        """``inner``, a body's input, keeping the link of ``caller`` (the caller's value it is, its first ``drop``
-        axes sliced off: a scan's xs) to the quantizer whose codes it is: a matmul in the body on it is held to
-        that quantizer, as it would be in the caller (codes made outside a shard_map, multiplied inside it).
-        Its values stay the caller's (:meth:`own` keeps the body from writing them)."""
-        if caller.qid is None or len(caller.axis_map) < drop:
-            return inner
-        return dataclasses.replace(inner, qid=caller.qid, axis_map=tuple(caller.axis_map[drop:]), live=caller.live)
-
-    @staticmethod
-    def lifted(out: Val, inner: Val, evidence: Evidence | None, first: int | None, lead: int = 0,
-               cut: Sequence[int] = ()) -> Val:
-        """``out``, a caller's value that is the body's output ``inner``, keeping its link to the quantizer
-        ``inner`` reached (the body's own, put back from ``first``, or a caller's): codes made in a body and
-        multiplied outside it. ``lead``: axes before the body's (a scan's iterations); ``cut``: axes that are
-        the shards' values side by side. Neither is one of the quantizer's axes."""
-        q = None if inner.qid is None or evidence is None else evidence.index(inner.qid, first)
-        if q is None:
-            return out
-        axis_map = (None,) * lead + tuple(None if d in cut else a for d, a in enumerate(inner.axis_map))
-        return dataclasses.replace(out, qid=q, axis_map=axis_map, live=inner.live)
-
-    def own(self, qid: int) -> bool:
-        """Whether quantizer ``qid`` is this body's own and unstacked: its values are in this trace, so the walk
-        may read them into a new quantizer or write its codes anew. A caller's quantizer (handed to a body) and
-        a body's (put back, its values stacked over its runs) are only linked to."""
-        return qid >= self.base and not self.stacked[qid]
-
-    def qshape(self, qid: int) -> tuple[int, ...]:
-        """The shape of one run of quantizer ``qid``'s codes as this body sees them: a shard's slice of a caller's
-        codes split by the shard_map's specs, one iteration's of a body's stacked ones."""
-        if qid in self.views:
-            return self.views[qid]
-        return tuple(np.shape(self.quantizers[qid][1]))[len(self.stacked[qid]):]
+                for o, a, split in zip(kept["outs"], actual, split_outs)]
 
     def control(self, eqn: jcore.JaxprEqn, ins: list[Val], where: Where, *, values: bool) -> list[Val]:
         """scan / while / cond: the bodies walked for quantization and, with values, evaluated.
@@ -202,73 +142,6 @@ class ControlFlow:
         return ([Val(v.quant, v.const, v.scale, grad=grad, data=v.data, ident=v.ident or object()) for v in consts]
                 + [Val(q, grad=grad, data=v.data, ident=object()) for q, v in zip(carry_q, carry)]
                 + [Val(v.quant, grad=grad, data=v.data, ident=object()) for v in xs])
-
-    def evaluated(self, jaxpr: jcore.Jaxpr, consts: Sequence[Any], ins: list[Val],
-                  where: Where) -> tuple[list[Val], list[MatmulRecord], list[tuple[int, Any]], Evidence]:
-        """Walk a body with values, taking its records, figures and quantizer evidence out of the walker.
-
-        The caller, tracing the body inside a loop, a branch or a shard_map of
-        its own, puts them back with :meth:`put` once they are out of that
-        trace: the evidence's values as the body's extra outputs, stacked over
-        its runs (a scan's iterations, a shard_map's shards).
-        """
-        start, n_errors, n_quantizers, n_operands = (len(self.records), len(self.errors), len(self.quantizers),
-                                                     len(self.operands))
-        # The caller's quantizers, below base, are only linked to from the body (their values are the caller's).
-        base, self.base = self.base, n_quantizers
-        mirrors, self.mirrors = self.mirrors, {}
-        try:
-            outs = self.run(jaxpr, consts, ins, where, values=True)
-            seen = self.mirrors
-        finally:
-            self.base, self.mirrors = base, mirrors
-        records = self.records[start:]
-        errors = [(i - start, e) for i, e in self.errors[n_errors:]]
-        # A split caller's zero point is held, in the body, as the shard's slice it added (zero_point_seen).
-        zero_points = {z: q for z, q in self.zero_points.items() if z >= n_quantizers or q >= n_quantizers}
-        zero_points |= {z: zero_points[m] for z, m in seen.items() if m in zero_points}
-        evidence = Evidence(self.quantizers[n_quantizers:], self.multiplied[n_quantizers:],
-                            self.stacked[n_quantizers:],
-                            [(i - start, side, seen.get(q, q), axes)
-                             for i, side, q, axes in self.operands[n_operands:]],
-                            n_quantizers, list(zero_points.items()))
-        self.truncate(start, n_errors, n_quantizers, n_operands)
-        return outs, records, errors, evidence
-
-    def truncate(self, records: int, errors: int, quantizers: int, operands: int) -> None:
-        del self.records[records:], self.errors[errors:], self.quantizers[quantizers:]
-        del self.multiplied[quantizers:], self.stacked[quantizers:], self.operands[operands:]
-        self.zero_points = {z: q for z, q in self.zero_points.items() if z < quantizers and q < quantizers}
-
-    def put(self, records: list[MatmulRecord], figures: list[tuple[int, Any]], evidence: Evidence | None = None,
-            values: Sequence[tuple[Any, Any, Any]] = (), label: str = "", lost: str | None = None) -> int | None:
-        """Records of a body walked with values, their figures, and its evidence with ``values`` stacked by ``label``;
-        where the body's own quantizers start in the walk's list (None: not kept).
-
-        ``lost``: why the body's quantizer values are not kept (its records then say so); its operands that
-        reach a caller's quantizer are held to it all the same.
-        """
-        start, first = len(self.records), len(self.quantizers)
-        if lost is not None:
-            records = [r if r.no_values else dataclasses.replace(r, no_values=lost) for r in records]
-            first = None
-        self.records.extend(records)
-        self.errors.extend((start + i, e) for i, e in figures)
-        if evidence is None:
-            return first
-        if first is not None:
-            for value, multiplied, stacked in zip(values, evidence.multiplied, evidence.stacked):
-                self.quantizers.append(value)
-                self.multiplied.append(multiplied)
-                self.stacked.append((label, *stacked))
-        for i, side, q, axes in evidence.operands:
-            if (at := evidence.index(q, first)) is not None:
-                self.operands.append((start + i, side, at, axes))
-        for z, q in evidence.zero_points:
-            at_z, at_q = evidence.index(z, first), evidence.index(q, first)
-            if at_z is not None and at_q is not None:
-                self.zero_points.setdefault(at_z, at_q)  # a caller's zero point shifting a caller's first
-        return first
 
     def loop_values(self, eqn: jcore.JaxprEqn, ins: list[Val], carry_q: list[OperandQuant | None], count: int,
                     where: Where) -> tuple[list[Any], list[Any], list[Val]]:
@@ -392,13 +265,3 @@ class ControlFlow:
     @staticmethod
     def agree(quants: list[OperandQuant | None]) -> OperandQuant | None:
         return quants[0] if all(q == quants[0] for q in quants) else None
-
-
-def _splits(spec: Any, mesh_shape: dict[str, int], ndim: int) -> list[int]:
-    """How many shards each of an operand's ``ndim`` axes is split into by its shard_map ``spec``."""
-    out = []
-    for d in range(ndim):
-        entry = spec[d] if spec is not None and d < len(spec) else None
-        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        out.append(int(np.prod([mesh_shape.get(n, 1) for n in names])) if names else 1)
-    return out

@@ -226,32 +226,6 @@ def live_eqns(jaxpr: jcore.Jaxpr) -> list[bool]:
     return live
 
 
-@dataclasses.dataclass
-class Evidence:
-    """What a body walked with values found of its quantizers: each one's (input, codes, divisor), whether its
-    scale was multiplied in, its own stacking, which of the body's matmul operands (by record index within the
-    body) reached which quantizer with which contraction axes, and which quantizers' codes are another's zero
-    point (zero point, quantizer).
-
-    A quantizer is named by its index in the walk's list while the body ran: from ``base`` on, the body's own
-    (``quantizers[q - base]``); below it, a caller's, whose codes the body was handed (:meth:`index` maps both
-    to the caller's list once the body's own are put back)."""
-
-    quantizers: list[tuple[Any, Any, Any]]
-    multiplied: list[bool]
-    stacked: list[tuple[str, ...]]
-    operands: list[tuple[int, str, int, tuple[int | None, ...]]]
-    base: int = 0
-    zero_points: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-
-    def index(self, q: int, first: int | None) -> int | None:
-        """Quantizer ``q`` of the body in the caller's list, where the body's own start at ``first`` (None: the
-        body's own were not kept, so only a caller's quantizer has an index)."""
-        if q < self.base:
-            return q
-        return None if first is None else first + q - self.base
-
-
 def eval_eqn(eqn: jcore.JaxprEqn, vals: list[Any]) -> list[Any]:
     """Evaluate one eqn on values, as ``jax.core.eval_jaxpr`` binds it (higher-order primitives included)."""
     invars, seen = [], set()

@@ -10,6 +10,7 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 
+from qcheck._coverage._boundary import Boundaries
 from qcheck._coverage._chain import QuantizerChains
 from qcheck._coverage._control import ControlFlow
 from qcheck._coverage._fields import PackedFields
@@ -21,7 +22,7 @@ from qcheck._coverage._values import (SAME_VALUE, Val, Where, contracting_dims, 
                                       live_eqns, narrow_bits, operand_role, widest_float)
 
 
-class Walker(QuantizerChains, PackedFields, ControlFlow):
+class Walker(QuantizerChains, PackedFields, ControlFlow, Boundaries):
     """The walk over a traced program: every matmul as a record, each operand's quantized chain, with values where
     it runs inside a program of its own."""
 
