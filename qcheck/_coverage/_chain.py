@@ -69,8 +69,7 @@ class QuantizerChains:
         else:
             self.codes_carried(eqn, ins, quant, out)
 
-    @staticmethod
-    def toward_quantizer(eqn: jcore.JaxprEqn, ins: list[Val], out: Val) -> None:
+    def toward_quantizer(self, eqn: jcore.JaxprEqn, ins: list[Val], out: Val) -> None:
         """On the way to a quantizer: a scale divided out (or multiplied in), a zero point added, a saturation."""
         name = eqn.primitive.name
         first = ins[0] if ins else Val()
@@ -101,7 +100,7 @@ class QuantizerChains:
                 codes = z.quant is not None and np.issubdtype(np.dtype(z.quant.dtype or "float32"), np.integer)
                 if x.divisor is not None and small and codes and not z.const and z.divisor is None:
                     out.prescale, out.divisor, out.multiplied = x.prescale, x.divisor, x.multiplied
-                    out.zero_point = z.qid
+                    out.zero_point = self.zero_point_seen(z)
                     break
         elif name in ("clamp", "max", "min", "convert_element_type", "stop_gradient", "copy", "copy_p", "abs",
                       "neg"):  # abs, neg: a symmetric grid's magnitudes, the sign put back later
@@ -120,6 +119,12 @@ class QuantizerChains:
             # Codes rounded in another layout (NVFP4's blocks), laid back and cast to their type: the same
             # quantizer, whose codes stay where its axes are known.
             out.qid, out.live, out.axis_map = src.qid, True, map_axes(eqn, src.axis_map, ())
+            return
+        if src.quant is not None and src.qid is not None and not self.own(src.qid):
+            # A caller's codes (or a body's, stacked) cast in this body: still that quantizer's codes, whose values
+            # are not this trace's to start a quantizer of; dequantized and rounded again, they are no one's.
+            if src.live:
+                out.qid, out.live, out.axis_map = src.qid, True, map_axes(eqn, src.axis_map, self.qshape(src.qid))
             return
         origin = src.prescale if src.prescale is not None else src.actual
         divisor, multiplied = src.divisor, src.multiplied
@@ -146,14 +151,17 @@ class QuantizerChains:
         if carrier.qid is None:
             return
         out.qid = carrier.qid
-        out.axis_map = map_axes(eqn, carrier.axis_map, tuple(np.shape(self.quantizers[carrier.qid][1])))
+        out.axis_map = map_axes(eqn, carrier.axis_map, self.qshape(carrier.qid))
         if carrier.live and name in ("mul", "div"):
             out.live = False  # codes times their scale: dequantized
         elif carrier.live:
             out.live = True
             if name in ("clamp", "max", "min", "round", "floor", "ceil"):
-                # Saturation of the codes themselves: the quantizer's codes are these.
-                if out.axis_map == tuple(range(len(out.axis_map))):
+                # Saturation of the codes themselves: the quantizer's codes are these. A caller's codes saturated
+                # in a body are not the codes its quantizer made (and not this trace's to rewrite): no link.
+                if not self.own(carrier.qid):
+                    out.qid, out.live, out.axis_map = None, False, ()
+                elif out.axis_map == tuple(range(len(out.axis_map))):
                     o, _, d = self.quantizers[carrier.qid]
                     self.quantizers[carrier.qid] = (o, out.actual, d)
 
@@ -166,6 +174,8 @@ class QuantizerChains:
             return
         qids = sorted({v.qid for v in cases})
         identity = tuple(range(len(getattr(eqn.outvars[0].aval, "shape", ()))))
+        if not all(self.own(q) for q in qids):
+            return  # a caller's codes picked among in a body: not the codes its quantizer made
         if len(qids) == 1:
             maps = {v.axis_map for v in cases}
             if len(maps) != 1:

@@ -1,10 +1,10 @@
 """How the walk goes through control flow: a scan's body per iteration, a shard_map's per shard, a while loop's
-and a cond's branches, with values where it can and the reason where it cannot."""
+and a cond's branches, with values where it can and the reason where it cannot (what crosses each body's
+boundary, its quantizers' evidence and the caller's, is :mod:`._boundary`'s)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -12,7 +12,8 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 
 from qcheck._coverage._records import MatmulRecord, OperandQuant
-from qcheck._coverage._values import Evidence, NOT_RUN_COND, NOT_RUN_LOOP, Val, Where, eval_eqn, scan_operands
+from qcheck._coverage._boundary import Evidence, splits
+from qcheck._coverage._values import NOT_RUN_COND, NOT_RUN_LOOP, Val, Where, eval_eqn, scan_operands
 
 
 class ControlFlow:
@@ -32,12 +33,16 @@ class ControlFlow:
         manual = next((p[k] for k in ("newly_manual_axes", "manual_axes", "axis_names") if p.get(k)),
                       frozenset(mesh.axis_names))
         per_shard = jax.sharding.PartitionSpec(tuple(a for a in mesh.axis_names if a in manual))
-        template = self.align(ins, jaxpr.invars)
+        template, views = self.sharded(ins, self.align(ins, jaxpr.invars), eqn, p["in_specs"], dict(mesh.shape))
         kept: dict[str, Any] = {}
 
         def run(*args):
             body_ins = [dataclasses.replace(t, actual=a, shadow=a) for t, a in zip(template, args)]
-            outs, records, figures, evidence = self.evaluated(jaxpr, consts, body_ins, where)
+            outer_views, self.views = self.views, {**self.views, **views}
+            try:
+                outs, records, figures, evidence = self.evaluated(jaxpr, consts, body_ins, where)
+            finally:
+                self.views = outer_views
             kept.update(outs=outs, records=records, at=[i for i, _ in figures], evidence=evidence)
             return (tuple(o.actual for o in outs), tuple(jnp.asarray(e, jnp.float32)[None] for _, e in figures),
                     tuple(tuple(None if v is None else jnp.asarray(v)[None] for v in q) for q in evidence.quantizers))
@@ -51,11 +56,15 @@ class ControlFlow:
             self.truncate(*sizes)
             first = str(e).splitlines()[0][:160] if str(e) else ""
             return f"inside shard_map: its body could not be run per shard with values ({type(e).__name__}: {first})"
-        self.put(kept["records"], [(i, jnp.max(e)) for i, e in zip(kept["at"], figures)], kept["evidence"],
-                 found, "shard")
+        first = self.put(kept["records"], [(i, jnp.max(e)) for i, e in zip(kept["at"], figures)], kept["evidence"],
+                         found, "shard")
         grad = any(v.grad for v in ins)
-        return [Val(o.quant, False, False, a, a, grad=grad, casts=o.casts, data=o.data)
-                for o, a in zip(kept["outs"], actual)]
+        # An output split over shards is their codes side by side: along that axis, no one quantizer's axis.
+        split_outs = [splits(s, dict(mesh.shape), len(getattr(v.aval, "shape", ()))) for s, v in
+                  zip(p["out_specs"], eqn.outvars)]
+        return [self.lifted(Val(o.quant, False, False, a, a, grad=grad, casts=o.casts, data=o.data), o,
+                            kept["evidence"], first, cut=[d for d, n in enumerate(split) if n > 1])
+                for o, a, split in zip(kept["outs"], actual, split_outs)]
 
     def control(self, eqn: jcore.JaxprEqn, ins: list[Val], where: Where, *, values: bool) -> list[Val]:
         """scan / while / cond: the bodies walked for quantization and, with values, evaluated.
@@ -112,9 +121,12 @@ class ControlFlow:
             del self.records[start:]
             if name == "cond":
                 actual, shadow = self.cond_values(eqn, ins, counts, where)
+                links = [Val()] * len(actual)
             else:
-                actual, shadow = self.loop_values(eqn, ins, carry_q, count, where)
-            return [Val(q, False, False, a, s, grad=grad, data=data) for q, a, s in zip(quants, actual, shadow)]
+                actual, shadow, links = self.loop_values(eqn, ins, carry_q, count, where)
+            return [dataclasses.replace(Val(q, False, False, a, s, grad=grad, data=data), qid=link.qid,
+                                        axis_map=link.axis_map, live=link.live)
+                    for q, a, s, link in zip(quants, actual, shadow, links)]
         actual = eval_eqn(eqn, [v.actual for v in ins]) if values else None
         return [Val(q, False, False, None if actual is None else actual[i], None if actual is None else actual[i],
                      grad=grad, data=data) for i, q in enumerate(quants)]
@@ -131,55 +143,10 @@ class ControlFlow:
                 + [Val(q, grad=grad, data=v.data, ident=object()) for q, v in zip(carry_q, carry)]
                 + [Val(v.quant, grad=grad, data=v.data, ident=object()) for v in xs])
 
-    def evaluated(self, jaxpr: jcore.Jaxpr, consts: Sequence[Any], ins: list[Val],
-                  where: Where) -> tuple[list[Val], list[MatmulRecord], list[tuple[int, Any]], Evidence]:
-        """Walk a body with values, taking its records, figures and quantizer evidence out of the walker.
-
-        The caller, tracing the body inside a loop, a branch or a shard_map of
-        its own, puts them back with :meth:`put` once they are out of that
-        trace: the evidence's values as the body's extra outputs, stacked over
-        its runs (a scan's iterations, a shard_map's shards).
-        """
-        start, n_errors, n_quantizers, n_operands = (len(self.records), len(self.errors), len(self.quantizers),
-                                                     len(self.operands))
-        outs = self.run(jaxpr, consts, ins, where, values=True)
-        records = self.records[start:]
-        errors = [(i - start, e) for i, e in self.errors[n_errors:]]
-        evidence = Evidence(self.quantizers[n_quantizers:], self.multiplied[n_quantizers:],
-                            self.stacked[n_quantizers:],
-                            [(i - start, side, q - n_quantizers, axes)
-                             for i, side, q, axes in self.operands[n_operands:] if q >= n_quantizers])
-        self.truncate(start, n_errors, n_quantizers, n_operands)
-        return outs, records, errors, evidence
-
-    def truncate(self, records: int, errors: int, quantizers: int, operands: int) -> None:
-        del self.records[records:], self.errors[errors:], self.quantizers[quantizers:]
-        del self.multiplied[quantizers:], self.stacked[quantizers:], self.operands[operands:]
-        self.zero_points = {z: q for z, q in self.zero_points.items() if z < quantizers and q < quantizers}
-        self.code_shadows = {q: s for q, s in self.code_shadows.items() if q < quantizers}
-
-    def put(self, records: list[MatmulRecord], figures: list[tuple[int, Any]], evidence: Evidence | None = None,
-            values: Sequence[tuple[Any, Any, Any]] = (), label: str = "", lost: str | None = None) -> None:
-        """Records of a body walked with values, their figures, and its evidence with ``values`` stacked by ``label``.
-
-        ``lost``: why the body's quantizer values are not kept (its records then say so).
-        """
-        start, first = len(self.records), len(self.quantizers)
-        if lost is not None:
-            records = [r if r.no_values else dataclasses.replace(r, no_values=lost) for r in records]
-        self.records.extend(records)
-        self.errors.extend((start + i, e) for i, e in figures)
-        if evidence is None:
-            return
-        for value, multiplied, stacked in zip(values, evidence.multiplied, evidence.stacked):
-            self.quantizers.append(value)
-            self.multiplied.append(multiplied)
-            self.stacked.append((label, *stacked))
-        self.operands.extend((start + i, side, first + q, axes) for i, side, q, axes in evidence.operands)
-
     def loop_values(self, eqn: jcore.JaxprEqn, ins: list[Val], carry_q: list[OperandQuant | None], count: int,
-                    where: Where) -> tuple[list[Any], list[Any]]:
-        """A scan or while loop run again with the body walked with values; its outputs' values and shadows.
+                    where: Where) -> tuple[list[Any], list[Any], list[Val]]:
+        """A scan or while loop run again with the body walked with values; its outputs' values and shadows, and
+        the link each keeps to the quantizer it is the codes of (a scan's ys; a carry keeps none).
 
         Each of the body's ``count`` records keeps the worst figure over the
         iterations (``jnp.maximum``: a NaN in any iteration stays); a record
@@ -197,7 +164,12 @@ class ControlFlow:
         track = [q is not None and v.shadow is not v.actual for q, v in zip(carry_q, carry)]
         track_x = [v.shadow is not v.actual for v in xs]
         template = self.body_ins(ins, consts, carry_q, carry, xs)
-        const_ins = [dataclasses.replace(t, actual=v.actual, shadow=v.shadow) for t, v in zip(template, consts)]
+        # A const is the caller's value in every iteration, an xs one slice of it: both keep the caller's codes'
+        # link. A carry does not: after the first iteration it is the body's own.
+        const_ins = [self.linked(v, dataclasses.replace(t, actual=v.actual, shadow=v.shadow))
+                     for t, v in zip(template, consts)]
+        template[len(consts) + n_carry:] = [self.linked(v, t, drop=1)
+                                            for t, v in zip(template[len(consts) + n_carry:], xs)]
         kept: dict[str, Any] = {}
 
         def step(state, x):
@@ -218,6 +190,7 @@ class ControlFlow:
             new_sh = [o.shadow.astype(v.shadow.dtype) for o, v, k in zip(outs[:n_carry], carry, track) if k]
             ys = outs[n_carry:]
             kept["track_y"] = [o.shadow is not o.actual for o in ys]
+            kept["ys"] = ys
             # A scan's quantizers come out as its outputs, one per iteration; a while loop has none to stack on.
             found = evidence.quantizers if name == "scan" else []
             return (([o.actual for o in outs[:n_carry]], new_sh, worst),
@@ -238,14 +211,18 @@ class ControlFlow:
             c_act, c_sh, worst = jax.lax.while_loop(test, lambda state: step(state, ([], []))[0], init)
             ys, ys_sh, found = [], [], []
         if name == "scan":
-            self.put(kept["records"], [(i, worst[i]) for i in kept["at"]], kept["evidence"], found, "iteration")
+            first = self.put(kept["records"], [(i, worst[i]) for i in kept["at"]], kept["evidence"], found,
+                             "iteration")
         else:
-            self.put(kept["records"], [(i, worst[i]) for i in kept["at"]],
-                     lost="inside a while loop's body: its quantizers' values are not kept per iteration")
+            first = self.put(kept["records"], [(i, worst[i]) for i in kept["at"]], kept["evidence"],
+                             lost="inside a while loop's body: its quantizers' values are not kept per iteration")
         sh, shy = iter(c_sh), iter(ys_sh)
         shadows = [next(sh) if k else a for a, k in zip(c_act, track)]
         shadows += [next(shy) if k else a for a, k in zip(ys, kept["track_y"])]
-        return list(c_act) + list(ys), shadows
+        # A scan's ys are its iterations' values stacked: the codes a body made, multiplied after the loop.
+        links = [Val()] * n_carry + [self.lifted(Val(), y, kept["evidence"], first, lead=1)
+                                     for y in kept.get("ys", [])]
+        return list(c_act) + list(ys), shadows, links
 
     def cond_values(self, eqn: jcore.JaxprEqn, ins: list[Val], counts: list[int],
                     where: Where) -> tuple[list[Any], list[Any]]:
@@ -258,16 +235,19 @@ class ControlFlow:
         branches, ops = eqn.params["branches"], ins[1:]
         offsets = [sum(counts[:i]) for i in range(len(counts))]
         track = [v.shadow is not v.actual for v in ops]
-        kept: dict[int, tuple[list[MatmulRecord], list[int]]] = {}
+        kept: dict[int, tuple[list[MatmulRecord], list[int], Evidence]] = {}
 
         def branch(i: int, b: jcore.ClosedJaxpr):
             def run(act, sh):
                 shi = iter(sh)
+                template = self.align(ops, b.jaxpr.invars)
+                if len(template) == len(ops):
+                    template = [self.linked(v, t) for v, t in zip(ops, template)]
                 body_ins = [dataclasses.replace(t, actual=a, shadow=next(shi) if k else a)
-                            for t, a, k in zip(self.align(ops, b.jaxpr.invars), act, track)]
-                outs, records, figures, _ = self.evaluated(b.jaxpr, b.consts, body_ins, where)
+                            for t, a, k in zip(template, act, track)]
+                outs, records, figures, evidence = self.evaluated(b.jaxpr, b.consts, body_ins, where)
                 figures = [(j, e) for j, e in figures if j < counts[i]]
-                kept[i] = records, [offsets[i] + j for j, _ in figures]
+                kept[i] = records, [j for j, _ in figures], evidence
                 figure = [jnp.float32(NOT_RUN_COND)] * sum(counts)
                 for j, e in figures:
                     figure[offsets[i] + j] = e.astype(jnp.float32)
@@ -276,9 +256,10 @@ class ControlFlow:
 
         actual, figure = jax.lax.switch(ins[0].actual, [branch(i, b) for i, b in enumerate(branches)],
                                         [v.actual for v in ops], [v.shadow for v, k in zip(ops, track) if k])
-        records = [r for i in range(len(branches)) for r in kept[i][0]]
-        self.put(records, [(j, figure[j]) for i in range(len(branches)) for j in kept[i][1]],
-                 lost="inside a cond branch: its quantizers' values are not kept")
+        for i in range(len(branches)):
+            records, at, evidence = kept[i]
+            self.put(records, [(j, figure[offsets[i] + j]) for j in at], evidence,
+                     lost="inside a cond branch: its quantizers' values are not kept")
         return list(actual), list(actual)
 
     @staticmethod

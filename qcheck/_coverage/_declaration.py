@@ -370,14 +370,20 @@ BITWISE = Hold("bitwise")
 
 def _instances(x: np.ndarray, codes: np.ndarray, divisor: Any, stacked: tuple[str, ...]):
     """Each run of a quantizer inside bodies (``stacked``: what its leading axes enumerate) as its own values."""
+    for where, idx, xi, ci, di in _runs(x, codes, divisor, stacked):
+        yield where, xi, ci, di
+
+
+def _runs(x: np.ndarray, codes: np.ndarray, divisor: Any, stacked: tuple[str, ...]):
+    """:func:`_instances` with each run's index into the stacked axes."""
     if not stacked:
-        yield "", x, codes, divisor
+        yield "", (), x, codes, divisor
         return
     n = len(stacked)
     for idx in np.ndindex(*np.shape(codes)[:n]):
         where = " (" + ", ".join(f"{label} {i}" for label, i in zip(stacked, idx)) + ")"
         d = None if divisor is None else (np.asarray(divisor[0])[idx], divisor[1])
-        yield where, np.asarray(x)[idx], np.asarray(codes)[idx], d
+        yield where, idx, np.asarray(x)[idx], np.asarray(codes)[idx], d
 
 
 def _judge_codes(x: np.ndarray, codes: np.ndarray, divisor: Any, fmt: RoleFormat,
@@ -458,6 +464,25 @@ def _judge_zero_point(zero_point: np.ndarray, x: np.ndarray, fmt: RoleFormat, ax
     idx = tuple(int(i) for i in np.argwhere(differ)[0])
     return (f"zero point is not {fmt}'s: {int(differ.sum())} of {zero_point.size} differ from the referee's; first "
             f"at {list(idx)}: {_as_f32(zero_point)[idx]:g} where the referee gives {_as_f32(refs[0])[idx]:g}"), BITWISE
+
+
+def _judge_zero_points(zero_point: tuple[Any, ...], main: tuple[Any, ...], fmt: RoleFormat,
+                       axes: tuple[int | None, ...] | None) -> tuple[str | None, Hold]:
+    """:func:`_judge_zero_point` on each run of the quantizer ``main`` (its values stacked over a body's runs) with
+    the zero point's own run: the same run where both are the body's, one zero point for every run where the
+    zero point was made outside the body (handed in). A finding is prefixed with the run it names."""
+    zp_stacked, main_stacked = (q[3] if len(q) > 3 else () for q in (zero_point, main))
+    if tuple(main_stacked[:len(zp_stacked)]) != tuple(zp_stacked):
+        return None, Hold("type", "the zero point was made in another body than the quantizer it shifts")
+    hold = Hold("type", "inside a body that ran no iteration: no codes to hold")
+    zp = np.asarray(zero_point[1])
+    for at, index, x, _, _ in _runs(main[0], main[1], None, main_stacked):
+        msg, hold = _judge_zero_point(zp[index[:len(zp_stacked)]], x, fmt, axes)
+        if msg is not None:
+            return f"{at}: {msg}", hold
+        if not hold.bitwise:
+            break
+    return None, hold
 
 
 def _merged_layout(shape: tuple[int, ...], axes: tuple[Any, ...]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -552,9 +577,9 @@ def judge(records: Sequence[MatmulRecord], declaration: Declaration, quantizers:
             q, axes = evidence[i, side]
             if q in zero_points:
                 main = zero_points[q]
-                msg, holds[side] = _judge_zero_point(quantizers[q][1], quantizers[main][0], fmt, axes_of.get(main))
+                msg, holds[side] = _judge_zero_points(quantizers[q], quantizers[main], fmt, axes_of.get(main))
                 if msg is not None:
-                    found.append(f"{label}: {msg}")
+                    found.append(f"{label}{msg}")
                 continue
             x, codes, divisor, *rest = quantizers[q]
             stacked = rest[0] if rest else ()

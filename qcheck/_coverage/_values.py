@@ -229,18 +229,6 @@ def live_eqns(jaxpr: jcore.Jaxpr) -> list[bool]:
     return live
 
 
-@dataclasses.dataclass
-class Evidence:
-    """What a body walked with values found of its quantizers: each one's (input, codes, divisor), whether its
-    scale was multiplied in, its own stacking, and which of the body's matmul operands (by record index within
-    the body) reached which (by index within ``quantizers``) with which contraction axes."""
-
-    quantizers: list[tuple[Any, Any, Any]]
-    multiplied: list[bool]
-    stacked: list[tuple[str, ...]]
-    operands: list[tuple[int, str, int, tuple[int | None, ...]]]
-
-
 def eval_eqn(eqn: jcore.JaxprEqn, vals: list[Any]) -> list[Any]:
     """Evaluate one eqn on values, as ``jax.core.eval_jaxpr`` binds it (higher-order primitives included)."""
     invars, seen = [], set()

@@ -10,6 +10,7 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 
+from qcheck._coverage._boundary import Boundaries
 from qcheck._coverage._chain import QuantizerChains
 from qcheck._coverage._control import ControlFlow
 from qcheck._coverage._fields import PackedFields
@@ -22,7 +23,7 @@ from qcheck._coverage._values import (SAME_VALUE, Val, Where, contracting_dims, 
 from qcheck._errors import UserCodeError, first_line, raised_by_qcheck
 
 
-class Walker(QuantizerChains, PackedFields, ControlFlow):
+class Walker(QuantizerChains, PackedFields, ControlFlow, Boundaries):
     """The walk over a traced program: every matmul as a record, each operand's quantized chain, with values where
     it runs inside a program of its own."""
 
@@ -44,8 +45,13 @@ class Walker(QuantizerChains, PackedFields, ControlFlow):
         # outermost first): one quantizer of a body, its values stacked over the body's runs.
         self.stacked: list[tuple[str, ...]] = []
         # Zero points: the quantizer whose codes are another quantizer's zero point (x / s + zp, rounded: qwix's
-        # minmax int8), to the quantizer they shift. Only outside bodies (truncate drops a body's).
+        # minmax int8), to the quantizer they shift (a body's put back with its evidence).
         self.zero_points: dict[int, int] = {}
+        # Inside a body walked with values: where its own quantizers start (those below are a caller's, linked to
+        # only), and the shape a shard sees of each caller's quantizer whose codes its shard_map splits.
+        self.base = 0
+        self.views: dict[int, tuple[int, ...]] = {}
+        self.mirrors: dict[int, int] = {}  # a split caller's zero point: the body's quantizer of its slice
         self.machinery = machinery_prefixes(machinery)
         self.kernels = kernels or {}  # declared roles of opaque kernels, by kernel name
         self.misdeclared: list[str] = []  # declared roles that do not fit their kernel (the caller raises)
