@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from qcheck import formats
-from qcheck._coverage._declaration import Declaration, RoleFormat, as_declaration
+from qcheck._coverage._declaration import Declaration, RoleFormat, Stored, as_declaration
 
 #: MaxText 0.2.5's ``config.quantization`` on its AQT/Flax path (``use_qwix_quantization=False``):
 #: ``int8`` is AQT v2 ``config_v3(fwd_bits=8)``, whose forward codes are qcheck's ``int8_aqt``
@@ -238,16 +238,14 @@ def _keras_int4(quantizer: Any) -> bool:
             and getattr(quantizer, "epsilon", None) == _KERAS_EPSILON)
 
 
-def _keras_int4_roles(layer: Any) -> tuple[str, str] | None:
-    """An int4 layer's weights format and ``"none"`` (weight-only) or ``int8_keras`` as its config quantizes its
-    inputs; None where its block size is not one a qcheck format groups by or its quantizers are not Keras's."""
+def _keras_int4_roles(layer: Any) -> tuple[Any, str] | None:
+    """An int4 layer's weights format (grouped: with its block size) and ``"none"`` (weight-only) or ``int8_keras``
+    as its config quantizes its inputs; None where its quantizers are not Keras's."""
     # The block size the call reads (dense.py:837, einsum_dense.py's _int4_call likewise), set by _int4_build from
     # the config or the dtype policy (get_block_size_for_layer, quantization_config.py:303-335).
     block = getattr(layer, "_int4_block_size", getattr(getattr(layer, "dtype_policy", None), "block_size", None))
     if block is not None and block > 0:
-        if block != formats.get_format(KERAS_INT4_GROUPED).block:
-            return None
-        return KERAS_INT4_GROUPED, "none"  # a grouped call never quantizes its input (dense.py:884-921)
+        return (KERAS_INT4_GROUPED, int(block)), "none"  # a grouped call never quantizes its input (dense.py:884-921)
     config = getattr(layer, "quantization_config", None)
     weights = getattr(config, "weight_quantizer", None)
     if weights is not None and not _keras_int4(weights):
@@ -281,9 +279,14 @@ def _keras(layer: Any) -> Declaration | None:
         if len(found) != 1 or None in found:
             return None  # another block size, quantizers not Keras's, or mixed: nothing to read
         weights, act = found.pop()
-        roles = {"weights": RoleFormat(weights), "activations": None if act == "none" else RoleFormat(act)}
-        grouping = (f", grouped by {formats.get_format(weights).block} with zero points" if weights == KERAS_INT4_GROUPED
-                    else ", per channel")
+        if isinstance(weights, tuple):  # grouped: the block size is the layer's config, a parameter of the format
+            name, block = weights
+            default = formats.get_format(name).block
+            weights = RoleFormat(name, block=None if block == default else block)
+            grouping = f", grouped by {block} with zero points"
+        else:
+            weights, grouping = RoleFormat(weights), ", per channel"
+        roles = {"weights": weights, "activations": None if act == "none" else RoleFormat(act)}
         detail = grouping + (", weight-only" if act == "none" else "")
     if not roles:
         return None  # gptq, awq: no qcheck format for their packed codes
@@ -298,7 +301,43 @@ def _keras(layer: Any) -> Declaration | None:
         stored = {"weights": KERAS_STORED[mode]}
     names = sorted({type(sub).__name__ for sub in subs})
     return Declaration(roles, f"Keras quantize({mode!r}{detail}) on {len(subs)} layer(s) ({', '.join(names)})",
-                       stored=stored)
+                       stored=stored, stored_params=_keras_stored(subs, mode) if mode in KERAS_STORED else {})
+
+
+def _keras_kernel_axes(sub: Any) -> tuple[int, ...] | None:
+    """The axes of a Dense or EinsumDense kernel that its matmul contracts (its int8/int4 scales reduce them)."""
+    kind = next((c.__name__ for c in type(sub).__mro__ if c.__module__.startswith("keras.")
+                 and c.__name__ in ("Dense", "EinsumDense")), None)
+    if kind == "Dense":
+        return (0,)
+    equation = getattr(sub, "equation", None)
+    if kind != "EinsumDense" or not isinstance(equation, str) or "->" not in equation:
+        return None
+    inputs, out = equation.replace(" ", "").split("->")
+    if len(inputs.split(",")) != 2:
+        return None
+    kernel = inputs.split(",")[1]
+    return tuple(i for i, c in enumerate(kernel) if c not in out)
+
+
+def _keras_stored(subs: list[Any], mode: str) -> dict[str, Stored]:
+    """Each Dense/EinsumDense kernel ``quantize(mode)`` stored as codes (keras 3.15.1): the ``kernel`` variable
+    (int8; int4 packed two to a byte along its last axis, pack_int4(axis=-1), dense.py:1087,
+    einsum_dense.py:1332), ``kernel_scale`` and, grouped, ``kernel_zero``, by their paths; the float kernel of
+    the twin has the kernel's path. An int4 EinsumDense kernel of more than two axes is flattened first: not read."""
+    out = {}
+    for sub in subs:
+        axes = _keras_kernel_axes(sub)
+        by_name = {v.name: v.path for v in getattr(sub, "variables", ())}
+        if axes is None or "kernel" not in by_name or "kernel_scale" not in by_name:
+            continue
+        kernel = next(v for v in sub.variables if v.name == "kernel")
+        if mode == "int4" and len(kernel.shape) != 2:
+            continue
+        out[by_name["kernel"]] = Stored(by_name["kernel"], by_name["kernel"], axes, by_name["kernel_scale"],
+                                        by_name.get("kernel_zero"), -1 if mode == "int4" else None,
+                                        scope=str(getattr(sub, "path", sub.name)))
+    return out
 
 
 #: qwix 0.1.8's rule qtypes (``QtRule``/``QuantizationRule`` ``weight_qtype``/``act_qtype``, by their dtype's name)

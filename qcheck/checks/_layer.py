@@ -45,6 +45,7 @@ from qcheck._errors import user_code
 from qcheck.checks._edges import EDGE_ROWS, check_skip_edges, edge_rows
 from qcheck.checks._layer_forms import Form, is_module, keras_of, path_name
 from qcheck.checks._layer_programs import INPUT_GRAD, Run, run_step, trace_step
+from qcheck.checks._stored import held_stored
 from qcheck.checks._tracks import assert_tracks, rel_norm
 from qcheck.checks._uninitialized import uninitialized_reads, unspecified_buffers
 
@@ -175,19 +176,25 @@ def _check_args(layer: Any, reference: Any, x: Any, max_rel_norm: float, max_gra
 
 
 def _frozen(form: Form, twin: Form, run: Run, ref: Run) -> dict[str, str]:
-    """The parameters of one side that the other holds as state (a Keras kernel quantize() froze into codes):
-    per path, which side froze it and what each holds. Their gradients are not compared: one side has none."""
+    """The parameters of one side that the other holds as state (a Keras kernel quantize() froze into codes, a
+    qwix PtqProvider weight kept as an int8 ``qvalue`` and its scale under its path): per path, which side froze
+    it and what each holds. Their gradients are not compared: one side has none."""
     def held(f: Form, path: str) -> str:
-        v = f.rest.get(path) if isinstance(f.rest, Mapping) else None
-        return f"{v.dtype}{list(v.shape)}" if hasattr(v, "dtype") else "state"
+        state = f.state_leaves()
+        kept = [(k, v) for k, v in state.items() if k == path or k.startswith(path + "/")]
+        return ", ".join(f"{'' if k == path else k + ' '}{v.dtype}{list(v.shape)}" for k, v in kept
+                         if hasattr(v, "dtype")) or "state"
+
+    def frozen_in(f: Form, path: str) -> bool:
+        return path in f.state_names or any(n.startswith(path + "/") for n in f.state_names)
 
     frozen = {}
     for path in sorted(set(ref.params) - set(run.params)):
-        if path in form.state_names:
+        if frozen_in(form, path):
             frozen[path] = (f"frozen in the layer ({held(form, path)}, state: no gradient); a parameter of the "
                             f"reference ({ref.params[path].dtype}{list(ref.params[path].shape)})")
     for path in sorted(set(run.params) - set(ref.params)):
-        if path in twin.state_names:
+        if frozen_in(twin, path):
             frozen[path] = (f"frozen in the reference ({held(twin, path)}, state: no gradient); a parameter of "
                             f"the layer ({run.params[path].dtype}{list(run.params[path].shape)})")
     return frozen
@@ -286,6 +293,10 @@ def check_layer(
     _compare_params(run, ref, skip_grads, frozen, "twin.set_weights(layer.get_weights()) before layer.quantize(...)"
                     if form.kind == "keras" else "qcheck.copy_params_into(layer, twin)")
     _compare_outputs(run, ref)
+    # Weights the layer keeps as codes, held against the twin's float parameters of their paths (numpy, no program).
+    declaration = held_stored(declaration, form.state_leaves(), ref.params)
+    if "forward" in walks:  # the backward walk holds the grads role alone: no stored weight
+        walks["forward"].declaration = declaration
     c = _Checked(form, twin, run, ref, x, declaration, declared_from, max_rel_norm, max_grad_rel_norm, skip,
                  sorted(paths - skip_grads - set(frozen)), tuple(machinery), kernels, accept_weaker,
                  edges=edge_rows(x, declaration, edge_kinds), walks=walks)

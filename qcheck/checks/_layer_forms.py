@@ -45,6 +45,14 @@ class Form:
     #: layer has a parameter of that name, it is frozen on this side (a Keras kernel quantize() stored as codes).
     state_names: frozenset[str] = frozenset()
 
+    def state_leaves(self) -> dict[str, Any]:
+        """The layer's state but its parameters by path, as its parameters are named (a stored kernel's codes)."""
+        if self.kind == "nnx":
+            return {path_name(p): v[...] for p, v in nnx.to_flat_state(self.rest)}
+        if self.kind == "keras":
+            return dict(self.rest)
+        return {path_name(p): v for p, v in jax.tree_util.tree_flatten_with_path(self.rest)[0]}
+
     def param_leaves(self, tree: Any) -> dict[str, Any]:
         if self.kind == "nnx":
             return {path_name(p): v[...] for p, v in nnx.to_flat_state(tree)}
@@ -158,7 +166,9 @@ def form_of(layer: Any, x: jax.Array, call: Callable[[Any, jax.Array], Any] | No
         probe = layer if call is None else _Called(layer, call)
         probe = warmed_up(probe, x) if warm is None else after_first_call(probe, x) if warm else probe
         module = probe if call is None else probe.module
-        graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+        frozen = _frozen_params(module)
+        trained = nnx.All(nnx.Param, lambda path, _: tuple(path) not in frozen) if frozen else nnx.Param
+        graphdef, params, rest = nnx.split(module, trained, ...)
         fn = call or _call
         paths = graph_paths(module) if warm is False else None
 
@@ -167,11 +177,11 @@ def form_of(layer: Any, x: jax.Array, call: Callable[[Any, jax.Array], Any] | No
             out = fn(m, x)
             if paths is not None and graph_paths(m) != paths:
                 raise Grown
-            _, _, after = nnx.split(m, nnx.Param, ...)
+            _, _, after = nnx.split(m, trained, ...)
             return out, after
 
-        return Form("nnx", params, rest, apply, hashable(("nnx", graphdef, fn)),
-                     module if call is None else _Called(module, call))
+        return Form("nnx", params, rest, apply, hashable(("nnx", graphdef, fn, frozenset(frozen))),
+                     module if call is None else _Called(module, call), frozenset(map(path_name, frozen)))
     if _is_linen_pair(layer):
         module, variables = layer
         params = variables.get("params", {})
@@ -203,6 +213,17 @@ def form_of(layer: Any, x: jax.Array, call: Callable[[Any, jax.Array], Any] | No
         return layer(x), rest
 
     return Form("function", {}, {}, apply_fn, hashable(("function", layer)), layer)
+
+
+def _frozen_params(module: nnx.Module) -> set[tuple[Any, ...]]:
+    """The paths of the module's ``nnx.Param``s that hold stored codes, not trainable values: every integer one
+    (qwix's ``PtqProvider`` keeps a weight as an int8 ``qvalue``), and beside each, the scales and zero points it
+    is kept with (leaves of the same parent named ``scale`` or ``zero_point``). They get no gradient (JAX has
+    none for an integer) and are state, as a Keras layer's non-trainable variables are."""
+    flat = [(tuple(p), v[...]) for p, v in nnx.to_flat_state(nnx.state(module, nnx.Param))]
+    codes = {p for p, v in flat if hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.integer)}
+    parents = {p[:-1] for p in codes}
+    return codes | {p for p, _ in flat if p[:-1] in parents and str(p[-1]) in ("scale", "zero_point")}
 
 
 def keras_of(layer: Any) -> Any:
