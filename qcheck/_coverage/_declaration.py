@@ -707,7 +707,10 @@ def judge_stored(x: np.ndarray, codes: np.ndarray, scales: Mapping[str, np.ndarr
         if other is not None:
             return f"{what}: its codes and scales are grouped by {other}, where {fmt} groups by {at}"
     if not _bits_equal(codes, ref_codes):
-        why = _rounding(codes, ref_codes) or _diagnose(x, codes, fmt.format, red)
+        # Another rule or granularity first: a coarser scale also moves each code by a step at most.
+        why = _diagnose(x, codes, fmt.format, red)
+        if why.startswith("they match no other"):
+            why = _rounding(codes, ref_codes) or why
         return f"{what}: codes are not {fmt}'s: {_describe_first(x, codes, ref_codes)}; {why}"
     for name, v in scales.items():
         want = _ref_scale(ref_scales, name)

@@ -196,10 +196,14 @@ KERAS_MODES = {
 #: qcheck's ``int4_keras_grouped``), stored packed the same way and dequantized in the call as
 #: (codes - zero[g_idx]) · scale[g_idx] (``dequantize_with_sz_map``, dense.py:910); its call never quantizes the
 #: input (dense.py:884-921), and a grouped config refuses an activation quantizer
-#: (quantization_config.py:128-140): weight-only. Another block size is no qcheck format: nothing is read for it.
+#: (quantization_config.py:128-140): weight-only. Another block size is the same format at that block
+#: (``RoleFormat(KERAS_INT4_GROUPED, block=64)``, printed "int4_keras_grouped at block 64"): the group size is
+#: the layer's config, read from it.
 KERAS_INT4 = "int4_keras"
 KERAS_INT4_GROUPED = "int4_keras_grouped"
-#: Why a Keras int8 or int4 kernel is held by its type: quantize() stored its codes and kept no float kernel.
+#: Why a Keras int8 or int4 kernel is held by its type where no twin holds its float kernel (coverage,
+#: assert_quantized): quantize() stored its codes and kept no float kernel. check_layer holds it bitwise against
+#: the twin's kernel instead (``Declaration.stored_params``, :func:`_keras_stored`): no acceptance there.
 KERAS_STORED = {
     "int8": "the Keras reader: quantize('int8') stores the kernel as int8 codes, keeping no float kernel",
     "int4": "the Keras reader: quantize('int4') stores the kernel as int4 codes packed two to an int8 byte, "
@@ -459,7 +463,9 @@ READERS: tuple[tuple[str, str, Callable[[Any], Declaration | None]], ...] = (
              "absmax its element type; a module no rule reaches full precision", _qwix),
     ("Keras", "the mode quantize() recorded on the layers it reached (Layer.quantization_mode: int8, with its "
               "quantization_config; int4 per channel (block_size -1), weight-only unless its config quantizes the "
-              "inputs; float8): every matmul of the layer or model held to it", _keras),
+              "inputs; int4 grouped, at the config's block_size; float8): every matmul of the layer or model held "
+              "to it; each Dense/EinsumDense kernel stored as codes, with its scale and zero point, for check_layer "
+              "to hold against the twin's float kernel", _keras),
 )
 
 

@@ -40,7 +40,7 @@ import numpy as np
 
 from qcheck._coverage import (CoverageMap, Declaration, KernelRoles, MatmulRecord, Prepared, SkipArg,
                               as_kernel_roles, as_skips, coverage, machinery_tuple, mixed_formats, prepare,
-                              quantized_records, resolve_declaration)
+                              quantized_records, read_declaration, resolve_declaration)
 from qcheck._errors import user_code
 from qcheck.checks._edges import EDGE_ROWS, check_skip_edges, edge_rows
 from qcheck.checks._layer_forms import Form, is_module, keras_of, path_name
@@ -294,7 +294,7 @@ def check_layer(
                     if form.kind == "keras" else "qcheck.copy_params_into(layer, twin)")
     _compare_outputs(run, ref)
     # Weights the layer keeps as codes, held against the twin's float parameters of their paths (numpy, no program).
-    declaration = held_stored(declaration, form.state_leaves(), ref.params)
+    declaration = held_stored(_with_stored(declaration, layer), form.state_leaves(), ref.params)
     if "forward" in walks:  # the backward walk holds the grads role alone: no stored weight
         walks["forward"].declaration = declaration
     c = _Checked(form, twin, run, ref, x, declaration, declared_from, max_rel_norm, max_grad_rel_norm, skip,
@@ -309,6 +309,17 @@ def _declaration(layer: Any, declared: Any, accept_weaker: Any) -> tuple[Declara
         raise ValueError(f"check_layer: accept_weaker accepts weaker holds of a declaration, and none is held "
                          f"({declared_from})")
     return declaration, declared_from
+
+
+def _with_stored(declaration: Declaration | None, layer: Any) -> Declaration | None:
+    """A declaration given by hand with the weights the layer's reader finds stored as codes: where they are is a
+    fact of the layer, whatever format is declared for them."""
+    if declaration is None or declaration.stored_params:
+        return declaration
+    read = read_declaration(layer)
+    if read is None or not read.stored_params:
+        return declaration
+    return dataclasses.replace(declaration, stored_params=read.stored_params)
 
 
 def _param_paths(form: Form, twin: Form, skip_grads: frozenset[str]) -> set[str]:
