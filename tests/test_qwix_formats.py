@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import qcheck
 from qcheck import checks, referees
 from qcheck.referees._libraries import (QWIX_MIN_SCALE, quantize_qwix_mxfp8, quantize_qwix_nvfp4, qwix_cast, qwix_divide,
                                     qwix_per_tensor_e4m3fn, qwix_scale)
@@ -738,3 +739,59 @@ def test_qwix_reader_holds_a_module_no_rule_reaches_to_full_precision_should_fai
     assert re.search(r"\(_Inner\.__call__\), in inner/lin: .*\n\s+lhs \(activation\) is quantized \(int8\) but "
                      r"declared full precision", message), message
     assert "in out:" not in message, message
+
+
+# -- qwix's serving path: PtqProvider keeps each weight as int8 codes and a scale ---------------------------------
+
+class _PtqExperts(nnx.Module):
+    """Per-expert weights in an einsum (experts, d, f), qwix's channelwise_axes [0, 2] (a scale per expert and
+    output), then a Linear: what qwix.quantize_model(..., PtqProvider) stores as WithAux(QArray(qvalue, scale))."""
+
+    def __init__(self, rngs):
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (4, 32, 16)) * 0.1)
+        self.lin = nnx.Linear(16, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.lin(jnp.einsum("btd,edf->btef", x, self.w[...]))
+
+
+def _ptq_pair():
+    model = _PtqExperts(nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8, 32)).astype(np.float32))
+    rules = [qwix.QuantizationRule(module_path=".*", weight_qtype=jnp.int8)]
+    return qwix.quantize_model(model, qwix.PtqProvider(rules), x), model, x
+
+
+def test_qwix_ptq_experts_stored_weights_are_held_bitwise_against_the_float_model_should_pass():
+    """qwix 0.1.8: check_layer(ptq_model, float_model, x) gave a raw TypeError (grad of an int8 qvalue). Its integer
+    parameters and the scales beside them are frozen, named, never given to grad; the PtqProvider rules are read
+    (int8_qwix weights, activations full precision); each stored weight (the experts' and the Linear's) is held
+    bitwise against the float model's parameter of its path."""
+    ptq, model, x = _ptq_pair()
+    figures = qcheck.check_layer(ptq, model, x)
+    assert figures.declared_from == ("read from the layer: qwix PtqProvider rules on 2 module(s) (module_path='.*': "
+                                     "weights int8_qwix, activations full precision)"), figures.declared_from
+    assert sorted(figures.frozen) == ["lin/kernel", "w"], figures.frozen
+    assert figures.frozen["w"].startswith("frozen in the layer (w/array/qvalue int8[4, 32, 16], w/array/scale "
+                                          "float32[4, 1, 16], state: no gradient)"), figures.frozen["w"]
+    holds = sorted(str(h) for r in figures.coverage for h, role in ((r.lhs_hold, r.lhs_role), (r.rhs_hold, r.rhs_role))
+                   if role == "weight")
+    assert holds == [f"bitwise: stored codes held bitwise against the reference's {p}" for p in ("lin/kernel", "w")]
+
+
+def test_qwix_ptq_experts_sharing_one_scale_fail_naming_the_site_should_fail():
+    """The plant: the experts' stored weights requantized under one scale per output shared by all experts (the
+    scale EasyDeL-style fused MoE code computes when it reduces over the expert axis too). The output still
+    tracks; the stored weight fails at the einsum's site, naming the axis its scale is shared across."""
+    ptq, model, x = _ptq_pair()
+    w = np.asarray(model.w[...])
+    scale = (np.max(np.abs(w), axis=(0, 1), keepdims=True) / np.float32(127.5)).astype(np.float32)
+    ptq.w.array.qvalue.set_value(jnp.asarray(np.clip(np.round(w / scale), -128, 127).astype(np.int8)))
+    ptq.w.array.scale.set_value(jnp.asarray(np.broadcast_to(scale, (4, 1, 16)).copy()))
+    with pytest.raises(AssertionError) as failure:
+        qcheck.check_layer(ptq, model, x)
+    message = str(failure.value)
+    assert re.search(r"dot_general at \S*test_qwix_formats\.py:\d+ \(_PtqExperts\.__call__\)", message), message
+    assert ("(weight): stored w/array/qvalue against the reference's w: codes are not int8_qwix's" in message
+            and "they match one scale shared across axis 0 (size 4)" in message), message
+    assert "tracks" not in message and "lin" not in message.split("not compared")[0], message

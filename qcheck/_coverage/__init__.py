@@ -16,7 +16,7 @@ from qcheck._coverage._kernels import KernelRoles, as_kernel_roles
 from qcheck._coverage._map import (CoverageMap, Prepared, after_first_call, assert_quantized, coverage,
                                    format_coverage, graph_paths, machinery_tuple, prepare, quantized_records,
                                    warmed_up)
-from qcheck._coverage._readers import read_declaration, resolve_declaration
+from qcheck._coverage._readers import read_declaration, read_stored, resolve_declaration
 from qcheck._coverage._scopes import MACHINERY, machinery_prefixes, user_frames
 from qcheck._coverage._skips import Skip, SkipArg, as_skips, skip_at, skip_functions, skip_modules, skip_where
 from qcheck._coverage._weights import Weights, weights
@@ -53,6 +53,7 @@ __all__ = [
     "prepare",
     "quantized_records",
     "read_declaration",
+    "read_stored",
     "resolve_declaration",
     "skip_at",
     "skip_functions",

@@ -308,6 +308,22 @@ def _keras(layer: Any) -> Declaration | None:
                        stored=stored, stored_params=_keras_stored(subs, mode) if mode in KERAS_STORED else {})
 
 
+def _keras_stored_params(layer: Any) -> dict[str, Stored]:
+    """The kernels a Keras layer or model keeps as codes (int8, int4), whatever its quantizers: where they are is
+    a fact of the layer, held by check_layer to whatever format is declared for them."""
+    if "keras" not in sys.modules or isinstance(layer, type) or \
+            not any(c.__module__.startswith("keras.") for c in type(layer).__mro__):
+        return {}
+    flatten = getattr(layer, "_flatten_layers", None)
+    layers = flatten(include_self=True, recursive=True) if callable(flatten) else [layer]
+    out: dict[str, Stored] = {}
+    for sub in layers:
+        mode = getattr(sub, "quantization_mode", None)
+        if mode in KERAS_STORED:
+            out.update(_keras_stored([sub], str(mode)))
+    return out
+
+
 def _keras_kernel_axes(sub: Any) -> tuple[int, ...] | None:
     """The axes of a Dense or EinsumDense kernel that its matmul contracts (its int8/int4 scales reduce them)."""
     kind = next((c.__name__ for c in type(sub).__mro__ if c.__module__.startswith("keras.")
@@ -409,9 +425,9 @@ def _qwix(layer: Any) -> Declaration | str | None:
     if provider is None:
         return None
     kind = type(provider).__name__
-    if kind != "QtProvider":
-        # PtqProvider stores its weights as codes, ODML and LoRA providers compute otherwise: not read.
-        return f"qwix {kind}: only QtProvider's rules are read"
+    if kind not in ("QtProvider", "PtqProvider"):
+        # ODML and LoRA providers compute otherwise: not read.
+        return f"qwix {kind}: only QtProvider's and PtqProvider's rules are read"
     # QuantizationProvider keeps its rules, defaults filled in (_init_rule), as ``_rules``: qwix 0.1.8
     # qconfig.py:118; it has no public accessor (get_unused_rules lists the unmatched ones only).
     if not isinstance(getattr(provider, "_rules", None), (list, tuple)):
@@ -442,10 +458,49 @@ def _qwix(layer: Any) -> Declaration | str | None:
     top = scopes.get("", {"weights": None, "activations": None})
     said = "; ".join(f"module_path={rules[i].module_path!r}: " + ", ".join(
         f"{k} {'full precision' if v is None else v}" for k, v in read[i].items()) for i in sorted(used))
-    source = f"qwix QtProvider rules on {len(scopes)} module(s) ({said})"
+    source = f"qwix {kind} rules on {len(scopes)} module(s) ({said})"
+    # PtqProvider keeps each weight its rules reach as codes and a scale (ptq.py WithAux): held by check_layer
+    # against the twin's float weight, by its type elsewhere (no float source), accepted with this reason.
+    stored = {"weights": QWIX_STORED} if kind == "PtqProvider" else {}
+    kept = _qwix_stored_params(layer) if kind == "PtqProvider" else {}
     if all(v == top for v in scopes.values()):
-        return Declaration(dict(top), source)
-    return Declaration(dict(top), source, scopes=scopes)
+        return Declaration(dict(top), source, stored=stored, stored_params=kept)
+    return Declaration(dict(top), source, scopes=scopes, stored=stored, stored_params=kept)
+
+
+#: Why a qwix PtqProvider weight is held by its type where no twin holds its float weight.
+QWIX_STORED = ("the qwix reader: PtqProvider stores each weight as int8 codes (qvalue) and a scale, keeping no "
+               "float weight")
+
+
+def _qwix_stored_params(layer: Any) -> dict[str, Stored]:
+    """The weights a qwix 0.1.8 ``PtqProvider`` model keeps as codes: each module attribute that is a ``WithAux``
+    (qwix/_src/providers/ptq.py:37-80) holding a ``QArray`` (its ``qvalue``, ``scale``, ``zero_point`` each an
+    ``nnx.Param``), quantized as its ``how`` says: one scale per index of its ``channelwise_axes``, the others
+    reduced (the contraction axes qwix found in the op's dimension numbers). Tiled (subchannel) weights are not
+    read. By the attribute's path, which the float twin's parameter has."""
+    if "qwix" not in sys.modules or isinstance(layer, type):
+        return {}
+    from flax import nnx
+
+    if not isinstance(layer, nnx.Module):
+        return {}
+    iter_modules = getattr(nnx, "iter_modules", None) or type(layer).iter_modules
+    out: dict[str, Stored] = {}
+    for path, module in iter_modules(layer):
+        scope = "/".join(map(str, path))
+        for name, v in vars(module).items():
+            if type(v).__name__ != "WithAux" or not type(v).__module__.startswith("qwix."):
+                continue
+            how, array = getattr(v, "how", None), getattr(v, "array", None)
+            if how is None or getattr(how, "tiled_axes", None) or not hasattr(array, "qvalue"):
+                continue
+            source = f"{scope}/{name}" if scope else str(name)
+            kept = set(getattr(how, "channelwise_axes", ()) or ())
+            axes = tuple(a for a in range(len(v.shape)) if a not in kept)
+            zero = f"{source}/array/zero_point" if getattr(array, "zero_point", None) is not None else None
+            out[source] = Stored(source, f"{source}/array/qvalue", axes, f"{source}/array/scale", zero, None, scope)
+    return out
 
 
 #: (library, what is read, reader): the first reader that returns a declaration wins.
@@ -458,9 +513,11 @@ READERS: tuple[tuple[str, str, Callable[[Any], Declaration | None]], ...] = (
               "last axis", _gemma),
     ("haliax", "Fp8DotGeneralOp's fwd/rev dtypes and Int8DotGeneralOp's AQT config, as quantize_linear_layers "
                "sets them on the layer's Linears (a pytree: an Equinox module, or a Partial holding it)", _haliax),
-    ("qwix", "the QtProvider rules qwix.quantize_model was given (module_path, weight_qtype, act_qtype, "
-             "calibration methods), per module path: int8 absmax int8_qwix, int8 minmax int8_qwix_minmax, fp8 "
-             "absmax its element type; a module no rule reaches full precision", _qwix),
+    ("qwix", "the QtProvider or PtqProvider rules qwix.quantize_model was given (module_path, weight_qtype, "
+             "act_qtype, calibration methods), per module path: int8 absmax int8_qwix, int8 minmax "
+             "int8_qwix_minmax, fp8 absmax its element type; a module no rule reaches full precision; "
+             "PtqProvider's weights stored as codes, for check_layer to hold against the twin's float weights",
+     _qwix),
     ("Keras", "the mode quantize() recorded on the layers it reached (Layer.quantization_mode: int8, with its "
               "quantization_config; int4 per channel (block_size -1), weight-only unless its config quantizes the "
               "inputs; int4 grouped, at the config's block_size; float8): every matmul of the layer or model held "
@@ -478,6 +535,16 @@ def _read(layer: Any) -> tuple[Declaration | None, str | None]:
         if decl is not None:
             return decl, None
     return None, None
+
+
+def read_stored(layer: Any) -> dict[str, Stored]:
+    """The weights ``layer`` keeps as codes, by the path of the float parameter its twin holds (Keras's int8/int4
+    kernels, qwix's PtqProvider weights); empty where none is read."""
+    for reader in (_keras_stored_params, _qwix_stored_params):
+        found = reader(layer)
+        if found:
+            return found
+    return {}
 
 
 def read_declaration(layer: Any) -> Declaration | None:

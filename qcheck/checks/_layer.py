@@ -40,7 +40,7 @@ import numpy as np
 
 from qcheck._coverage import (CoverageMap, Declaration, KernelRoles, MatmulRecord, Prepared, SkipArg,
                               as_kernel_roles, as_skips, coverage, machinery_tuple, mixed_formats, prepare,
-                              quantized_records, read_declaration, resolve_declaration)
+                              quantized_records, read_stored, resolve_declaration)
 from qcheck._errors import user_code
 from qcheck.checks._edges import EDGE_ROWS, check_skip_edges, edge_rows
 from qcheck.checks._layer_forms import Form, is_module, keras_of, path_name
@@ -312,14 +312,12 @@ def _declaration(layer: Any, declared: Any, accept_weaker: Any) -> tuple[Declara
 
 
 def _with_stored(declaration: Declaration | None, layer: Any) -> Declaration | None:
-    """A declaration given by hand with the weights the layer's reader finds stored as codes: where they are is a
-    fact of the layer, whatever format is declared for them."""
+    """A declaration given by hand (or read with none found stored) with the weights a reader finds stored as
+    codes: where they are is a fact of the layer, whatever format is declared for them."""
     if declaration is None or declaration.stored_params:
         return declaration
-    read = read_declaration(layer)
-    if read is None or not read.stored_params:
-        return declaration
-    return dataclasses.replace(declaration, stored_params=read.stored_params)
+    stored = read_stored(layer)
+    return dataclasses.replace(declaration, stored_params=stored) if stored else declaration
 
 
 def _param_paths(form: Form, twin: Form, skip_grads: frozenset[str]) -> set[str]:
