@@ -593,14 +593,8 @@ def judge(records: Sequence[MatmulRecord], declaration: Declaration, quantizers:
                              f"{', '.join(sorted(want))}{_formats_of(narrow, evidence.get((i, side)), quantizers)}")
                 continue
             if (i, side) not in evidence:
-                held = held_at(declaration, r.scope) if role == "weight" and not r.opaque else ()
-                if held:  # stored codes, held by check_layer against the twin's float parameters
-                    found += [f"{label}: {finding}" for _, finding in held if finding is not None]
-                    holds[side] = Hold("bitwise", "stored codes held bitwise against the reference's "
-                                       + ", ".join(source for source, _ in held))
-                    continue
-                stored = declaration.stored.get(_ROLE_OF.get(role, role)) if not r.opaque else None
-                holds[side] = Hold("type", _no_evidence(r), accepted_by=stored)
+                holds[side], more = _no_quantizer(r, role, label, declaration)
+                found += more
                 continue
             q, axes = evidence[i, side]
             if q in zero_points:
@@ -718,6 +712,19 @@ def judge_stored(x: np.ndarray, codes: np.ndarray, scales: Mapping[str, np.ndarr
             return (f"{what}: its codes are {fmt}'s, its {name} is not the referee's ({np.size(v)} values, the "
                     f"referee's {np.size(want)})")
     return None
+
+
+def _no_quantizer(r: MatmulRecord, role: str, label: str, declaration: Declaration) -> tuple[Hold, list[str]]:
+    """The hold of an operand whose codes reach no quantizer the walk saw, and its findings: a weight stored as
+    codes that check_layer held against the twin's float parameter (bitwise, or its findings), else its type,
+    accepted where its reader says the library stores it."""
+    held = held_at(declaration, r.scope) if role == "weight" and not r.opaque else ()
+    if held:
+        return (Hold("bitwise", "stored codes held bitwise against the reference's "
+                     + ", ".join(source for source, _ in held)),
+                [f"{label}: {finding}" for _, finding in held if finding is not None])
+    stored = declaration.stored.get(_ROLE_OF.get(role, role)) if not r.opaque else None
+    return Hold("type", _no_evidence(r), accepted_by=stored), []
 
 
 def weaker_holds(r: MatmulRecord) -> list[str]:

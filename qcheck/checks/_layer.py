@@ -264,9 +264,11 @@ def check_layer(
       layer declares: read from it by default (``READERS``), ``declared=True``
       fails where nothing is read, ``False`` holds nothing, or given (a recipe
       or format name, a ``qcheck.Recipe``, ``{"weights": "int8",
-      "activations": None}``); a site whose codes cannot be read fails unless
-      ``accept_weaker`` accepts it; with a ``grads`` role, the backward pass's
-      gradient operands too;
+      "activations": None}``); a weight the layer stores as codes (Keras's
+      ``quantize``, qwix's ``PtqProvider``) held, codes and scales, against the
+      twin's float parameter of its path; a site whose codes cannot be read fails
+      unless ``accept_weaker`` accepts it; with a ``grads`` role, the backward
+      pass's gradient operands too;
     * edges: the compiled program again on edge rows of ``x`` (zeros, tiny,
       1e5, the largest code): all finite, codes held there too; ``skip_edges``
       turns a row kind off with a reason.
@@ -289,14 +291,8 @@ def check_layer(
     walks = _walks(form, x, declaration, machinery, kernels)
     run = run_step("layer", traced, x, output, twice=True, walks=list(walks.values()))
     ref = run_step("reference", traced_twin, x, output, twice=False)
-    frozen = _frozen(form, twin, run, ref)
-    _compare_params(run, ref, skip_grads, frozen, "twin.set_weights(layer.get_weights()) before layer.quantize(...)"
-                    if form.kind == "keras" else "qcheck.copy_params_into(layer, twin)")
-    _compare_outputs(run, ref)
-    # Weights the layer keeps as codes, held against the twin's float parameters of their paths (numpy, no program).
-    declaration = held_stored(_with_stored(declaration, layer), form.state_leaves(), ref.params)
-    if "forward" in walks:  # the backward walk holds the grads role alone: no stored weight
-        walks["forward"].declaration = declaration
+    frozen = _paired(form, twin, run, ref, skip_grads)
+    declaration = _hold_stored(declaration, layer, form, ref, walks)
     c = _Checked(form, twin, run, ref, x, declaration, declared_from, max_rel_norm, max_grad_rel_norm, skip,
                  sorted(paths - skip_grads - set(frozen)), tuple(machinery), kernels, accept_weaker,
                  edges=edge_rows(x, declaration, edge_kinds), walks=walks)
@@ -309,6 +305,25 @@ def _declaration(layer: Any, declared: Any, accept_weaker: Any) -> tuple[Declara
         raise ValueError(f"check_layer: accept_weaker accepts weaker holds of a declaration, and none is held "
                          f"({declared_from})")
     return declaration, declared_from
+
+
+def _paired(form: Form, twin: Form, run: Run, ref: Run, skip_grads: frozenset[str]) -> dict[str, str]:
+    """What one side froze (:func:`_frozen`), once both sides have the same parameters, weights and outputs."""
+    frozen = _frozen(form, twin, run, ref)
+    _compare_params(run, ref, skip_grads, frozen, "twin.set_weights(layer.get_weights()) before layer.quantize(...)"
+                    if form.kind == "keras" else "qcheck.copy_params_into(layer, twin)")
+    _compare_outputs(run, ref)
+    return frozen
+
+
+def _hold_stored(declaration: Declaration | None, layer: Any, form: Form, ref: Run,
+                 walks: dict[str, Prepared]) -> Declaration | None:
+    """The declaration with the weights the layer keeps as codes held against the twin's float parameters of
+    their paths (numpy, no program), for the forward walk to judge its sites by."""
+    declaration = held_stored(_with_stored(declaration, layer), form.state_leaves(), ref.params)
+    if "forward" in walks:  # the backward walk holds the grads role alone: no stored weight
+        walks["forward"].declaration = declaration
+    return declaration
 
 
 def _with_stored(declaration: Declaration | None, layer: Any) -> Declaration | None:
