@@ -204,7 +204,10 @@ def form_of(layer: Any, x: jax.Array, call: Callable[[Any, jax.Array], Any] | No
             return fn(eqx.combine(params, arrays, static), x), arrays
 
         key = ("equinox", jax.tree_util.tree_structure(static), tuple(jax.tree_util.tree_leaves(static)), fn)
-        return Form("equinox", params, arrays, apply, hashable(key), functools.partial(fn, layer))
+        # Its integer arrays (stored codes) are state already: named, where the twin has a float parameter there.
+        codes = {path_name(p) for p, v in jax.tree_util.tree_flatten_with_path(arrays)[0]
+                 if jnp.issubdtype(v.dtype, jnp.integer)}
+        return Form("equinox", params, arrays, apply, hashable(key), functools.partial(fn, layer), frozenset(codes))
 
     if (keras := keras_of(layer)) is not None:
         return _keras_form(keras, layer, call, like if keras_of(like) is not None else None)
