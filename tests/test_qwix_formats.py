@@ -17,6 +17,7 @@ a model equals qwix when it does in one form over the whole array.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -795,3 +796,47 @@ def test_qwix_ptq_experts_sharing_one_scale_fail_naming_the_site_should_fail():
     assert ("(weight): stored w/array/qvalue against the reference's w: codes are not int8_qwix's" in message
             and "they match one scale shared across axis 0 (size 4)" in message), message
     assert "tracks" not in message and "lin" not in message.split("not compared")[0], message
+
+
+# -- qwix.quantize'd weights passed to a function, given their float source ------------------------------------
+
+_EXPERTS_W = jnp.asarray(np.random.default_rng(1).normal(size=(4, 32, 16)).astype(np.float32)
+                         * np.array([1, 3, 10, 30], np.float32)[:, None, None])
+_EXPERTS_X = jnp.asarray(np.random.default_rng(2).normal(size=(2, 8, 32)).astype(np.float32))
+_WEIGHT_ONLY = {"weights": "int8_qwix", "activations": None}
+
+
+def _experts(qw, x):
+    """Per-expert weights qwix.quantize'd once (a scale per expert and output) and dequantized in the call."""
+    return jnp.einsum("btd,edf->btef", x, qwix.dequantize(qw))
+
+
+def test_qwix_quantize_weights_given_their_source_are_held_bitwise_should_pass():
+    """qwix.quantize(w, jnp.int8, channelwise_axes=[0, 2]) marked qcheck.weights(qw, source=w): the QArray's codes
+    and scale are held bitwise to int8_qwix applied by the referee to w, reduced over the axis qwix does not keep."""
+    qw = qwix.quantize(_EXPERTS_W, jnp.int8, channelwise_axes=[0, 2])
+    (r,) = qcheck.assert_quantized(_experts, qcheck.weights(qw, source=_EXPERTS_W), _EXPERTS_X, declared=_WEIGHT_ONLY)
+    assert r.rhs_role == "weight" and r.rhs_hold.bitwise and not r.findings, r
+    figures = qcheck.check_layer(functools.partial(_experts, qcheck.weights(qw, source=_EXPERTS_W)),
+                                 lambda x: jnp.einsum("btd,edf->btef", x, _EXPERTS_W), _EXPERTS_X,
+                                 declared=_WEIGHT_ONLY)
+    assert [str(r.rhs_hold) for r in figures.coverage] == [
+        "bitwise: stored codes held bitwise against their source (qcheck.weights(..., source=))"]
+
+
+def test_qwix_quantize_weights_sharing_one_scale_across_experts_fail_naming_the_site_should_fail():
+    """The plant: the same QArray's codes made under one scale per output shared by all experts. The stored codes
+    fail at the einsum's site, naming the axis the scale is shared across."""
+    w = np.asarray(_EXPERTS_W)
+    scale = (np.max(np.abs(w), axis=(0, 1), keepdims=True) / np.float32(127.5)).astype(np.float32)
+    qw = qwix.quantize(_EXPERTS_W, jnp.int8, channelwise_axes=[0, 2])
+    shared = qwix.QArray(jnp.asarray(np.clip(np.round(w / scale), -128, 127).astype(np.int8)),
+                         jnp.asarray(np.broadcast_to(scale, (4, 1, 16)).copy()), None, qw.qtype)
+    with pytest.raises(AssertionError) as failure:
+        qcheck.assert_quantized(_experts, qcheck.weights(shared, source=_EXPERTS_W), _EXPERTS_X,
+                                declared=_WEIGHT_ONLY)
+    message = str(failure.value)
+    assert re.search(r"dot_general at \S*test_qwix_formats\.py:\d+ \(_experts\)", message), message
+    assert ("rhs (weight): stored int8[4, 32, 16] codes against their source (qcheck.weights(..., source=)): codes "
+            "are not int8_qwix's" in message and "they match one scale shared across axis 0 (size 4)" in message), \
+        message

@@ -19,7 +19,7 @@ from qcheck._coverage._map import (CoverageMap, Prepared, after_first_call, asse
 from qcheck._coverage._readers import read_declaration, read_stored, resolve_declaration
 from qcheck._coverage._scopes import MACHINERY, machinery_prefixes, user_frames
 from qcheck._coverage._skips import Skip, SkipArg, as_skips, skip_at, skip_functions, skip_modules, skip_where
-from qcheck._coverage._weights import Weights, weights
+from qcheck._coverage._weights import Weights, unmarked, weights
 
 __all__ = [
     "BLOCK_SCALED",
@@ -59,6 +59,7 @@ __all__ = [
     "skip_functions",
     "skip_modules",
     "skip_where",
+    "unmarked",
     "user_frames",
     "warmed_up",
     "weights",

@@ -40,7 +40,7 @@ import numpy as np
 
 from qcheck import formats, referees
 from qcheck._choices import require_choice
-from qcheck._coverage._records import MatmulRecord, whole_axes
+from qcheck._coverage._records import MatmulRecord, OperandQuant, whole_axes
 
 #: The keys a declaration takes: roles by data flow, or operands by position.
 ROLES = ("weights", "activations", "grads", "lhs", "rhs")
@@ -593,7 +593,7 @@ def judge(records: Sequence[MatmulRecord], declaration: Declaration, quantizers:
                              f"{', '.join(sorted(want))}{_formats_of(narrow, evidence.get((i, side)), quantizers)}")
                 continue
             if (i, side) not in evidence:
-                holds[side], more = _no_quantizer(r, role, label, declaration)
+                holds[side], more = _no_quantizer(r, role, label, declaration, fmt, quant)
                 found += more
                 continue
             q, axes = evidence[i, side]
@@ -714,10 +714,20 @@ def judge_stored(x: np.ndarray, codes: np.ndarray, scales: Mapping[str, np.ndarr
     return None
 
 
-def _no_quantizer(r: MatmulRecord, role: str, label: str, declaration: Declaration) -> tuple[Hold, list[str]]:
-    """The hold of an operand whose codes reach no quantizer the walk saw, and its findings: a weight stored as
-    codes that check_layer held against the twin's float parameter (bitwise, or its findings), else its type,
-    accepted where its reader says the library stores it."""
+def _no_quantizer(r: MatmulRecord, role: str, label: str, declaration: Declaration, fmt: RoleFormat,
+                  quant: OperandQuant) -> tuple[Hold, list[str]]:
+    """The hold of an operand whose codes reach no quantizer the walk saw, and its findings: stored codes marked
+    with their float source, or a weight stored as codes that check_layer held against the twin's float parameter
+    (bitwise, or its findings), else its type, accepted where its reader says the library stores it."""
+    source = quant.stored if role == "weight" and not r.opaque else None
+    if source is not None:
+        if fmt not in source.judged:  # once per format: every site the codes reach holds the same finding
+            source.judged[fmt] = judge_stored(source.x, source.codes, source.scales, fmt, source.axes,
+                                              what=f"stored {source.codes.dtype}{list(source.codes.shape)} codes "
+                                                   f"against their source (qcheck.weights(..., source=))")
+        finding = source.judged[fmt]
+        return (Hold("bitwise", "stored codes held bitwise against their source (qcheck.weights(..., source=))"),
+                [] if finding is None else [f"{label}: {finding}"])
     held = held_at(declaration, r.scope) if role == "weight" and not r.opaque else ()
     if held:
         return (Hold("bitwise", "stored codes held bitwise against the reference's "

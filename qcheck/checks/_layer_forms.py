@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen, nnx
 
-from qcheck._coverage import after_first_call, graph_paths, warmed_up
+from qcheck._coverage import after_first_call, graph_paths, unmarked, warmed_up
 from qcheck._errors import user_code
 
 
@@ -212,8 +212,10 @@ def form_of(layer: Any, x: jax.Array, call: Callable[[Any, jax.Array], Any] | No
     if (keras := keras_of(layer)) is not None:
         return _keras_form(keras, layer, call, like if keras_of(like) is not None else None)
 
+    called = unmarked(layer)  # a partial binding qcheck.weights(...) marked arguments is called with their trees
+
     def apply_fn(params, rest, x):
-        return layer(x), rest
+        return called(x), rest
 
     return Form("function", {}, {}, apply_fn, hashable(("function", layer)), layer)
 
