@@ -51,6 +51,10 @@ class Form:
             return {path_name(p): v[...] for p, v in nnx.to_flat_state(self.rest)}
         if self.kind == "keras":
             return dict(self.rest)
+        if self.kind == "linen":  # its frozen parameters named as parameters are, without their collection
+            other = {k: v for k, v in self.rest.items() if k != "params"}
+            return {path_name(p): v for tree in (other, self.rest.get("params")) if tree is not None
+                    for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
         return {path_name(p): v for p, v in jax.tree_util.tree_flatten_with_path(self.rest)[0]}
 
     def param_leaves(self, tree: Any) -> dict[str, Any]:
@@ -184,17 +188,23 @@ def form_of(layer: Any, x: jax.Array, call: Callable[[Any, jax.Array], Any] | No
                      module if call is None else _Called(module, call), frozenset(map(path_name, frozen)))
     if _is_linen_pair(layer):
         module, variables = layer
-        params = variables.get("params", {})
+        params, frozen = _linen_frozen(variables.get("params", {}))
         rest = {k: v for k, v in variables.items() if k != "params"}
         mutable = sorted(rest) or False
+        if frozen is not None:  # stored codes and their scales: state, under "params" as the module reads them
+            rest["params"] = frozen
 
         def apply(params, rest, x):
-            result = module.apply({"params": params, **rest}, x, mutable=mutable, method=call)
+            kept = {k: v for k, v in rest.items() if k != "params"}
+            whole = params if frozen is None else _combine(params, rest["params"])
+            result = module.apply({"params": whole, **kept}, x, mutable=mutable, method=call)
             out, after = result if mutable else (result, {})
             return out, {**rest, **after}
 
-        return Form("linen", params, rest, apply, hashable(("linen", module, call)),
-                     lambda x: apply(params, rest, x)[0])
+        names = frozenset() if frozen is None else frozenset(
+            path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(frozen)[0])
+        return Form("linen", params, rest, apply, hashable(("linen", module, call, names)),
+                     lambda x: apply(params, rest, x)[0], names)
     if (eqx := equinox_of(layer)) is not None:
         params, rest = equinox_split(eqx, layer)
         arrays, static = eqx.partition(rest, eqx.is_array)  # jit's arguments hold arrays only
@@ -229,6 +239,32 @@ def _frozen_params(module: nnx.Module) -> set[tuple[Any, ...]]:
     codes = {p for p, v in flat if hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.integer)}
     parents = {p[:-1] for p in codes}
     return codes | {p for p, _ in flat if p[:-1] in parents and str(p[-1]) in ("scale", "zero_point")}
+
+
+def _linen_frozen(params: Any) -> tuple[Any, Any]:
+    """A Linen module's parameters split into those trained and those frozen (None where none is): every integer
+    leaf (stored codes: a hand-written module's, qwix's PtqProvider ``WithAux(QArray(qvalue, scale))``) and the
+    leaves beside it named ``scale`` or ``zero_point``, as :func:`_frozen_params` splits an NNX module's. Each
+    tree keeps the other's leaves as None (:func:`_combine` puts them together)."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    codes = {tuple(map(path_name, ((k,) for k in p))) for p, v in flat
+             if hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.integer)}
+    if not codes:
+        return params, None
+    parents = {p[:-1] for p in codes}
+
+    def is_frozen(path: Any) -> bool:
+        names = tuple(path_name((k,)) for k in path)
+        return names in codes or (names[:-1] in parents and names[-1] in ("scale", "zero_point"))
+
+    trained = jax.tree_util.tree_map_with_path(lambda p, v: None if is_frozen(p) else v, params)
+    frozen = jax.tree_util.tree_map_with_path(lambda p, v: v if is_frozen(p) else None, params)
+    return trained, frozen
+
+
+def _combine(trained: Any, frozen: Any) -> Any:
+    """The whole parameter tree of :func:`_linen_frozen`'s two halves."""
+    return jax.tree.map(lambda a, b: a if b is None else b, trained, frozen, is_leaf=lambda v: v is None)
 
 
 def keras_of(layer: Any) -> Any:
