@@ -489,3 +489,31 @@ def test_a_true_division_by_127_declared_int8_qwix_should_fail():
     with pytest.raises(AssertionError, match=r"codes are not int8_qwix's: \d+ of \d+ codes differ from the "
                                              r"referee's; .*they are int8's codes: another rule of the same kind"):
         qcheck.assert_quantized(_qwix_rule_by_hand(127.0), *_QWIX_OPERANDS, declared="int8_qwix")
+
+
+# -- format parameters: int4_keras_grouped's group size -----------------------------------------------------------
+
+def test_a_block_size_is_a_parameter_of_the_grouped_format_only_bad_input():
+    """``block`` is int4_keras_grouped's parameter (its record's ``parameters``): declared on another format, or
+    given the referee for one, it is a one-line ValueError naming it; a non-positive block likewise."""
+    assert formats.get_format("int4_keras_grouped").parameters == ("block",)
+    x = np.ones((4, 8), np.float32)
+    for spec, match in (({"format": "int8", "block": 64}, r"weights: block is no parameter of format 'int8'"),
+                        ({"format": "int4_keras_grouped", "block": 0}, r"weights: block must be a positive int")):
+        with pytest.raises(ValueError, match=match) as e:
+            qcheck.assert_quantized(lambda v: v @ v.T, x, declared={"weights": spec, "activations": None})
+        assert "\n" not in str(e.value), e.value
+    with pytest.raises(ValueError, match=r"^block: format 'int8' takes no block size"):
+        qcheck.referees.reference_quantize(x, "int8", axis=0, block=64)
+
+
+def test_the_grouped_referee_at_another_block_groups_by_it_should_pass():
+    """The referee at block 64 is the rule with groups of 64: on 256 inputs, four scales per column, where the
+    default's (128) two; at 256 inputs the two group sizes part on codes (the control: block 128 is the default)."""
+    w = np.random.default_rng(0).normal(size=(256, 4)).astype(np.float32)
+    c64, s64 = qcheck.referees.reference_quantize(w, "int4_keras_grouped", axis=0, block=64)
+    c128, s128 = qcheck.referees.reference_quantize(w, "int4_keras_grouped", axis=0)
+    again, _ = qcheck.referees.reference_quantize(w, "int4_keras_grouped", axis=0, block=128)
+    assert s64["block"].shape == (4, 4) and s128["block"].shape == (4, 2)
+    assert np.array_equal(c128.astype(np.int8), again.astype(np.int8))
+    assert not np.array_equal(c64.astype(np.int8), c128.astype(np.int8))

@@ -16,6 +16,9 @@ Should-pass / should-fail pairs for each way a check could quietly weaken:
 
 from __future__ import annotations
 
+import functools
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -282,3 +285,74 @@ def test_a_body_that_ran_no_iteration_holds_no_codes_and_says_so_should_fail():
     with pytest.raises(AssertionError, match=r"rhs \(weight\) held by its type only, not bitwise as int8 fixes its "
                                              r"bits: inside a body that ran no iteration: no codes to hold"):
         qcheck.assert_quantized(_Experts(False, _in_empty_scan), X, declared=INT8)
+
+
+# -- stored codes given their float source: qcheck.weights(codes, source=...) ------------------------------------
+
+
+def _stored_pair(codes, scale, x):
+    """Post-training-quantized weights as a plain (int8 codes, scale) pair, dequantized before the matmul."""
+    return x @ (codes.astype(jnp.float32) * scale)
+
+
+def _call_stored(pair, x):
+    return _stored_pair(*pair, x)
+
+
+def test_stored_codes_given_their_source_are_held_bitwise_should_pass():
+    """qcheck.weights((codes, scale), source=w): the codes and scale are held bitwise to the declared format applied
+    by the referee to w, in coverage, assert_quantized and check_layer on a function (its marked argument bound)."""
+    (r,) = qcheck.assert_quantized(_call_stored, qcheck.weights((CODES, SCALE), source=W), X, declared=WEIGHT_ONLY)
+    assert str(r.rhs_hold) == "bitwise: stored codes held bitwise against their source (qcheck.weights(..., source=))"
+    (c,) = qcheck.coverage(_call_stored, qcheck.weights((CODES, SCALE), source=W), X, declared=WEIGHT_ONLY)
+    assert c.rhs_hold.bitwise and not c.findings
+    layer = functools.partial(_call_stored, qcheck.weights((CODES, SCALE), source=W))
+    figures = qcheck.check_layer(layer, lambda x: x @ W, X, declared=WEIGHT_ONLY)
+    assert [r.rhs_hold.bitwise for r in figures.coverage] == [True]
+
+
+def test_stored_codes_without_a_source_are_held_by_type_and_fail_unless_accepted_should_fail():
+    """The same codes marked without their source: no quantizer made them, so only their type is held; the
+    declaration fails unless accept_weaker names the site."""
+    with pytest.raises(AssertionError, match=r"rhs \(weight\) held by its type only, not bitwise as int8 fixes its "
+                                             r"bits: its codes do not trace back to a quantizer"):
+        qcheck.assert_quantized(_call_stored, qcheck.weights((CODES, SCALE)), X, declared=WEIGHT_ONLY)
+    (r,) = qcheck.assert_quantized(_call_stored, qcheck.weights((CODES, SCALE)), X, declared=WEIGHT_ONLY,
+                                   accept_weaker=True)
+    assert r.rhs_hold.strength == "type" and r.rhs_hold.accepted_by
+
+
+def test_stored_codes_rounded_down_fail_against_their_source_naming_the_site_should_fail():
+    """The plant: codes rounded down (floor) under the right scale. The output tracks; the stored codes fail at
+    their site, saying they are the referee's or one below it."""
+    floor = jnp.clip(jnp.floor(W / SCALE), -127, 127).astype(jnp.int8)
+    with pytest.raises(AssertionError) as failure:
+        qcheck.assert_quantized(_call_stored, qcheck.weights((floor, SCALE), source=W), X, declared=WEIGHT_ONLY)
+    message = str(failure.value)
+    assert re.search(r"dot_general at \S*test_holds\.py:\d+ \(_stored_pair\)", message), message
+    assert ("rhs (weight): stored int8[32, 24] codes against their source (qcheck.weights(..., source=)): codes "
+            "are not int8's" in message and "rounded down (floor), not to nearest" in message), message
+    layer = functools.partial(_call_stored, qcheck.weights((floor, SCALE), source=W))
+    with pytest.raises(AssertionError, match=r"rounded down \(floor\), not to nearest"):
+        qcheck.check_layer(layer, lambda x: x @ W, X, declared=WEIGHT_ONLY)
+
+
+def test_stored_codes_under_one_scale_for_the_whole_tensor_fail_naming_what_differs_should_fail():
+    """The plant: one scale for the whole weight where int8's rule keeps one per output column."""
+    one = jnp.max(jnp.abs(W)) / 127
+    codes = jnp.clip(jnp.round(W / one), -127, 127).astype(jnp.int8)
+    with pytest.raises(AssertionError, match=r"stored int8\[32, 24\] codes against their source .*: codes are not "
+                                             r"int8's: .*they match one scale for the whole tensor"):
+        qcheck.assert_quantized(_call_stored, qcheck.weights((codes, jnp.full((1, W.shape[1]), one)), source=W), X,
+                                declared=WEIGHT_ONLY)
+
+
+@pytest.mark.parametrize("source, says", [
+    (W[:8], r"source \[8, 24\] must have the shape of the one integer array of stored codes it marks; the tree "
+            r"holds int8\[32, 24\], float32\[1, 24\]"),
+    (CODES, r"source must be the float weights the codes were made from \(a float array\), got an array of int8"),
+    ("w", r"source must be the float weights the codes were made from \(a float array\), got a str"),
+])
+def test_weights_source_of_another_shape_or_not_float_is_one_line(source, says):
+    with pytest.raises(ValueError, match=f"^qcheck.weights: {says}$"):
+        qcheck.weights((CODES, SCALE), source=source)

@@ -410,9 +410,10 @@ def test_keras_reader_imports_nothing_from_keras(keras):
 
 def test_keras_int8_dense_passes_every_edge_row_held_bitwise_should_pass(keras):
     """Keras 3.15.1: the control. Keras's epsilon is its zero guard: on a token row of zeros (and of tiny
-    values) its scale stays finite, 127 / 1e-7, and its codes are the referee's 0, held bitwise there."""
+    values) its scale stays finite, 127 / 1e-7, and its codes are the referee's 0, held bitwise there. The stored
+    kernel is held bitwise against the twin's float kernel: no acceptance."""
     layer, twin = _dense(keras, "int8")
-    figures = qcheck.check_layer(layer, twin, X, declared=INT8_KERAS, accept_weaker=KERNEL)
+    figures = qcheck.check_layer(layer, twin, X, declared=INT8_KERAS)
     assert {k: figures.edges[k] for k in ("zeros", "tiny", "huge")} == dict.fromkeys(
         ("zeros", "tiny", "huge"), "run, codes held bitwise"), figures.edges
 
@@ -426,7 +427,7 @@ def test_keras_int8_dense_without_its_zero_guard_fails_the_row_of_zeros_naming_t
     layer.inputs_quantizer.epsilon = 0.0
     qcheck.assert_quantized(layer, X, declared=INT8_KERAS, accept_weaker=KERNEL)  # x itself: nothing shows
     with pytest.raises(AssertionError) as failure:
-        qcheck.check_layer(layer, twin, X, declared=INT8_KERAS, accept_weaker=KERNEL)
+        qcheck.check_layer(layer, twin, X, declared=INT8_KERAS)
     message = _message(failure)
     assert re.search(r"edges: token row of zeros: site " + NAME + r" \(dot_general\): lhs \(activation\): its "
                      r"scale is not finite at 1 of 8 scale values", message), message
@@ -518,12 +519,18 @@ def test_keras_int4_layer_declared_with_another_rule_fails_naming_the_site_shoul
     assert finding in message, message
 
 
-def test_keras_int4_other_block_size_reads_nothing(keras):
-    """Keras 3.15.1: ``block_size=64`` groups by 64, which no qcheck format does: the reader reads nothing, saying
-    so, rather than hold it to int4_keras_grouped's groups of 128."""
+def test_keras_int4_other_block_size_reads_the_grouped_format_at_its_block_should_pass(keras):
+    """Keras 3.15.1: ``block_size=64`` groups by 64: the reader reads int4_keras_grouped at block 64 (the group size
+    is the layer's config, a parameter of the format), not groups of 128 nor nothing. Alone (no twin: no float
+    source) its stored kernel is held by its type, accepted by the reader; check_layer holds it bitwise
+    (tests/test_keras_layer.py)."""
     layer = _int4_layers(keras, 64)[0]
-    with pytest.raises(AssertionError, match=r"declared: nothing read: no reader"):
-        qcheck.assert_quantized(layer, X)
+    records = qcheck.assert_quantized(layer, X)
+    assert records.declared_from == ("read from the fn: Keras quantize('int4', grouped by 64 with zero points, "
+                                     "weight-only) on 1 layer(s) (Dense)"), records.declared_from
+    (site,) = records
+    assert site.rhs_declared == "int4_keras_grouped at block 64", site
+    assert site.rhs_hold.accepted_by.startswith("the Keras reader"), site.rhs_hold
 
 
 @pytest.mark.parametrize("magnitude", [1.0, 1e-5, 100.0])

@@ -321,3 +321,103 @@ def test_keras_copy_params_into_is_a_one_line_error_naming_the_keras_way(keras, 
     assert message == ("copy_params_into: layer must be an flax.nnx.Module or an equinox.Module, got Dense (a Keras "
                        "layer's twin is made the Keras way: twin.set_weights(layer.get_weights()) before "
                        "layer.quantize(...))"), message
+
+
+# -- stored kernels held bitwise against the twin's float kernel ------------------------------------------------------
+
+WIDE = 256  # inputs: four groups of 64, two of 128, so the two group sizes part
+XW = np.random.default_rng(3).normal(size=(8, WIDE)).astype(np.float32)
+
+
+def _stored_pair(keras, mode: str, config=None, cls=None):
+    """A Dense (or subclass ``cls``) of WIDE inputs quantized to ``mode`` (with ``config``) and its float twin."""
+    cls = cls or keras.layers.Dense
+    layer = cls(UNITS, name=NAME, **_init(keras, 0))
+    layer.build((None, WIDE))
+    twin = keras.layers.Dense(UNITS, name=NAME, **_init(keras, 7))
+    twin.build((None, WIDE))
+    twin.set_weights(layer.get_weights())
+    if config is None:
+        layer.quantize(mode, type_check=cls is keras.layers.Dense)
+    else:
+        layer.quantize(mode, config=config, type_check=cls is keras.layers.Dense)
+    return layer, twin
+
+
+STOCK = [("int8", None, "Keras quantize('int8') on 1 layer(s) (Dense)"),
+         ("int4", -1, "Keras quantize('int4', per channel, weight-only) on 1 layer(s) (Dense)"),
+         ("int4", 128, "Keras quantize('int4', grouped by 128 with zero points, weight-only) on 1 layer(s) (Dense)"),
+         ("int4", 64, "Keras quantize('int4', grouped by 64 with zero points, weight-only) on 1 layer(s) (Dense)")]
+
+
+@pytest.mark.parametrize("mode, block_size, source", STOCK, ids=["int8", "int4-per-channel", "int4-128", "int4-64"])
+def test_keras_stock_stored_kernel_is_held_bitwise_against_the_twin_should_pass(keras, mode, block_size, source):
+    """Keras 3.15.1: the kernel quantize() stored as codes (int8; int4 packed two to a byte) with its scale (and,
+    grouped, zero point) is the referee's of the twin's float kernel, bitwise: the site's weight is held bitwise,
+    saying against what, with no acceptance rule. Grouped by 64, the reader reads int4_keras_grouped at block 64."""
+    config = None if block_size is None else keras.quantizers.Int4QuantizationConfig(block_size=block_size)
+    layer, twin = _stored_pair(keras, mode, config)
+    figures = qcheck.check_layer(layer, twin, XW)
+    assert figures.declared_from == f"read from the layer: {source}", figures.declared_from
+    (site,) = figures.coverage
+    assert site.rhs_hold.bitwise and site.rhs_hold.accepted_by is None, site.rhs_hold
+    assert str(site.rhs_hold) == f"bitwise: stored codes held bitwise against the reference's {NAME}/kernel"
+    if block_size == 64:
+        assert site.rhs_declared == "int4_keras_grouped at block 64", site.rhs_declared
+
+
+def _requantized(keras, rule: str):
+    """A Dense subclass whose quantize("int8") stores other codes than Keras's rule (the plants): ``one-scale``
+    one encode scale for the whole kernel, ``floor`` each code rounded down."""
+    class Requantized(keras.layers.Dense):
+        def quantize(self, mode, **kwargs):
+            kernel = np.asarray(self.kernel)
+            super().quantize(mode, **kwargs)
+            amax = np.max(np.abs(kernel), axis=None if rule == "one-scale" else 0)
+            scale = (np.float32(127) / (amax + np.float32(1e-7))).astype(np.float32)
+            rounded = np.floor if rule == "floor" else np.round
+            self._kernel.assign(np.clip(rounded(kernel * scale), -127, 127).astype(np.int8))
+            self.kernel_scale.assign(np.broadcast_to(scale, (self.units,)).astype(np.float32))
+
+    return Requantized
+
+
+@pytest.mark.parametrize("rule, what", [
+    ("one-scale", "they match one scale for the whole tensor"),
+    ("floor", "each code is the referee's or one below it: rounded down (floor), not to nearest"),
+])
+def test_keras_requantized_stored_kernel_fails_naming_the_site_and_what_differs_should_fail(keras, rule, what):
+    """The plants: a Dense subclass whose quantize("int8") stores the kernel's codes under one scale for the whole
+    kernel (Keras's rule: one per output channel), or rounded down. Each passes every other check (its output
+    tracks the twin's); the stored kernel fails at the site, naming it and what its codes match."""
+    layer, twin = _stored_pair(keras, "int8", cls=_requantized(keras, rule))
+    with pytest.raises(AssertionError) as failure:
+        qcheck.check_layer(layer, twin, XW)
+    message = _message(failure)
+    assert f"rhs (weight): stored {NAME}/kernel against the reference's {NAME}/kernel: codes are not int8_keras's" \
+        in message, message
+    assert what in message and "tracks" not in message, message
+    assert re.search(r"dot_general at \S+ \(Dense\._int8_call\S*\)", message), message
+
+
+def test_keras_int4_grouped_by_64_declared_by_128_fails_naming_both_group_sizes_should_fail(keras):
+    """The plant: a layer grouped by 64 declared int4_keras_grouped (128), or with block 128 said: the stored
+    kernel fails naming both sizes. Its control, declared at block 64, passes."""
+    layer, twin = _stored_pair(keras, "int4", keras.quantizers.Int4QuantizationConfig(block_size=64))
+    for weights in ("int4_keras_grouped", {"format": "int4_keras_grouped", "block": 128}):
+        with pytest.raises(AssertionError) as failure:
+            qcheck.check_layer(layer, twin, XW, declared={"weights": weights, "activations": None})
+        message = _message(failure)
+        assert (f"stored {NAME}/kernel against the reference's {NAME}/kernel: its codes and scales are grouped by "
+                f"64, where int4_keras_grouped groups by 128") in message, message
+    figures = qcheck.check_layer(layer, twin, XW, declared={
+        "weights": {"format": "int4_keras_grouped", "block": 64}, "activations": None})
+    assert figures.coverage[0].rhs_hold.bitwise, figures.coverage[0]
+
+
+def test_keras_block_on_a_format_without_one_is_a_one_line_error_naming_block(keras, int8_pair):
+    layer, twin = int8_pair
+    with pytest.raises(ValueError, match=r"^check_layer: declared: weights: block is no parameter of format "
+                                         r"'int8_keras' .*formats that take one: int4_keras_grouped$"):
+        qcheck.check_layer(layer, twin, X, declared={"weights": {"format": "int8_keras", "block": 64},
+                                                     "activations": "int8_keras"})

@@ -424,6 +424,86 @@ def test_check_layer_should_fail_on_a_linen_module_that_is_not_quantized():
         check_layer((_LinenBlock(False), variables), (_LinenBlock(False), variables), X[0])
 
 
+# -- Linen modules holding stored codes: integer parameters frozen ---------------------------------------
+
+class _LinenStoredDense(linen.Module):
+    """A hand-written serving layer: its kernel stored as int8 codes with a scale per output, dequantized in the
+    call (``scaled=False``: the plant that forgets the scale)."""
+
+    scaled: bool = True
+
+    @linen.compact
+    def __call__(self, x):
+        codes = self.param("kernel", linen.initializers.zeros, (x.shape[-1], 16), jnp.int8)
+        scale = self.param("scale", linen.initializers.ones, (1, 16), jnp.float32)
+        return x @ (codes.astype(jnp.float32) * (scale if self.scaled else 1.0))
+
+
+class _LinenFloat(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+        return linen.Dense(16, use_bias=False, name="proj")(x)
+
+
+class _LinenStored(linen.Module):
+    scaled: bool = True
+
+    @linen.compact
+    def __call__(self, x):
+        return _LinenStoredDense(self.scaled, name="proj")(x)
+
+
+_WEIGHT_ONLY = {"weights": "int8", "activations": None}
+
+
+def _linen_stored_pair(scaled=True):
+    twin = _LinenFloat()
+    variables = twin.init(jax.random.key(0), X[0])
+    w = np.asarray(variables["params"]["proj"]["kernel"])
+    scale = np.max(np.abs(w), axis=0, keepdims=True) / np.float32(127)
+    codes = np.clip(np.round(w / scale), -127, 127).astype(np.int8)
+    stored = {"params": {"proj": {"kernel": jnp.asarray(codes), "scale": jnp.asarray(scale)}}}
+    return (_LinenStored(scaled), stored), (twin, variables)
+
+
+def test_check_layer_should_pass_on_a_linen_module_holding_int8_codes_frozen_never_given_to_grad():
+    """A Linen module whose parameters hold int8 codes gave a raw TypeError (grad of an int8 input). Its integer
+    parameters and the scales beside them are state: no gradient, named in figures.frozen, not compared; the
+    weight-only declaration holds its codes by type, accepted by name."""
+    layer, twin = _linen_stored_pair()
+    figures = check_layer(layer, twin, X[0], declared=_WEIGHT_ONLY, accept_weaker=True)
+    assert set(figures.grad_rel_norms) == {INPUT_GRAD}
+    assert dict(figures.frozen) == {"proj/kernel": "frozen in the layer (int8[32, 16], state: no gradient); a "
+                                                   "parameter of the reference (float32[32, 16])"}
+    assert [r.rhs_hold.strength for r in figures.coverage] == ["type"] and 0 < figures.rel_norm < 0.05
+
+
+def test_check_layer_should_fail_on_a_linen_module_holding_codes_that_forgets_their_scale():
+    """The plant: the same stored codes multiplied without their scale. The frozen kernel is still named, and the
+    output no longer tracks the float twin's."""
+    layer, twin = _linen_stored_pair(scaled=False)
+    with pytest.raises(AssertionError, match=r"(?s)tracks: assert_tracks: .*not compared: the gradient of "
+                                             r"proj/kernel, frozen in the layer \(int8\[32, 16\]"):
+        check_layer(layer, twin, X[0], declared=_WEIGHT_ONLY, accept_weaker=True)
+
+
+def test_check_layer_should_pass_on_a_qwix_ptq_linen_model_its_stored_weights_frozen():
+    """qwix 0.1.8's Linen serving path: quantize_model(linen_module, PtqProvider(rules)) keeps each kernel as
+    WithAux(QArray(qvalue int8, scale)) under params. Its codes and scale are frozen and named under the float
+    twin's kernel path, never given to grad. (qcheck's qwix reader reads NNX models only: declared by hand.)"""
+    qwix = pytest.importorskip("qwix")
+    twin = _LinenFloat()
+    variables = twin.init(jax.random.key(0), X[0])
+    rules = [qwix.QuantizationRule(module_path=".*", weight_qtype=jnp.int8)]
+    ptq = qwix.quantize_model(_LinenFloat(), qwix.PtqProvider(rules))
+    figures = check_layer((ptq, ptq.init(jax.random.key(0), X[0])), (twin, variables), X[0],
+                          declared=_WEIGHT_ONLY, accept_weaker=True)
+    assert set(figures.grad_rel_norms) == {INPUT_GRAD}
+    assert figures.frozen["proj/kernel"].startswith(
+        "frozen in the layer (proj/kernel/array/qvalue int8[32, 16], proj/kernel/array/scale float32[1, 16], "
+        "state: no gradient)"), figures.frozen
+
+
 # -- call=: a module that is not called as module(x) -----------------------------------------------
 
 def _first(module, x):

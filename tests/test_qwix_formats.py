@@ -17,6 +17,7 @@ a model equals qwix when it does in one form over the whole array.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -26,6 +27,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import qcheck
 from qcheck import checks, referees
 from qcheck.referees._libraries import (QWIX_MIN_SCALE, quantize_qwix_mxfp8, quantize_qwix_nvfp4, qwix_cast, qwix_divide,
                                     qwix_per_tensor_e4m3fn, qwix_scale)
@@ -738,3 +740,103 @@ def test_qwix_reader_holds_a_module_no_rule_reaches_to_full_precision_should_fai
     assert re.search(r"\(_Inner\.__call__\), in inner/lin: .*\n\s+lhs \(activation\) is quantized \(int8\) but "
                      r"declared full precision", message), message
     assert "in out:" not in message, message
+
+
+# -- qwix's serving path: PtqProvider keeps each weight as int8 codes and a scale ---------------------------------
+
+class _PtqExperts(nnx.Module):
+    """Per-expert weights in an einsum (experts, d, f), qwix's channelwise_axes [0, 2] (a scale per expert and
+    output), then a Linear: what qwix.quantize_model(..., PtqProvider) stores as WithAux(QArray(qvalue, scale))."""
+
+    def __init__(self, rngs):
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (4, 32, 16)) * 0.1)
+        self.lin = nnx.Linear(16, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.lin(jnp.einsum("btd,edf->btef", x, self.w[...]))
+
+
+def _ptq_pair():
+    model = _PtqExperts(nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8, 32)).astype(np.float32))
+    rules = [qwix.QuantizationRule(module_path=".*", weight_qtype=jnp.int8)]
+    return qwix.quantize_model(model, qwix.PtqProvider(rules), x), model, x
+
+
+def test_qwix_ptq_experts_stored_weights_are_held_bitwise_against_the_float_model_should_pass():
+    """qwix 0.1.8: check_layer(ptq_model, float_model, x) gave a raw TypeError (grad of an int8 qvalue). Its integer
+    parameters and the scales beside them are frozen, named, never given to grad; the PtqProvider rules are read
+    (int8_qwix weights, activations full precision); each stored weight (the experts' and the Linear's) is held
+    bitwise against the float model's parameter of its path."""
+    ptq, model, x = _ptq_pair()
+    figures = qcheck.check_layer(ptq, model, x)
+    assert figures.declared_from == ("read from the layer: qwix PtqProvider rules on 2 module(s) (module_path='.*': "
+                                     "weights int8_qwix, activations full precision)"), figures.declared_from
+    assert sorted(figures.frozen) == ["lin/kernel", "w"], figures.frozen
+    assert figures.frozen["w"].startswith("frozen in the layer (w/array/qvalue int8[4, 32, 16], w/array/scale "
+                                          "float32[4, 1, 16], state: no gradient)"), figures.frozen["w"]
+    holds = sorted(str(h) for r in figures.coverage for h, role in ((r.lhs_hold, r.lhs_role), (r.rhs_hold, r.rhs_role))
+                   if role == "weight")
+    assert holds == [f"bitwise: stored codes held bitwise against the reference's {p}" for p in ("lin/kernel", "w")]
+
+
+def test_qwix_ptq_experts_sharing_one_scale_fail_naming_the_site_should_fail():
+    """The plant: the experts' stored weights requantized under one scale per output shared by all experts (the
+    scale EasyDeL-style fused MoE code computes when it reduces over the expert axis too). The output still
+    tracks; the stored weight fails at the einsum's site, naming the axis its scale is shared across."""
+    ptq, model, x = _ptq_pair()
+    w = np.asarray(model.w[...])
+    scale = (np.max(np.abs(w), axis=(0, 1), keepdims=True) / np.float32(127.5)).astype(np.float32)
+    ptq.w.array.qvalue.set_value(jnp.asarray(np.clip(np.round(w / scale), -128, 127).astype(np.int8)))
+    ptq.w.array.scale.set_value(jnp.asarray(np.broadcast_to(scale, (4, 1, 16)).copy()))
+    with pytest.raises(AssertionError) as failure:
+        qcheck.check_layer(ptq, model, x)
+    message = str(failure.value)
+    assert re.search(r"dot_general at \S*test_qwix_formats\.py:\d+ \(_PtqExperts\.__call__\)", message), message
+    assert ("(weight): stored w/array/qvalue against the reference's w: codes are not int8_qwix's" in message
+            and "they match one scale shared across axis 0 (size 4)" in message), message
+    assert "tracks" not in message and "lin" not in message.split("not compared")[0], message
+
+
+# -- qwix.quantize'd weights passed to a function, given their float source ------------------------------------
+
+_EXPERTS_W = jnp.asarray(np.random.default_rng(1).normal(size=(4, 32, 16)).astype(np.float32)
+                         * np.array([1, 3, 10, 30], np.float32)[:, None, None])
+_EXPERTS_X = jnp.asarray(np.random.default_rng(2).normal(size=(2, 8, 32)).astype(np.float32))
+_WEIGHT_ONLY = {"weights": "int8_qwix", "activations": None}
+
+
+def _experts(qw, x):
+    """Per-expert weights qwix.quantize'd once (a scale per expert and output) and dequantized in the call."""
+    return jnp.einsum("btd,edf->btef", x, qwix.dequantize(qw))
+
+
+def test_qwix_quantize_weights_given_their_source_are_held_bitwise_should_pass():
+    """qwix.quantize(w, jnp.int8, channelwise_axes=[0, 2]) marked qcheck.weights(qw, source=w): the QArray's codes
+    and scale are held bitwise to int8_qwix applied by the referee to w, reduced over the axis qwix does not keep."""
+    qw = qwix.quantize(_EXPERTS_W, jnp.int8, channelwise_axes=[0, 2])
+    (r,) = qcheck.assert_quantized(_experts, qcheck.weights(qw, source=_EXPERTS_W), _EXPERTS_X, declared=_WEIGHT_ONLY)
+    assert r.rhs_role == "weight" and r.rhs_hold.bitwise and not r.findings, r
+    figures = qcheck.check_layer(functools.partial(_experts, qcheck.weights(qw, source=_EXPERTS_W)),
+                                 lambda x: jnp.einsum("btd,edf->btef", x, _EXPERTS_W), _EXPERTS_X,
+                                 declared=_WEIGHT_ONLY)
+    assert [str(r.rhs_hold) for r in figures.coverage] == [
+        "bitwise: stored codes held bitwise against their source (qcheck.weights(..., source=))"]
+
+
+def test_qwix_quantize_weights_sharing_one_scale_across_experts_fail_naming_the_site_should_fail():
+    """The plant: the same QArray's codes made under one scale per output shared by all experts. The stored codes
+    fail at the einsum's site, naming the axis the scale is shared across."""
+    w = np.asarray(_EXPERTS_W)
+    scale = (np.max(np.abs(w), axis=(0, 1), keepdims=True) / np.float32(127.5)).astype(np.float32)
+    qw = qwix.quantize(_EXPERTS_W, jnp.int8, channelwise_axes=[0, 2])
+    shared = qwix.QArray(jnp.asarray(np.clip(np.round(w / scale), -128, 127).astype(np.int8)),
+                         jnp.asarray(np.broadcast_to(scale, (4, 1, 16)).copy()), None, qw.qtype)
+    with pytest.raises(AssertionError) as failure:
+        qcheck.assert_quantized(_experts, qcheck.weights(shared, source=_EXPERTS_W), _EXPERTS_X,
+                                declared=_WEIGHT_ONLY)
+    message = str(failure.value)
+    assert re.search(r"dot_general at \S*test_qwix_formats\.py:\d+ \(_experts\)", message), message
+    assert ("rhs (weight): stored int8[4, 32, 16] codes against their source (qcheck.weights(..., source=)): codes "
+            "are not int8_qwix's" in message and "they match one scale shared across axis 0 (size 4)" in message), \
+        message

@@ -11,15 +11,15 @@ require_supported()  # the walk reads jaxpr internals that older JAX lacks
 
 from qcheck._coverage._records import (BLOCK_SCALED, MATMUL_PRIMITIVES, VALUE_PRESERVING, MatmulRecord,
                                        OperandQuant, call_body)
-from qcheck._coverage._declaration import Declaration, Hold, as_declaration, mixed_formats
+from qcheck._coverage._declaration import Declaration, Hold, Stored, as_declaration, judge_stored, mixed_formats
 from qcheck._coverage._kernels import KernelRoles, as_kernel_roles
 from qcheck._coverage._map import (CoverageMap, Prepared, after_first_call, assert_quantized, coverage,
                                    format_coverage, graph_paths, machinery_tuple, prepare, quantized_records,
                                    warmed_up)
-from qcheck._coverage._readers import read_declaration, resolve_declaration
+from qcheck._coverage._readers import read_declaration, read_stored, resolve_declaration
 from qcheck._coverage._scopes import MACHINERY, machinery_prefixes, user_frames
 from qcheck._coverage._skips import Skip, SkipArg, as_skips, skip_at, skip_functions, skip_modules, skip_where
-from qcheck._coverage._weights import Weights, weights
+from qcheck._coverage._weights import Weights, unmarked, weights
 
 __all__ = [
     "BLOCK_SCALED",
@@ -36,6 +36,7 @@ __all__ = [
     "Prepared",
     "Skip",
     "SkipArg",
+    "Stored",
     "after_first_call",
     "as_declaration",
     "as_kernel_roles",
@@ -45,17 +46,20 @@ __all__ = [
     "coverage",
     "format_coverage",
     "graph_paths",
+    "judge_stored",
     "machinery_prefixes",
     "machinery_tuple",
     "mixed_formats",
     "prepare",
     "quantized_records",
     "read_declaration",
+    "read_stored",
     "resolve_declaration",
     "skip_at",
     "skip_functions",
     "skip_modules",
     "skip_where",
+    "unmarked",
     "user_frames",
     "warmed_up",
     "weights",

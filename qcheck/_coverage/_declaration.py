@@ -40,7 +40,7 @@ import numpy as np
 
 from qcheck import formats, referees
 from qcheck._choices import require_choice
-from qcheck._coverage._records import MatmulRecord, whole_axes
+from qcheck._coverage._records import MatmulRecord, OperandQuant, whole_axes
 
 #: The keys a declaration takes: roles by data flow, or operands by position.
 ROLES = ("weights", "activations", "grads", "lhs", "rhs")
@@ -49,13 +49,34 @@ _ROLE_OF = {"weight": "weights", "activation": "activations", "grad": "grads"}
 
 @dataclasses.dataclass(frozen=True)
 class RoleFormat:
-    """One role's declared format, and the axes that keep their own scale (None: the format's own rule)."""
+    """One role's declared format, the axes that keep their own scale (None: the format's own rule), and the
+    group size of a format whose rule takes one (``block``, a name of its record's ``parameters``; None: its
+    default, the record's ``block``)."""
 
     format: str
     per: tuple[int, ...] | None = None
+    block: int | None = None
 
     def __str__(self) -> str:
-        return self.format if self.per is None else f"{self.format} per axes {self.per}"
+        at = "" if self.block is None else f" at block {self.block}"
+        return self.format + at + ("" if self.per is None else f" per axes {self.per}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """A weight a library keeps only as codes (a reader reads where): ``source`` is the path of the float
+    parameter the unquantized twin holds in its place, ``codes`` / ``scale`` / ``zero_point`` the paths of the
+    arrays the layer keeps instead (check_layer's names), ``axes`` the float parameter's axes its format reduces
+    (its contraction axes: every other keeps its own scale), ``packed`` the axis along which int4 codes are packed
+    two to a byte (None: one code a byte), ``scope`` the module path its matmuls are traced under."""
+
+    source: str
+    codes: str
+    axes: tuple[int, ...]
+    scale: str | None = None
+    zero_point: str | None = None
+    packed: int | None = None
+    scope: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +99,12 @@ class Declaration:
     #: Roles by module path (``/``-separated, as :attr:`MatmulRecord.scope` names a site's module), where a
     #: library's rules differ per module (qwix's ``module_path`` regexes): a site takes its innermost module's.
     scopes: Mapping[str, Mapping[str, RoleFormat | None]] = dataclasses.field(default_factory=dict)
+    #: The stored weights a reader found (:class:`Stored`, by ``source``): what check_layer holds bitwise against
+    #: its twin's float parameters.
+    stored_params: Mapping[str, Stored] = dataclasses.field(default_factory=dict)
+    #: By module path: each stored weight held there (check_layer fills it), ``(source, finding or None)``; a
+    #: weight operand with no quantizer of its own in that module is held by them (bitwise, or failing).
+    held: Mapping[str, tuple[tuple[str, str | None], ...]] = dataclasses.field(default_factory=dict)
 
     def for_operand(self, side: str, role: str, kernel: str | None = None,
                     scope: str | None = None) -> tuple[bool, RoleFormat | None]:
@@ -130,19 +157,39 @@ def _role_format(key: str, value: Any, what: str) -> RoleFormat | None:
     if isinstance(value, str):
         return RoleFormat(_choice(what, f"{key} format", value, formats.format_names()))
     if isinstance(value, Mapping):
-        extra = set(value) - {"format", "per"}
+        extra = set(value) - {"format", "per", "block"}
         if extra or "format" not in value:
-            raise ValueError(f"{what}: {key} must be a format name, None, or {{'format': NAME, 'per': AXES}}; "
-                             f"got keys {sorted(map(str, value))}")
+            raise ValueError(f"{what}: {key} must be a format name, None, or {{'format': NAME, 'per': AXES, "
+                             f"'block': N}}; got keys {sorted(map(str, value))}")
         per = value.get("per")
         if per is not None:
             per = (per,) if isinstance(per, int) and not isinstance(per, bool) else per
             if not (isinstance(per, Sequence) and all(isinstance(a, int) and not isinstance(a, bool) for a in per)):
                 raise ValueError(f"{what}: {key}'s per must be a tuple of axes (ints), got {value.get('per')!r}")
             per = tuple(per)
-        return RoleFormat(_choice(what, f"{key} format", value["format"], formats.format_names()), per)
+        name = _choice(what, f"{key} format", value["format"], formats.format_names())
+        return RoleFormat(name, per, _block(value.get("block"), name, f"{what}: {key}"))
     raise ValueError(f"{what}: {key} must be a format name, None, or {{'format': NAME, 'per': AXES}}; "
                      f"got {type(value).__name__}")
+
+
+def _block(block: Any, name: str, what: str) -> int | None:
+    """A declared group size for format ``name``: None where it is the format's default."""
+    if block is None:
+        return None
+    record = formats.get_format(name)
+    if "block" not in record.parameters:
+        takes = [f.name for f in formats.FORMATS if "block" in f.parameters]
+        raise ValueError(f"{what}: block is no parameter of format {name!r} (its block, {record.block}, is fixed); "
+                         f"formats that take one: {', '.join(takes)}")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"{what}: block must be a positive int (the group size), got {block!r}")
+    return None if block == record.block else block
+
+
+def block_of(fmt: RoleFormat) -> int | None:
+    """The group size ``fmt`` holds its codes to: declared, else its record's."""
+    return fmt.block if fmt.block is not None else formats.get_format(fmt.format).block
 
 
 def as_declaration(spec: Any, what: str = "declared") -> Declaration:
@@ -571,8 +618,8 @@ def judge(records: Sequence[MatmulRecord], declaration: Declaration, quantizers:
                              f"{', '.join(sorted(want))}{_formats_of(narrow, evidence.get((i, side)), quantizers)}")
                 continue
             if (i, side) not in evidence:
-                stored = declaration.stored.get(_ROLE_OF.get(role, role)) if not r.opaque else None
-                holds[side] = Hold("type", _no_evidence(r), accepted_by=stored)
+                holds[side], more = _no_quantizer(r, role, label, declaration, fmt, quant)
+                found += more
                 continue
             q, axes = evidence[i, side]
             if q in zero_points:
@@ -595,6 +642,124 @@ def judge(records: Sequence[MatmulRecord], declaration: Declaration, quantizers:
         out.append(dataclasses.replace(r, lhs_declared=declared["lhs"], rhs_declared=declared["rhs"],
                                        findings=tuple(found), lhs_hold=holds["lhs"], rhs_hold=holds["rhs"]))
     return out
+
+
+def held_at(declaration: Declaration, scope: str | None) -> tuple[tuple[str, str | None], ...]:
+    """The stored weights check_layer held in the innermost module of ``declaration.held`` holding ``scope``."""
+    scope = scope or ""
+    inside = [p for p in declaration.held if p == "" or scope == p or scope.startswith(p + "/")]
+    return declaration.held[max(inside, key=len)] if inside else ()
+
+
+#: Group sizes tried where stored grouped codes are not the declared group size's.
+_GROUPS = (16, 32, 64, 128, 256, 512)
+
+
+def _same_scale(mine: np.ndarray, ref: np.ndarray) -> bool:
+    """A stored scale equals the referee's bitwise, in either layout a library keeps (its size-1 axes dropped;
+    a [groups, channels] matrix where the referee's is [channels, groups])."""
+    a, b = np.squeeze(np.asarray(mine)), np.squeeze(np.asarray(ref))
+    if a.shape != b.shape and a.ndim == 2 and a.T.shape == b.shape:
+        a = a.T
+    return _bits_equal(a, b)
+
+
+def _ref_scale(ref_scales: Mapping[str, np.ndarray], name: str) -> np.ndarray:
+    """The referee's ``zero_point``, or for ``scale`` its one float scale (``slice`` or ``block``); empty if none."""
+    if name == "zero_point":
+        return ref_scales.get("zero_point", np.zeros(0))
+    return next((v for k, v in ref_scales.items() if k != "zero_point"), np.zeros(0))
+
+
+def _rounding(codes: np.ndarray, ref: np.ndarray) -> str | None:
+    """What rounding the codes took where they are the referee's or one step from it everywhere."""
+    d = _as_f32(codes) - _as_f32(ref)
+    if not np.all(np.isin(d, (-1.0, 0.0, 1.0))) or not np.any(d):
+        return None
+    if np.all(d <= 0):
+        return "each code is the referee's or one below it: rounded down (floor), not to nearest"
+    if np.all(d >= 0):
+        return "each code is the referee's or one above it: rounded up (ceil), not to nearest"
+    if np.all(np.abs(_as_f32(codes)) <= np.abs(_as_f32(ref))):
+        return "each code is the referee's or one step nearer zero: truncated, not rounded to nearest"
+    return None
+
+
+def judge_stored(x: np.ndarray, codes: np.ndarray, scales: Mapping[str, np.ndarray], fmt: RoleFormat,
+                 axes: tuple[int, ...], *, what: str) -> str | None:
+    """None where stored ``codes`` and ``scales`` (``scale``, ``zero_point``; those a library keeps) are the
+    referee's of the float ``x`` bitwise, reduced over ``axes`` (``fmt.per`` overrides them) in one of the format's
+    forms; else the finding, naming what differs (``what``: the codes and their source, as the line says them)."""
+    x = np.asarray(x, np.float32)
+    record = formats.get_format(fmt.format)
+    if x.shape != np.shape(codes):
+        return f"{what}: its codes {list(np.shape(codes))} do not lay out the float {list(x.shape)}"
+    red = tuple(a for a in range(x.ndim) if a not in {p % x.ndim for p in fmt.per}) if fmt.per is not None else axes
+    red = red or tuple(range(x.ndim))
+    ftz = jax.default_backend() == "cpu"
+
+    def reference(form: str, flush: bool, block: int | None = fmt.block):
+        try:
+            with np.errstate(over="ignore"):
+                return referees.reference_quantize(x, fmt.format, axis=red, ftz=flush, xla_reciprocal=form,
+                                                   block=block)
+        except ValueError:  # not a whole number of blocks along these axes
+            return None
+
+    def held(got: Any) -> bool:
+        return got is not None and _bits_equal(codes, got[0]) and all(
+            _same_scale(v, _ref_scale(got[1], k)) for k, v in scales.items())
+
+    # A library may quantize on the host (Keras's int4 grouped, in numpy): no flush of subnormals there.
+    tried = [reference(form, flush) for form in record.forms for flush in dict.fromkeys((ftz, False))]
+    if any(held(got) for got in tried):
+        return None
+    first = next((got for got in tried if got is not None), None)
+    if first is None:
+        return f"{what}: its float cannot be laid out in {fmt} blocks along axes {red}"
+    ref_codes, ref_scales = first
+    if "zero_point" in scales and "zero_point" not in ref_scales:
+        return f"{what}: it keeps a zero point; declared {fmt}, which has none"
+    if "block" in record.parameters:
+        at = block_of(fmt)
+        other = next((b for b in _GROUPS if b != at and held(reference(record.forms[0], ftz, b))), None)
+        if other is not None:
+            return f"{what}: its codes and scales are grouped by {other}, where {fmt} groups by {at}"
+    if not _bits_equal(codes, ref_codes):
+        # Another rule or granularity first: a coarser scale also moves each code by a step at most.
+        why = _diagnose(x, codes, fmt.format, red)
+        if why.startswith("they match no other"):
+            why = _rounding(codes, ref_codes) or why
+        return f"{what}: codes are not {fmt}'s: {_describe_first(x, codes, ref_codes)}; {why}"
+    for name, v in scales.items():
+        want = _ref_scale(ref_scales, name)
+        if not _same_scale(v, want):
+            return (f"{what}: its codes are {fmt}'s, its {name} is not the referee's ({np.size(v)} values, the "
+                    f"referee's {np.size(want)})")
+    return None
+
+
+def _no_quantizer(r: MatmulRecord, role: str, label: str, declaration: Declaration, fmt: RoleFormat,
+                  quant: OperandQuant) -> tuple[Hold, list[str]]:
+    """The hold of an operand whose codes reach no quantizer the walk saw, and its findings: stored codes marked
+    with their float source, or a weight stored as codes that check_layer held against the twin's float parameter
+    (bitwise, or its findings), else its type, accepted where its reader says the library stores it."""
+    source = quant.stored if role == "weight" and not r.opaque else None
+    if source is not None:
+        if fmt not in source.judged:  # once per format: every site the codes reach holds the same finding
+            source.judged[fmt] = judge_stored(source.x, source.codes, source.scales, fmt, source.axes,
+                                              what=f"stored {source.codes.dtype}{list(source.codes.shape)} codes "
+                                                   f"against their source (qcheck.weights(..., source=))")
+        finding = source.judged[fmt]
+        return (Hold("bitwise", "stored codes held bitwise against their source (qcheck.weights(..., source=))"),
+                [] if finding is None else [f"{label}: {finding}"])
+    held = held_at(declaration, r.scope) if role == "weight" and not r.opaque else ()
+    if held:
+        return (Hold("bitwise", "stored codes held bitwise against the reference's "
+                     + ", ".join(source for source, _ in held)),
+                [f"{label}: {finding}" for _, finding in held if finding is not None])
+    stored = declaration.stored.get(_ROLE_OF.get(role, role)) if not r.opaque else None
+    return Hold("type", _no_evidence(r), accepted_by=stored), []
 
 
 def weaker_holds(r: MatmulRecord) -> list[str]:

@@ -20,7 +20,7 @@ from qcheck._coverage._scopes import ModuleScopes
 from qcheck._coverage._skips import Skip, SkipArg, as_skips
 from qcheck._coverage._values import NOT_RUN, Where, input_val
 from qcheck._coverage._walk import Walker
-from qcheck._coverage._weights import data_mask, unwrap
+from qcheck._coverage._weights import data_mask, marked_partial, stored_mask, unwrap
 
 
 class CoverageMap(list):
@@ -122,6 +122,9 @@ def _pure(fn: Callable[..., Any], args: tuple, kwargs: dict, warm: bool = True
                 return module(*unwrap(args), **unwrap(kwargs))
 
         return call, (state, args, kwargs), fn
+    if (bound := marked_partial(fn)) is not None:  # marked arguments bound (a function check_layer checks)
+        fn, before, more = bound
+        args, kwargs = before + tuple(args), {**more, **kwargs}
     return (lambda args, kwargs: fn(*unwrap(args), **unwrap(kwargs))), (args, kwargs), None
 
 
@@ -132,6 +135,14 @@ def _data_mask(inputs: tuple, module: Any) -> list[bool]:
         return data_mask(inputs)
     state, args, kwargs = inputs
     return [False] * len(jax.tree.leaves(state)) + data_mask((args, kwargs))
+
+
+def _stored_mask(inputs: tuple, module: Any) -> list[Any]:
+    """Per input leaf: the float source of stored codes marked ``qcheck.weights(codes, source=...)``, else None."""
+    if module is None:
+        return stored_mask(inputs)
+    state, args, kwargs = inputs
+    return [None] * len(jax.tree.leaves(state)) + stored_mask((args, kwargs))
 
 
 def _with_backward(pure: Callable[..., Any], inputs: tuple) -> tuple[Callable[..., Any], tuple, int]:
@@ -251,7 +262,9 @@ class Prepared:
     def key(self) -> Any:
         """What the program ``evaluate`` traces to depends on, besides its inputs' shapes (None: unhashable)."""
         try:
-            key = (fingerprint(self.closed), tuple((v.data, v.grad) for v in self.ins), self.machinery,
+            # A marked source is judged from the walk's records: another source's walk is not this one's.
+            ins = tuple((v.data, v.grad, getattr(v.quant, "stored", None)) for v in self.ins)
+            key = (fingerprint(self.closed), ins, self.machinery,
                    tuple(sorted((self.kernels or {}).items())), self.errors, self.declaration is not None)
             hash(key)
         except TypeError:
@@ -295,11 +308,11 @@ def prepare(fn: Callable[..., Any], args: tuple, kwargs: dict, *, errors: bool, 
     with user_code(entry, what):
         pure, inputs, module = _pure(fn, args, kwargs, warm)
     before = _state_bits(module) if module is not None else None
-    data = _data_mask(inputs, module)
+    data, stored = _data_mask(inputs, module), _stored_mask(inputs, module)
     seed_at = None
     if backward:
         pure, inputs, seed_at, order = _with_backward(pure, inputs)
-        data = [data[i] for i in order]
+        data, stored = [data[i] for i in order], [stored[i] for i in order]
     with user_code(entry, what):
         closed = jax.make_jaxpr(pure)(*inputs)
     if module is not None:
@@ -311,6 +324,9 @@ def prepare(fn: Callable[..., Any], args: tuple, kwargs: dict, *, errors: bool, 
     # With a declaration the program runs with values (its quantizers' codes) even where no figure is asked for.
     outer = Where(no_values=None if errors or declaration is not None else "not computed (errors=False)")
     ins = [input_val(v.aval, data=d) for v, d in zip(closed.jaxpr.invars, data + [False] * len(closed.jaxpr.invars))]
+    for v, source in zip(ins, stored):
+        if source is not None and v.quant is not None:  # its codes carry their source to each matmul
+            v.quant = dataclasses.replace(v.quant, stored=source)
     for v in ins:
         v.ident = object()
     if seed_at is not None:

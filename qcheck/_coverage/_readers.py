@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from qcheck import formats
-from qcheck._coverage._declaration import Declaration, RoleFormat, as_declaration
+from qcheck._coverage._declaration import Declaration, RoleFormat, Stored, as_declaration
 
 #: MaxText 0.2.5's ``config.quantization`` on its AQT/Flax path (``use_qwix_quantization=False``):
 #: ``int8`` is AQT v2 ``config_v3(fwd_bits=8)``, whose forward codes are qcheck's ``int8_aqt``
@@ -196,10 +196,14 @@ KERAS_MODES = {
 #: qcheck's ``int4_keras_grouped``), stored packed the same way and dequantized in the call as
 #: (codes - zero[g_idx]) · scale[g_idx] (``dequantize_with_sz_map``, dense.py:910); its call never quantizes the
 #: input (dense.py:884-921), and a grouped config refuses an activation quantizer
-#: (quantization_config.py:128-140): weight-only. Another block size is no qcheck format: nothing is read for it.
+#: (quantization_config.py:128-140): weight-only. Another block size is the same format at that block
+#: (``RoleFormat(KERAS_INT4_GROUPED, block=64)``, printed "int4_keras_grouped at block 64"): the group size is
+#: the layer's config, read from it.
 KERAS_INT4 = "int4_keras"
 KERAS_INT4_GROUPED = "int4_keras_grouped"
-#: Why a Keras int8 or int4 kernel is held by its type: quantize() stored its codes and kept no float kernel.
+#: Why a Keras int8 or int4 kernel is held by its type where no twin holds its float kernel (coverage,
+#: assert_quantized): quantize() stored its codes and kept no float kernel. check_layer holds it bitwise against
+#: the twin's kernel instead (``Declaration.stored_params``, :func:`_keras_stored`): no acceptance there.
 KERAS_STORED = {
     "int8": "the Keras reader: quantize('int8') stores the kernel as int8 codes, keeping no float kernel",
     "int4": "the Keras reader: quantize('int4') stores the kernel as int4 codes packed two to an int8 byte, "
@@ -238,16 +242,14 @@ def _keras_int4(quantizer: Any) -> bool:
             and getattr(quantizer, "epsilon", None) == _KERAS_EPSILON)
 
 
-def _keras_int4_roles(layer: Any) -> tuple[str, str] | None:
-    """An int4 layer's weights format and ``"none"`` (weight-only) or ``int8_keras`` as its config quantizes its
-    inputs; None where its block size is not one a qcheck format groups by or its quantizers are not Keras's."""
+def _keras_int4_roles(layer: Any) -> tuple[Any, str] | None:
+    """An int4 layer's weights format (grouped: with its block size) and ``"none"`` (weight-only) or ``int8_keras``
+    as its config quantizes its inputs; None where its quantizers are not Keras's."""
     # The block size the call reads (dense.py:837, einsum_dense.py's _int4_call likewise), set by _int4_build from
     # the config or the dtype policy (get_block_size_for_layer, quantization_config.py:303-335).
     block = getattr(layer, "_int4_block_size", getattr(getattr(layer, "dtype_policy", None), "block_size", None))
     if block is not None and block > 0:
-        if block != formats.get_format(KERAS_INT4_GROUPED).block:
-            return None
-        return KERAS_INT4_GROUPED, "none"  # a grouped call never quantizes its input (dense.py:884-921)
+        return (KERAS_INT4_GROUPED, int(block)), "none"  # a grouped call never quantizes its input (dense.py:884-921)
     config = getattr(layer, "quantization_config", None)
     weights = getattr(config, "weight_quantizer", None)
     if weights is not None and not _keras_int4(weights):
@@ -281,9 +283,14 @@ def _keras(layer: Any) -> Declaration | None:
         if len(found) != 1 or None in found:
             return None  # another block size, quantizers not Keras's, or mixed: nothing to read
         weights, act = found.pop()
-        roles = {"weights": RoleFormat(weights), "activations": None if act == "none" else RoleFormat(act)}
-        grouping = (f", grouped by {formats.get_format(weights).block} with zero points" if weights == KERAS_INT4_GROUPED
-                    else ", per channel")
+        if isinstance(weights, tuple):  # grouped: the block size is the layer's config, a parameter of the format
+            name, block = weights
+            default = formats.get_format(name).block
+            weights = RoleFormat(name, block=None if block == default else block)
+            grouping = f", grouped by {block} with zero points"
+        else:
+            weights, grouping = RoleFormat(weights), ", per channel"
+        roles = {"weights": weights, "activations": None if act == "none" else RoleFormat(act)}
         detail = grouping + (", weight-only" if act == "none" else "")
     if not roles:
         return None  # gptq, awq: no qcheck format for their packed codes
@@ -298,7 +305,59 @@ def _keras(layer: Any) -> Declaration | None:
         stored = {"weights": KERAS_STORED[mode]}
     names = sorted({type(sub).__name__ for sub in subs})
     return Declaration(roles, f"Keras quantize({mode!r}{detail}) on {len(subs)} layer(s) ({', '.join(names)})",
-                       stored=stored)
+                       stored=stored, stored_params=_keras_stored(subs, mode) if mode in KERAS_STORED else {})
+
+
+def _keras_stored_params(layer: Any) -> dict[str, Stored]:
+    """The kernels a Keras layer or model keeps as codes (int8, int4), whatever its quantizers: where they are is
+    a fact of the layer, held by check_layer to whatever format is declared for them."""
+    if "keras" not in sys.modules or isinstance(layer, type) or \
+            not any(c.__module__.startswith("keras.") for c in type(layer).__mro__):
+        return {}
+    flatten = getattr(layer, "_flatten_layers", None)
+    layers = flatten(include_self=True, recursive=True) if callable(flatten) else [layer]
+    out: dict[str, Stored] = {}
+    for sub in layers:
+        mode = getattr(sub, "quantization_mode", None)
+        if mode in KERAS_STORED:
+            out.update(_keras_stored([sub], str(mode)))
+    return out
+
+
+def _keras_kernel_axes(sub: Any) -> tuple[int, ...] | None:
+    """The axes of a Dense or EinsumDense kernel that its matmul contracts (its int8/int4 scales reduce them)."""
+    kind = next((c.__name__ for c in type(sub).__mro__ if c.__module__.startswith("keras.")
+                 and c.__name__ in ("Dense", "EinsumDense")), None)
+    if kind == "Dense":
+        return (0,)
+    equation = getattr(sub, "equation", None)
+    if kind != "EinsumDense" or not isinstance(equation, str) or "->" not in equation:
+        return None
+    inputs, out = equation.replace(" ", "").split("->")
+    if len(inputs.split(",")) != 2:
+        return None
+    kernel = inputs.split(",")[1]
+    return tuple(i for i, c in enumerate(kernel) if c not in out)
+
+
+def _keras_stored(subs: list[Any], mode: str) -> dict[str, Stored]:
+    """Each Dense/EinsumDense kernel ``quantize(mode)`` stored as codes (keras 3.15.1): the ``kernel`` variable
+    (int8; int4 packed two to a byte along its last axis, pack_int4(axis=-1), dense.py:1087,
+    einsum_dense.py:1332), ``kernel_scale`` and, grouped, ``kernel_zero``, by their paths; the float kernel of
+    the twin has the kernel's path. An int4 EinsumDense kernel of more than two axes is flattened first: not read."""
+    out = {}
+    for sub in subs:
+        axes = _keras_kernel_axes(sub)
+        by_name = {v.name: v.path for v in getattr(sub, "variables", ())}
+        if axes is None or "kernel" not in by_name or "kernel_scale" not in by_name:
+            continue
+        kernel = next(v for v in sub.variables if v.name == "kernel")
+        if mode == "int4" and len(kernel.shape) != 2:
+            continue
+        out[by_name["kernel"]] = Stored(by_name["kernel"], by_name["kernel"], axes, by_name["kernel_scale"],
+                                        by_name.get("kernel_zero"), -1 if mode == "int4" else None,
+                                        scope=str(getattr(sub, "path", sub.name)))
+    return out
 
 
 #: qwix 0.1.8's rule qtypes (``QtRule``/``QuantizationRule`` ``weight_qtype``/``act_qtype``, by their dtype's name)
@@ -366,9 +425,9 @@ def _qwix(layer: Any) -> Declaration | str | None:
     if provider is None:
         return None
     kind = type(provider).__name__
-    if kind != "QtProvider":
-        # PtqProvider stores its weights as codes, ODML and LoRA providers compute otherwise: not read.
-        return f"qwix {kind}: only QtProvider's rules are read"
+    if kind not in ("QtProvider", "PtqProvider"):
+        # ODML and LoRA providers compute otherwise: not read.
+        return f"qwix {kind}: only QtProvider's and PtqProvider's rules are read"
     # QuantizationProvider keeps its rules, defaults filled in (_init_rule), as ``_rules``: qwix 0.1.8
     # qconfig.py:118; it has no public accessor (get_unused_rules lists the unmatched ones only).
     if not isinstance(getattr(provider, "_rules", None), (list, tuple)):
@@ -399,10 +458,49 @@ def _qwix(layer: Any) -> Declaration | str | None:
     top = scopes.get("", {"weights": None, "activations": None})
     said = "; ".join(f"module_path={rules[i].module_path!r}: " + ", ".join(
         f"{k} {'full precision' if v is None else v}" for k, v in read[i].items()) for i in sorted(used))
-    source = f"qwix QtProvider rules on {len(scopes)} module(s) ({said})"
+    source = f"qwix {kind} rules on {len(scopes)} module(s) ({said})"
+    # PtqProvider keeps each weight its rules reach as codes and a scale (ptq.py WithAux): held by check_layer
+    # against the twin's float weight, by its type elsewhere (no float source), accepted with this reason.
+    stored = {"weights": QWIX_STORED} if kind == "PtqProvider" else {}
+    kept = _qwix_stored_params(layer) if kind == "PtqProvider" else {}
     if all(v == top for v in scopes.values()):
-        return Declaration(dict(top), source)
-    return Declaration(dict(top), source, scopes=scopes)
+        return Declaration(dict(top), source, stored=stored, stored_params=kept)
+    return Declaration(dict(top), source, scopes=scopes, stored=stored, stored_params=kept)
+
+
+#: Why a qwix PtqProvider weight is held by its type where no twin holds its float weight.
+QWIX_STORED = ("the qwix reader: PtqProvider stores each weight as int8 codes (qvalue) and a scale, keeping no "
+               "float weight")
+
+
+def _qwix_stored_params(layer: Any) -> dict[str, Stored]:
+    """The weights a qwix 0.1.8 ``PtqProvider`` model keeps as codes: each module attribute that is a ``WithAux``
+    (qwix/_src/providers/ptq.py:37-80) holding a ``QArray`` (its ``qvalue``, ``scale``, ``zero_point`` each an
+    ``nnx.Param``), quantized as its ``how`` says: one scale per index of its ``channelwise_axes``, the others
+    reduced (the contraction axes qwix found in the op's dimension numbers). Tiled (subchannel) weights are not
+    read. By the attribute's path, which the float twin's parameter has."""
+    if "qwix" not in sys.modules or isinstance(layer, type):
+        return {}
+    from flax import nnx
+
+    if not isinstance(layer, nnx.Module):
+        return {}
+    iter_modules = getattr(nnx, "iter_modules", None) or type(layer).iter_modules
+    out: dict[str, Stored] = {}
+    for path, module in iter_modules(layer):
+        scope = "/".join(map(str, path))
+        for name, v in vars(module).items():
+            if type(v).__name__ != "WithAux" or not type(v).__module__.startswith("qwix."):
+                continue
+            how, array = getattr(v, "how", None), getattr(v, "array", None)
+            if how is None or getattr(how, "tiled_axes", None) or not hasattr(array, "qvalue"):
+                continue
+            source = f"{scope}/{name}" if scope else str(name)
+            kept = set(getattr(how, "channelwise_axes", ()) or ())
+            axes = tuple(a for a in range(len(v.shape)) if a not in kept)
+            zero = f"{source}/array/zero_point" if getattr(array, "zero_point", None) is not None else None
+            out[source] = Stored(source, f"{source}/array/qvalue", axes, f"{source}/array/scale", zero, None, scope)
+    return out
 
 
 #: (library, what is read, reader): the first reader that returns a declaration wins.
@@ -415,12 +513,16 @@ READERS: tuple[tuple[str, str, Callable[[Any], Declaration | None]], ...] = (
               "last axis", _gemma),
     ("haliax", "Fp8DotGeneralOp's fwd/rev dtypes and Int8DotGeneralOp's AQT config, as quantize_linear_layers "
                "sets them on the layer's Linears (a pytree: an Equinox module, or a Partial holding it)", _haliax),
-    ("qwix", "the QtProvider rules qwix.quantize_model was given (module_path, weight_qtype, act_qtype, "
-             "calibration methods), per module path: int8 absmax int8_qwix, int8 minmax int8_qwix_minmax, fp8 "
-             "absmax its element type; a module no rule reaches full precision", _qwix),
+    ("qwix", "the QtProvider or PtqProvider rules qwix.quantize_model was given (module_path, weight_qtype, "
+             "act_qtype, calibration methods), per module path: int8 absmax int8_qwix, int8 minmax "
+             "int8_qwix_minmax, fp8 absmax its element type; a module no rule reaches full precision; "
+             "PtqProvider's weights stored as codes, for check_layer to hold against the twin's float weights",
+     _qwix),
     ("Keras", "the mode quantize() recorded on the layers it reached (Layer.quantization_mode: int8, with its "
               "quantization_config; int4 per channel (block_size -1), weight-only unless its config quantizes the "
-              "inputs; float8): every matmul of the layer or model held to it", _keras),
+              "inputs; int4 grouped, at the config's block_size; float8): every matmul of the layer or model held "
+              "to it; each Dense/EinsumDense kernel stored as codes, with its scale and zero point, for check_layer "
+              "to hold against the twin's float kernel", _keras),
 )
 
 
@@ -433,6 +535,16 @@ def _read(layer: Any) -> tuple[Declaration | None, str | None]:
         if decl is not None:
             return decl, None
     return None, None
+
+
+def read_stored(layer: Any) -> dict[str, Stored]:
+    """The weights ``layer`` keeps as codes, by the path of the float parameter its twin holds (Keras's int8/int4
+    kernels, qwix's PtqProvider weights); empty where none is read."""
+    for reader in (_keras_stored_params, _qwix_stored_params):
+        found = reader(layer)
+        if found:
+            return found
+    return {}
 
 
 def read_declaration(layer: Any) -> Declaration | None:

@@ -188,6 +188,9 @@ class OperandQuant:
     kind: Literal["cast", "emulated", "full", "unknown"]
     dtype: str | None = None
     step: str | None = None
+    #: Stored codes marked with their float source (``qcheck.weights(codes, source=...)``, a
+    #: :class:`qcheck._coverage._weights.Source`): carried with the codes to every matmul they reach.
+    stored: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def quantized(self) -> bool:

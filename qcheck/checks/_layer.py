@@ -40,11 +40,12 @@ import numpy as np
 
 from qcheck._coverage import (CoverageMap, Declaration, KernelRoles, MatmulRecord, Prepared, SkipArg,
                               as_kernel_roles, as_skips, coverage, machinery_tuple, mixed_formats, prepare,
-                              quantized_records, resolve_declaration)
+                              quantized_records, read_stored, resolve_declaration)
 from qcheck._errors import user_code
 from qcheck.checks._edges import EDGE_ROWS, check_skip_edges, edge_rows
 from qcheck.checks._layer_forms import Form, is_module, keras_of, path_name
 from qcheck.checks._layer_programs import INPUT_GRAD, Run, run_step, trace_step
+from qcheck.checks._stored import held_stored
 from qcheck.checks._tracks import assert_tracks, rel_norm
 from qcheck.checks._uninitialized import uninitialized_reads, unspecified_buffers
 
@@ -175,19 +176,25 @@ def _check_args(layer: Any, reference: Any, x: Any, max_rel_norm: float, max_gra
 
 
 def _frozen(form: Form, twin: Form, run: Run, ref: Run) -> dict[str, str]:
-    """The parameters of one side that the other holds as state (a Keras kernel quantize() froze into codes):
-    per path, which side froze it and what each holds. Their gradients are not compared: one side has none."""
+    """The parameters of one side that the other holds as state (a Keras kernel quantize() froze into codes, a
+    qwix PtqProvider weight kept as an int8 ``qvalue`` and its scale under its path): per path, which side froze
+    it and what each holds. Their gradients are not compared: one side has none."""
     def held(f: Form, path: str) -> str:
-        v = f.rest.get(path) if isinstance(f.rest, Mapping) else None
-        return f"{v.dtype}{list(v.shape)}" if hasattr(v, "dtype") else "state"
+        state = f.state_leaves()
+        kept = [(k, v) for k, v in state.items() if k == path or k.startswith(path + "/")]
+        return ", ".join(f"{'' if k == path else k + ' '}{v.dtype}{list(v.shape)}" for k, v in kept
+                         if hasattr(v, "dtype")) or "state"
+
+    def frozen_in(f: Form, path: str) -> bool:
+        return path in f.state_names or any(n.startswith(path + "/") for n in f.state_names)
 
     frozen = {}
     for path in sorted(set(ref.params) - set(run.params)):
-        if path in form.state_names:
+        if frozen_in(form, path):
             frozen[path] = (f"frozen in the layer ({held(form, path)}, state: no gradient); a parameter of the "
                             f"reference ({ref.params[path].dtype}{list(ref.params[path].shape)})")
     for path in sorted(set(run.params) - set(ref.params)):
-        if path in twin.state_names:
+        if frozen_in(twin, path):
             frozen[path] = (f"frozen in the reference ({held(twin, path)}, state: no gradient); a parameter of "
                             f"the layer ({run.params[path].dtype}{list(run.params[path].shape)})")
     return frozen
@@ -257,9 +264,11 @@ def check_layer(
       layer declares: read from it by default (``READERS``), ``declared=True``
       fails where nothing is read, ``False`` holds nothing, or given (a recipe
       or format name, a ``qcheck.Recipe``, ``{"weights": "int8",
-      "activations": None}``); a site whose codes cannot be read fails unless
-      ``accept_weaker`` accepts it; with a ``grads`` role, the backward pass's
-      gradient operands too;
+      "activations": None}``); a weight the layer stores as codes (Keras's
+      ``quantize``, qwix's ``PtqProvider``) held, codes and scales, against the
+      twin's float parameter of its path; a site whose codes cannot be read fails
+      unless ``accept_weaker`` accepts it; with a ``grads`` role, the backward
+      pass's gradient operands too;
     * edges: the compiled program again on edge rows of ``x`` (zeros, tiny,
       1e5, the largest code): all finite, codes held there too; ``skip_edges``
       turns a row kind off with a reason.
@@ -282,10 +291,8 @@ def check_layer(
     walks = _walks(form, x, declaration, machinery, kernels)
     run = run_step("layer", traced, x, output, twice=True, walks=list(walks.values()))
     ref = run_step("reference", traced_twin, x, output, twice=False)
-    frozen = _frozen(form, twin, run, ref)
-    _compare_params(run, ref, skip_grads, frozen, "twin.set_weights(layer.get_weights()) before layer.quantize(...)"
-                    if form.kind == "keras" else "qcheck.copy_params_into(layer, twin)")
-    _compare_outputs(run, ref)
+    frozen = _paired(form, twin, run, ref, skip_grads)
+    declaration = _hold_stored(declaration, layer, form, ref, walks)
     c = _Checked(form, twin, run, ref, x, declaration, declared_from, max_rel_norm, max_grad_rel_norm, skip,
                  sorted(paths - skip_grads - set(frozen)), tuple(machinery), kernels, accept_weaker,
                  edges=edge_rows(x, declaration, edge_kinds), walks=walks)
@@ -298,6 +305,34 @@ def _declaration(layer: Any, declared: Any, accept_weaker: Any) -> tuple[Declara
         raise ValueError(f"check_layer: accept_weaker accepts weaker holds of a declaration, and none is held "
                          f"({declared_from})")
     return declaration, declared_from
+
+
+def _paired(form: Form, twin: Form, run: Run, ref: Run, skip_grads: frozenset[str]) -> dict[str, str]:
+    """What one side froze (:func:`_frozen`), once both sides have the same parameters, weights and outputs."""
+    frozen = _frozen(form, twin, run, ref)
+    _compare_params(run, ref, skip_grads, frozen, "twin.set_weights(layer.get_weights()) before layer.quantize(...)"
+                    if form.kind == "keras" else "qcheck.copy_params_into(layer, twin)")
+    _compare_outputs(run, ref)
+    return frozen
+
+
+def _hold_stored(declaration: Declaration | None, layer: Any, form: Form, ref: Run,
+                 walks: dict[str, Prepared]) -> Declaration | None:
+    """The declaration with the weights the layer keeps as codes held against the twin's float parameters of
+    their paths (numpy, no program), for the forward walk to judge its sites by."""
+    declaration = held_stored(_with_stored(declaration, layer), form.state_leaves(), ref.params)
+    if "forward" in walks:  # the backward walk holds the grads role alone: no stored weight
+        walks["forward"].declaration = declaration
+    return declaration
+
+
+def _with_stored(declaration: Declaration | None, layer: Any) -> Declaration | None:
+    """A declaration given by hand (or read with none found stored) with the weights a reader finds stored as
+    codes: where they are is a fact of the layer, whatever format is declared for them."""
+    if declaration is None or declaration.stored_params:
+        return declaration
+    stored = read_stored(layer)
+    return dataclasses.replace(declaration, stored_params=stored) if stored else declaration
 
 
 def _param_paths(form: Form, twin: Form, skip_grads: frozenset[str]) -> set[str]:

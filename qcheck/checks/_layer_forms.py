@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen, nnx
 
-from qcheck._coverage import after_first_call, graph_paths, warmed_up
+from qcheck._coverage import after_first_call, graph_paths, unmarked, warmed_up
 from qcheck._errors import user_code
 
 
@@ -44,6 +44,18 @@ class Form:
     #: The layer's variables that are state, not parameters, by the names its parameters have: where the other
     #: layer has a parameter of that name, it is frozen on this side (a Keras kernel quantize() stored as codes).
     state_names: frozenset[str] = frozenset()
+
+    def state_leaves(self) -> dict[str, Any]:
+        """The layer's state but its parameters by path, as its parameters are named (a stored kernel's codes)."""
+        if self.kind == "nnx":
+            return {path_name(p): v[...] for p, v in nnx.to_flat_state(self.rest)}
+        if self.kind == "keras":
+            return dict(self.rest)
+        if self.kind == "linen":  # its frozen parameters named as parameters are, without their collection
+            other = {k: v for k, v in self.rest.items() if k != "params"}
+            return {path_name(p): v for tree in (other, self.rest.get("params")) if tree is not None
+                    for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+        return {path_name(p): v for p, v in jax.tree_util.tree_flatten_with_path(self.rest)[0]}
 
     def param_leaves(self, tree: Any) -> dict[str, Any]:
         if self.kind == "nnx":
@@ -158,7 +170,9 @@ def form_of(layer: Any, x: jax.Array, call: Callable[[Any, jax.Array], Any] | No
         probe = layer if call is None else _Called(layer, call)
         probe = warmed_up(probe, x) if warm is None else after_first_call(probe, x) if warm else probe
         module = probe if call is None else probe.module
-        graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+        frozen = _frozen_params(module)
+        trained = nnx.All(nnx.Param, lambda path, _: tuple(path) not in frozen) if frozen else nnx.Param
+        graphdef, params, rest = nnx.split(module, trained, ...)
         fn = call or _call
         paths = graph_paths(module) if warm is False else None
 
@@ -167,24 +181,30 @@ def form_of(layer: Any, x: jax.Array, call: Callable[[Any, jax.Array], Any] | No
             out = fn(m, x)
             if paths is not None and graph_paths(m) != paths:
                 raise Grown
-            _, _, after = nnx.split(m, nnx.Param, ...)
+            _, _, after = nnx.split(m, trained, ...)
             return out, after
 
-        return Form("nnx", params, rest, apply, hashable(("nnx", graphdef, fn)),
-                     module if call is None else _Called(module, call))
+        return Form("nnx", params, rest, apply, hashable(("nnx", graphdef, fn, frozenset(frozen))),
+                     module if call is None else _Called(module, call), frozenset(map(path_name, frozen)))
     if _is_linen_pair(layer):
         module, variables = layer
-        params = variables.get("params", {})
+        params, frozen = _linen_frozen(variables.get("params", {}))
         rest = {k: v for k, v in variables.items() if k != "params"}
         mutable = sorted(rest) or False
+        if frozen is not None:  # stored codes and their scales: state, under "params" as the module reads them
+            rest["params"] = frozen
 
         def apply(params, rest, x):
-            result = module.apply({"params": params, **rest}, x, mutable=mutable, method=call)
+            kept = {k: v for k, v in rest.items() if k != "params"}
+            whole = params if frozen is None else _combine(params, rest["params"])
+            result = module.apply({"params": whole, **kept}, x, mutable=mutable, method=call)
             out, after = result if mutable else (result, {})
             return out, {**rest, **after}
 
-        return Form("linen", params, rest, apply, hashable(("linen", module, call)),
-                     lambda x: apply(params, rest, x)[0])
+        names = frozenset() if frozen is None else frozenset(
+            path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(frozen)[0])
+        return Form("linen", params, rest, apply, hashable(("linen", module, call, names)),
+                     lambda x: apply(params, rest, x)[0], names)
     if (eqx := equinox_of(layer)) is not None:
         params, rest = equinox_split(eqx, layer)
         arrays, static = eqx.partition(rest, eqx.is_array)  # jit's arguments hold arrays only
@@ -194,15 +214,57 @@ def form_of(layer: Any, x: jax.Array, call: Callable[[Any, jax.Array], Any] | No
             return fn(eqx.combine(params, arrays, static), x), arrays
 
         key = ("equinox", jax.tree_util.tree_structure(static), tuple(jax.tree_util.tree_leaves(static)), fn)
-        return Form("equinox", params, arrays, apply, hashable(key), functools.partial(fn, layer))
+        # Its integer arrays (stored codes) are state already: named, where the twin has a float parameter there.
+        codes = {path_name(p) for p, v in jax.tree_util.tree_flatten_with_path(arrays)[0]
+                 if jnp.issubdtype(v.dtype, jnp.integer)}
+        return Form("equinox", params, arrays, apply, hashable(key), functools.partial(fn, layer), frozenset(codes))
 
     if (keras := keras_of(layer)) is not None:
         return _keras_form(keras, layer, call, like if keras_of(like) is not None else None)
 
+    called = unmarked(layer)  # a partial binding qcheck.weights(...) marked arguments is called with their trees
+
     def apply_fn(params, rest, x):
-        return layer(x), rest
+        return called(x), rest
 
     return Form("function", {}, {}, apply_fn, hashable(("function", layer)), layer)
+
+
+def _frozen_params(module: nnx.Module) -> set[tuple[Any, ...]]:
+    """The paths of the module's ``nnx.Param``s that hold stored codes, not trainable values: every integer one
+    (qwix's ``PtqProvider`` keeps a weight as an int8 ``qvalue``), and beside each, the scales and zero points it
+    is kept with (leaves of the same parent named ``scale`` or ``zero_point``). They get no gradient (JAX has
+    none for an integer) and are state, as a Keras layer's non-trainable variables are."""
+    flat = [(tuple(p), v[...]) for p, v in nnx.to_flat_state(nnx.state(module, nnx.Param))]
+    codes = {p for p, v in flat if hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.integer)}
+    parents = {p[:-1] for p in codes}
+    return codes | {p for p, _ in flat if p[:-1] in parents and str(p[-1]) in ("scale", "zero_point")}
+
+
+def _linen_frozen(params: Any) -> tuple[Any, Any]:
+    """A Linen module's parameters split into those trained and those frozen (None where none is): every integer
+    leaf (stored codes: a hand-written module's, qwix's PtqProvider ``WithAux(QArray(qvalue, scale))``) and the
+    leaves beside it named ``scale`` or ``zero_point``, as :func:`_frozen_params` splits an NNX module's. Each
+    tree keeps the other's leaves as None (:func:`_combine` puts them together)."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    codes = {tuple(map(path_name, ((k,) for k in p))) for p, v in flat
+             if hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.integer)}
+    if not codes:
+        return params, None
+    parents = {p[:-1] for p in codes}
+
+    def is_frozen(path: Any) -> bool:
+        names = tuple(path_name((k,)) for k in path)
+        return names in codes or (names[:-1] in parents and names[-1] in ("scale", "zero_point"))
+
+    trained = jax.tree_util.tree_map_with_path(lambda p, v: None if is_frozen(p) else v, params)
+    frozen = jax.tree_util.tree_map_with_path(lambda p, v: v if is_frozen(p) else None, params)
+    return trained, frozen
+
+
+def _combine(trained: Any, frozen: Any) -> Any:
+    """The whole parameter tree of :func:`_linen_frozen`'s two halves."""
+    return jax.tree.map(lambda a, b: a if b is None else b, trained, frozen, is_leaf=lambda v: v is None)
 
 
 def keras_of(layer: Any) -> Any:

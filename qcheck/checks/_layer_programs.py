@@ -116,7 +116,9 @@ def _program(traced: _Traced, output: Any, flat: list[Any], walks: Sequence[tupl
         out = run(*leaves[:n])
         return (out, [w.evaluate([leaves[i] for i in at]) for w, at in walks]) if walks else out
 
-    program = jax.jit(step).lower(*flat).compile()
+    # Every argument kept, used or not (stored codes a walk reads only on the host): a rerun places its arguments
+    # by the compiled program's input shardings, one per argument.
+    program = jax.jit(step, keep_unused=True).lower(*flat).compile()
     if key is not None:
         _PROGRAMS[key] = program
         while len(_PROGRAMS) > 64:

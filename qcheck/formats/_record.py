@@ -56,6 +56,9 @@ class Format:
     XLA may compute ``amax / 127.5`` as ``amax · fl(1/127.5)`` and ``x / scale`` as ``x · fl(1/scale)``, each
     on its own (jax 0.10.2 to 0.12.0.1 rewrote both, 0.12.1 the first only). A site is held bitwise when its
     codes are the referee's under one of them, applied to the whole tensor.
+    ``parameters``: what its rule takes beside the tensor that a layer's config sets (``block``: the group size,
+    ``block`` its default; ``int4_keras_grouped``, Keras's ``Int4QuantizationConfig(block_size=...)``). A
+    declaration names another value as ``{"format": NAME, "block": 64}``; the referee takes it as ``block=``.
     """
 
     name: str
@@ -74,6 +77,7 @@ class Format:
     parting_binade: tuple[int, int] | None = None
     probe_spread: bool = False
     forms: tuple[str, ...] = TWO_FORMS
+    parameters: tuple[str, ...] = ()
 
     @property
     def normal_range(self) -> tuple[float, float] | None:

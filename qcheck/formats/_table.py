@@ -132,7 +132,7 @@ FORMATS: tuple[Format, ...] = (
            "point round(-min / scale) - 8 clipped to [-8, 7], codes round(x / scale) + zero point clipped to "
            "[-8, 7], x ≈ (codes - zero point) · scale (Keras's abs_max_quantize_grouped_with_zero_point; a last "
            "partial group is zero-padded)", ("int4_keras",), int4_keras_grouped_quantize,
-           int4_zero_point_dequantize),
+           int4_zero_point_dequantize, parameters=("block",)),
 )
 
 _BY_NAME: dict[str, Format] = {f.name: f for f in FORMATS}

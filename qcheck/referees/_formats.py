@@ -277,11 +277,12 @@ class _Groups:
 
 
 def _int4_keras_grouped(x: np.ndarray, axes: tuple[int, ...], *, ftz: bool, xla_reciprocal: bool,
-                        uniforms: np.ndarray | None):
+                        uniforms: np.ndarray | None, block: int = _KERAS_GROUP):
     # [def] Keras abs_max_quantize_grouped_with_zero_point (numpy path, as quantize() calls it): per group of 128
     # along the contraction axis, zero-padded, its min and max. qcheck's quantizer keeps every division whole
-    # (no operand XLA sees as a constant or a broadcast), so xla_reciprocal models nothing here.
-    g = _Groups(x.shape, axes, _KERAS_GROUP)
+    # (no operand XLA sees as a constant or a broadcast), so xla_reciprocal models nothing here. ``block``: the
+    # group size (Int4QuantizationConfig(block_size=...)), 128 by default.
+    g = _Groups(x.shape, axes, block)
     groups = g.split(x.astype(_F32))
     lo = np.min(groups, axis=-1, keepdims=True)
     hi = np.max(groups, axis=-1, keepdims=True)
@@ -503,6 +504,8 @@ class _Referee(NamedTuple):
     quantize: Callable[..., tuple[np.ndarray, dict[str, np.ndarray]]]
     dequantize: Callable[[np.ndarray, dict[str, np.ndarray], tuple[int, ...], str], np.ndarray]
     stochastic: bool = False
+    #: The parameters its rule takes beside x (``block``: the group size), each with its default.
+    parameters: tuple[str, ...] = ()
 
 
 #: Every format the referee knows, written from its definition, under qcheck's names and in its order
@@ -522,7 +525,7 @@ _REFEREES: dict[str, _Referee] = {
     "int4_keras": _Referee(_int4_keras, _over_slice),
     "e3m4": _Referee(functools.partial(_cast, dtype=_E3M4), _as_is),
     "int8_qwix_minmax": _Referee(_int8_qwix_minmax, _by_slice_from_zero_point),
-    "int4_keras_grouped": _Referee(_int4_keras_grouped, _by_group_from_zero_point),
+    "int4_keras_grouped": _Referee(_int4_keras_grouped, _by_group_from_zero_point, parameters=("block",)),
 }
 _BUILTIN = tuple(_REFEREES)
 
@@ -600,6 +603,7 @@ def reference_quantize(
     uniforms: np.ndarray | None = None,
     ftz: bool = False,
     xla_reciprocal: bool | str | Form = False,
+    block: int | None = None,
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """``x`` (float32) in format ``fmt``: ``(codes, scales)``, laid out as ``qcheck.formats.quantize`` stores them.
 
@@ -611,12 +615,23 @@ def reference_quantize(
     round stochastically: element i rounds up when ``uniforms[i]`` is below its
     distance to the lower neighbour. ``ftz`` and ``xla_reciprocal`` (a bool, a
     name in :data:`FORMS` or a :class:`Form`) model XLA (see the module
-    docstring); both off is the definition.
+    docstring); both off is the definition. ``block``: the group size of a
+    format whose rule takes one (``int4_keras_grouped``: 128 by default); None
+    is its default.
     """
     x = _check(x, fmt, uniforms)
     axes = _axes(axis, x.ndim)
     uniforms = None if uniforms is None else np.asarray(uniforms, _F32)
-    return _REFEREES[fmt].quantize(flush(x, ftz), axes, ftz=ftz, xla_reciprocal=xla_reciprocal, uniforms=uniforms)
+    kw = {}
+    if block is not None:
+        if "block" not in _REFEREES[fmt].parameters:
+            raise ValueError(f"block: format {fmt!r} takes no block size (formats that do: "
+                             f"{', '.join(n for n, r in _REFEREES.items() if 'block' in r.parameters)})")
+        if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1:
+            raise ValueError(f"block must be a positive int, got {block!r}")
+        kw["block"] = int(block)
+    return _REFEREES[fmt].quantize(flush(x, ftz), axes, ftz=ftz, xla_reciprocal=xla_reciprocal, uniforms=uniforms,
+                                   **kw)
 
 
 def reference_dequantize(
