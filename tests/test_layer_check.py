@@ -22,7 +22,7 @@ from qcheck.checks._layer_programs import INPUT_GRAD
 from qcheck.layers.bridge import Fp8Meta
 from qcheck.layers.step import apply
 from tests import maxtext_like
-from tests.helpers import CHECK_LAYER_X as X, MOE_FULL_PRECISION, sparse_moe
+from tests.helpers import CHECK_LAYER_X as X, MOE_FULL_PRECISION, import_extra, sparse_moe
 
 MIXTRAL = qcheck.MODELS["mixtral"]
 DOC = Path(__file__).parent.parent / "docs" / "checking-your-layer.md"
@@ -491,7 +491,7 @@ def test_check_layer_should_pass_on_a_qwix_ptq_linen_model_its_stored_weights_fr
     """qwix 0.1.8's Linen serving path: quantize_model(linen_module, PtqProvider(rules)) keeps each kernel as
     WithAux(QArray(qvalue int8, scale)) under params. Its codes and scale are frozen and named under the float
     twin's kernel path, never given to grad. (qcheck's qwix reader reads NNX models only: declared by hand.)"""
-    qwix = pytest.importorskip("qwix")
+    qwix = import_extra("qwix")
     twin = _LinenFloat()
     variables = twin.init(jax.random.key(0), X[0])
     rules = [qwix.QuantizationRule(module_path=".*", weight_qtype=jnp.int8)]
