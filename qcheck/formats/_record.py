@@ -56,6 +56,12 @@ class Format:
     XLA may compute ``amax / 127.5`` as ``amax · fl(1/127.5)`` and ``x / scale`` as ``x · fl(1/scale)``, each
     on its own (jax 0.10.2 to 0.12.0.1 rewrote both, 0.12.1 the first only). A site is held bitwise when its
     codes are the referee's under one of them, applied to the whole tensor.
+    ``guarded_below``: the smallest guarded amax, below which (of the tensor, slice or block a scale covers) its
+    scale rule, on every backend, guards the scale: flushes the codes, replaces, caps or clamps the scale (nvfp4:
+    ``NVFP4_MIN_AMAX``, below which the tensor scale 6 · 448 / amax would overflow float32); a backend that flushes
+    subnormals may guard from higher up. None: no scale, or one guarded only at zero. The edge checks' whole
+    tensor of tiny values sits below every format's, so that a per-tensor scale, which sees only the tensor's
+    amax, reaches its guard.
     """
 
     name: str
@@ -74,6 +80,7 @@ class Format:
     parting_binade: tuple[int, int] | None = None
     probe_spread: bool = False
     forms: tuple[str, ...] = TWO_FORMS
+    guarded_below: float | None = None
 
     @property
     def normal_range(self) -> tuple[float, float] | None:
