@@ -134,7 +134,8 @@ class UserCurrentFp8(nnx.Module):
 
 
 CURRENT = {"weights": "e4m3fn_current", "activations": "e4m3fn_current"}
-TINY_TENSOR = "edges: whole tensor of tiny values (x scaled by a power of two below every format's smallest guarded amax)"
+TINY_TENSOR = ("edges: whole tensor of tiny values (x scaled by a power of two below every format's smallest guarded "
+               "amax)")
 
 
 def test_capped_current_scaling_passes_the_tiny_tensor_with_its_codes_held_should_pass():

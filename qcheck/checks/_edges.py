@@ -4,13 +4,15 @@ values at the format's saturation edge, and ``x`` made a whole tensor of tiny va
 A normal draw never holds them, and the bugs live there: an all-zero row whose
 scale is 0 (then 0 / 0 = NaN), a tiny amax slipping past an ``== 0`` guard, a
 value beyond the format's range cast without saturation (NaN in e4m3fn), codes
-at the largest finite value. A per-tensor scale (NVFP4's tensor scale, delayed
-scaling's amax history) sees only the tensor's amax, which one edge row inside
-a normal tensor never brings near a guard: the tiny tensor, ``x`` scaled by a
-power of two below every format's smallest guarded amax
-(``Format.guarded_below``), does. ``check_layer`` runs its compiled program
-again on each (the same shapes: no compile) and holds outputs, gradients and
-state finite, and, under a declaration, each site's codes bitwise.
+at the largest finite value. A per-tensor scale (NVFP4's tensor scale, current
+scaling's) sees only the tensor's amax, which one edge row inside a normal
+tensor never brings near a guard: the tiny tensor, ``x`` scaled by a power of
+two below every format's smallest guarded amax (``Format.guarded_below``),
+does. (Delayed scaling records that amax in its history and takes the scale
+from it in the next step, which no edge runs.) ``check_layer`` runs its
+compiled program again on each (the same shapes: no compile) and holds
+outputs, gradients and state finite, and, under a declaration, each site's
+codes bitwise.
 """
 
 from __future__ import annotations

@@ -130,9 +130,9 @@ FORMATS: tuple[Format, ...] = (
     # sibling is e4m3fn, the fp8 type a bug would cast to instead; its gradient flavour e5m2, the gradient type
     # every fp8 recipe pairs with a non-fnuz forward type.
     _cast("e3m4", _E3M4, "e4m3fn", grad="e5m2"),
-    # qwix's asymmetric int8: a zero point per slice beside the scale. Below an amax of 127.5 · 2^-63 a slice's span
-    # (at most twice its amax) / 255 is below qwix's floor, and the scale becomes 1. Siblings: qwix's own symmetric int8, the
-    # rule a wrong calibration method computes instead (their codes part on any slice whose min is not -max).
+    # qwix's asymmetric int8: a zero point per slice beside the scale. Siblings: qwix's own symmetric int8, the rule a
+    # wrong calibration method computes instead (their codes part on any slice whose min is not -max). Below an amax
+    # of 127.5 · 2^-63 a slice's span (at most twice its amax) / 255 is below qwix's floor, and the scale becomes 1.
     Format("int8_qwix_minmax", "int", _INT8, None, {"slice": _F32, "zero_point": _INT8},
            "asymmetric: (max - min) / 255 per slice, min and max clipped around 0, an int8 zero point "
            "round(-128 - min / scale), codes round(x / scale + zero point) saturating to -128..127, x ≈ (codes - "
