@@ -171,11 +171,11 @@ JAX_NVFP4_ZERO_BLOCKS = KnownDefect(
 
 #: jax 0.11.2 and 0.12.0.1 on CPU, every layer: a block of tiny values (amax below 2^-119: the ``edges``
 #: invariant's token row of tiny values, and its whole tensor of them) takes the e8m0 scale code 0, 2^-127, with
-#: codes that stand for it (8 for 2^-124, as the referee's). ``scaled_matmul``'s CPU lowering then casts the scale to float32, a subnormal
-#: XLA's CPU backend flushes to zero: the whole block multiplies as 0 (the referee's products, about 1e-38, come
-#: out 0), the shape of the E8M0 code-0 decode that zeroed TransformerEngine's MXFP8 blocks. On the dropping layer
-#: the dispatch quantizes the tiny row with the rest of its block, and only the whole tensor's blocks are tiny. Shown
-#: on JAX's own call by
+#: codes that stand for it (8 for 2^-124, as the referee's). ``scaled_matmul``'s CPU lowering then casts the scale
+#: to float32, a subnormal XLA's CPU backend flushes to zero: the whole block multiplies as 0 (the referee's
+#: products, about 1e-38, come out 0), the shape of the E8M0 code-0 decode that zeroed TransformerEngine's MXFP8
+#: blocks. On the dropping layer the dispatch quantizes the tiny row with the rest of its block, and only the whole
+#: tensor's blocks are tiny. Shown on JAX's own call by
 #: ``test_jax_scaled_matmul_on_cpu_zeroes_a_block_whose_e8m0_scale_is_code_0`` (tests/test_adapters.py).
 JAX_MXFP8_TINY_BLOCKS = KnownDefect(
     library="jax", invariant="edges", paths=("dense", "sparse"), seen=("0.11.2", "0.12.0.1"),

@@ -17,10 +17,9 @@ codes bitwise.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
-
-import math
 
 import jax
 import ml_dtypes

@@ -23,8 +23,9 @@ layer of the same structure compiles nothing. A program holding a
 each layer's forward pass once more; under a declaration, the walk that records
 its quantizers' values (and, with ``grads`` declared, the backward pass's) is
 compiled into the layer's own program, which computes the forward pass they
-share once, and the edges (the token rows, the tiny tensor) run that one program again. A lazy NNX module
-costs one small program more, the call that builds it, on a copy.
+share once, and the edges (the token rows, the tiny tensor) run that one
+program again. A lazy NNX module costs one small program more, the call that
+builds it, on a copy.
 """
 
 from __future__ import annotations
@@ -261,11 +262,9 @@ def check_layer(
       "activations": None}``); a site whose codes cannot be read fails unless
       ``accept_weaker`` accepts it; with a ``grads`` role, the backward pass's
       gradient operands too;
-    * edges: the compiled program again on edge rows of ``x`` (zeros, tiny,
-      1e5, the largest code) and on ``x`` scaled into a whole tensor of tiny
-      values (below every format's smallest guarded amax, which a per-tensor
-      scale needs): all finite, codes held there too; ``skip_edges`` turns an
-      edge kind off with a reason.
+    * edges: the compiled program again on edge rows of ``x`` (zeros, tiny, 1e5,
+      the largest code) and on a whole tensor of tiny values: all finite, codes
+      held there too; ``skip_edges`` turns an edge kind off with a reason.
 
     Fails with one ``AssertionError`` listing every failed check and its
     figure, else returns the :class:`LayerFigures`. A usage error is one
