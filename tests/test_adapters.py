@@ -889,6 +889,43 @@ def test_jax_scaled_matmul_on_cpu_zeroes_a_block_whose_e8m0_scale_is_code_0():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a fact of XLA's CPU backend (it flushes subnormals)")
+def test_jax_nvfp4_on_cpu_flushes_the_product_of_the_two_global_scales():
+    """jax 0.11.2, 0.12.0.1 and 0.12.1: scaled_dot_general in nvfp4 rescales the product by both operands' global
+    scales multiplied first (scaled_matmul_stablehlo.py, scaled_dot_impl). For a tensor of tiny values (the edges'
+    whole tensor, amax 3.5e-37: global scale 2^-126) times normal weights (2^-12) that factor is 2^-138, which XLA's
+    CPU backend flushes: the product is 0 where the dequantized operands multiply to about 1e-37. The same operands
+    2^40 larger (the control) give the referee's product bitwise. The suite's `edges` declares it for jax_nvfp4
+    (JAX_NVFP4_TINY_TENSOR)."""
+    from qcheck import referees
+    from qcheck.adapters import scaled_dot_general_runs
+    from qcheck.adapters._jax import JAX_NVFP4_TINY_TENSOR, scaled_dot_configs
+    from qcheck.checks import harness
+
+    if not scaled_dot_general_runs():
+        pytest.skip(f"jax {jax.__version__} has no CPU lowering for scaled_matmul (jax 0.10.2)")
+    rng = np.random.default_rng(3)
+    tiny = np.asarray(harness.format_edge_rows(rng.normal(size=(1, 4, 32)).astype(np.float32), None,
+                                               {"tiny_tensor": None})["tiny_tensor"])
+    w = (rng.normal(size=(1, 2, 32)) / 4).astype(np.float32)
+    assert float(qcheck.formats.jax_nvfp4_global_scale(tiny)) == 2.0**-126
+
+    def matmul(a, b):
+        return np.asarray(jax.jit(lambda a, b: jax.nn.scaled_dot_general(
+            a, b, (((2,), (2,)), ((0,), (0,))), preferred_element_type=np.float32,
+            configs=scaled_dot_configs("nvfp4", a, b)))(a, b))
+
+    def referee(a, b):
+        qa, qb = (referees.reference_qdq(v, "nvfp4_jax", axis=-1, ftz=True, xla_reciprocal=True) for v in (a, b))
+        return np.einsum("bik,bjk->bij", qa.astype(np.float64), qb.astype(np.float64)).astype(np.float32)
+
+    big = tiny * np.float32(2.0**40)
+    assert np.array_equal(matmul(big, w), referee(big, w))  # the control: normal operands, the referee's product
+    want, got = referee(tiny, w), matmul(tiny, w)
+    assert JAX_NVFP4_TINY_TENSOR.seen_here
+    assert np.all(np.abs(want) >= np.finfo(np.float32).tiny) and not np.any(got), (want, got)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a fact of XLA's CPU backend (it flushes subnormals)")
 def test_jax_mxfp8_divides_an_all_zero_block_by_a_flushed_scale():
     """Plain JAX, on the versions JAX_MXFP8_FLUSHED_DIVISION was seen on (jax 0.12.1): an operand with an all-zero
     row (a block of 32 zeros) through scaled_dot_general's mxfp8 config is NaN there, beside a control without one;

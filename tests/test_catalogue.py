@@ -31,6 +31,7 @@ from flax.linen import fp8_ops
 
 import qcheck
 from qcheck import check_layer, checks, formats, get_recipe
+from qcheck.checks import harness
 from qcheck.adapters import JaxScaledDotRecipe, scaled_dot_general_runs
 from qcheck.adapters._jax import JaxScaledDotSite, einsum_dimension_numbers
 from qcheck.checks._layer import INPUT_GRAD
@@ -99,10 +100,12 @@ def planted_nvfp4_qdq(x, axis, bug: str):
     """qcheck's nvfp4 qdq (``nvfp4_quantize`` then ``nvfp4_dequantize``, op for op) with one bug planted:
     "no zero guard" (a block whose e4m3 scale is 0 still divides by it: 0 · (s_enc / 0) = NaN), "amax guard" (the
     guard asks the block's amax, which a tiny block passes while its scale rounds to 0: s_enc / 0 = inf), "global
-    scale on the block scales" (s_enc sets the block scales but never multiplies the data, as JAX's before e1f12ba4)."""
+    scale on the block scales" (s_enc sets the block scales but never multiplies the data, as JAX's before
+    e1f12ba4), "tensor guard at zero" (the tensor amax guarded against 0 only, not NVFP4_MIN_AMAX: below it
+    6 · 448 / amax overflows to inf, and a 0 in a block with a nonzero value codes 0 · inf = NaN)."""
     blocks, restore = to_blocks(x.astype(jnp.float32), normalize_axis(axis, x.ndim), formats.NVFP4_BLOCK, "nvfp4")
     amax = jnp.max(jnp.abs(blocks))
-    representable = amax > formats.NVFP4_MIN_AMAX
+    representable = amax > (0.0 if bug == "tensor guard at zero" else formats.NVFP4_MIN_AMAX)
     s_enc = jnp.where(representable, jnp.float32(formats.NVFP4_RANGE) / amax, jnp.float32(1.0))
     block_amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
     s_block = formats.saturating_cast(block_amax * (s_enc / formats.E2M1_MAX), E4M3FN)
@@ -918,6 +921,17 @@ def zeros_still_guarded(message: str, case) -> None:
     assert "token row of zeros" not in message  # a zero block's amax is 0 too: only the tiny block slips past
 
 
+def only_the_tiny_tensor(message: str, case) -> None:
+    # One edge row inside a normal tensor leaves the tensor's amax, all its guard sees, normal.
+    assert "token row" not in message, message
+
+
+def tensor_guard_hides_from_all_but_the_tiny_tensor(case: cases.Case) -> None:
+    """The planted recipe passes `exact` and `tracks`; the stock nvfp4 recipe passes `edges`, tiny tensor too."""
+    hides_from_exact_and_tracks(case)
+    assert invariants.run_edges(cases.Case("nvfp4", DENSE)) == len(harness.EDGE_ROWS)
+
+
 def codes_mostly_zero_in_qchecks_nvfp4(message: str, case) -> None:
     q = np.asarray(planted_nvfp4_qdq(jnp.asarray(X), -1, "global scale on the block scales"))
     assert np.mean(q == 0) > 0.9  # the claim, on the layer's own input
@@ -973,9 +987,10 @@ NO_MIX = (r"the layer's output there is no mix of the referee's expert outputs \
           r"norm\): its experts compute otherwise")
 NANOO_E4M3FN = cases.Case("nanoo_fp8_e4m3fn", DENSE)
 HALVES, TWICE, UNROLLED = (cases.Case(name, DENSE) for name in ("fp8_halves", "fp8_twice", "fp8_unrolled"))
-NO_ZERO_GUARD, AMAX_GUARD, BLOCK_SCALES_ONLY, E8M0_BITS, UNCLIPPED = (cases.Case(name, DENSE) for name in (
-    "nvfp4_no_zero_guard", "nvfp4_amax_guard", "nvfp4_global_scale_on_the_block_scales", "mxfp8_e8m0_exponent_bits",
-    "fp8_unclipped"))
+NO_ZERO_GUARD, AMAX_GUARD, BLOCK_SCALES_ONLY, E8M0_BITS, UNCLIPPED, TENSOR_GUARD = (
+    cases.Case(name, DENSE) for name in ("nvfp4_no_zero_guard", "nvfp4_amax_guard",
+                                         "nvfp4_global_scale_on_the_block_scales", "mxfp8_e8m0_exponent_bits",
+                                         "fp8_unclipped", "nvfp4_tensor_guard_at_zero"))
 #: What the referee's message says of a site's first differing element.
 DIFFERS = r"differs from the referee-quantized reference at \d+ of \d+ elements, first at \([\d, ]+\): "
 
@@ -1059,6 +1074,17 @@ CATALOGUE = [
                            r"finite: gradient of wi_0 .*site 'wi_0' einsum 'BSM,EMH->BSEH' \(nvfp4 x nvfp4\): "
                            + DIFFERS + r"got np\.float32\(nan\)"),),
         control=hides_from_exact_and_tracks, then=zeros_still_guarded),
+    # Issue 55: a per-tensor scale sees only the tensor's amax, so only the whole tensor of tiny values reaches it.
+    Bug("edges_catches_an_nvfp4_tensor_guard_that_a_tiny_tensor_amax_slips_past",
+        "NVFP4 whose tensor amax is guarded against 0 only, not NVFP4_MIN_AMAX: a tensor of tiny values takes the "
+        "tensor scale 6 · 448 / amax = inf, and a 0 in a block beside a nonzero value codes 0 · inf = NaN (`exact`, "
+        "`tracks` and every token row pass; the stock nvfp4 passes)", "`edges` (whole tensor of tiny values)",
+        lambda p: planted_case(p, PlantedNVFP4("tensor guard at zero")),
+        (edges(TENSOR_GUARD, r"whole tensor of tiny values \(x scaled by a power of two below every format's "
+                             r"smallest guarded amax\): not finite: gradient of wi_0 .*site 'wi_0' einsum "
+                             r"'BSM,EMH->BSEH' \(nvfp4 x nvfp4\): " + DIFFERS + r"got np\.float32\(nan\), "
+                             r"expected np\.float32\(0\.0\)"),),
+        control=tensor_guard_hides_from_all_but_the_tiny_tensor, then=only_the_tiny_tensor),
     Bug("edges_catches_a_delayed_scaling_fp8_cast_without_saturation",
         "qcheck's delayed-scaling fp8 site casting without its clip: at a fresh scale of 1, an input of 1e5 "
         "becomes NaN (`tracks` passes)", "`edges` (a value beyond the range; `exact`'s probes too)",

@@ -1,10 +1,13 @@
 """Edge rows: ``check_layer`` runs its compiled program again on ``x`` with one token row replaced by zeros, tiny
-values, one huge value and the format's saturation edge, where quantizers break.
+values, one huge value and the format's saturation edge, and on ``x`` scaled into a whole tensor of tiny values,
+where quantizers break.
 
 Should-pass / should-fail pairs on a user's own fp8 NNX layer, each failing on an ordinary normal ``x`` through
-the documented call, naming the row kind and the site: per-token current scaling without a zero guard (an
-all-zero row: scale 0, then 0 / 0 = NaN), and a delayed-scaling cast without saturation (a value of 1e5 at scale
-1: NaN in e4m3fn). Their guarded twins pass. qcheck's own layers pass every row, their codes held bitwise there.
+the documented call, naming the edge kind and the site: per-token current scaling without a zero guard (an
+all-zero row: scale 0, then 0 / 0 = NaN), a delayed-scaling cast without saturation (a value of 1e5 at scale
+1: NaN in e4m3fn), and per-tensor current scaling whose scale 448 / amax is guarded at 0 only (a tensor of tiny
+values: scale inf, then 0 · inf = NaN; no token row reaches it). Their guarded twins pass. qcheck's own layers pass
+every edge, their codes held bitwise there.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from flax import nnx
 
 import qcheck
 from qcheck.checks import harness
+from qcheck.checks._compiles import counting_compilations
 from qcheck.layers.moe import UNQUANTIZED_BY_DESIGN
 
 X = jax.random.normal(jax.random.key(1), (2, 8, 32))
@@ -67,7 +71,8 @@ def _check(layer, **kwargs):
 def test_guarded_saturating_fp8_layer_passes_every_edge_row_should_pass(kwargs):
     figures = _check(UserFp8(**kwargs))
     assert dict(figures.edges) == {"zeros": "run", "tiny": "run", "huge": "run",
-                                   "saturation": "not run: no fp8 cast format declared for the activations"}
+                                   "saturation": "not run: no fp8 cast format declared for the activations",
+                                   "tiny_tensor": "run"}
     # Declared, each row's codes are held bitwise too (the same compiled programs, run again).
     figures = _check(UserFp8(**kwargs), declared=FP8)
     assert set(figures.edges.values()) == {"run, codes held bitwise"}
@@ -102,15 +107,115 @@ def test_cast_without_saturation_fails_on_a_huge_value_naming_the_site_should_fa
 
 def test_a_row_kind_turned_off_with_a_reason_should_pass_and_say_so():
     figures = _check(UserFp8(guard=False), skip_edges={"zeros": "zero rows never reach this layer",
-                                                       "tiny": "nor tiny ones"})
+                                                       "tiny": "nor tiny ones", "tiny_tensor": "nor tiny tensors"})
     assert figures.edges["zeros"] == "skipped: zero rows never reach this layer" and figures.edges["huge"] == "run"
 
 
+class UserCurrentFp8(nnx.Module):
+    """x @ w, each operand e4m3fn under per-tensor current scaling (TransformerEngine's Float8CurrentScaling):
+    scale 448 / amax, guarded at amax 0, and ``capped`` at 2^126 as ``e4m3fn_current`` is, or not: below
+    448 / float32's max (1.3e-36) the uncapped scale overflows to inf, and a 0 of the tensor codes 0 · inf = NaN."""
+
+    def __init__(self, *, capped: bool = True):
+        self.w = nnx.Param(jax.random.normal(jax.random.key(0), (32, 16)) / 6)
+        self.capped = capped
+
+    def quantize(self, v):
+        amax = jnp.max(jnp.abs(v))
+        scale = jnp.float32(448.0) / amax
+        if self.capped:
+            scale = jnp.minimum(scale, jnp.float32(qcheck.formats.CURRENT_MAX_SCALE))
+        scale = jnp.where(amax > 0, scale, jnp.float32(1.0))
+        q = jnp.clip(v * scale, -448.0, 448.0).astype(jnp.float8_e4m3fn).astype(v.dtype) * (1 / scale)
+        return v + jax.lax.stop_gradient(q - v)
+
+    def __call__(self, x):
+        return self.quantize(x) @ self.quantize(self.w[...])
+
+
+CURRENT = {"weights": "e4m3fn_current", "activations": "e4m3fn_current"}
+TINY_TENSOR = ("edges: whole tensor of tiny values (x scaled by a power of two below every format's smallest guarded "
+               "amax)")
+
+
+def test_capped_current_scaling_passes_the_tiny_tensor_with_its_codes_held_should_pass():
+    assert _check(UserCurrentFp8()).edges["tiny_tensor"] == "run"
+    assert _check(UserCurrentFp8(), declared=CURRENT).edges["tiny_tensor"] == "run, codes held bitwise"
+
+
+def test_current_scaling_guarded_at_zero_only_fails_on_the_tiny_tensor_alone_should_fail():
+    with pytest.raises(AssertionError) as info:
+        _check(UserCurrentFp8(capped=False))
+    message = str(info.value)
+    assert f"{TINY_TENSOR}: not finite: the output (" in message, message
+    assert f"{TINY_TENSOR}: site dot_general at tests/test_edges.py:" in message, message
+    assert "token row" not in message  # one row leaves the tensor's amax, all its scale sees, normal
+    with pytest.raises(AssertionError, match=r"tiny values \(.*\): site .*lhs \(activation\): its scale is not "
+                                             r"finite at 1 of 1 scale values \(codes not finite\)"):
+        _check(UserCurrentFp8(capped=False), declared=CURRENT)
+    # Turned off with a reason, it says so and passes.
+    figures = _check(UserCurrentFp8(capped=False), skip_edges={"tiny_tensor": "no batch is ever that small"})
+    assert figures.edges["tiny_tensor"] == "skipped: no batch is ever that small"
+
+
+def test_the_tiny_tensor_is_x_scaled_by_a_power_of_two_just_below_every_formats_guard():
+    guards = [f.guarded_below for f in qcheck.formats.FORMATS if f.guarded_below is not None]
+    assert qcheck.formats.get_format("nvfp4").guarded_below == qcheck.formats.NVFP4_MIN_AMAX > min(guards)
+    tiny = np.asarray(harness.format_edge_rows(X, None, {"tiny_tensor": None})["tiny_tensor"])
+    x = np.asarray(X)
+    amax = float(np.max(np.abs(tiny)))
+    assert min(guards) / 2 <= amax < min(guards) and tiny.shape == x.shape and tiny.dtype == x.dtype
+    # x times one power of two, exactly; what would be a float32 subnormal is 0, as XLA's CPU reads it.
+    k = np.log2(np.max(np.abs(x)) / amax)
+    assert k == int(k)
+    kept = tiny != 0
+    assert np.array_equal(tiny[kept], x[kept] * np.float32(2.0**-k))
+    assert np.all(np.abs(x[~kept]) * 2.0**-k < np.finfo(np.float32).tiny) and 0 < np.mean(~kept) < 0.5
+    # A type with no normal value that small does not run it, and says why; bfloat16 has float32's exponents.
+    half = harness.format_edge_rows(X.astype(jnp.float16), None, {"tiny_tensor": None})["tiny_tensor"]
+    assert half == f"not run: float16 has no normal value below the smallest guarded amax ({min(guards):.3g})"
+    bf16 = harness.format_edge_rows(X.astype(jnp.bfloat16), None, {"tiny_tensor": None})["tiny_tensor"]
+    assert bf16.dtype == jnp.bfloat16 and 0 < float(jnp.max(jnp.abs(bf16.astype(jnp.float32)))) < min(guards)
+
+
+def test_the_tiny_tensor_compiles_nothing_check_layer_did_not_compile_already():
+    # The same shapes as x: one more run of the layer's step. Each call has a shape of its own, so neither
+    # finds the other's programs; the tally is the same with the tiny tensor as without it.
+    tallies = {}
+    for n, skip in ((40, {"tiny_tensor": "tallied without it"}), (48, None)):
+        layer = qcheck.build_moe("mixtral", "fp8")
+        twin = qcheck.copy_params_into(layer, qcheck.build_moe("mixtral", "none"))
+        x = np.random.default_rng(n).normal(size=(1, n, 32)).astype(np.float32)
+        with counting_compilations() as log:
+            figures = qcheck.check_layer(layer, twin, x, skip=qcheck.skip_functions(*UNQUANTIZED_BY_DESIGN),
+                                         skip_edges=skip)
+        tallies[n] = sorted(k.split(" ", 1)[0] for k in log.elements())
+        assert figures.edges["tiny_tensor"] == ("run, codes held bitwise" if skip is None else
+                                                "skipped: tallied without it")
+    assert tallies[40] == tallies[48], tallies
+
+
+def test_the_suites_edges_compile_nothing_after_the_cases_own_programs():
+    from qcheck.suite import cases, invariants
+
+    case = cases.Case("int8", cases.Variant("mixtral", "dense", False))
+    # The programs `exact`, `backward` and `grads` compile, which the edges run again.
+    invariants.run_exact(case)
+    invariants.run_backward(case)
+    invariants.run_grads(case)
+    with counting_compilations() as log:
+        assert invariants.run_edges(case) == len(harness.EDGE_ROWS)
+    assert sum(log.values()) == 0, dict(log)
+
+
 @pytest.mark.parametrize("skip_edges, match", [
-    ({"zero": "x"}, r"^check_layer: skip_edges: unknown edge row kind 'zero'; valid edge row kinds: zeros, tiny, "
-                    r"huge, saturation$"),
+    ({"zero": "x"}, r"^check_layer: skip_edges: unknown edge kind 'zero'; valid edge kinds: zeros, tiny, huge, "
+                    r"saturation, tiny_tensor$"),
     ({"zeros": ""}, r"^check_layer: skip_edges\['zeros'\] needs a reason \(a non-empty str\), got ''$"),
-    (["zeros"], r"^check_layer: skip_edges must map row kinds \(zeros, tiny, huge, saturation\) to reasons, got list$"),
+    ({"tiny_tensor": None}, r"^check_layer: skip_edges\['tiny_tensor'\] needs a reason \(a non-empty str\), "
+                            r"got None$"),
+    (["zeros"], r"^check_layer: skip_edges must map edge kinds \(zeros, tiny, huge, saturation, tiny_tensor\) to "
+                r"reasons, got list$"),
 ])
 def test_skip_edges_usage_errors_are_one_line(skip_edges, match):
     with pytest.raises(ValueError, match=match):
@@ -158,14 +263,14 @@ class _UndeclaredInt8(qcheck.Recipe):
         return FormatSite(lhs="int8", rhs="int8")
 
 
-def test_the_suite_runs_three_rows_where_no_format_is_declared_and_says_why_should_pass():
+def test_the_suite_runs_four_edges_where_no_format_is_declared_and_says_why_should_pass():
     from qcheck.suite import cases, invariants
 
     rows = harness.format_edge_rows(X, None, dict.fromkeys(harness.EDGE_ROWS))
     assert rows["saturation"] == "not run: no activation format declared, so no largest code to sit at"
     with qcheck.registered(_UndeclaredInt8("int8_undeclared")):
         case = cases.Case("int8_undeclared", cases.Variant("mixtral", "dense", False))
-        assert invariants.run_edges(case) == 3  # finite on the other three; no codes to hold
+        assert invariants.run_edges(case) == 4  # finite on the other four; no codes to hold
 
 
 class UserInt8(nnx.Module):

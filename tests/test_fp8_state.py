@@ -18,6 +18,7 @@ from flax.linen import fp8_ops
 
 import qcheck
 from qcheck import checks
+from qcheck.checks import harness
 from qcheck.layers import step
 from qcheck.suite import cases
 from tests import fp8_loops as loops
@@ -235,6 +236,29 @@ def test_flax_fp8_op_used_twice_sums_its_amax_and_scales(op):
            "microbatches or uses" in message
     for scale in ("input_scale", "kernel_scale", "output_grad_scale"):
         assert f"{OWG}/{name}_0/{scale}: step_a 1, step_b 2, ratio 2: " in message
+
+
+def test_flax_delayed_scaling_takes_scale_0_from_a_tiny_amax_history_and_divides_the_next_step_by_it():
+    """Flax 0.12.8 and 0.12.12, ``fp8_ops.compute_scale``: the scale is 1 / (448 / amax), and below an amax of
+    448 / float32's max (1.3e-36) 448 / amax overflows, 1 / inf = 0 (from 448 · 2^-126, 5.3e-36, on XLA's CPU,
+    which flushes the subnormal scale). The next step's ``quantize`` divides by it: values saturate to ±448, times
+    the scale 0 come back 0, and a 0 is 0 / 0 = NaN. The edges' whole tensor of tiny values records such an amax in
+    one step, and no edge runs the next step, where the scale is taken."""
+    amax = np.float32(448 / np.finfo(np.float32).max / 2)
+    scale = fp8_ops.compute_scale(jnp.float32(amax), jnp.float32(1.0), jnp.float32(448.0))
+    assert float(scale) == 0.0
+    out = np.asarray(fp8_ops.qdq(jnp.array([1.0, -2.0, 0.0]), jnp.float8_e4m3fn, scale, jnp.float32))
+    assert np.array_equal(out[:2], [0.0, 0.0]) and np.isnan(out[2])
+    # qcheck's fp8 recipe (Flax's fp8_ops): a step on the tiny tensor leaves its amax in the history; from that state
+    # a normal batch comes out all zeros, finite, and the tiny tensor again NaN.
+    case = cases.Case("fp8", cases.Variant("mixtral", "dense", False))
+    layer, x = cases.layer(case), cases.layer_input("mixtral")
+    tiny = harness.format_edge_rows(x, None, {"tiny_tensor": None})["tiny_tensor"]
+    first = step.train_step(layer, tiny)
+    history = cases.grad_leaves(first.fp8_meta)["sites.wi_0.input_amax_history"]
+    assert history.max() == np.abs(np.asarray(tiny)).max() < 448 / np.finfo(np.float32).max
+    assert not np.any(np.asarray(step.train_step(layer, x, fp8_meta=first.fp8_meta).output))
+    assert np.isnan(np.asarray(step.train_step(layer, tiny, fp8_meta=first.fp8_meta).output)).all()
 
 
 @pytest.mark.parametrize("op", FLAX_OPS, ids=lambda op: op.__name__)

@@ -175,10 +175,11 @@ def test_check_layer_should_fail_on_a_quantized_einsum_without_straight_through_
     with pytest.raises(AssertionError) as info:
         check_layer(layer, twin, X, skip=_COMBINE)
     failed = re.findall(r"\n  (\w+): (\S+)", str(info.value))
-    # The forward is the same as the working block's: only the gradients see the bug, every one of them; and on a
-    # token row beyond e4m3's range, the casts' transposes (no saturation) turn the gradients NaN.
+    # The forward is the same as the working block's: only the gradients see the bug, every one of them; on a
+    # token row beyond e4m3's range the casts' transposes (no saturation) turn the gradients NaN, and on the whole
+    # tensor of tiny values the derivative of its capped current scale does (its site named).
     assert failed == [("gradients", p) for p in (INPUT_GRAD.split()[0], "gate/kernel", "wi_0", "wi_1", "wo")] + [
-        ("edges", "token")]
+        ("edges", "token"), ("edges", "whole"), ("edges", "whole")]
     assert re.search(r"edges: token row with one value far beyond the format's range \(1e5\): not finite: "
                      r"gradient of wi_0 \(\d+ of 8192\)", str(info.value))
 

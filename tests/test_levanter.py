@@ -594,7 +594,8 @@ def test_planted_unsaturated_cast_fails_an_edge_row_naming_the_site_should_fail(
     every edge row, its codes held bitwise there (the control)."""
     twin = as_layer(_build(lev, config, None))
     figures = qcheck.check_layer(as_layer(_build(lev, config, "fp8")), twin, x, skip=SPARE[1]())
-    assert dict(figures.edges) == dict.fromkeys(("zeros", "tiny", "huge", "saturation"), "run, codes held bitwise")
+    assert dict(figures.edges) == dict.fromkeys(("zeros", "tiny", "huge", "saturation", "tiny_tensor"),
+                                             "run, codes held bitwise")
     plant(_unsaturated_quantize)
     with pytest.raises(AssertionError) as failure:
         qcheck.check_layer(as_layer(_build(lev, config, "fp8")), twin, x, skip=SPARE[1]())

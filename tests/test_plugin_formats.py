@@ -111,6 +111,12 @@ def test_an_unregistered_format_name_lists_the_valid_ones():
      r"^register_format: unknown record.kind 'slice'; valid record.kinds: cast, int, current, block$"),
     ((dataclasses.replace(MYFMT, siblings=("int9",)), _referee), ValueError,
      r"^register_format: 'myfmt': unknown sibling or grad format 'int9'; valid .*: int8, e4m3fn"),
+    # No tensor of normal float32 values fits below 1e-40 (the edge checks' tiny tensor must).
+    ((dataclasses.replace(MYFMT, guarded_below=1e-40), _referee), ValueError,
+     r"^register_format: record.guarded_below must be None or a number of at least twice float32's smallest normal "
+     r"\(2\.351e-38\), got 1e-40$"),
+    ((dataclasses.replace(MYFMT, guarded_below="1e-30"), _referee), ValueError,
+     r"^register_format: record.guarded_below must be None .*, got '1e-30'$"),
 ])
 def test_bad_registrations_are_one_line_errors_and_register_nothing(args, error, match):
     before = formats.format_names(), referees.referee_format_names()
@@ -118,6 +124,19 @@ def test_bad_registrations_are_one_line_errors_and_register_nothing(args, error,
         with formats.registered_formats(args):
             pytest.fail("the block ran")
     assert (formats.format_names(), referees.referee_format_names()) == before
+
+
+def test_a_users_guarded_below_puts_the_tiny_tensor_below_it_should_pass():
+    from qcheck.checks import harness
+
+    def amax() -> float:
+        return float(jnp.max(jnp.abs(harness.format_edge_rows(X, None, {"tiny_tensor": None})["tiny_tensor"])))
+
+    builtin = min(f.guarded_below for f in formats.FORMATS if f.guarded_below is not None)
+    assert builtin / 2 <= amax() < builtin
+    with formats.registered_formats((dataclasses.replace(MYFMT, guarded_below=builtin / 8), _referee)):
+        assert builtin / 16 <= amax() < builtin / 8
+    assert builtin / 2 <= amax()  # the format gone, its guard too
 
 
 def test_a_name_registered_twice_is_refused():

@@ -1,16 +1,23 @@
 """Inputs where quantizers break: ``x`` with one token row replaced by a zero row, tiny values, a huge value or
-values at the format's saturation edge.
+values at the format's saturation edge, and ``x`` made a whole tensor of tiny values.
 
 A normal draw never holds them, and the bugs live there: an all-zero row whose
 scale is 0 (then 0 / 0 = NaN), a tiny amax slipping past an ``== 0`` guard, a
 value beyond the format's range cast without saturation (NaN in e4m3fn), codes
-at the largest finite value. ``check_layer`` runs its compiled program again
-on each (no compile) and holds outputs, gradients and state finite, and, under
-a declaration, each site's codes bitwise.
+at the largest finite value. A per-tensor scale (NVFP4's tensor scale, current
+scaling's) sees only the tensor's amax, which one edge row inside a normal
+tensor never brings near a guard: the tiny tensor, ``x`` scaled by a power of
+two below every format's smallest guarded amax (``Format.guarded_below``),
+does. (Delayed scaling records that amax in its history and takes the scale
+from it in the next step, which no edge runs.) ``check_layer`` runs its
+compiled program again on each (the same shapes: no compile) and holds
+outputs, gradients and state finite, and, under a declaration, each site's
+codes bitwise.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,26 +28,28 @@ import numpy as np
 from qcheck import formats
 from qcheck._choices import require_choice
 
-#: Each edge row kind, as a failure names it.
+#: Each edge kind, as a failure names it: the token rows, then the whole tensor.
 EDGE_ROWS = {
     "zeros": "token row of zeros",
     "tiny": "token row of tiny values (around float32's smallest normal, and below it)",
     "huge": "token row with one value far beyond the format's range (1e5)",
     "saturation": "token row at the format's saturation edge (its largest finite value, both signs)",
+    "tiny_tensor": "whole tensor of tiny values (x scaled by a power of two below every format's smallest guarded "
+                   "amax)",
 }
 #: Far beyond e4m3's 448 (and e4m3fnuz's 240, e5m2's 57344) at a fresh layer's scale of 1.
 HUGE = 1e5
 
 
 def check_skip_edges(skip_edges: Any) -> dict[str, str | None]:
-    """``check_layer``'s ``skip_edges``: each row kind with None (run it) or the user's reason not to."""
+    """``check_layer``'s ``skip_edges``: each edge kind with None (run it) or the user's reason not to."""
     if skip_edges is None:
         return dict.fromkeys(EDGE_ROWS)
     if not isinstance(skip_edges, Mapping):
-        raise ValueError(f"check_layer: skip_edges must map row kinds ({', '.join(EDGE_ROWS)}) to reasons, got "
+        raise ValueError(f"check_layer: skip_edges must map edge kinds ({', '.join(EDGE_ROWS)}) to reasons, got "
                          f"{type(skip_edges).__name__}")
     for kind, reason in skip_edges.items():
-        require_choice("edge row kind", kind, EDGE_ROWS, where="check_layer: skip_edges")
+        require_choice("edge kind", kind, EDGE_ROWS, where="check_layer: skip_edges")
         if not isinstance(reason, str) or not reason.strip():
             raise ValueError(f"check_layer: skip_edges[{kind!r}] needs a reason (a non-empty str), got {reason!r}")
     return {kind: (f"skipped: {skip_edges[kind]}" if kind in skip_edges else None) for kind in EDGE_ROWS}
@@ -70,8 +79,36 @@ def largest_code(fmt: str) -> float:
                  else ml_dtypes.finfo(element).max)
 
 
+def smallest_guarded_amax() -> float:
+    """The smallest ``guarded_below`` of every format known, qcheck's and the registered ones: the whole tensor of
+    tiny values stays below it."""
+    return min(g for name in formats.format_names() if (g := formats.get_format(name).guarded_below) is not None)
+
+
+def tiny_tensor(x: np.ndarray) -> np.ndarray | str:
+    """``x`` times the power of two that puts its amax in [g / 2, g), ``g`` the :func:`smallest_guarded_amax`, in
+    x's own type; or why it is not run (a type with no normal value that small).
+
+    Just below the lowest guard, so an off-by-a-little guard is reached as well as a missing one. The values
+    that come out below float32's smallest normal are zeros, as a backend that flushes subnormals (XLA's CPU)
+    reads them: every backend gets the same tensor, and a scale that overflows meets a 0 (inf · 0 = NaN).
+    """
+    below = smallest_guarded_amax()
+    if float(ml_dtypes.finfo(x.dtype).smallest_normal) > below / 2:
+        return f"not run: {x.dtype} has no normal value below the smallest guarded amax ({below:.3g})"
+    wide = np.asarray(x, np.float64)
+    amax = float(np.max(np.abs(wide), initial=0.0))
+    if amax == 0:
+        return np.zeros_like(x)
+    k = math.frexp(amax / below)[1]  # amax / below in [2^(k-1), 2^k), up to the division's rounding
+    while amax * 2.0**-k >= below:
+        k += 1
+    tiny = wide * 2.0**-k  # exact: a power of two, the values that fall below float32's normals zeroed next
+    return np.where(np.abs(tiny) < np.finfo(np.float32).tiny, 0.0, tiny).astype(x.dtype)
+
+
 def edge_rows(x: jax.Array, declaration: Any, kinds: Mapping[str, str | None]) -> dict[str, Any]:
-    """Each row kind's ``x`` (its first token row replaced), or why it is not run."""
+    """Each edge kind's ``x`` (its first token row replaced, or the whole tensor), or why it is not run."""
     top = _saturation(declaration)
     return _rows(x, "not run: no fp8 cast format declared for the activations" if top is None else top, kinds)
 
@@ -84,7 +121,7 @@ def format_edge_rows(x: jax.Array, fmt: str | None, kinds: Mapping[str, str | No
 
 
 def _rows(x: jax.Array, top: float | str, kinds: Mapping[str, str | None]) -> dict[str, Any]:
-    """Each row kind's ``x``, the saturation row at ``top`` (or ``top`` says why it is not run)."""
+    """Each edge kind's ``x``, the saturation row at ``top`` (or ``top`` says why it is not run)."""
     flat = np.array(x, dtype=np.asarray(x).dtype).reshape(-1, np.shape(x)[-1])
     n = flat.shape[1]
     # Beyond every fp8 format's range, yet finite in x's own type (float16 tops out at 65504).
@@ -100,6 +137,9 @@ def _rows(x: jax.Array, top: float | str, kinds: Mapping[str, str | None]) -> di
     for kind, skipped in kinds.items():
         if skipped is not None:
             out[kind] = skipped
+        elif kind == "tiny_tensor":
+            whole = tiny_tensor(flat)
+            out[kind] = whole if isinstance(whole, str) else jax.device_put(whole.reshape(np.shape(x)))
         elif isinstance(rows[kind], str):
             out[kind] = rows[kind]
         else:

@@ -23,8 +23,9 @@ layer of the same structure compiles nothing. A program holding a
 each layer's forward pass once more; under a declaration, the walk that records
 its quantizers' values (and, with ``grads`` declared, the backward pass's) is
 compiled into the layer's own program, which computes the forward pass they
-share once, and the edge rows run that one program again. A lazy NNX module
-costs one small program more, the call that builds it, on a copy.
+share once, and the edges (the token rows, the tiny tensor) run that one
+program again. A lazy NNX module costs one small program more, the call that
+builds it, on a copy.
 """
 
 from __future__ import annotations
@@ -100,8 +101,9 @@ class LayerFigures:
     declared_from: str = ""
     #: With a ``grads`` role declared: the backward pass's matmuls, each gradient operand's hold.
     backward: tuple[MatmulRecord, ...] = ()
-    #: Each edge row kind (zeros, tiny, huge, saturation): "run", "run, codes held bitwise" (under a declaration),
-    #: or why it was not (the user's reason, no fp8 format declared for the activations).
+    #: Each edge kind (the token rows zeros, tiny, huge, saturation, and the whole tiny_tensor): "run", "run, codes
+    #: held bitwise" (under a declaration), or why it was not (the user's reason, no fp8 format declared for the
+    #: activations, an input type with no value below the smallest guarded amax).
     edges: Mapping[str, str] = dataclasses.field(default_factory=dict)
     #: Per parameter path that one side has as state, not a parameter (a Keras kernel ``quantize("int8")``
     #: stored as int8 codes, no gradient), which side and what each holds there; its gradient is not compared.
@@ -269,9 +271,9 @@ def check_layer(
       twin's float parameter of its path; a site whose codes cannot be read fails
       unless ``accept_weaker`` accepts it; with a ``grads`` role, the backward
       pass's gradient operands too;
-    * edges: the compiled program again on edge rows of ``x`` (zeros, tiny,
-      1e5, the largest code): all finite, codes held there too; ``skip_edges``
-      turns a row kind off with a reason.
+    * edges: the compiled program again on edge rows of ``x`` (zeros, tiny, 1e5,
+      the largest code) and on a whole tensor of tiny values: all finite, codes
+      held there too; ``skip_edges`` turns an edge kind off with a reason.
 
     Fails with one ``AssertionError`` listing every failed check and its
     figure, else returns the :class:`LayerFigures`. A usage error is one
@@ -531,8 +533,9 @@ def _backward_declared_lines(c: _Checked) -> list[str]:
 
 
 def _edges_lines(c: _Checked) -> list[str]:
-    """The layer's program again on ``x`` with one token row replaced by each edge row (no compile): every
-    output, gradient and state finite, and under a declaration every site's codes bitwise the referee's."""
+    """The layer's program again on ``x`` with one token row replaced by each edge row, and on the tiny tensor (no
+    compile): every output, gradient and state finite, and under a declaration every site's codes bitwise the
+    referee's."""
     lines = []
     # What already fails on x is the other checks' to say: here only what the edge row breaks anew.
     normal = {i for i, r in enumerate(c.edge_records.get("x", [])) if r.findings}

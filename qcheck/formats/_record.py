@@ -59,6 +59,12 @@ class Format:
     ``parameters``: what its rule takes beside the tensor that a layer's config sets (``block``: the group size,
     ``block`` its default; ``int4_keras_grouped``, Keras's ``Int4QuantizationConfig(block_size=...)``). A
     declaration names another value as ``{"format": NAME, "block": 64}``; the referee takes it as ``block=``.
+    ``guarded_below``: the smallest guarded amax, below which (of the tensor, slice or block a scale covers) its
+    scale rule, on every backend, guards the scale: flushes the codes, replaces, caps or clamps the scale (nvfp4:
+    ``NVFP4_MIN_AMAX``, below which the tensor scale 6 · 448 / amax would overflow float32); a backend that flushes
+    subnormals may guard from higher up. None: no scale, or one guarded only at zero. The edge checks' whole
+    tensor of tiny values sits below every format's, so that a per-tensor scale, which sees only the tensor's
+    amax, reaches its guard.
     """
 
     name: str
@@ -78,6 +84,7 @@ class Format:
     probe_spread: bool = False
     forms: tuple[str, ...] = TWO_FORMS
     parameters: tuple[str, ...] = ()
+    guarded_below: float | None = None
 
     @property
     def normal_range(self) -> tuple[float, float] | None:

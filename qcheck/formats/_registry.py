@@ -88,6 +88,11 @@ def register_format(record: Format, referee: Referee, *, dequantize: Callable | 
         raise TypeError(f"{where}: referee must be a numpy function {_SIGNATURE} for format {record.name!r} (a "
                         f"plug-in format is held to its own independent referee), got {type(referee).__name__}")
     require_choice("record.kind", record.kind, typing.get_args(Kind), where=where)
+    lowest = 2 * float(np.finfo(np.float32).tiny)  # a tensor of normal float32 values fits below it
+    g = record.guarded_below
+    if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= lowest):
+        raise ValueError(f"{where}: record.guarded_below must be None or a number of at least twice float32's "
+                         f"smallest normal ({lowest:.4g}), got {g!r}")
     for sibling in (*record.siblings, *([record.grad] if record.grad else [])):
         require_choice("sibling or grad format", sibling, format_names(), where=f"{where}: {record.name!r}")
     dequantize = _default_dequantize(record) if dequantize is None else dequantize

@@ -16,15 +16,16 @@ import ml_dtypes
 import numpy as np
 
 from qcheck._choices import require_choice
-from qcheck.formats._block_scaled import (MX_BLOCK, NVFP4_BLOCK, NVFP4_JIT_DECODE_ULPS, e8m0_block_dequantize,
-                                          mxfp8_quantize, nvfp4_dequantize, nvfp4_quantize)
-from qcheck.formats._fp8 import cast_dequantize, cast_quantize, current_dequantize, current_quantize
+from qcheck.formats._block_scaled import (MX_BLOCK, NVFP4_BLOCK, NVFP4_JIT_DECODE_ULPS, NVFP4_MIN_AMAX,
+                                          e8m0_block_dequantize, mxfp8_quantize, nvfp4_dequantize, nvfp4_quantize)
+from qcheck.formats._elements import E4M3_EMAX, E4M3_MAX, E8M0_MIN_EXP
+from qcheck.formats._fp8 import CURRENT_MAX_SCALE, cast_dequantize, cast_quantize, current_dequantize, current_quantize
 from qcheck.formats._int4 import (KERAS_INT4_GROUP, int4_keras_grouped_quantize, int4_keras_quantize,
                                   int4_zero_point_dequantize)
-from qcheck.formats._int8 import (int8_aqt_quantize, int8_dequantize, int8_keras_dequantize, int8_keras_quantize,
-                                  int8_qwix_minmax_quantize, int8_qwix_quantize, int8_quantize,
+from qcheck.formats._int8 import (INT8_EDGE, int8_aqt_quantize, int8_dequantize, int8_keras_dequantize,
+                                  int8_keras_quantize, int8_qwix_minmax_quantize, int8_qwix_quantize, int8_quantize,
                                   int8_zero_point_dequantize)
-from qcheck.formats._jax_rules import mxfp8_jax_quantize, nvfp4_jax_dequantize, nvfp4_jax_quantize
+from qcheck.formats._jax_rules import NVFP4_RANGE, mxfp8_jax_quantize, nvfp4_jax_dequantize, nvfp4_jax_quantize
 from qcheck.formats._record import ALL_FORMS, Format
 
 _INT8 = np.dtype(np.int8)
@@ -40,9 +41,9 @@ _E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 
 
 def _int(name: str, rule: str, quantize, siblings: tuple[str, ...], dequantize=int8_dequantize,
-         divides: bool = False) -> Format:
+         divides: bool = False, guarded_below: float | None = None) -> Format:
     return Format(name, "int", _INT8, None, {"slice": _F32}, rule, siblings, quantize, dequantize, divides=divides,
-                  forms=ALL_FORMS)
+                  forms=ALL_FORMS, guarded_below=guarded_below)
 
 
 def _cast(name: str, element: np.dtype, sibling: str, grad: str | None = None,
@@ -62,9 +63,15 @@ _E5M2_PARTING = (-15, -14)
 
 
 def _current(name: str, element: np.dtype, siblings: tuple[str, ...]) -> Format:
+    # Below fmax / CURRENT_MAX_SCALE the scale is capped.
     return Format(name, "current", element, None, {"tensor": _F32},
                   "one encode scale fmax / amax per tensor, capped at CURRENT_MAX_SCALE (TransformerEngine's "
-                  "Float8CurrentScaling)", siblings, current_quantize, current_dequantize)
+                  "Float8CurrentScaling)", siblings, current_quantize, current_dequantize,
+                  guarded_below=float(ml_dtypes.finfo(element).max) / CURRENT_MAX_SCALE)
+
+
+#: The smallest normal float32, 2^-126: where a scale computed from an amax leaves the normal range.
+_F32_TINY = float(np.finfo(np.float32).tiny)
 
 
 #: In the order :func:`format_names` lists them.
@@ -80,22 +87,31 @@ FORMATS: tuple[Format, ...] = (
     _current("e5m2_current", _E5M2, ("e5m2", "e4m3fn_current")),
     Format("nvfp4", "block", _E2M1, NVFP4_BLOCK, {"block": _E4M3FN, "tensor": _F32},
            "NVIDIA's: encode scale 6 · 448 / amax per tensor, e4m3fn scale amax_b / 6 per block of 16",
-           (), nvfp4_quantize, nvfp4_dequantize, stochastic=True, decode_ulps=NVFP4_JIT_DECODE_ULPS),
+           (), nvfp4_quantize, nvfp4_dequantize, stochastic=True, decode_ulps=NVFP4_JIT_DECODE_ULPS,
+           guarded_below=NVFP4_MIN_AMAX),
+    # Below 2^-119 a block's exponent clips to e8m0's smallest scale, 2^-127.
     Format("mxfp8", "block", _E4M3FN, MX_BLOCK, {"block": _E8M0},
            "OCP MX v1.0: 2^(floor(log2 amax_b) - 8) per block of 32", ("e4m3fn",), mxfp8_quantize,
-           e8m0_block_dequantize),
+           e8m0_block_dequantize, guarded_below=2.0 ** (E8M0_MIN_EXP + E4M3_EMAX)),
     # JAX's rules (jax.nn.scaled_dot_general): the OCP / NVIDIA format they depart from is the bug a wrong
     # rule would be.
+    # Below 2688 · 2^-127 the power-of-two global scale clips at 2^-126.
     Format("nvfp4_jax", "block", _E2M1, NVFP4_BLOCK, {"block": _E4M3FN, "tensor": _F32},
            "JAX's: a power-of-two global scale (jax_nvfp4_global_scale), e4m3fn scale amax_b / 6 per block of 16",
-           ("nvfp4",), nvfp4_jax_quantize, nvfp4_jax_dequantize),
+           ("nvfp4",), nvfp4_jax_quantize, nvfp4_jax_dequantize, guarded_below=NVFP4_RANGE * 2.0**E8M0_MIN_EXP),
+    # Below 448 · 2^-127 a block's amax / 448 is below e8m0's smallest scale, 2^-127, which it takes (XLA's CPU,
+    # which flushes amax / 448 below 2^-126, from 448 · 2^-126).
     Format("mxfp8_jax", "block", _E4M3FN, MX_BLOCK, {"block": _E8M0},
            "JAX's: amax_b / 448 rounded up to a power of two per block of 32", ("mxfp8", "e4m3fn"),
-           mxfp8_jax_quantize, e8m0_block_dequantize, probe_spread=True, forms=ALL_FORMS),
+           mxfp8_jax_quantize, e8m0_block_dequantize, probe_spread=True, forms=ALL_FORMS,
+           guarded_below=E4M3_MAX * 2.0**E8M0_MIN_EXP),
+    # Below 127.5 / float32's max the reciprocal of the scale overflows, and the guard makes it 1 (above it, on
+    # a backend that flushes subnormals, from 127.5 · 2^-126). int8's own guard is at a scale of 0 only.
     _int("int8_aqt", "absmax / 127.5 per slice, x · (1 / scale) clipped to ±127 (AQT v2's default)",
-         int8_aqt_quantize, ("int8", "int8_qwix")),
+         int8_aqt_quantize, ("int8", "int8_qwix"), guarded_below=INT8_EDGE / float(np.finfo(np.float32).max)),
+    # Below 127.5 · 2^-63 the scale is below qwix's floor sqrt(float32 tiny) and becomes 1: codes 0.
     _int("int8_qwix", "absmax / 127.5 per slice, a saturating cast to -128..127 (qwix's)", int8_qwix_quantize,
-         ("int8", "int8_aqt")),
+         ("int8", "int8_aqt"), guarded_below=INT8_EDGE * _F32_TINY**0.5),
     # No siblings: on the probes' magnitudes its epsilon moves no code, so they could not tell it from int8
     # (qcheck.checks' probes must part a format from each sibling); the coverage check's diagnosis still names
     # it, trying every int8 rule (the epsilon moves codes where a slice's absmax is small: near 1e-5 its top code
@@ -114,13 +130,14 @@ FORMATS: tuple[Format, ...] = (
     # sibling is e4m3fn, the fp8 type a bug would cast to instead; its gradient flavour e5m2, the gradient type
     # every fp8 recipe pairs with a non-fnuz forward type.
     _cast("e3m4", _E3M4, "e4m3fn", grad="e5m2"),
-    # qwix's asymmetric int8: a zero point per slice beside the scale. Siblings: qwix's own symmetric int8, the
-    # rule a wrong calibration method computes instead (their codes part on any slice whose min is not -max).
+    # qwix's asymmetric int8: a zero point per slice beside the scale. Siblings: qwix's own symmetric int8, the rule a
+    # wrong calibration method computes instead (their codes part on any slice whose min is not -max). Below an amax
+    # of 127.5 · 2^-63 a slice's span (at most twice its amax) / 255 is below qwix's floor, and the scale becomes 1.
     Format("int8_qwix_minmax", "int", _INT8, None, {"slice": _F32, "zero_point": _INT8},
            "asymmetric: (max - min) / 255 per slice, min and max clipped around 0, an int8 zero point "
            "round(-128 - min / scale), codes round(x / scale + zero point) saturating to -128..127, x ≈ (codes - "
            "zero point) · scale (qwix's calibration_method='minmax')", ("int8_qwix",), int8_qwix_minmax_quantize,
-           int8_zero_point_dequantize, forms=ALL_FORMS),
+           int8_zero_point_dequantize, forms=ALL_FORMS, guarded_below=INT8_EDGE * _F32_TINY**0.5),
     # Keras's default quantize("int4"): Int4QuantizationConfig(block_size=128), asymmetric per group of 128
     # inputs. Kind "block": one scale (and one zero point) per group of `block` elements along the flattened
     # contraction axes, laid out [..., n_groups] as the other block formats'; unlike theirs, a last partial group
