@@ -322,7 +322,9 @@ def _hold_stored(declaration: Declaration | None, layer: Any, form: Form, ref: R
                  walks: dict[str, Prepared]) -> Declaration | None:
     """The declaration with the weights the layer keeps as codes held against the twin's float parameters of
     their paths (numpy, no program), for the forward walk to judge its sites by."""
-    declaration = held_stored(_with_stored(declaration, layer), form.state_leaves(), ref.params)
+    declaration = _with_stored(declaration, layer)
+    if declaration is not None and declaration.stored_params:  # else the layer's state is not read
+        declaration = held_stored(declaration, form.state_leaves(), ref.params)
     if "forward" in walks:  # the backward walk holds the grads role alone: no stored weight
         walks["forward"].declaration = declaration
     return declaration

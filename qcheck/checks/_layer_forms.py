@@ -47,8 +47,8 @@ class Form:
 
     def state_leaves(self) -> dict[str, Any]:
         """The layer's state but its parameters by path, as its parameters are named (a stored kernel's codes)."""
-        if self.kind == "nnx":
-            return {path_name(p): v[...] for p, v in nnx.to_flat_state(self.rest)}
+        if self.kind == "nnx":  # state may hold more than arrays (MaxText keeps tuples): taken as it is
+            return {path_name(p): v.get_value() for p, v in nnx.to_flat_state(self.rest)}
         if self.kind == "keras":
             return dict(self.rest)
         if self.kind == "linen":  # its frozen parameters named as parameters are, without their collection
