@@ -77,6 +77,38 @@ class _DictInput(MLP):
         return super().__call__(inputs["tokens"])
 
 
+class _StoredLinear(eqx.Module):
+    """A projection kept as int8 codes with one float scale per output row, as a served model stores it."""
+
+    weight: jax.Array
+    scale: jax.Array
+
+    def __init__(self, w: jax.Array):
+        self.scale = jnp.max(jnp.abs(w), axis=1, keepdims=True) / 127
+        self.weight = jnp.round(w / self.scale).astype(jnp.int8)
+
+
+class _StoredMLP(MLP):
+    """MLP whose down projection is stored as codes; its twin is the float MLP it was made from."""
+
+    def __init__(self, float_mlp: MLP):
+        super().__init__(True, KEY)
+        self.up = float_mlp.up
+        self.down = _StoredLinear(float_mlp.down.weight)
+
+    def __call__(self, x):
+        return _matmul(True, self.hidden(x), self.down.weight.astype(x.dtype) * self.down.scale)
+
+
+def test_check_layer_should_pass_on_an_equinox_module_storing_int8_codes_frozen_with_their_scale():
+    # Its integer codes and the scale beside them get no gradient (grad refuses integers) and are named; every
+    # float parameter's gradient is still compared.
+    twin = MLP(False, KEY)
+    figures = qcheck.check_layer(_StoredMLP(twin), twin, X)
+    assert set(figures.frozen) == {"down/weight"}, figures.frozen
+    assert set(figures.grad_rel_norms) == {INPUT_GRAD, "up/weight", "up/bias"}
+
+
 # -- each parameter's gradient, by path ------------------------------------------------------------------
 
 def test_check_layer_should_pass_on_an_equinox_module_comparing_each_parameters_gradient():

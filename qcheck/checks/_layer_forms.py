@@ -111,10 +111,23 @@ def _overwritten_state_types() -> tuple[type, ...]:
 
 
 def equinox_split(eqx: Any, module: Any) -> tuple[Any, Any]:
-    """An Equinox module as ``(parameters, the rest)``: its inexact-array leaves but haliax's quantization state."""
+    """An Equinox module as ``(parameters, the rest)``: its inexact-array leaves but haliax's quantization state
+    and, beside a module's integer arrays (stored codes), the float ``scale`` and ``zero_point`` they are kept
+    with: state, as :func:`_frozen_params` splits an NNX module's."""
     overwritten = _overwritten_state_types()
-    return eqx.partition(module, lambda v: not isinstance(v, overwritten) and eqx.is_inexact_array(v),
-                         is_leaf=lambda v: isinstance(v, overwritten))
+
+    def is_leaf(v: Any) -> bool:
+        return isinstance(v, overwritten)
+
+    flat, treedef = jax.tree_util.tree_flatten_with_path(module, is_leaf=is_leaf)
+    stored = {p[:-1] for p, v in flat if eqx.is_array(v) and jnp.issubdtype(v.dtype, jnp.integer)}
+
+    def trained(p: tuple[Any, ...], v: Any) -> bool:
+        beside = p[:-1] in stored and getattr(p[-1], "name", None) in ("scale", "zero_point")
+        return not is_leaf(v) and eqx.is_inexact_array(v) and not beside
+
+    spec = jax.tree_util.tree_unflatten(treedef, [trained(p, v) for p, v in flat])
+    return eqx.partition(module, spec, is_leaf=is_leaf)
 
 
 def equinox_param_leaves(params: Any) -> dict[str, Any]:
@@ -214,9 +227,10 @@ def form_of(layer: Any, x: jax.Array, call: Callable[[Any, jax.Array], Any] | No
             return fn(eqx.combine(params, arrays, static), x), arrays
 
         key = ("equinox", jax.tree_util.tree_structure(static), tuple(jax.tree_util.tree_leaves(static)), fn)
-        # Its integer arrays (stored codes) are state already: named, where the twin has a float parameter there.
+        # Its integer arrays (stored codes) and the scales beside them are state: named, where the twin has a
+        # float parameter there.
         codes = {path_name(p) for p, v in jax.tree_util.tree_flatten_with_path(arrays)[0]
-                 if jnp.issubdtype(v.dtype, jnp.integer)}
+                 if jnp.issubdtype(v.dtype, jnp.integer) or getattr(p[-1], "name", None) in ("scale", "zero_point")}
         return Form("equinox", params, arrays, apply, hashable(key), functools.partial(fn, layer), frozenset(codes))
 
     if (keras := keras_of(layer)) is not None:
