@@ -38,10 +38,16 @@ def held_stored(declaration: Declaration | None, state: Mapping[str, Any],
         return declaration
     held: dict[str, list[tuple[str, str | None]]] = {}
     for source, st in declaration.stored_params.items():
-        if source not in twin_params or st.codes not in state:
-            continue
         known, fmt = declaration.for_operand("", "weight", None, st.scope)
         if not known or fmt is None:
+            continue
+        if source not in twin_params or st.codes not in state:
+            # Read as stored, yet not held: a quiet acceptance of its type is what this module exists to end.
+            missing = (f"the reference has no parameter {source}" if source not in twin_params
+                       else f"the layer has no state {st.codes}")
+            held.setdefault(st.scope, []).append(
+                (source, f"stored {st.codes} cannot be held against its float source: {missing} "
+                         f"(check_layer pairs them by path; build the twin with the layer's constructor, unquantized)"))
             continue
         x = np.asarray(twin_params[source])
         codes = np.asarray(state[st.codes])
