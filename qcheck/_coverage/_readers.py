@@ -39,7 +39,9 @@ def _self_declared(layer: Any, entry: str) -> Declaration | None:
     if spec is None:
         return None
     decl = as_declaration(spec, f"{entry}: {where}")
-    return decl if isinstance(spec, Declaration) else dataclasses.replace(decl, source=f"{where}: {decl.source}")
+    if isinstance(spec, Declaration):
+        return decl
+    return dataclasses.replace(decl, source=where if decl.source == "given" else f"{where}: {decl.source}")
 
 
 def _read(layer: Any, entry: str = "qcheck") -> tuple[Declaration | None, str | None, list[str]]:
@@ -62,12 +64,17 @@ def _read(layer: Any, entry: str = "qcheck") -> tuple[Declaration | None, str | 
         if isinstance(decl, str):  # the layer is this library's, configured as no qcheck format
             return None, f"the {library.name} reader: {decl}", failed
         if decl is not None:
-            if not isinstance(decl, Declaration):
-                decl = as_declaration(decl, f"{entry}: the {library.name} reader's declaration")
-            if library.name not in decl.source:  # where it was read: the library's name in every message
-                decl = dataclasses.replace(decl, source=f"the {library.name} reader: {decl.source}")
-            return decl, None, failed
+            return _named(decl, library.name, entry), None, failed
     return None, None, failed
+
+
+def _named(spec: Any, library: str, entry: str) -> Declaration:
+    """A reader's declaration (any shape ``declared=`` takes), its source naming the library that read it."""
+    reader = f"the {library} reader"
+    decl = as_declaration(spec, f"{entry}: {reader}'s declaration")
+    if not isinstance(spec, Declaration) and decl.source == "given":
+        return dataclasses.replace(decl, source=reader)
+    return decl if library in decl.source else dataclasses.replace(decl, source=f"{reader}: {decl.source}")
 
 
 def read_stored(layer: Any) -> dict[str, Stored]:
