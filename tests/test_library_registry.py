@@ -162,6 +162,17 @@ def test_a_layer_that_declares_itself_is_read_should_pass():
         "read from the fn: Mine.qcheck_declaration(): format 'e4m3fn' on weights and activations")
 
 
+def test_the_guides_layer_that_declares_itself_is_read():
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "checking-your-layer.md").read_text()
+    (code,) = re.findall(r"<!-- check-layer: declares-itself -->\n```python\n(.*?)```", doc, re.S)
+    namespace = {"__name__": "declares_itself"}
+    exec(compile(code, "docs/checking-your-layer.md", "exec"), namespace)
+    records = qcheck.assert_quantized(namespace["Mine"](jnp.asarray(W)), X)
+    assert records.declared_from == "read from the fn: Mine.qcheck_declaration()" and records[0].rhs_hold.bitwise
+
+
 def test_a_layer_that_declares_the_wrong_format_fails_should_fail():
     with pytest.raises(AssertionError) as failure:
         qcheck.assert_quantized(Mine({"weights": "e5m2", "activations": "e5m2"}), X)
