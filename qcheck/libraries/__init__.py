@@ -12,7 +12,7 @@ itself: a method ``qcheck_declaration(self)`` is read before any library.
 
 from __future__ import annotations
 
-from qcheck.libraries._declaration import ROLES, Declaration, RoleFormat, Stored, as_declaration, block_of, role_key
+from qcheck.libraries._declaration import Declaration, RoleFormat, Stored, as_declaration, block_of, role_key
 from qcheck.libraries._kernel import KernelRoles, KnownKernel
 from qcheck.libraries._library import Library
 from qcheck.libraries._registry import (ENTRY_POINT_GROUP, known_kernels, machinery, plumbing, register_library,
@@ -24,7 +24,6 @@ __all__ = [
     "KernelRoles",
     "KnownKernel",
     "Library",
-    "ROLES",
     "RoleFormat",
     "Stored",
     "as_declaration",

@@ -19,10 +19,10 @@ from qcheck.libraries._library import Library
 ENTRY_POINT_GROUP = "qcheck.libraries"
 
 _REGISTRY: dict[str, Library] = {}
-#: (name, value) of each entry point loaded; the sys.path its scan saw (None: not scanned yet).
+#: (name, value) of each entry point loaded.
 _LOADED: set[tuple[str, str]] = set()
-_scanned: list[tuple[str, ...] | None] = [None]
-_loading: list[bool] = [False]
+_scanned: tuple[str, ...] | None = None  # the sys.path the last whole scan saw (None: not scanned yet)
+_loading = False  # a plug-in asking while it is imported
 
 
 def _builtins() -> tuple[Library, ...]:
@@ -61,8 +61,9 @@ def registered(*libraries: Library, replace: bool = False) -> Iterator[tuple[Lib
     Whatever the block registers besides (``register_library``, an entry point of a package put on
     ``sys.path`` inside it) is gone after it too, also when the block raises.
     """
+    global _scanned
     _ensure_loaded()
-    saved = dict(_REGISTRY), set(_LOADED), _scanned[0]
+    saved = dict(_REGISTRY), set(_LOADED), _scanned
     try:
         for library in libraries:
             register_library(library, replace=replace)
@@ -72,7 +73,7 @@ def registered(*libraries: Library, replace: bool = False) -> Iterator[tuple[Lib
         _REGISTRY.update(saved[0])
         _LOADED.clear()
         _LOADED.update(saved[1])
-        _scanned[0] = saved[2]
+        _scanned = saved[2]
 
 
 def known_kernels() -> tuple[KnownKernel, ...]:
@@ -91,17 +92,18 @@ def plumbing() -> dict[str, tuple[str, ...]]:
 
 
 def _ensure_loaded() -> None:
+    global _loading, _scanned
     if not _REGISTRY:
         for library in _builtins():
             _REGISTRY[library.name] = library
-    if _loading[0] or _scanned[0] == tuple(sys.path):
+    if _loading or _scanned == tuple(sys.path):
         return
-    _loading[0] = True  # a plug-in asking while it is imported
+    _loading = True
     try:
         _load_entry_points()
-        _scanned[0] = tuple(sys.path)
+        _scanned = tuple(sys.path)
     finally:
-        _loading[0] = False
+        _loading = False
 
 
 def _as_libraries(obj: object, where: str) -> list[Library]:
