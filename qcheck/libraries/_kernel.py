@@ -64,9 +64,9 @@ class KernelRoles:
 
 @dataclasses.dataclass(frozen=True)
 class KnownKernel:
-    """A kernel a library ships (a :class:`~qcheck.libraries.Library`'s ``kernels``): a kernel is this one when a frame of its traceback is one of
-    ``calls`` (the file's path ends in the suffix, the function's qualified name is the name) and the keys
-    of its ``xprof_metadata`` are ``metadata`` (and, where ``named``, its own ``pallas_call(name=...)`` is
+    """A kernel a library ships (a :class:`~qcheck.libraries.Library`'s ``kernels``): a kernel is this one
+    when a frame of its traceback is one of ``calls`` (the file's path ends in the suffix, the function's
+    qualified name is the name) and the keys of its ``xprof_metadata`` are ``metadata`` (and, where ``named``, its own ``pallas_call(name=...)`` is
     ``roles.name``: kernels of one function told apart by their names alone); its name and roles are then
     ``roles``'."""
 

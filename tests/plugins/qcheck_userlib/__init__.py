@@ -22,7 +22,8 @@ def read(layer: Any) -> Declaration | str | None:
     fmt = FORMATS.get(layer.fmt)
     if fmt is None:
         return f"QDense(fmt={layer.fmt!r}) is no qcheck format"
-    return Declaration({"weights": RoleFormat(fmt), "activations": RoleFormat(fmt)}, f"UserLib QDense(fmt={layer.fmt!r})")
+    return Declaration({"weights": RoleFormat(fmt), "activations": RoleFormat(fmt)},
+                       f"UserLib QDense(fmt={layer.fmt!r})")
 
 
 #: ops.kernel_matmul's Pallas kernel: its inputs are the lhs codes, their scale, the rhs codes, their scale.
