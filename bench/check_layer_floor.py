@@ -67,7 +67,10 @@ def _cell(name: str):
 
     import qcheck
 
+    name, _, emb = name.partition("@")
     source, recipe, path = name.split("/")
+    if emb:
+        return _sized_cell(source, recipe, path, int(emb))
     if source == "maxtext":
         from tests import maxtext_cells
 
@@ -83,6 +86,87 @@ def _cell(name: str):
             {"skip": qcheck.skip_functions(*UNQUANTIZED_BY_DESIGN)})
 
 
+def _sized_cell(model: str, recipe: str, path: str, emb: int):
+    """qcheck's layer grown toward a real one: ``MODEL/RECIPE/PATH@EMB``, mlp = 2 x emb, tokens = emb."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    import qcheck
+    from qcheck.layers.moe import MODELS, UNQUANTIZED_BY_DESIGN, MoE
+    from qcheck.recipes import get_recipe
+
+    config = dataclasses.replace(MODELS[model], emb=emb, mlp=2 * emb)
+
+    def build(r):
+        return MoE(config, get_recipe(r), path=path, rngs=nnx.Rngs(0), seed=0)
+
+    layer = build(recipe)
+    twin = qcheck.copy_params_into(layer, build("none"))
+    x = np.random.default_rng(0).normal(size=(2, emb // 2, emb)).astype(np.float32)
+    return (layer, twin, x, lambda out: jnp.mean(jnp.square(out)),
+            {"skip": qcheck.skip_functions(*UNQUANTIZED_BY_DESIGN)})
+
+
+# Phases of check_layer's first call, timed inclusive by wrappers (cProfile would clash with the walk's own
+# sys.setprofile): (label, module, function). Nested ones are part of the one above them.
+PHASES = (
+    ("trace the steps", "qcheck.checks._layer", "trace_step"),
+    ("trace the walks", "qcheck.checks._layer", "_walks"),
+    ("compile + run the steps", "qcheck.checks._layer", "run_step"),
+    ("stored weights", "qcheck.checks._layer", "_hold_stored"),
+    ("verdict", "qcheck.checks._layer", "_verdict"),
+    ("  coverage and codes", "qcheck.checks._layer", "_coverage_lines"),
+    ("  gradients", "qcheck.checks._layer", "_gradients_lines"),
+    ("  uninitialized", "qcheck.checks._layer", "_uninitialized_lines"),
+    ("  edge rows", "qcheck.checks._layer", "_edges_lines"),
+    ("    edge reruns", "qcheck.checks._layer:_Checked", "rerun"),
+    ("    host copies of walk values", "qcheck._coverage._map", "_evidence"),
+    ("    referee codes", "qcheck._coverage._declaration", "_reference_codes"),
+    ("    code comparisons", "qcheck._coverage._declaration", "_bits_equal"),
+)
+
+
+def _install_phases() -> dict:
+    """Wrap each phase's function with a timer that also notes the process's peak RSS at its end."""
+    import importlib
+    import resource
+
+    spent: dict = {}
+
+    import jax
+
+    def wrap(label, fn):
+        def timed(*a, **k):
+            start = time.perf_counter()
+            try:
+                # Waited for, so that a run's time is its own and not the next host copy's.
+                return jax.block_until_ready(fn(*a, **k))
+            finally:
+                rec = spent.setdefault(label, {"s": 0.0, "calls": 0})
+                rec["s"] += time.perf_counter() - start
+                rec["calls"] += 1
+                rec["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
+        return timed
+
+    for label, where, name in PHASES:
+        module, _, cls = where.partition(":")
+        target = importlib.import_module(module)
+        target = getattr(target, cls) if cls else target
+        fn = getattr(target, name, None)
+        if fn is None:  # another tree (the ref) without this function: not timed there
+            continue
+        timed = wrap(label, fn)
+        setattr(target, name, timed)
+        if not cls:  # and where another module imported it by name
+            for m in list(sys.modules.values()):
+                if getattr(m, "__name__", "").startswith("qcheck.") and getattr(m, name, None) is fn:
+                    setattr(m, name, timed)
+    return spent
+
+
 def _counts() -> dict[str, int]:
     counter = sys.modules.get("sitecustomize")
     found = getattr(counter, "_counts", None)
@@ -91,13 +175,17 @@ def _counts() -> dict[str, int]:
     return {"compiles": found[_BACKEND_COMPILE], "traces": found[_JAXPR_TRACE]}
 
 
-def child(side: str, cell: str) -> None:
+def child(side: str, cell: str, phases: bool = False) -> None:
+    import resource
+
     import jax
     from flax import nnx
 
     import qcheck
 
     layer, twin, x, loss_of, kwargs = _cell(cell)
+    spent = _install_phases() if phases and side != "floor" else {}
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     jax.block_until_ready(nnx.state(layer))
     before = _counts()
     start = time.perf_counter()
@@ -108,11 +196,18 @@ def child(side: str, cell: str) -> None:
         for module in (layer, twin):
             jax.block_until_ready(nnx.jit(nnx.value_and_grad(loss))(module, x))
     else:
-        qcheck.check_layer(layer, twin, x, **kwargs)
+        try:
+            qcheck.check_layer(layer, twin, x, **kwargs)
+            verdict = "pass"
+        except AssertionError as e:  # a verdict, timed as one
+            verdict = "fail: " + " | ".join(ln.strip() for ln in str(e).splitlines()[:6])
     seconds = time.perf_counter() - start
     after = _counts()
     print(_RESULT + json.dumps({
         "seconds": round(seconds, 3), **{k: after[k] - before[k] for k in after},
+        "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+        "rss_before_gb": round(rss_before, 3), **({"verdict": verdict} if side != "floor" else {}),
+        **({"phases": {k: {**v, "s": round(v["s"], 3)} for k, v in spent.items()}} if spent else {}),
         "qcheck": str(Path(qcheck.__file__).parent.parent), "python": platform.python_version(), "jax": jax.__version__,
         "cache_dir": jax.config.jax_compilation_cache_dir,
         "cache_enabled": getattr(jax.config, "jax_enable_compilation_cache", None)}), flush=True)
@@ -130,9 +225,12 @@ def _env(tree: Path, site: Path, counts: Path) -> dict[str, str]:
     return env
 
 
-def run_one(side: str, cell: str, tree: Path, python: str, maxtext_python: str, site: Path) -> dict:
+def run_one(side: str, cell: str, tree: Path, python: str, maxtext_python: str, site: Path,
+            phases: bool = False) -> dict:
     """One fresh process: ``side`` (floor, new, ref) on ``cell``, with ``tree``'s qcheck."""
-    command = [python, str(HERE / "check_layer_floor.py"), "--child", "floor" if side == "floor" else "check", cell]
+    # This tree's script drives every side (the ref's may not know --phases or sized cells).
+    command = [python, str(HERE / "check_layer_floor.py"), "--child", "floor" if side == "floor" else "check", cell,
+               *(["--phases"] if phases else [])]
     if cell.startswith("maxtext/"):
         command = ["bash", str(ROOT / ".ci" / "maxtext.sh"), "run", maxtext_python, maxtext_python, *command[1:]]
     record: dict = {"side": side, "cell": cell, "tree": str(tree)}
@@ -200,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--child", nargs=2, metavar=("SIDE", "CELL"), help=argparse.SUPPRESS)
     p.add_argument("--cells", default=",".join(DEFAULT_CELLS), help=f"comma-separated (default: {','.join(DEFAULT_CELLS)})")
+    p.add_argument("--sizes", help="comma-separated embedding widths: qcheck's fp8 Mixtral layer grown to each "
+                                   "(mlp = 2 x emb, tokens = emb), the cells MODEL/RECIPE/PATH@EMB, in place of --cells")
+    p.add_argument("--model", default="mixtral/fp8/dense", help="the cell --sizes grows (default: mixtral/fp8/dense)")
+    p.add_argument("--phases", action="store_true", help="time check_layer's phases (wrappers; a little slower)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of every side per cell (default: 3)")
     p.add_argument("--ref", help="also time check_layer at this commit (a temporary git worktree)")
     p.add_argument("--python", default=sys.executable, help="interpreter of qcheck's own cells (default: this one)")
@@ -207,13 +309,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the runs, the table, the machine here")
     args = p.parse_args(argv)
     if args.child:
-        child(*args.child)
+        child(*args.child, phases=args.phases)
         return 0
 
     sys.path.insert(0, str(HERE))
     from compare import machine  # stdlib only
 
     cells = [c.strip() for c in args.cells.split(",") if c.strip()]
+    if args.sizes:
+        cells = [f"{args.model}@{int(n)}" for n in args.sizes.split(",") if n.strip()]
     sides = ["floor", *(["ref"] if args.ref else []), "new"]
     scratch = Path(tempfile.mkdtemp(prefix="qcheck-floor-"))
     site = scratch / "site"
@@ -233,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             order = sides[(rnd - 1) % len(sides):] + sides[:(rnd - 1) % len(sides)]
             for cell in cells:
                 for side in order:
-                    r = run_one(side, cell, trees[side], args.python, args.maxtext_python, site)
+                    r = run_one(side, cell, trees[side], args.python, args.maxtext_python, site, args.phases)
                     r["round"] = rnd
                     records.append(r)
                     print(_progress(r, rnd), flush=True)

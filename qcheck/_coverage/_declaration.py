@@ -267,8 +267,25 @@ def _as_f32(codes: np.ndarray) -> np.ndarray:
     return np.asarray(codes).astype(np.float32)
 
 
+_UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
 def _codes_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Where two code arrays hold other codes: exact values, NaN equal to NaN, -0 the same code as 0."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype == b.dtype and a.shape == b.shape and a.dtype.itemsize in _UINTS:
+        # The same bits are the same code: only the elements whose bits differ are converted and compared as
+        # values (-0 and 0, NaNs of other payloads), so a layer-sized float32 copy is made only where they do.
+        uint = _UINTS[a.dtype.itemsize]
+        differ = a.view(uint) != b.view(uint)
+        if differ.any():
+            at = np.nonzero(differ)
+            differ[at] = _values_differ(a[at], b[at])
+        return differ
+    return _values_differ(a, b)
+
+
+def _values_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     a, b = _as_f32(a), _as_f32(b)
     return ~((a == b) | (np.isnan(a) & np.isnan(b)))
 
