@@ -44,6 +44,7 @@ from qcheck._coverage import (CoverageMap, Declaration, KernelRoles, MatmulRecor
                               quantized_records, read_stored, resolve_declaration)
 from qcheck._errors import user_code
 from qcheck.checks._edges import EDGE_ROWS, check_skip_edges, edge_rows
+from qcheck.checks._flush import flushed_gradients
 from qcheck.checks._layer_forms import Form, is_module, keras_of, path_name
 from qcheck.checks._layer_programs import INPUT_GRAD, Run, run_step, trace_step
 from qcheck.checks._stored import held_stored
@@ -297,7 +298,7 @@ def check_layer(
     declaration = _hold_stored(declaration, layer, form, ref, walks)
     c = _Checked(form, twin, run, ref, x, declaration, declared_from, max_rel_norm, max_grad_rel_norm, skip,
                  sorted(paths - skip_grads - set(frozen)), tuple(machinery), kernels, accept_weaker,
-                 edges=edge_rows(x, declaration, edge_kinds), walks=walks)
+                 edges=edge_rows(x, declaration, edge_kinds), walks=walks, output=output)
     return _verdict(c, frozen)
 
 
@@ -405,6 +406,7 @@ class _Checked:
     grad_figures: dict[str, float] = dataclasses.field(default_factory=dict)
     walks: dict[str, Prepared] = dataclasses.field(default_factory=dict)  # "forward"/"backward" -> the walk
     reruns: dict[str, Any] = dataclasses.field(default_factory=dict)  # edge kind -> the layer's run on its row
+    output: Any = None  # check_layer's output=: what the step compares and differentiates
 
     def rerun(self, kind: str) -> Any:
         """The layer's program on the edge row ``kind`` (once, for every sub-check that reads it)."""
@@ -492,6 +494,9 @@ def _gradients_lines(c: _Checked) -> list[str]:
         if not f <= c.max_grad_rel_norm:
             lines.append(f"{path} ({g.dtype}) has relative norm {f:.4f} against the reference's, above the bound "
                          f"{c.max_grad_rel_norm}")
+    if any(not f <= c.max_grad_rel_norm for f in c.grad_figures.values()):
+        # Why, where it is the layer's own gradient casts: their codes flushed to zero (a fresh delayed scale).
+        lines += flushed_gradients(c.form.probe, c.x, c.output, c.machinery, c.kernels)
     return lines
 
 
