@@ -212,7 +212,7 @@ def _small_output(module, x):
 def test_check_layer_should_fail_naming_the_flush_where_a_fresh_fp8_scale_flushes_the_gradients():
     layer = qcheck.build_moe("mixtral", "fp8")
     twin = copy_params_into(layer, qcheck.build_moe("mixtral", "none"))
-    with pytest.raises(AssertionError, match=r"\n  gradients: flushed: (\d+) of \1 nonzero output gradients \(100\.0%\) at "
+    with pytest.raises(AssertionError, match=r"\n  gradients: flushed: (\d+) of \1 nonzero gradient values \(100\.0%\) at "
                                              r"MoE/sites/wo/\S+ became 0 codes of float8_e5m2 at scale 1 \(.*: a fresh "
                                              r"delayed scale of 1 does this; warm the scale with a training step"):
         check_layer(layer, twin, X, call=_small_output, skip=MOE_FULL_PRECISION)
