@@ -118,10 +118,6 @@ PHASES = (
     ("compile + run the steps", "qcheck.checks._layer", "run_step"),
     ("stored weights", "qcheck.checks._layer", "_hold_stored"),
     ("verdict", "qcheck.checks._layer", "_verdict"),
-    ("  coverage and codes", "qcheck.checks._layer", "_coverage_lines"),
-    ("  gradients", "qcheck.checks._layer", "_gradients_lines"),
-    ("  uninitialized", "qcheck.checks._layer", "_uninitialized_lines"),
-    ("  edge rows", "qcheck.checks._layer", "_edges_lines"),
     ("    edge reruns", "qcheck.checks._layer:_Checked", "rerun"),
     ("    host copies of walk values", "qcheck._coverage._map", "_evidence"),
     ("    referee codes", "qcheck._coverage._declaration", "_reference_codes"),
@@ -164,6 +160,8 @@ def _install_phases() -> dict:
             for m in list(sys.modules.values()):
                 if getattr(m, "__name__", "").startswith("qcheck.") and getattr(m, name, None) is fn:
                     setattr(m, name, timed)
+    layer = importlib.import_module("qcheck.checks._layer")  # each sub-check of the verdict, by its row's name
+    layer.SUB_CHECKS = tuple((name, wrap(f"  sub-check {name}", fn)) for name, fn in layer.SUB_CHECKS)
     return spent
 
 
