@@ -3,6 +3,8 @@
     python bench/check_layer_floor.py                                    # every cell, 3 rounds
     python bench/check_layer_floor.py --ref 048c55d --rounds 3           # and the old code beside the new
     python bench/check_layer_floor.py --cells maxtext/int8/dense,mixtral/fp8/dense --json bench/floor.local.json
+    python bench/check_layer_floor.py --sizes 128,512,1024 --ref 8deeb9f --rounds 2   # the layer grown
+    python bench/check_layer_floor.py --sizes 1024 --rounds 1 --phases                # where its time goes
 
 The floor: the first call of ``nnx.jit(nnx.value_and_grad(loss))`` on the
 layer plus the same on its unquantized twin (``loss``: the mean square of the
@@ -28,6 +30,16 @@ Cells: qcheck's own layers, ``MODEL/RECIPE/PATH`` (``qcheck.build_moe`` and its
 combine), and MaxText 0.2.5's ``RoutedMoE``, ``maxtext/QUANTIZATION/PATH``
 (tests/maxtext_cells.py, ``output=0``, the combine spared, ``declared=True``),
 run in MaxText's environment (``--maxtext-python``, through .ci/maxtext.sh).
+
+Sizes: ``--sizes`` grows one of qcheck's cells (``--model``, the fp8 Mixtral
+layer by default) to each embedding width, as a real layer is shaped (mlp =
+2 x emb, tokens = emb: x of shape (2, emb / 2, emb)), the cells
+``MODEL/RECIPE/PATH@EMB``. Each process reports its peak resident memory
+(``ru_maxrss``: the floor's includes jax and the layer, as the check's does),
+and a check's verdict (a failed check is timed as one). ``--phases`` wraps
+check_layer's phases with timers (cProfile would clash with the walk's own
+``sys.setprofile``), each waited for, and records each one's time and the
+peak memory at its end: the table of docs/performance.md.
 
 Stdlib only: this process imports neither qcheck nor jax; the children do.
 """
@@ -265,6 +277,9 @@ def summarize(records: list[dict], cell: str, sides: list[str]) -> dict:
         row[side] = {"median_s": round(statistics.median(r["seconds"] for r in ok), 2) if ok else None,
                      "compiles": sorted({r.get("compiles") for r in ok}, key=str),
                      "traces": sorted({r.get("traces") for r in ok}, key=str),
+                     "peak_rss_gb": (round(statistics.median(r["peak_rss_gb"] for r in ok), 2)
+                                     if ok and all("peak_rss_gb" in r for r in ok) else None),
+                     "verdicts": sorted({r.get("verdict", "")[:60] for r in ok if r.get("verdict")}),
                      "failed": len(rounds) - len(ok)}
         if side != "floor":
             ratios = [round(by[side, n]["seconds"] / by["floor", n]["seconds"], 3) for n in rounds
@@ -278,7 +293,7 @@ def table(rows: list[dict], sides: list[str]) -> str:
     head = ["cell", "floor s"]
     for side in sides[1:]:
         head += [f"{side} / floor", "per round", f"{side} s"]
-    head += [f"compiles {'/'.join(sides)}", f"traces {'/'.join(sides)}"]
+    head += [f"compiles {'/'.join(sides)}", f"traces {'/'.join(sides)}", f"peak GB {'/'.join(sides)}"]
     lines = [head]
     for row in rows:
         cells = [row["cell"], f"{row['floor']['median_s']}"]
@@ -287,6 +302,7 @@ def table(rows: list[dict], sides: list[str]) -> str:
             cells += [f"{s['median_ratio']}", " ".join(f"{r:.2f}" for r in s["ratios"]) or "-", f"{s['median_s']}"]
         for figure in ("compiles", "traces"):
             cells.append(" / ".join(",".join(map(str, row[side][figure])) or "-" for side in sides))
+        cells.append(" / ".join(str(row[side].get("peak_rss_gb")) for side in sides))
         lines.append(cells)
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)

@@ -407,14 +407,17 @@ class _Checked:
     grad_figures: dict[str, float] = dataclasses.field(default_factory=dict)
     walks: dict[str, Prepared] = dataclasses.field(default_factory=dict)  # "forward"/"backward" -> the walk
     # Edge kind -> what the layer's run on its row left not finite. The run itself is not kept: its outputs,
-    # gradients and walked codes are layer-sized, and one edge run's host copies are alive at a time.
+    # gradients and walked codes are layer-sized, and two edge runs are alive at a time, not five.
     reruns: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     output: Any = None  # check_layer's output=: what the step compares and differentiates
 
     def rerun(self, kind: str) -> list[Any]:
         """The layer's program on the edge row ``kind``: what it left not finite is kept (``reruns``), each walk's
         outputs are returned."""
-        (leaves, g_params, g_x, after), walked = self.run.rerun(self.edges[kind])
+        return self._finish(kind, self.run.rerun(self.edges[kind]))
+
+    def _finish(self, kind: str, result: Any) -> list[Any]:
+        (leaves, g_params, g_x, after), walked = result
         self.reruns[kind] = self._nonfinite(leaves, g_params, g_x, after)
         return walked
 
@@ -446,7 +449,20 @@ class _Checked:
         if which not in self.walks:
             return None
         at = list(self.walks).index(which)
-        return self.walks[which], self.run.walked[at], (self.rerun(k)[at] for k in kinds)
+
+        def runs() -> Iterator[Any]:
+            # The next row's run is dispatched before this one's is read and judged, so that the program runs
+            # while the host judges: two runs alive at a time, not every one.
+            pending = None
+            for kind in kinds:
+                started = (kind, self.run.rerun(self.edges[kind]))
+                if pending is not None:
+                    yield self._finish(*pending)[at]
+                pending = started
+            if pending is not None:
+                yield self._finish(*pending)[at]
+
+        return self.walks[which], self.run.walked[at], runs()
 
 
 def _walks(form: Form, x: jax.Array, declaration: Declaration | None, machinery: Collection[str],
