@@ -178,10 +178,51 @@ def test_check_layer_should_fail_on_a_quantized_einsum_without_straight_through_
     # The forward is the same as the working block's: only the gradients see the bug, every one of them; on a
     # token row beyond e4m3's range the casts' transposes (no saturation) turn the gradients NaN, and on the whole
     # tensor of tiny values the derivative of its capped current scale does (its site named).
-    assert failed == [("gradients", p) for p in (INPUT_GRAD.split()[0], "gate/kernel", "wi_0", "wi_1", "wo")] + [
+    # And why: the gradients cast to e4m3 at the forward pass's scales flush.
+    assert failed == [("gradients", p) for p in (INPUT_GRAD.split()[0], "gate/kernel", "wi_0", "wi_1", "wo",
+                                                 "flushed:")] + [
         ("edges", "token"), ("edges", "whole"), ("edges", "whole")]
+    assert re.search(r"gradients: flushed: .* became 0 codes of float8_e4m3fn at scale .*: the gradients are not "
+                     r"scaled into float8_e4m3fn's range before this cast", str(info.value))
     assert re.search(r"edges: token row with one value far beyond the format's range \(1e5\): not finite: "
                      r"gradient of wi_0 \(\d+ of 8192\)", str(info.value))
+
+
+# -- gradients at size, and gradients the layer's own casts flush ------------------------------------------
+
+# 16384 tokens of the stock layer: the step's output gradients, were they a mean's (2 out / N), would come to
+# about 4e-6, below e5m2's smallest subnormal, and a fresh fp8 layer's gradients would flush to zero (they did
+# at 8deeb9f: relative norms 0.98).
+MANY_TOKENS = np.random.default_rng(0).normal(size=(2, 8192, 32)).astype(np.float32)
+
+
+def test_check_layer_should_pass_the_stock_fp8_layer_on_many_tokens_its_gradients_not_flushed():
+    layer = qcheck.build_moe("mixtral", "fp8")
+    twin = copy_params_into(layer, qcheck.build_moe("mixtral", "none"))
+    figures = check_layer(layer, twin, MANY_TOKENS, skip=MOE_FULL_PRECISION)
+    assert max(figures.grad_rel_norms.values()) <= 0.5
+
+
+def _small_output(module, x):
+    # A layer whose output is a thousandth of the stock one's: the step's output gradients (2^-10 out) come to
+    # about 1e-9, below e5m2's smallest subnormal at a fresh delayed scale of 1.
+    return module(x) * 1e-3
+
+
+def test_check_layer_should_fail_naming_the_flush_where_a_fresh_fp8_scale_flushes_the_gradients():
+    layer = qcheck.build_moe("mixtral", "fp8")
+    twin = copy_params_into(layer, qcheck.build_moe("mixtral", "none"))
+    with pytest.raises(AssertionError, match=r"\n  gradients: flushed: (\d+) of \1 nonzero gradient values \(100\.0%\) at "
+                                             r"MoE/sites/wo/\S+ became 0 codes of float8_e5m2 at scale 1 \(.*: a fresh "
+                                             r"delayed scale of 1 does this; warm the scale with a training step"):
+        check_layer(layer, twin, X, call=_small_output, skip=MOE_FULL_PRECISION)
+
+
+def test_check_layer_should_pass_the_same_layer_once_a_training_step_warmed_its_scales():
+    warm = qcheck.train(qcheck.build_moe("mixtral", "fp8"), X)
+    twin = copy_params_into(warm, qcheck.build_moe("mixtral", "none"))
+    figures = check_layer(warm, twin, X, call=_small_output, skip=MOE_FULL_PRECISION)
+    assert max(figures.grad_rel_norms.values()) <= 0.5
 
 
 # -- plain functions -------------------------------------------------------------------

@@ -29,8 +29,10 @@ of :attr:`MatmulRecord.findings` when it fails:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -71,8 +73,25 @@ def _as_f32(codes: np.ndarray) -> np.ndarray:
     return np.asarray(codes).astype(np.float32)
 
 
+_UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
 def _codes_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Where two code arrays hold other codes: exact values, NaN equal to NaN, -0 the same code as 0."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype == b.dtype and a.shape == b.shape and a.dtype.itemsize in _UINTS:
+        # The same bits are the same code: only the elements whose bits differ are converted and compared as
+        # values (-0 and 0, NaNs of other payloads), so a layer-sized float32 copy is made only where they do.
+        uint = _UINTS[a.dtype.itemsize]
+        differ = a.view(uint) != b.view(uint)
+        if differ.any():
+            at = np.nonzero(differ)
+            differ[at] = _values_differ(a[at], b[at])
+        return differ
+    return _values_differ(a, b)
+
+
+def _values_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     a, b = _as_f32(a), _as_f32(b)
     return ~((a == b) | (np.isnan(a) & np.isnan(b)))
 
@@ -237,9 +256,41 @@ def _runs(x: np.ndarray, codes: np.ndarray, divisor: Any, stacked: tuple[str, ..
         yield where, idx, np.asarray(x)[idx], np.asarray(codes)[idx], d
 
 
+_ONCE: dict[Any, tuple[str | None, Hold]] | None = None  # inside judged_once(): each judgment by its inputs' bits
+
+
+@contextlib.contextmanager
+def judged_once():
+    """Within it, codes whose inputs are the same bits as codes judged already get that judgment again (the
+    referee is a function of those bits alone): the edge rows' runs repeat every weight's quantizer, unchanged."""
+    global _ONCE
+    outer = _ONCE
+    _ONCE = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _ONCE = outer
+
+
+def _digest(a: Any) -> tuple[Any, ...]:
+    a = np.ascontiguousarray(a)
+    return a.shape, str(a.dtype), hashlib.blake2b(a.view(np.uint8).reshape(-1), digest_size=16).digest()
+
+
 def _judge_codes(x: np.ndarray, codes: np.ndarray, divisor: Any, fmt: RoleFormat,
                  axes: tuple[int | None, ...]) -> tuple[str | None, Hold]:
     """A finding for codes that are not the declared format's codes of ``x`` (None when they are), and the hold."""
+    if _ONCE is None:
+        return _judged(x, codes, divisor, fmt, axes)
+    key = (_digest(x), _digest(codes), None if divisor is None else (_digest(divisor[0]), bool(divisor[1])), fmt,
+           axes)
+    if key not in _ONCE:
+        _ONCE[key] = _judged(x, codes, divisor, fmt, axes)
+    return _ONCE[key]
+
+
+def _judged(x: np.ndarray, codes: np.ndarray, divisor: Any, fmt: RoleFormat,
+            axes: tuple[int | None, ...]) -> tuple[str | None, Hold]:
     x = np.asarray(x, np.float32)
     if x.shape != np.shape(codes):
         return None, Hold("type", f"the quantizer's input {x.shape} and its codes {np.shape(codes)} differ in shape")

@@ -12,7 +12,7 @@ import numpy as np
 
 from qcheck._errors import user_code
 from qcheck._fingerprint import fingerprint
-from qcheck._coverage._declaration import Declaration, judge, weaker_holds
+from qcheck._coverage._declaration import Declaration, judge, judged_once, weaker_holds
 from qcheck._coverage._kernels import KernelRoles, as_kernel_roles
 from qcheck._coverage._readers import resolve_declaration
 from qcheck._coverage._records import MatmulRecord
@@ -359,9 +359,10 @@ def _coverage(fn: Callable[..., Any], args: tuple, kwargs: dict, *, errors: bool
             out = jax.jit(walk.evaluate)(walk.leaves)
         prepared = (walk, out, ())
     walk, out, others = prepared
-    records = walk.records(out)
-    if also_out is not None and walk.declaration is not None:
-        also_out += [records] + [walk.records(o) for o in others]
+    with judged_once():  # the other runs' unchanged quantizers (the weights) are judged once
+        records = walk.records(out)
+        if also_out is not None and walk.declaration is not None:
+            also_out += [records] + [walk.records(o) for o in others]
     return records
 
 

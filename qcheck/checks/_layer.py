@@ -31,8 +31,9 @@ builds it, on a copy.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -44,6 +45,7 @@ from qcheck._coverage import (CoverageMap, Declaration, KernelRoles, MatmulRecor
                               quantized_records, read_stored, resolve_declaration)
 from qcheck._errors import user_code
 from qcheck.checks._edges import EDGE_ROWS, check_skip_edges, edge_rows
+from qcheck.checks._flush import flushed_gradients
 from qcheck.checks._layer_forms import Form, is_module, keras_of, path_name
 from qcheck.checks._layer_programs import INPUT_GRAD, Run, run_step, trace_step
 from qcheck.checks._stored import held_stored
@@ -297,7 +299,7 @@ def check_layer(
     declaration = _hold_stored(declaration, layer, form, ref, walks)
     c = _Checked(form, twin, run, ref, x, declaration, declared_from, max_rel_norm, max_grad_rel_norm, skip,
                  sorted(paths - skip_grads - set(frozen)), tuple(machinery), kernels, accept_weaker,
-                 edges=edge_rows(x, declaration, edge_kinds), walks=walks)
+                 edges=edge_rows(x, declaration, edge_kinds), walks=walks, output=output)
     return _verdict(c, frozen)
 
 
@@ -404,20 +406,63 @@ class _Checked:
     figures: dict[str, float] = dataclasses.field(default_factory=dict)
     grad_figures: dict[str, float] = dataclasses.field(default_factory=dict)
     walks: dict[str, Prepared] = dataclasses.field(default_factory=dict)  # "forward"/"backward" -> the walk
-    reruns: dict[str, Any] = dataclasses.field(default_factory=dict)  # edge kind -> the layer's run on its row
+    # Edge kind -> what the layer's run on its row left not finite. The run itself is not kept: its outputs,
+    # gradients and walked codes are layer-sized, and two edge runs are alive at a time, not five.
+    reruns: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    output: Any = None  # check_layer's output=: what the step compares and differentiates
 
-    def rerun(self, kind: str) -> Any:
-        """The layer's program on the edge row ``kind`` (once, for every sub-check that reads it)."""
-        if kind not in self.reruns:
-            self.reruns[kind] = self.run.rerun(self.edges[kind])
-        return self.reruns[kind]
+    def rerun(self, kind: str) -> list[Any]:
+        """The layer's program on the edge row ``kind``: what it left not finite is kept (``reruns``), each walk's
+        outputs are returned."""
+        return self._finish(kind, self.run.rerun(self.edges[kind]))
 
-    def walked(self, which: str, kinds: Sequence[str] = ()) -> tuple[Prepared, Any, list[Any]] | None:
-        """The walk ``which`` as the layer's program ran it: on x, then on each edge row of ``kinds``."""
+    def _finish(self, kind: str, result: Any) -> list[Any]:
+        (leaves, g_params, g_x, after), walked = result
+        self.reruns[kind] = self._nonfinite(leaves, g_params, g_x, after)
+        return walked
+
+    @functools.cached_property
+    def _finite_before(self) -> dict[str, bool]:
+        """What x's own run left finite: an edge row is charged only with what it breaks anew."""
+        finite = {**{name: not _nonfinite(v) for name, v in self.run.out.items()},
+                  **{path: not _nonfinite(v) for path, v in self.run.grads.items()}}
+        finite.update({_state_path(path): not _nonfinite(np.asarray(v))  # the state x itself left
+                       for path, v in jax.tree_util.tree_leaves_with_path(self.run.after)
+                       if jnp.issubdtype(getattr(v, "dtype", np.int32), jnp.inexact)})
+        return finite
+
+    def _nonfinite(self, leaves: Any, g_params: Any, g_x: Any, after: Any) -> list[str]:
+        before = self._finite_before
+        bad = [f"{'output ' + name if name else 'the output'} ({n} of {np.size(v)})"
+               for name, v in zip(self.run.out, leaves) if before[name] and (n := _nonfinite(np.asarray(v)))]
+        bad += [f"gradient of {path} ({n} of {np.size(v)})"
+                for path, v in [*self.form.param_leaves(g_params).items(), (INPUT_GRAD, g_x)]
+                if before.get(path, True) and (n := _nonfinite(np.asarray(v)))]
+        bad += [f"{_state_path(path)} ({n})" for path, v in jax.tree_util.tree_leaves_with_path(after)
+                if jnp.issubdtype(getattr(v, "dtype", np.int32), jnp.inexact)
+                and before.get(_state_path(path), True) and (n := _nonfinite(np.asarray(v)))]
+        return bad
+
+    def walked(self, which: str, kinds: Sequence[str] = ()) -> tuple[Prepared, Any, Iterator[Any]] | None:
+        """The walk ``which`` as the layer's program ran it: on x, then on each edge row of ``kinds``, run as
+        the iterator is read (one edge run alive at a time)."""
         if which not in self.walks:
             return None
         at = list(self.walks).index(which)
-        return self.walks[which], self.run.walked[at], [self.rerun(k)[1][at] for k in kinds]
+
+        def runs() -> Iterator[Any]:
+            # The next row's run is dispatched before this one's is read and judged, so that the program runs
+            # while the host judges: two runs alive at a time, not every one.
+            pending = None
+            for kind in kinds:
+                started = (kind, self.run.rerun(self.edges[kind]))
+                if pending is not None:
+                    yield self._finish(*pending)[at]
+                pending = started
+            if pending is not None:
+                yield self._finish(*pending)[at]
+
+        return self.walks[which], self.run.walked[at], runs()
 
 
 def _walks(form: Form, x: jax.Array, declaration: Declaration | None, machinery: Collection[str],
@@ -492,6 +537,9 @@ def _gradients_lines(c: _Checked) -> list[str]:
         if not f <= c.max_grad_rel_norm:
             lines.append(f"{path} ({g.dtype}) has relative norm {f:.4f} against the reference's, above the bound "
                          f"{c.max_grad_rel_norm}")
+    if any(not f <= c.max_grad_rel_norm for f in c.grad_figures.values()):
+        # Why, where it is the layer's own gradient casts: their codes flushed to zero (a fresh delayed scale).
+        lines += flushed_gradients(c.form.probe, c.x, c.output, c.machinery, c.kernels)
     return lines
 
 
@@ -541,24 +589,13 @@ def _edges_lines(c: _Checked) -> list[str]:
     lines = []
     # What already fails on x is the other checks' to say: here only what the edge row breaks anew.
     normal = {i for i, r in enumerate(c.edge_records.get("x", [])) if r.findings}
-    finite_before = {**{name: not _nonfinite(v) for name, v in c.run.out.items()},
-                     **{path: not _nonfinite(v) for path, v in c.run.grads.items()}}
-    finite_before.update({_state_path(path): not _nonfinite(np.asarray(v))  # the state x itself left
-                          for path, v in jax.tree_util.tree_leaves_with_path(c.run.after)
-                          if jnp.issubdtype(getattr(v, "dtype", np.int32), jnp.inexact)})
     for kind, x_edge in c.edges.items():
         if isinstance(x_edge, str):
             c.edges_run[kind] = x_edge
             continue
-        leaves, g_params, g_x, after = c.rerun(kind)[0]
-        bad = [f"{'output ' + name if name else 'the output'} ({n} of {np.size(v)})"
-               for name, v in zip(c.run.out, leaves) if finite_before[name] and (n := _nonfinite(np.asarray(v)))]
-        bad += [f"gradient of {path} ({n} of {np.size(v)})"
-                for path, v in [*c.form.param_leaves(g_params).items(), (INPUT_GRAD, g_x)]
-                if finite_before.get(path, True) and (n := _nonfinite(np.asarray(v)))]
-        bad += [f"{_state_path(path)} ({n})" for path, v in jax.tree_util.tree_leaves_with_path(after)
-                if jnp.issubdtype(getattr(v, "dtype", np.int32), jnp.inexact)
-                and finite_before.get(_state_path(path), True) and (n := _nonfinite(np.asarray(v)))]
+        if kind not in c.reruns:  # not run by the declared check's walk already
+            c.rerun(kind)
+        bad = c.reruns[kind]
         sites = [f"{r.scope or r.location} ({r.primitive}): " + "; ".join(r.findings)
                  for i, r in enumerate(c.edge_records.get(kind, [])) if r.findings and i not in normal]
         if bad and not sites:

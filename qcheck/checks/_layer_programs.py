@@ -23,9 +23,19 @@ from qcheck.checks._layer_forms import Form, Grown, NoOutput, form_of, hashable,
 INPUT_GRAD = "(input x)"
 
 
+#: The step's loss is the sum of the compared outputs' squares times this: each output element's gradient is
+#: its value times 2 ** -10, whatever the layer's size. A mean (this at 2048 elements, qcheck's usual probe)
+#: shrank with the output (2 out / N): at emb 1024 it came to about 1e-6, which an fp8 layer's e5m2 cast at a
+#: fresh scale of 1 flushes to zero (e5m2's smallest subnormal is 2^-16), and a correct layer failed. A plain sum
+#: (gradients of about 1) would be too large: a gradient cast to e4m3 (a quantized einsum with no straight-through
+#: rule, differentiated through its casts) keeps it, where at this scale, as a trained model's loss gradients,
+#: it falls below e4m3's smallest subnormal (2^-9) and the bug shows.
+LOSS_SCALE = 2.0 ** -11
+
+
 def _loss(leaves: list[jax.Array]) -> jax.Array:
-    # A fixed scalar of every compared output, so each element sends back a gradient.
-    return sum(jnp.mean(jnp.square(v.astype(jnp.float32))) for v in leaves)
+    # A fixed scalar of every compared output, so each element sends back a gradient (LOSS_SCALE: its size).
+    return sum(jnp.sum(jnp.square(v.astype(jnp.float32))) * LOSS_SCALE for v in leaves)
 
 
 _PROGRAMS: collections.OrderedDict[Any, Any] = collections.OrderedDict()
