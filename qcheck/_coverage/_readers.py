@@ -503,6 +503,26 @@ def _qwix_stored_params(layer: Any) -> dict[str, Stored]:
     return out
 
 
+#: EasyDeL 0.3.0's ``QuantizationConfig`` (easydel/layers/quantization/_configs.py), which ``model.quantize`` records
+#: as ``config.quantization_config`` on the model's config, the config every one of its modules holds. None: the
+#: model is float. Every dtype it offers is ejkernel's packed weight-only codes dequantized into a float matmul
+#: (ejkernel's quantized_matmul): INT8/AFFINE are affine (a uint32-packed code, a float16 scale and a float16 zero
+#: point per group), NF4/MXFP4/NVFP4/MXFP8/NVFP8 a code and a scale per group. qcheck has no format for them yet, so
+#: a quantized config is recognised and not read, saying why. # h-lib moves this to qcheck/libraries/easydel.py.
+def _easydel(layer: Any) -> Declaration | str | None:
+    if not any(c.__module__.startswith("easydel.") for c in type(layer).__mro__):
+        return None
+    config = getattr(layer, "config", None)
+    if config is None or not hasattr(config, "quantization_config"):
+        return None
+    quantization = config.quantization_config
+    if quantization is None:
+        return Declaration({"weights": None, "activations": None}, "EasyDeL config.quantization_config=None")
+    dtype = getattr(quantization.dtype, "value", quantization.dtype)
+    return (f"EasyDeL QuantizationConfig(dtype={dtype!r}, group_size={quantization.group_size}, "
+            f"bits={quantization.bits}) is ejkernel's packed {dtype} weights, which have no qcheck format yet")
+
+
 #: (library, what is read, reader): the first reader that returns a declaration wins.
 READERS: tuple[tuple[str, str, Callable[[Any], Declaration | None]], ...] = (
     ("qcheck", "MoE.recipe_name: the recipe the layer was built with", _qcheck_moe),
@@ -523,6 +543,9 @@ READERS: tuple[tuple[str, str, Callable[[Any], Declaration | None]], ...] = (
               "inputs; int4 grouped, at the config's block_size; float8): every matmul of the layer or model held "
               "to it; each Dense/EinsumDense kernel stored as codes, with its scale and zero point, for check_layer "
               "to hold against the twin's float kernel", _keras),
+    ("EasyDeL", "config.quantization_config, as model.quantize records it: None (float); a QuantizationConfig is "
+                "ejkernel's packed codes, which have no qcheck format yet (not read, saying so)",
+     _easydel),  # h-lib moves this
 )
 
 

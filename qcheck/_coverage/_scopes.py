@@ -33,7 +33,12 @@ import jax.extend.core as jcore
 #: imported (looking it up never imports it).
 MACHINERY: tuple[str, ...] = ("jax", "jaxlib", "flax", "aqt", "qwix", "maxtext.layers.nnx_wrappers",
                               "maxtext.layers.quantizations", "equinox", "haliax.quantization", "haliax._src.fp8",
-                              "keras")
+                              "keras",
+                              # EasyDeL's kernels (ejkernel's grouped and quantized matmuls) and jaxtyping's
+                              # shape-checking wrappers around them: without them an expert's matmul is located at
+                              # ejkernel/kernels/_xla/grouped_matmul/_xla_impl_fwd.py, not at EasyDeL's
+                              # _moe_module.py. # h-lib moves this to qcheck/libraries/easydel.py.
+                              "ejkernel", "jaxtyping")
 
 
 #: Per library of :data:`MACHINERY` whose own layers are a model's code (Keras's ``Dense``): its plumbing
