@@ -335,7 +335,7 @@ STILL_PRIVATE: dict[str, str] = {
     # Not shared code: the docs test looks the tests its table names up in these modules.
     **{f"test_libraries_doc.py: from tests import {m}": "the defect table names their tests"
        for m in ("test_adapters", "test_fp8_state", "test_gemma", "test_levanter", "test_maxtext",
-                 "test_qwix_formats", "test_tokamax", "test_keras", "test_keras_hub")},
+                 "test_qwix_formats", "test_tokamax", "test_keras", "test_keras_hub", "test_easydel")},
     # machinery= only adds packages; the control that Equinox must be machinery takes it out of the list.
     "test_levanter.py: from qcheck._coverage import _scopes": "a control removes a package from MACHINERY",
     "test_golden.py: from qcheck.suite import _toolchain":
