@@ -51,6 +51,10 @@ _WHERE: dict[str, str] = {
     "warmed_up": "qcheck._coverage",
     "weights": "qcheck._coverage",
     "UserCodeError": "qcheck._errors",
+    # the libraries qcheck reads a stack through, and their registry
+    "Library": "qcheck.libraries",
+    "register_library": "qcheck.libraries",
+    "registered_libraries": "qcheck.libraries",
     # recipes and their registry
     "ApplyRngs": "qcheck.recipes",
     "Expect": "qcheck.recipes",
@@ -97,6 +101,7 @@ if TYPE_CHECKING:  # the table above, for type checkers: one import per module, 
     from qcheck.layers.decoder import build_decoder
     from qcheck.layers.moe import MODELS, PATHS, MoE, MoEConfig, build_moe
     from qcheck.layers.trainer import train
+    from qcheck.libraries import Library, register_library, registered_libraries
     from qcheck.recipes import (ApplyRngs, Expect, InterceptRecipe, KnownDefect, Recipe, Reference, Unsupported,
                                 get_recipe, recipe_names, register_recipe, registered)
 

@@ -1,5 +1,6 @@
 """Helpers shared by several test modules."""
 
+import contextlib
 import functools
 import io
 import os
@@ -300,3 +301,28 @@ class Terminal(io.StringIO):
 
     def isatty(self) -> bool:
         return True
+
+
+# -- a user's library, installed through its entry point --------------------------------------------------------
+
+#: Distributions installed for the tests (a dist-info with an entry_points.txt beside their packages): qcheck_userlib.
+PLUGINS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plugins")
+
+
+@contextlib.contextmanager
+def installed(*paths: str):
+    """The distributions under ``paths`` installed for the ``with`` block: on ``sys.path``, their entry points
+    load at qcheck's next use, and whatever they register is gone after (``qcheck.libraries.registered``)."""
+    import importlib
+    import sys
+
+    from qcheck import libraries
+
+    with libraries.registered():
+        sys.path[:0] = paths
+        importlib.invalidate_caches()
+        try:
+            yield
+        finally:
+            for path in paths:
+                sys.path.remove(path)

@@ -18,7 +18,7 @@ import pytest
 
 import qcheck
 from qcheck import formats
-from qcheck._coverage._declaration import as_declaration
+from qcheck.libraries import as_declaration
 from qcheck.recipes import get_recipe, recipe_names
 
 E4M3FN = jnp.float8_e4m3fn
@@ -324,8 +324,8 @@ def test_check_layer_mixed_formats_within_a_role_should_fail():
 
 
 def test_check_layer_declared_true_with_nothing_to_read_is_one_line():
-    with pytest.raises(ValueError, match=r"^check_layer: declared=True, but no reader \(qcheck, MaxText, gemma, "
-                                         r"haliax, qwix, Keras\) finds a declaration on it of function; declare it by hand: "
+    with pytest.raises(ValueError, match=r"^check_layer: declared=True, but no reader \(qcheck_declaration, MaxText, gemma, "
+                                         r"haliax, qwix, Keras, EasyDeL\) finds a declaration on it of function; declare it by hand: "
                                          r"declared='fp8' \(a recipe\) or declared=\{'weights': 'int8', "
                                          r"'activations': 'int8'\}$") as info:
         qcheck.check_layer(_sites(E4M3FN, E4M3FN, E4M3FN), _twin(3), X, declared=True)
@@ -401,7 +401,7 @@ def _stored_int8(x, codes, scale):
 def test_stored_weights_a_reader_declares_are_held_by_type_accepted_with_its_reason_should_pass():
     """A reader that says the library stores a role's codes (Declaration.stored) accepts their hold by type, with
     its reason; the activations are still held bitwise."""
-    from qcheck._coverage._declaration import Declaration, RoleFormat
+    from qcheck.libraries import Declaration, RoleFormat
 
     kernel = formats.quantize(W, "int8_keras", axis=0)
     decl = Declaration({"weights": RoleFormat("int8_keras"), "activations": RoleFormat("int8_keras")}, "a reader",

@@ -195,7 +195,7 @@ FORMAT_BRANCH_PACKAGES = ("qcheck/formats/", "qcheck/referees/", "qcheck/adapter
 #: Modules outside them whose comparisons with a format's name are another library's own names that happen to
 #: coincide (module: why).
 FORMAT_BRANCH_HOMONYMS = {
-    "qcheck/_coverage/_readers.py": "Keras's quantization mode and dtype strings (\"int8\"), compared as Keras names them",
+    "qcheck/libraries/keras.py": "Keras's quantization mode and dtype strings (\"int8\"), compared as Keras names them",
 }
 
 
@@ -270,6 +270,93 @@ def test_a_branch_planted_in_the_tree_fails_the_layout_check(tmp_path):
     planted = {p: h for p, h in format_branches(tree, names).items() if not p.startswith(FORMAT_BRANCH_PACKAGES)}
     assert set(clean) <= set(FORMAT_BRANCH_HOMONYMS)
     assert planted.get("qcheck/checks/_site.py", [""])[-1].endswith('fmt == "nvfp4"')
+
+
+# -- a library is one module: its import path is named in qcheck/libraries/ only ------------------------------
+
+#: The packages that may name a library's import path: the libraries' own modules, the adapters (a library run
+#: as a recipe) and the referee (what a library computes under a format's name).
+LIBRARY_PATH_PACKAGES = ("qcheck/libraries/", "qcheck/adapters/", "qcheck/referees/")
+#: Strings outside them equal to a library's import name that name something else (module: (strings, why)).
+LIBRARY_PATH_HOMONYMS = {
+    "qcheck/checks/_layer_forms.py": ({"keras", "equinox"}, "the layer forms' kinds (how a Keras or Equinox layer "
+                                      "is called, split and paired with its twin), entangled with check_layer's Form"),
+    "qcheck/checks/_copy_params.py": ({"equinox"}, "the layer form's kind"),
+    "qcheck/checks/_layer.py": ({"keras"}, "the layer form's kind"),
+    "qcheck/layers/moe.py": ({"gemma"}, "the Gemma-4 style of router, a model family's name"),
+    "qcheck/checks/_moe_matches.py": ({"gemma"}, "the Gemma-4 style of router"),
+    "qcheck/suite/_layer_matches.py": ({"gemma"}, "the Gemma-4 style of router"),
+}
+
+
+def library_import_names() -> set[str]:
+    """The top-level import names of the registered libraries, but those qcheck itself depends on (jax, flax)."""
+    import tomllib
+
+    from qcheck import libraries
+
+    pins = tomllib.loads((QCHECK.parent / "pyproject.toml").read_text())["project"]["dependencies"]
+    own = {re.split(r"[<>=~!\[ ]", p)[0].replace("-", "_") for p in pins} | {"jaxlib"}
+    return {n for lib in libraries.registered_libraries() for n in lib.import_paths()} - own
+
+
+def library_paths(root: Path, names: set[str]) -> dict[str, list[str]]:
+    """Each module under ``root`` that names a library's import path -> where, as ``line: path``: an import of
+    it, or a string (not a docstring) that is one of ``names`` or a dotted or ``/`` path under one."""
+    def names_one(value: str) -> bool:
+        return any(value == n or value.startswith((n + ".", n + "/")) for n in names)
+
+    found: dict[str, list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        docs = {id(n.body[0].value) for n in ast.walk(tree)
+                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+                and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                hits = [a.name for a in node.names if names_one(a.name)]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                hits = [node.module] if names_one(node.module or "") else []
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+                hits = [node.value] if names_one(node.value) else []
+            else:
+                continue
+            for hit in hits:
+                found.setdefault(str(path.relative_to(root.parent)), []).append(f"{node.lineno}: {hit}")
+    return {module: sorted(hits, key=lambda h: int(h.split(":")[0])) for module, hits in found.items()}
+
+
+def _outside_libraries(found: dict[str, list[str]]) -> dict[str, list[str]]:
+    out = {}
+    for module, hits in found.items():
+        allowed = LIBRARY_PATH_HOMONYMS.get(module, (set(), ""))[0]
+        if not module.startswith(LIBRARY_PATH_PACKAGES) and (rest := [h for h in hits
+                                                                      if h.split(": ", 1)[1] not in allowed]):
+            out[module] = rest
+    return out
+
+
+def test_no_module_outside_the_libraries_names_a_library():
+    names = library_import_names()
+    assert {"keras", "qwix", "maxtext", "haliax", "gemma", "tokamax", "aqt", "equinox"} <= names, names
+    assert _outside_libraries(library_paths(QCHECK, names)) == {}, (
+        "a library's import path named outside qcheck/libraries/: move what reads it into its library's module")
+
+
+def test_a_library_path_named_outside_the_libraries_is_found(tmp_path):
+    site = tmp_path / "qcheck" / "checks" / "_site.py"
+    site.parent.mkdir(parents=True)
+    site.write_text('"""Reads keras.src.ops: a docstring names it."""\nkind = "keras"\n')
+    found = library_paths(tmp_path / "qcheck", {"keras", "qwix"})
+    assert found == {"qcheck/checks/_site.py": ["2: keras"]} and _outside_libraries(
+        {"qcheck/checks/_layer_forms.py": ["2: keras"]}) == {}
+    site.write_text('import sys\nimport qwix.core\nfrom keras import ops\nk = sys.modules.get("keras.src")\n'
+                    'f = "qwix/_src/x.py"\n')
+    assert library_paths(tmp_path / "qcheck", {"keras", "qwix"}) == {"qcheck/checks/_site.py": [
+        "2: qwix.core", "3: keras", "4: keras.src", "5: qwix/_src/x.py"]}
+    assert _outside_libraries({"qcheck/checks/_layer_forms.py": ["4: keras.src"],
+                               "qcheck/libraries/keras.py": ["4: keras.src"]}) == {
+        "qcheck/checks/_layer_forms.py": ["4: keras.src"]}
 
 
 def test_the_architecture_page_says_where_a_format_is_added():

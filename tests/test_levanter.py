@@ -224,13 +224,13 @@ def test_int8_router_fails_a_declaration_of_other_int8_codes(blocks, x):
                for f in router.findings), router.findings
 
 
-def test_location_is_equinox_jit_without_it_among_machinery(blocks, x, monkeypatch):
+def test_location_is_equinox_jit_without_it_among_machinery(blocks, x):
     # Control of the location check above: hax.dot is an Equinox filter_jit, and the traceback JAX keeps inside
     # a jit ends at Equinox's wrapper; were Equinox not machinery, the combine would be located there.
-    from qcheck._coverage import _scopes
+    from qcheck import libraries
 
-    monkeypatch.setattr(_scopes, "MACHINERY", tuple(m for m in _scopes.MACHINERY if m != "equinox"))
-    records = qcheck.coverage(as_layer(blocks(None)), x)
+    with libraries.registered(qcheck.Library("Equinox"), replace=True):  # Equinox's record, with no machinery
+        records = qcheck.coverage(as_layer(blocks(None)), x)
     (combine,) = [r for r in records if COMBINE_SCOPE in r.scope]
     assert "/equinox/" in _location(combine), _location(combine)
 

@@ -29,6 +29,7 @@ PUBLIC = [
     ("qcheck.checks", None),
     ("qcheck.checks.harness", None),
     ("qcheck.recipes", None),
+    ("qcheck.libraries", None),
     ("qcheck.referees", None),
     ("qcheck.formats", None),
     ("qcheck.layers.moe", None),
@@ -336,8 +337,6 @@ STILL_PRIVATE: dict[str, str] = {
     **{f"test_libraries_doc.py: from tests import {m}": "the defect table names their tests"
        for m in ("test_adapters", "test_fp8_state", "test_gemma", "test_levanter", "test_maxtext",
                  "test_qwix_formats", "test_tokamax", "test_keras", "test_keras_hub", "test_easydel")},
-    # machinery= only adds packages; the control that Equinox must be machinery takes it out of the list.
-    "test_levanter.py: from qcheck._coverage import _scopes": "a control removes a package from MACHINERY",
     "test_golden.py: from qcheck.suite import _toolchain":
         "a toolchain whose division form the referee does not know exists on no installable jax: the probe is stubbed",
     "test_known_defects.py: from qcheck.suite import _declared_cells":

@@ -11,15 +11,16 @@ require_supported()  # the walk reads jaxpr internals that older JAX lacks
 
 from qcheck._coverage._records import (BLOCK_SCALED, MATMUL_PRIMITIVES, VALUE_PRESERVING, MatmulRecord,
                                        OperandQuant, call_body)
-from qcheck._coverage._declaration import Declaration, Hold, Stored, as_declaration, judge_stored, mixed_formats
-from qcheck._coverage._kernels import KernelRoles, as_kernel_roles
+from qcheck._coverage._declaration import Hold, judge_stored, mixed_formats
+from qcheck._coverage._kernels import as_kernel_roles
 from qcheck._coverage._map import (CoverageMap, Prepared, after_first_call, assert_quantized, coverage,
                                    format_coverage, graph_paths, machinery_tuple, prepare, quantized_records,
                                    warmed_up)
 from qcheck._coverage._readers import read_declaration, read_stored, resolve_declaration
-from qcheck._coverage._scopes import MACHINERY, machinery_prefixes, user_frames
+from qcheck._coverage._scopes import machinery_prefixes, user_frames
 from qcheck._coverage._skips import Skip, SkipArg, as_skips, skip_at, skip_functions, skip_modules, skip_where
 from qcheck._coverage._weights import Weights, unmarked, weights
+from qcheck.libraries import Declaration, KernelRoles, Stored, as_declaration
 
 __all__ = [
     "BLOCK_SCALED",
@@ -27,7 +28,6 @@ __all__ = [
     "Declaration",
     "Hold",
     "KernelRoles",
-    "MACHINERY",
     "MATMUL_PRIMITIVES",
     "VALUE_PRESERVING",
     "Weights",

@@ -15,7 +15,7 @@ from the operands it is called with. They split in two:
 Which input is the lhs, which the rhs and which their scales is the kernel's
 *roles*: declared by the user (:class:`KernelRoles`, passed as ``kernels=``
 to ``coverage``, ``assert_quantized`` and ``check_layer``) or found in
-qcheck's table of kernels it knows (:data:`KNOWN_KERNELS`). A kernel neither
+the kernels of qcheck's libraries (``qcheck.libraries``: each ``Library``'s ``kernels``). A kernel neither
 names has its roles unknown: its record says so, and ``assert_quantized``
 fails on it (declare its roles, or spare it with a skip rule), whatever its
 operands' types.
@@ -23,7 +23,7 @@ operands' types.
 A kernel's name, what :class:`KernelRoles` is matched against: its
 ``pallas_call(name=...)`` (an FFI or custom call's target name), else the
 kernel function's name, else (a ``lambda``: qwix's ``qwix.pallas.pallas_call``
-wraps every kernel in one) the name its row of :data:`KNOWN_KERNELS` gives,
+wraps every kernel in one) the name its library's :class:`KnownKernel` gives,
 else the function that called it (the record's ``function`` without its
 class or enclosing functions).
 """
@@ -41,105 +41,7 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 
-
-def _position(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelRoles:
-    """Which inputs of an opaque kernel named ``name`` are its matmul's lhs and rhs, and their scales.
-
-    Positions count the kernel's inputs from 0 in the order the kernel takes
-    them (a ``pallas_call``'s ``in_specs``): every operand it is called with
-    but a ``pallas_call``'s scalar-prefetch operands and dynamic grid bounds.
-    Metadata passed as plain inputs (tokamax's int32 group offsets ahead of
-    its codes) counts like any input. ``lhs_scale``/``rhs_scale``: the input
-    holding that operand's scales, whose type is part of its format.
-    ``qarrays``: the kernel is called through ``qwix.pallas.pallas_call``,
-    which passes a qwix ``QArray`` as two inputs (its codes, then its scale);
-    positions then count each ``QArray`` as one input, and each operand's scale
-    is found beside its codes (so ``lhs_scale``/``rhs_scale`` are not given).
-    ``lhs_contracting``/``rhs_contracting``: the axes of each operand the
-    kernel contracts, so that its codes are held bitwise at a format whose
-    scales run along them (int8's, the block formats'); without them such
-    codes are held by their types only.
-    """
-
-    name: str
-    lhs: int
-    rhs: int
-    lhs_scale: int | None = None
-    rhs_scale: int | None = None
-    qarrays: bool = False
-    lhs_contracting: tuple[int, ...] | None = None
-    rhs_contracting: tuple[int, ...] | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"KernelRoles: name must be the kernel's name (a non-empty str), got {self.name!r}")
-        what = f"KernelRoles({self.name!r})"
-        for field in ("lhs", "rhs", "lhs_scale", "rhs_scale"):
-            value = getattr(self, field)
-            if not (_position(value) or (value is None and field.endswith("scale"))):
-                raise ValueError(f"{what}: {field} must be an input's position (an int >= 0), got {value!r}")
-        used = [p for p in (self.lhs, self.rhs, self.lhs_scale, self.rhs_scale) if p is not None]
-        if len(set(used)) != len(used):
-            raise ValueError(f"{what}: lhs, rhs and their scales must be different inputs, got positions {used}")
-        for field in ("lhs_contracting", "rhs_contracting"):
-            value = getattr(self, field)
-            if value is not None and not (isinstance(value, tuple) and all(_position(a) for a in value)):
-                raise ValueError(f"{what}: {field} must be a tuple of axes (ints >= 0), got {value!r}")
-        if self.qarrays and (self.lhs_scale is not None or self.rhs_scale is not None):
-            raise ValueError(f"{what}: with qarrays=True each operand's scale is read beside its codes; "
-                             f"give lhs and rhs only")
-
-
-@dataclasses.dataclass(frozen=True)
-class KnownKernel:
-    """A row of qcheck's table of kernels: a kernel is this one when a frame of its traceback is one of
-    ``calls`` (the file's path ends in the suffix, the function's qualified name is the name) and the keys
-    of its ``xprof_metadata`` are ``metadata`` (and, where ``named``, its own ``pallas_call(name=...)`` is
-    ``roles.name``: kernels of one function told apart by their names alone); its name and roles are then
-    ``roles``'."""
-
-    library: str
-    calls: tuple[tuple[str, str], ...]
-    metadata: frozenset[str]
-    roles: KernelRoles
-    named: bool = False
-
-
-_MEGABLOX = "maxtext/kernels/megablox/"
-#: The kernels qcheck knows. MaxText 0.2.5's megablox: ``backend.gmm(lhs, rhs, group_sizes, ...)`` and
-#: ``backend.tgmm`` (maxtext/kernels/megablox/backend.py) call ``qwix.pallas.pallas_call`` on
-#: ``(group_metadata, group_offset, lhs, rhs, existing_out)``, the first two as scalar prefetch, lhs and rhs
-#: arrays or qwix ``QArray`` (codes and scale) when MaxText's quantization rule quantizes them
-#: (ops.py ``_fwd_quantize_activation_and_weight``). Their backward kernels (ops.py ``_gmm_bwd``: the dlhs
-#: ``gmm``, the drhs ``tgmm``) are traced under the custom_vjp's call, ``ops.gmm``, their only megablox
-#: frame: told apart by the xprof metadata each function attaches.
-KNOWN_KERNELS: tuple[KnownKernel, ...] = (
-    KnownKernel("MaxText megablox", ((_MEGABLOX + "backend.py", "gmm"), (_MEGABLOX + "ops.py", "gmm")),
-                frozenset({"preferred_element_type", "tiling", "transpose_rhs"}),
-                KernelRoles("gmm", 0, 1, qarrays=True, lhs_contracting=(1,), rhs_contracting=(1,))),
-    KnownKernel("MaxText megablox", ((_MEGABLOX + "backend.py", "tgmm"), (_MEGABLOX + "ops.py", "gmm")),
-                frozenset({"prefer_element_type", "tiling", "num_actual_groups"}),
-                KernelRoles("tgmm", 0, 1, qarrays=True, lhs_contracting=(0,), rhs_contracting=(0,))),
-    # tokamax 0.0.17's TPU ragged_dot, forward: ``PallasMosaicTpuRaggedDot._fwd`` (ops/ragged_dot/pallas_mosaic_tpu.py
-    # 173-185) calls ``gmm(lhs [m, k], rhs [g, k, n], ...)`` (pallas_mosaic_tpu_kernel.py 330-614), whose
-    # ``common.custom_buffered_pallas_call`` (_src/mosaic_tpu.py 165-261) makes a ``pallas_call`` named
-    # ``pallas_tpu_ragged_dot_gmm`` (kernel.py 38, 574-576) with no scalar prefetch of its own: all its operands are
-    # inputs, ``(grid_dynamic, group_metadata, group_offset, lhs, rhs)`` (mosaic_tpu.py 258, kernel.py 606): five
-    # int32 metadata inputs (dynamic grid bound, group offsets, group ids, m-tile ids, group offset), then lhs and
-    # rhs, each a qwix ``QArray`` (codes, then its scale repeated to tile: mosaic_tpu.py 100-162) or an array. So 9
-    # inputs (both QArrays), 8 (one) or 7 (none): counted as QArrays, lhs is input 5, rhs 6 in every case. Its
-    # backward ``gmm`` (transpose_rhs=True, rhs [g, n, k]) shares its frames and metadata keys (kernel.py 577-582):
-    # told apart by its name, ``pallas_tpu_ragged_dot_gmm_transpose_rhs``, not in this table (nor is ``tgmm``).
-    KnownKernel("tokamax", (("tokamax/_src/ops/ragged_dot/pallas_mosaic_tpu_kernel.py", "gmm"),),
-                frozenset({"prefer_element_type", "tiling", "transpose_rhs", "input_buffer_count"}),
-                KernelRoles("pallas_tpu_ragged_dot_gmm", 5, 6, qarrays=True, lhs_contracting=(1,),
-                            rhs_contracting=(1,)), named=True),
-)
+from qcheck.libraries import KernelRoles, KnownKernel, known_kernels
 
 
 def as_kernel_roles(kernels: Any, what: str) -> dict[str, KernelRoles]:
@@ -162,7 +64,7 @@ class KernelRead:
     """What the walk reads of one opaque kernel; positions are the eqn's operand indices.
 
     ``source``: where its roles came from ("declared", or the library of a row
-    of :data:`KNOWN_KERNELS`); None: roles unknown, and lhs/rhs are None.
+    of a library's known kernels); None: roles unknown, and lhs/rhs are None.
     ``misfit``: why the declared roles do not fit this kernel (then unknown).
     """
 
@@ -225,13 +127,13 @@ def _metadata_keys(eqn: jcore.JaxprEqn) -> frozenset[str]:
 
 
 def _known(eqn: jcore.JaxprEqn) -> KnownKernel | None:
-    """The row of :data:`KNOWN_KERNELS` this kernel is, if any."""
+    """The known kernel of a registered library (``qcheck.libraries``) this kernel is, if any."""
     tb = eqn.source_info.traceback
     if tb is None:
         return None
     frames = {(code.co_filename.replace(os.sep, "/"), code.co_qualname) for code, _ in zip(*tb.raw_frames())}
     keys = _metadata_keys(eqn)
-    for row in KNOWN_KERNELS:
+    for row in known_kernels():
         if row.named and eqn.params.get("name") != row.roles.name:
             continue
         if keys == row.metadata and any(f == function and path.endswith("/" + suffix)

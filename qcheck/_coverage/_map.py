@@ -208,7 +208,7 @@ def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward:
     pass's, with ``backward=True``. Not with ``errors``.
 
     ``machinery``: packages (names or paths) whose frames are quantization
-    machinery besides :data:`MACHINERY`, so records point at their callers.
+    machinery besides the registered libraries' (``qcheck.libraries``), so records point at their callers.
     A module whose first call creates submodules is traced after a warm-up
     call on a copy (:func:`warmed_up`).
 
@@ -216,9 +216,9 @@ def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward:
     :class:`qcheck.UserCodeError` (a ``ValueError``), the original chained.
 
     ``declared``: what the matmuls' operands are meant to be. By default
-    (None) it is read from ``fn`` where its library states one
-    (``qcheck._coverage._readers.READERS``: qcheck's layers, MaxText's config,
-    gemma's wrapper, haliax's ops, Keras's quantize mode); True reads it and fails where nothing is
+    (None) it is read from ``fn`` where it states one (its ``qcheck_declaration()``:
+    qcheck's layers) or its library does (a registered library's reader: MaxText's config,
+    gemma's wrapper, haliax's ops, qwix's rules, Keras's quantize mode); True reads it and fails where nothing is
     read; False holds nothing; or give it: a recipe or format name, a ``qcheck.Recipe``,
     or a mapping of roles to formats (:mod:`qcheck._coverage._declaration`).
     Each record then carries its operands' declared formats, how strongly
@@ -231,8 +231,8 @@ def coverage(fn: Callable[..., Any], *args: Any, errors: bool = False, backward:
     ``kernels``: the roles of opaque kernels (``pallas_call``, FFI calls) by
     name, one :class:`qcheck.KernelRoles` or a list: which of a kernel's inputs
     are its lhs, its rhs and their scales. Kernels qcheck knows (MaxText's
-    megablox ``gmm``/``tgmm``: :data:`qcheck._coverage._kernels.KNOWN_KERNELS`,
-    and tokamax's TPU ``ragged_dot``) need none; any other kernel is recorded with its roles unknown. Where
+    megablox ``gmm``/``tgmm`` and tokamax's TPU ``ragged_dot``: a registered
+    library's ``kernels``) need none; any other kernel is recorded with its roles unknown. Where
     its roles say which axes it contracts, a kernel's code inputs are held bitwise like any matmul's.
     """
     machinery = machinery_tuple(machinery, "coverage")

@@ -231,7 +231,7 @@ class MatmulRecord:
     """One matrix multiplication of a traced function.
 
     ``location`` is ``path/to/file.py:LINE``, the innermost frame outside the
-    quantization machinery (:data:`MACHINERY`: JAX, Flax, AQT, qwix, the
+    quantization machinery (the registered libraries': JAX, Flax, AQT, qwix, the
     standard library and qcheck's own plumbing, plus any packages passed as
     ``machinery=``), so a quantized matmul is reported at the line of the
     user's code that called the quantizer; ``function`` is that frame's

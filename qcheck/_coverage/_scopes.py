@@ -11,45 +11,17 @@ from typing import Any
 import jax
 import jax.extend.core as jcore
 
+from qcheck import libraries
+
 
 # -- source locations ---------------------------------------------------------
 
-#: Packages and modules whose frames are quantization machinery, never a user's
-#: call site: a record's location is the innermost frame outside them (and
-#: outside the standard library and qcheck's plumbing). JAX, Flax (its fp8 ops
-#: and its Linen/NNX bridge), AQT and qwix, and MaxText's own copies of that
-#: plumbing (its ``ToNNX`` bridge and its quantization wrappers), so a MaxText
-#: matmul points at the MaxText layer line that asked for it; Equinox (its
-#: ``filter_jit`` wrapper would otherwise be the innermost frame of every
-#: matmul haliax's ``hax.dot`` traces) and haliax's fp8/int8 dot ops, so a
-#: haliax matmul points at the ``Linear`` line that called its op; Keras (its
-#: layers, ops and JAX backend: ``keras/src/backend/jax/numpy.py``'s ``matmul``
-#: is every Keras matmul's innermost frame), so a Keras matmul points at the
-#: model's own line (a subclass's ``call``, keras-hub's, a separate package);
-#: a stock layer checked bare, with no line of the user's on its stack, at its
-#: own line in Keras (:data:`PLUMBING`). Pass more as
-#: ``machinery=`` to :func:`coverage` and the checks built on it (a team's
-#: own quantization library, say). A dotted module counts once its package is
-#: imported (looking it up never imports it).
-MACHINERY: tuple[str, ...] = ("jax", "jaxlib", "flax", "aqt", "qwix", "maxtext.layers.nnx_wrappers",
-                              "maxtext.layers.quantizations", "equinox", "haliax.quantization", "haliax._src.fp8",
-                              "keras",
-                              # EasyDeL's kernels (ejkernel's grouped and quantized matmuls) and jaxtyping's
-                              # shape-checking wrappers around them: without them an expert's matmul is located at
-                              # ejkernel/kernels/_xla/grouped_matmul/_xla_impl_fwd.py, not at EasyDeL's
-                              # _moe_module.py. # h-lib moves this to qcheck/libraries/easydel.py.
-                              "ejkernel", "jaxtyping")
-
-
-#: Per library of :data:`MACHINERY` whose own layers are a model's code (Keras's ``Dense``): its plumbing
-#: (ops, backend, base classes, tracebacks, quantizers, the functional graph). Where a matmul has no frame
-#: outside the machinery (a stock layer checked bare: the check's own caller lies outside the traced
-#: program), its location is the innermost frame outside the plumbing: the stock layer's own line
-#: (keras/src/layers/core/dense.py, ``Dense._float8_call``), never ``keras/src/backend/jax/numpy.py``.
-PLUMBING: dict[str, tuple[str, ...]] = {
-    "keras": ("keras.src.backend", "keras.src.ops", "keras.src.utils", "keras.src.layers.layer",
-              "keras.src.quantizers", "keras.src.models", "keras.src.dtype_policies", "keras.src.trainers"),
-}
+# The machinery (modules whose frames are never a user's call site: a record's location is the innermost frame
+# outside them, the standard library and qcheck's plumbing) and the plumbing (the part of a library's machinery
+# that is never even its stock layer's line) are each registered library's (``qcheck.libraries``: JAX, Flax,
+# AQT, qwix, MaxText's bridge and wrappers, Equinox, haliax's dot ops, Keras, and a user's own), read at each
+# walk. Pass more as ``machinery=`` to :func:`coverage` and the checks built on it. A dotted module counts once
+# its package is imported (looking it up never imports it).
 
 
 def _prefix_of(package: str) -> str | None:
@@ -73,11 +45,11 @@ def _prefix_of(package: str) -> str | None:
 
 
 def machinery_prefixes(extra: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """The path prefixes of the machinery (:data:`MACHINERY`, the ``extra`` packages, the stdlib, qcheck's own
+    """The path prefixes of the machinery (the registered libraries', the ``extra`` packages, the stdlib, qcheck's own
     call-site layers) a frame is skipped over in, to locate a matmul at the user's line."""
     here = os.path.dirname(os.path.abspath(__file__)) + os.sep  # qcheck/_coverage/
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # qcheck/
-    packages = [p for p in (_prefix_of(name) for name in (*MACHINERY, *extra)) if p]
+    packages = [p for p in (_prefix_of(name) for name in (*libraries.machinery(), *extra)) if p]
     # qcheck's own layers of a call site (the checks, the recipes' sites, the bridge, the formats): a
     # matmul is located at the user's line that reached them, not inside them.
     return (
@@ -102,7 +74,7 @@ def _display(filename: str) -> str:
 
 def user_frames(eqn: jcore.JaxprEqn, prefixes: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
     """``(file:line, function)`` of each frame of ``eqn``'s traceback outside the ``prefixes``, innermost first;
-    where none is, outside a library's plumbing only (:data:`PLUMBING`), and where none is still, outside the
+    where none is, outside a library's plumbing only (its ``plumbing``), and where none is still, outside the
     machinery but that library."""
     tb = eqn.source_info.traceback
     if tb is None:
@@ -111,9 +83,10 @@ def user_frames(eqn: jcore.JaxprEqn, prefixes: tuple[str, ...]) -> tuple[tuple[s
     kept = [(code, lasti) for code, lasti in frames if not _is_machinery(code.co_filename, prefixes)]
     # Then the library's own op: a functional model's ops.einsum runs in Keras's plumbing alone (its location
     # keras/src/backend/jax/numpy.py's einsum, not <unknown>).
+    by_library = tuple((n, p) for n, p in libraries.plumbing().items() if n in sys.modules) if not kept else ()
     for plumbing in (True, False) if not kept else ():
-        if (inner := _plumbing_only(prefixes, plumbing, tuple(n for n in PLUMBING if n in sys.modules))) is None:
-            break  # no library of PLUMBING is machinery here
+        if (inner := _plumbing_only(prefixes, plumbing, by_library)) is None:
+            break  # no library with plumbing is machinery here
         if kept := [(code, lasti) for code, lasti in frames if not _is_machinery(code.co_filename, inner)]:
             break
     return tuple((f"{_display(code.co_filename)}:{tb.code_addr2line(code, lasti)}", code.co_qualname)
@@ -121,15 +94,16 @@ def user_frames(eqn: jcore.JaxprEqn, prefixes: tuple[str, ...]) -> tuple[tuple[s
 
 
 @functools.lru_cache(maxsize=64)
-def _plumbing_only(prefixes: tuple[str, ...], plumbing: bool, loaded: tuple[str, ...]) -> tuple[str, ...] | None:
-    """``prefixes`` with each library of :data:`PLUMBING` in them narrowed to its plumbing (``plumbing``), or
-    left out; None where none is in them. ``loaded``: those imported (only then are their modules found, and
-    only then can a frame be theirs)."""
-    libraries = {p: name for name in loaded if (p := _prefix_of(name)) is not None and p in prefixes}
-    if not libraries:
+def _plumbing_only(prefixes: tuple[str, ...], plumbing: bool, loaded: tuple[tuple[str, tuple[str, ...]], ...]
+                   ) -> tuple[str, ...] | None:
+    """``prefixes`` with each machinery module that has plumbing narrowed to its plumbing (``plumbing``), or
+    left out; None where none is in them. ``loaded``: those imported, with their plumbing (only then are their
+    modules found, and only then can a frame be theirs)."""
+    found = {p: modules for name, modules in loaded if (p := _prefix_of(name)) is not None and p in prefixes}
+    if not found:
         return None
-    kept = [p for name in libraries.values() for m in PLUMBING[name] if (p := _prefix_of(m)) is not None]
-    return tuple(p for p in prefixes if p not in libraries) + (tuple(kept) if plumbing else ())
+    kept = [p for modules in found.values() for m in modules if (p := _prefix_of(m)) is not None]
+    return tuple(p for p in prefixes if p not in found) + (tuple(kept) if plumbing else ())
 
 
 def scope_names(eqn: jcore.JaxprEqn) -> tuple[str, ...]:

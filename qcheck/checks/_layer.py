@@ -263,7 +263,7 @@ def check_layer(
     * uninitialized, on both: ``jax.lax.empty`` buffers filled with NaN, then
       a large value, change no output, gradient or state;
     * declared quantization: each matmul's codes held bitwise to what the
-      layer declares: read from it by default (``READERS``), ``declared=True``
+      layer declares: read by default (its ``qcheck_declaration()``, else its library's), ``declared=True``
       fails where nothing is read, ``False`` holds nothing, or given (a recipe
       or format name, a ``qcheck.Recipe``, ``{"weights": "int8",
       "activations": None}``); a weight the layer stores as codes (Keras's

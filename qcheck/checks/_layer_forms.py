@@ -7,7 +7,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -17,6 +16,9 @@ from flax import linen, nnx
 
 from qcheck._coverage import after_first_call, graph_paths, unmarked, warmed_up
 from qcheck._errors import user_code
+from qcheck.libraries.equinox import equinox_of
+from qcheck.libraries.haliax import named_array_type, overwritten_state_types
+from qcheck.libraries.keras import keras_of
 
 
 def path_name(path: tuple[Any, ...]) -> str:
@@ -78,43 +80,11 @@ def _is_linen_pair(layer: Any) -> bool:
             and isinstance(layer[1], Mapping))
 
 
-def equinox_of(layer: Any) -> Any:
-    """The ``equinox`` package where ``layer`` is an Equinox module, else None.
-
-    Never imports it: Equinox is no dependency of qcheck's, and an Equinox
-    module exists only once its package is loaded.
-    """
-    eqx = sys.modules.get("equinox")
-    return eqx if eqx is not None and isinstance(layer, eqx.Module) else None
-
-
-def named_array_type() -> Any:
-    """haliax's ``NamedArray`` (a pytree around its ``.array``), or a type nothing is, where haliax is not loaded."""
-    haliax = sys.modules.get("haliax")
-    return getattr(haliax, "NamedArray", _NoType)
-
-
-class _NoType:
-    pass
-
-
-def _overwritten_state_types() -> tuple[type, ...]:
-    """haliax's quantized dot ops: fp8 scales and amax histories, inexact arrays that are state, not parameters.
-
-    Levanter's train step overwrites them with their "gradient" instead of
-    training them (``haliax.quantization.partition_for_grad_overwrite``), as
-    NNX keeps fp8 state out of ``nnx.Param``; the twin has none of them.
-    """
-    quantization = sys.modules.get("haliax.quantization")
-    found = (getattr(quantization, n, None) for n in ("CustomGradientAccumulation", "OverwriteWithGradient"))
-    return tuple(t for t in found if isinstance(t, type))
-
-
 def equinox_split(eqx: Any, module: Any) -> tuple[Any, Any]:
     """An Equinox module as ``(parameters, the rest)``: its inexact-array leaves but haliax's quantization state
     and, beside a module's integer arrays (stored codes), the float ``scale`` and ``zero_point`` they are kept
     with: state, as :func:`_frozen_params` splits an NNX module's."""
-    overwritten = _overwritten_state_types()
+    overwritten = overwritten_state_types()
 
     def is_leaf(v: Any) -> bool:
         return isinstance(v, overwritten)
@@ -279,16 +249,6 @@ def _linen_frozen(params: Any) -> tuple[Any, Any]:
 def _combine(trained: Any, frozen: Any) -> Any:
     """The whole parameter tree of :func:`_linen_frozen`'s two halves."""
     return jax.tree.map(lambda a, b: a if b is None else b, trained, frozen, is_leaf=lambda v: v is None)
-
-
-def keras_of(layer: Any) -> Any:
-    """The ``keras`` package where ``layer`` is a Keras layer or model (a ``keras.layers.Layer``), else None.
-
-    Never imports it: a Keras layer exists only once Keras is loaded.
-    """
-    keras = sys.modules.get("keras")
-    base = getattr(getattr(keras, "layers", None), "Layer", None)
-    return keras if isinstance(base, type) and not isinstance(layer, type) and isinstance(layer, base) else None
 
 
 def _keras_keys(layer: Any) -> dict[int, tuple[int, str, int]]:

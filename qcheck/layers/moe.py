@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from qcheck._choices import require_choice
 from qcheck.layers.bridge import QuantSite
+from qcheck.libraries import Declaration, RoleFormat
 from qcheck.recipes import (ApplyRngs, Einsum, InterceptRecipe, Matmul, Ragged, Recipe, UnquantizedSite,
                             get_recipe)
 
@@ -171,6 +172,20 @@ class MoE(nnx.Module):
         if self.dropping and self.path == "dense":
             names = ["dispatch", *names, "combine"]
         self.sites = nnx.Dict({n: _site(recipe, n, rngs, apply_rngs, self.dtype) for n in names})
+
+    def qcheck_declaration(self) -> Declaration | None:
+        """What this layer declares, read by ``check_layer`` and ``coverage`` by default: the formats of the
+        recipe it was built with (None where the recipe names none: a library's own configuration)."""
+        quantized, lhs, rhs, grad = self.recipe_formats
+        source = f"the layer's recipe {self.recipe_name!r}"
+        if not quantized:
+            return Declaration({"weights": None, "activations": None}, source)
+        if lhs is None or rhs is None:
+            return None
+        roles = {"activations": RoleFormat(lhs), "weights": RoleFormat(rhs)}
+        if grad is not None:
+            roles["grads"] = RoleFormat(grad)
+        return Declaration(roles, source)
 
     def _sharding(self, *spec) -> NamedSharding:
         return NamedSharding(self.mesh, P(*spec))
