@@ -9,9 +9,9 @@ CPU device, its MoE block and attention projections quantized by its own ``model
 * qcheck locates EasyDeL's expert matmuls at its own ``_moe_module.py`` (ejkernel and jaxtyping are machinery),
   not inside ejkernel's grouped matmul;
 * a known defect: ``model.quantize`` leaves the MoE experts float32 (``ParallelMoELinear`` has no ``to_quantized``,
-  and ``apply_quantization`` skips it without a word): ``assert_quantized`` fails naming the three
-  ``_moe_module.py`` sites, and the block's output is bitwise the float block's, where a quantized attention
-  projection's is not (the control);
+  and ``apply_quantization`` skips it without a word): ``assert_quantized`` and ``check_layer`` fail naming the
+  three ``_moe_module.py`` sites, ``check_layer`` also finding the output bitwise the float block's, where a
+  quantized attention projection's is not (the control);
 * EasyDeL's other defects, each a fact of its own code beside a control that passes: INT8 with the default pattern
   raises on a router of 4 experts; nvfp8 (one e4m3 scale per 16 weights, no tensor scale) flushes every weight at
   Mixtral's init scale to zero; its ``jax_native`` NVFP8 casts to ``float8_e4m3`` (with inf), unscaled, and its
@@ -142,6 +142,17 @@ def test_quantize_leaves_the_experts_float_and_assert_quantized_names_them_shoul
     experts = [r for r in qcheck.coverage(moe, x) if r.primitive == "ragged_dot_general"]
     assert [(r.lhs_dtype, r.rhs_dtype, r.lhs.kind, r.rhs.kind) for r in experts] == \
         [("float32", "float32", "full", "full")] * 3
+
+
+def test_check_layer_fails_the_int8_block_at_its_experts_and_as_the_float_blocks_bits_should_fail(models, x):
+    _pinned()
+    with pytest.raises(AssertionError) as failed:
+        qcheck.check_layer(_layer(models["int8"]).block_sparse_moe, _layer(models["float"]).block_sparse_moe, x,
+                           output=0)
+    message = str(failed.value).replace("\\", "/")
+    assert len(set(re.findall(rf"ragged_dot_general at \S*{re.escape(MOE_FILE)}:\d+", message))) == 3, message
+    assert "actual is bitwise equal to the unquantized reference — the quantized path was not taken" in message
+    assert "nothing read: the EasyDeL reader: EasyDeL QuantizationConfig(dtype='int8'" in message
 
 
 def test_the_int8_blocks_output_is_the_float_blocks_bitwise_beside_a_quantized_projection_should_fail(models, x):
