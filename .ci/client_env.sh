@@ -1,6 +1,6 @@
-# Sourced by the pinned clients' scripts (.ci/maxtext.sh, .ci/levanter.sh, .ci/gemma.sh, .ci/tokamax.sh,
-# .ci/keras.sh, and .ci/bare.sh for the [test]-alone stage): each lives in its own Python 3.12 environment, so none
-# of them touches the suite's environments or another client's.
+# Sourced by the pinned clients' scripts (one per row of .ci/clients.tsv: .ci/maxtext.sh, .ci/easydel.sh, ...,
+# and .ci/bare.sh for the [test]-alone stage): each lives in its own environment, on its row's Python, so none of
+# them touches the suite's environments or another client's.
 #
 # Each environment installs from a lock of its whole stack, .ci/locks/NAME.txt (what `bash .ci/lock NAME` froze
 # after building it unlocked, the same way): pip's -c on every install, so a release upstream cannot change a stage
@@ -9,18 +9,34 @@ PYTHON312=${PYTHON312:-python3.12}
 CI_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(dirname "$CI_DIR")
 
-# python312: the path of a Python 3.12 interpreter. A pyenv shim named python3.12 may exist without that version
-# selected: try it, then pyenv's 3.12.
-python312() {
-  if "$PYTHON312" -c '' 2> /dev/null; then "$PYTHON312" -c 'import sys; print(sys.executable)'
-  else PYENV_VERSION=${PYENV_312:-3.12.1} pyenv exec python -c 'import sys; print(sys.executable)'; fi
+# python_at VERSION: the path of a Python VERSION interpreter (3.12: PYTHON312, default python3.12). A pyenv shim
+# named python3.12 may exist without that version selected: try it, then pyenv's newest VERSION (PYENV_312 for 3.12).
+python_at() {
+  local version=$1 named pinned
+  named=python$version; pinned=
+  if [ "$version" = 3.12 ]; then named=$PYTHON312; pinned=${PYENV_312:-}; fi
+  if "$named" -c '' 2> /dev/null; then "$named" -c 'import sys; print(sys.executable)'; return; fi
+  [ -n "$pinned" ] || pinned=$(pyenv versions --bare 2> /dev/null | grep -E "^${version//./\\.}\\.[0-9]+$" | sort -V | tail -n 1)
+  [ -n "$pinned" ] || { echo "no Python $version: neither $named nor a pyenv $version.x" >&2; exit 1; }
+  PYENV_VERSION=$pinned pyenv exec python -c 'import sys; print(sys.executable)'
+}
+python312() { python_at 3.12; }
+
+# client_field NAME COLUMN: NAME's cell in COLUMN of .ci/clients.tsv, the clients' one table (empty for bare, which
+# is no client: its stage runs the whole suite).
+client_field() {
+  awk -F '\t' -v name="$1" -v column="$2" '/^#/ || NF == 0 { next }
+    !header { for (i = 1; i <= NF; i++) col[$i] = i; header = 1; next }
+    $1 == name { print $col[column] }' "$CI_DIR/clients.tsv"
 }
 
-# venv312 VENV: create VENV with Python 3.12 unless it exists.
-venv312() {
-  local venv=$1
+# new_venv VENV: create VENV, with the Python of the client's row (LOCK_NAME's; 3.12 where it has none), unless it
+# exists.
+new_venv() {
+  local venv=$1 version
   [ -x "$venv/bin/python" ] && return 0
-  "$(python312)" -m venv "$venv"
+  version=$(client_field "$LOCK_NAME" python)
+  "$(python_at "${version:-3.12}")" -m venv "$venv"
 }
 
 # run PYTHON CMD...: CMD with that environment's tools first on PATH, on the CPU (a client's script may add more).
@@ -62,7 +78,7 @@ build_stack() {
   stamp="$venv/.qcheck-stack-$LOCK_NAME-$(lock_id)"
   [ -f "$stamp" ] && return 0
   if compgen -G "$venv/.qcheck-*" > /dev/null; then rm -rf "$venv"; fi
-  venv312 "$venv"
+  new_venv "$venv"
   "$build" "$venv/bin/python"
   touch "$stamp"
 }

@@ -1,8 +1,8 @@
 """The jax and flax versions qcheck supports, checked once, at first use, against what is installed.
 
-pip installs qcheck beside an older jax when another package pins one (EasyDeL
-0.3.0 resolves jax 0.9.2) and only warns; qcheck's first trace would then
-fail deep inside the walk. The lower bounds are the ones pyproject.toml
+pip installs qcheck beside an older jax when another package pins one and only
+warns; qcheck's first trace would then fail deep inside the walk. The window
+starts at EasyDeL 0.3.0's pins (jax 0.9.2, flax 0.12.3), its pinned client's. The lower bounds are the ones pyproject.toml
 declares, read from the installed distribution, so they are stated once.
 """
 

@@ -40,6 +40,8 @@ EXTRAS = {
     "gemma": ("gemma", "gemma 4.0.1 in its own environment: .ci/gemma.sh env VENV (`pip install gemma` alone does not resolve; tox -e gemma)"),
     # tokamax 0.0.17 neither: a pinned client with qwix 0.1.8 (it resolves jax 0.12.0.1), in its own environment.
     "tokamax": ("tokamax", "tokamax 0.0.17 with qwix 0.1.8 in its own environment: .ci/tokamax.sh env VENV (tox -e tokamax)"),
+    # EasyDeL 0.3.0 neither: a pinned client on its own jax 0.9.2 and flax 0.12.3, in its own environment.
+    "easydel": ("easydel", "easydel 0.3.0 in its own environment: .ci/easydel.sh env VENV (tox -e easydel)"),
     # Keras 3.15.1 neither: a pinned client on its JAX backend (KERAS_BACKEND=jax), in its own environment.
     "keras": ("keras", "keras 3.15.1 on its JAX backend in its own environment: .ci/keras.sh env VENV, its tests run "
                        "with KERAS_BACKEND=jax by .ci/keras.sh run (tox -e keras)"),

@@ -196,7 +196,7 @@ def test_qwix_limits_survive_a_callers_expect():
 
 #: The jax releases whose CPU kernels sum Flax's sparse backward in another order than the reference (measured);
 #: jax 0.12.1 sums it as the reference does, bitwise.
-FLAX_SPARSE_BACKWARD_ROUNDS_APART = ("0.10.2", "0.11.2", "0.12.0.1")
+FLAX_SPARSE_BACKWARD_ROUNDS_APART = ("0.9.2", "0.10.2", "0.11.2", "0.12.0.1")
 
 
 def test_flax_sparse_backward_misses_the_exact_reference_by_rounding():

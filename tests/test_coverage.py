@@ -249,7 +249,7 @@ def test_format_coverage_is_one_line_per_matmul():
     assert "float8_e4m3fn" in lines[1] and " yes " in lines[1]
     assert "full precision" in lines[2] and " NO " in lines[2]
     # What was held, in one line: a plain function states no declaration.
-    assert lines[3].startswith("declared: nothing read: no reader (qcheck_declaration, MaxText, gemma, haliax, qwix, Keras) finds a "
+    assert lines[3].startswith("declared: nothing read: no reader (qcheck_declaration, MaxText, gemma, haliax, qwix, Keras, EasyDeL) finds a "
                                "declaration")
 
 

@@ -325,7 +325,7 @@ def test_check_layer_mixed_formats_within_a_role_should_fail():
 
 def test_check_layer_declared_true_with_nothing_to_read_is_one_line():
     with pytest.raises(ValueError, match=r"^check_layer: declared=True, but no reader \(qcheck_declaration, MaxText, gemma, "
-                                         r"haliax, qwix, Keras\) finds a declaration on it of function; declare it by hand: "
+                                         r"haliax, qwix, Keras, EasyDeL\) finds a declaration on it of function; declare it by hand: "
                                          r"declared='fp8' \(a recipe\) or declared=\{'weights': 'int8', "
                                          r"'activations': 'int8'\}$") as info:
         qcheck.check_layer(_sites(E4M3FN, E4M3FN, E4M3FN), _twin(3), X, declared=True)

@@ -147,7 +147,7 @@ def test_weaker_hold_usage_errors_are_one_line():
                                          r"and none is held \(declared=False: no declaration held\)$"):
         qcheck.assert_quantized(_Experts(False), X, declared=False, accept_weaker=True)
     with pytest.raises(ValueError, match=r"^coverage: declared=True, but no reader \(qcheck_declaration, MaxText, gemma, "
-                                         r"haliax, qwix, Keras\) finds a declaration on it of _Experts; declare it by hand"):
+                                         r"haliax, qwix, Keras, EasyDeL\) finds a declaration on it of _Experts; declare it by hand"):
         qcheck.coverage(_Experts(False), X, declared=True)
 
 

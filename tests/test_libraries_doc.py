@@ -11,14 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests import (test_adapters, test_fp8_state, test_gemma, test_keras, test_keras_hub, test_levanter,
+from tests import (test_adapters, test_easydel, test_fp8_state, test_gemma, test_keras, test_keras_hub, test_levanter,
                    test_maxtext, test_qwix_formats, test_tokamax)
 from tests.helpers import QWIX_WARNS, import_extra
 
 #: The modules whose tests the defect table may name (test_maxtext, test_gemma, test_levanter, test_tokamax,
-#: test_keras and test_keras_hub import without their library).
+#: test_keras, test_keras_hub and test_easydel import without their library).
 DEFECT_MODULES = (test_adapters, test_qwix_formats, test_fp8_state, test_maxtext, test_gemma, test_levanter, test_tokamax,
-                  test_keras, test_keras_hub)
+                  test_keras, test_keras_hub, test_easydel)
 
 ROOT = Path(__file__).parent.parent
 DOC = (ROOT / "docs" / "libraries.md").read_text()

@@ -82,7 +82,7 @@ def test_without_the_users_library_nothing_is_read_should_fail():
     records = qcheck.coverage(LAYERS.QDense(W), X)
     assert records.declared_from.startswith("nothing read: no reader ("), records.declared_from
     with pytest.raises(ValueError, match=r"^coverage: declared=True, but no reader \(qcheck_declaration, MaxText, "
-                                         r"gemma, haliax, qwix, Keras\) finds a declaration on it of QDense"):
+                                         r"gemma, haliax, qwix, Keras, EasyDeL\) finds a declaration on it of QDense"):
         qcheck.coverage(LAYERS.QDense(W), X, declared=True)
 
 
@@ -252,7 +252,7 @@ def test_a_reader_that_raises_is_one_line_and_the_others_still_read():
         with pytest.warns(UserWarning, match="the Broken reader failed on QDense"):
             nothing = qcheck.coverage(LAYERS.QDense(W), X)
     assert nothing.declared_from.startswith("nothing read: no reader (qcheck_declaration, MaxText, gemma, haliax, "
-                                            "qwix, Keras, Broken, Late) finds a declaration on it; the Broken reader "
+                                            "qwix, Keras, EasyDeL, Broken, Late) finds a declaration on it; the Broken reader "
                                             "failed on QDense: RuntimeError: boom (fn QDense)"), nothing.declared_from
 
 

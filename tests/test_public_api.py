@@ -336,7 +336,7 @@ STILL_PRIVATE: dict[str, str] = {
     # Not shared code: the docs test looks the tests its table names up in these modules.
     **{f"test_libraries_doc.py: from tests import {m}": "the defect table names their tests"
        for m in ("test_adapters", "test_fp8_state", "test_gemma", "test_levanter", "test_maxtext",
-                 "test_qwix_formats", "test_tokamax", "test_keras", "test_keras_hub")},
+                 "test_qwix_formats", "test_tokamax", "test_keras", "test_keras_hub", "test_easydel")},
     "test_golden.py: from qcheck.suite import _toolchain":
         "a toolchain whose division form the referee does not know exists on no installable jax: the probe is stubbed",
     "test_known_defects.py: from qcheck.suite import _declared_cells":

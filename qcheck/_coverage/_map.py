@@ -41,6 +41,10 @@ def _state_bits(module: Any) -> list[np.ndarray]:
     from flax import nnx
 
     def bits(x: Any) -> np.ndarray:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            # A leaf with no value: EasyDeL 0.3.0's quantized linears keep abstract Rngs in their state
+            # (to_quantized). It cannot change; its shape and type stand for it.
+            return np.array(repr(x))
         if jnp.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
             x = jax.random.key_data(x)
         return np.array(x, copy=True)  # a numpy leaf could change in place

@@ -145,6 +145,24 @@ def call_body(eqn: Any) -> tuple[Any, list[Any]] | None:
     return None
 
 
+def jaxprs_in_params(params: dict[str, Any]) -> list[Any]:
+    """The jaxprs among an eqn's params (a ClosedJaxpr's own jaxpr), in a tuple or alone.
+
+    ``jax.extend.core.jaxprs_in_params`` from jax 0.10 on; jax 0.9.2 (EasyDeL 0.3.0's pin) has it only privately,
+    so qcheck reads the params itself, as that function does.
+    """
+    from jax.extend import core as jcore
+
+    found = []
+    for value in params.values():
+        for v in value if isinstance(value, tuple) else (value,):
+            if isinstance(v, jcore.Jaxpr):
+                found.append(v)
+            elif isinstance(v, jcore.ClosedJaxpr):
+                found.append(v.jaxpr)
+    return found
+
+
 @dataclasses.dataclass(frozen=True)
 class Part:
     """Axis ``index`` of ``count`` axes that together are the run ``run`` of a quantizer's axes (a block

@@ -4,6 +4,7 @@ the helpers that read a primitive's axes, operands and liveness."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -229,6 +230,14 @@ def live_eqns(jaxpr: jcore.Jaxpr) -> list[bool]:
     return live
 
 
+@functools.cache
+def _debug_info() -> type:
+    """JAX's DebugInfo type: ``jax.extend.core.DebugInfo`` from jax 0.10 on; jax 0.9.2 (EasyDeL 0.3.0's pin) does not
+    export it, and warns of a jaxpr built without one, so it is taken from a traced jaxpr's own."""
+    found = getattr(jcore, "DebugInfo", None)
+    return found if found is not None else type(jax.make_jaxpr(lambda: None)().jaxpr.debug_info)
+
+
 def eval_eqn(eqn: jcore.JaxprEqn, vals: list[Any]) -> list[Any]:
     """Evaluate one eqn on values, as ``jax.core.eval_jaxpr`` binds it (higher-order primitives included)."""
     invars, seen = [], set()
@@ -237,8 +246,8 @@ def eval_eqn(eqn: jcore.JaxprEqn, vals: list[Any]) -> list[Any]:
             seen.add(v)
             invars.append(v)
     env = {v: x for v, x in zip(eqn.invars, vals) if not isinstance(v, jcore.Literal)}
-    debug = jcore.DebugInfo("qcheck.coverage", eqn.primitive.name, tuple(f"in{i}" for i in range(len(invars))),
-                            tuple(f"out{i}" for i in range(len(eqn.outvars))))
+    debug = _debug_info()("qcheck.coverage", eqn.primitive.name, tuple(f"in{i}" for i in range(len(invars))),
+                          tuple(f"out{i}" for i in range(len(eqn.outvars))))
     jaxpr = jcore.Jaxpr([], invars, eqn.outvars, [eqn], eqn.effects, debug)
     return list(jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, []))(*[env[v] for v in invars]))
 

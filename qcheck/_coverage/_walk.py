@@ -16,7 +16,7 @@ from qcheck._coverage._control import ControlFlow
 from qcheck._coverage._fields import PackedFields
 from qcheck._coverage._kernels import KernelRead, KernelRoles, read_kernel
 from qcheck._coverage._records import (BLOCK_SCALED, ERROR_PRIMITIVES, FULL, MATMUL_PRIMITIVES, OPAQUE, UNKNOWN,
-                                       MatmulRecord, block_format, call_body)
+                                       MatmulRecord, block_format, call_body, jaxprs_in_params)
 from qcheck._coverage._scopes import machinery_prefixes, scope_names, user_frames
 from qcheck._coverage._values import (SAME_VALUE, Val, Where, contracting_dims, eval_eqn, input_val, is_contraction,
                                       live_eqns, narrow_bits, operand_role, widest_float)
@@ -116,7 +116,7 @@ class Walker(QuantizerChains, PackedFields, ControlFlow, Boundaries):
                 return outs
             where = dataclasses.replace(where, no_values=outs)
         actual = None
-        subs = list(jcore.jaxprs_in_params(eqn.params))
+        subs = jaxprs_in_params(eqn.params)
         if values:
             if subs or name in OPAQUE:
                 actual = eval_eqn(eqn, [v.actual for v in ins])

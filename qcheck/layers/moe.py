@@ -203,7 +203,8 @@ class MoE(nnx.Module):
 
     def get_einsum(self, name: str) -> QuantSite | UnquantizedSite:
         """The quantized callable ``(eqn, lhs, rhs) -> array`` used at call site ``name``."""
-        if name not in self.sites:
+        # By its keys: flax 0.12.3's nnx.Dict raises AttributeError for a missing key, which `in` does not catch.
+        if name not in list(self.sites):
             raise ValueError(
                 f"einsum name {name!r} is not registered on this layer; "
                 f"registered names: {', '.join(self.sites.keys())}"

@@ -4,7 +4,7 @@ A library is what qcheck must know to read a stack built on it: the reader of
 its users' configuration (a layer's :class:`Declaration`), the weights it
 keeps as codes, its machinery and plumbing (whose frames are never a user's
 line) and the opaque kernels it ships. qcheck's own (JAX, Flax, AQT, Equinox,
-MaxText, gemma, haliax, qwix, Keras, tokamax) are one module each here; a
+MaxText, gemma, haliax, qwix, Keras, tokamax, EasyDeL) are one module each here; a
 user's is registered with :func:`register_library` or an entry point of the
 ``qcheck.libraries`` group, with no edit of qcheck. A layer may also declare
 itself: a method ``qcheck_declaration(self)`` is read before any library.

@@ -27,9 +27,9 @@ _loading = False  # a plug-in asking while it is imported
 
 def _builtins() -> tuple[Library, ...]:
     """qcheck's own libraries, in their readers' order: the first reader that returns a declaration wins."""
-    from qcheck.libraries import aqt, equinox, flax, gemma, haliax, jax, keras, maxtext, qwix, tokamax
+    from qcheck.libraries import aqt, easydel, equinox, flax, gemma, haliax, jax, keras, maxtext, qwix, tokamax
 
-    return tuple(m.LIBRARY for m in (jax, flax, aqt, equinox, maxtext, gemma, haliax, qwix, keras, tokamax))
+    return tuple(m.LIBRARY for m in (jax, flax, aqt, equinox, maxtext, gemma, haliax, qwix, keras, tokamax, easydel))
 
 
 def register_library(library: Library, *, replace: bool = False) -> Library:

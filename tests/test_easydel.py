@@ -1,0 +1,258 @@
+"""EasyDeL 0.3.0's Mixtral as a pinned client of qcheck, installed as its users install it.
+
+Runs in EasyDeL's own environment (.ci/easydel.sh, ``tox -e easydel``, the easydel stage of .ci/run):
+``pip install easydel==0.3.0`` on Python 3.12, which resolves jax 0.9.2 and flax 0.12.3, where qcheck's window
+starts; skipped where EasyDeL is not installed. A tiny Mixtral (one layer, 4 experts, top-2) built by EasyDeL on one
+CPU device, its MoE block and attention projections quantized by its own ``model.quantize``. Checked on easydel
+0.3.0, ejkernel 0.0.78, jax 0.9.2:
+
+* qcheck locates EasyDeL's expert matmuls at its own ``_moe_module.py`` (ejkernel and jaxtyping are machinery),
+  not inside ejkernel's grouped matmul;
+* a known defect: ``model.quantize`` leaves the MoE experts float32 (``ParallelMoELinear`` has no ``to_quantized``,
+  and ``apply_quantization`` skips it without a word): ``assert_quantized`` and ``check_layer`` fail naming the
+  three ``_moe_module.py`` sites, ``check_layer`` also finding the output bitwise the float block's, where a
+  quantized attention projection's is not (the control);
+* EasyDeL's other defects, each a fact of its own code beside a control that passes: INT8 with the default pattern
+  raises on a router of 4 experts; nvfp8 (one e4m3 scale per 16 weights, no tensor scale) flushes every weight at
+  Mixtral's init scale to zero; its ``jax_native`` NVFP8 casts to ``float8_e4m3`` (with inf), unscaled, and its
+  MXFP8 to ``float8_e5m2``; ``straight_through`` raises a TypeError in every mode;
+* qcheck's reader of EasyDeL's ``QuantizationConfig``: a float model declares nothing quantized; a quantized one
+  is recognised and not read, saying why (ejkernel's packed codes have no qcheck format yet).
+
+Not done here: EasyDeL's affine int8 as a qcheck format (so its stock projections cannot pass a read declaration
+yet), and the shared-expert-scale plant, which needs quantized experts and per-shard codes held bitwise.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import re
+import sys
+import types
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import qcheck
+from tests.helpers import import_extra
+
+#: The versions every fact below was checked on.
+VERSIONS = {"easydel": "0.3.0", "ejkernel": "0.0.78", "jax": "0.9.2"}
+#: transformers modules easydel 0.3.0's model configurations read a torch-only class of, outside a ``try``, at
+#: import (glm4v_moe_configuration.py:31, phimoe's, qwen3_next's, qwen3_5_moe's: ``getattr(module, ...)`` raises
+#: ImportError without torch, and ``import easydel.modules`` with it). easydel does not require torch; an empty
+#: module stands in for each, so each patch finds nothing to patch.
+TORCH_ONLY = ("transformers.models.glm4v_moe.modeling_glm4v_moe", "transformers.models.phimoe.modeling_phimoe",
+              "transformers.models.qwen3_next.modeling_qwen3_next",
+              "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+X_SHAPE = (2, 8, 32)  # (batch, sequence, hidden)
+#: The projections quantized: attention's and the experts'. The router stays float (see the INT8 fact below).
+PATTERN = r"(q_proj|k_proj|v_proj|o_proj|w1|w2|w3)$"
+MOE_FILE = "easydel/layers/moe/_moe_module.py"
+
+
+def _pinned() -> None:
+    installed = {d: importlib.metadata.version(d) for d in VERSIONS}
+    if installed != VERSIONS:
+        pytest.fail(f"{installed} is installed; these facts were checked on {VERSIONS}: recheck them, then update "
+                    f"this test and the EasyDeL row of README.md")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _rank_promotion():
+    """ejkernel's packing left-shifts codes of shape (n, g, 4) by a (4,) array, a rank promotion that qcheck's own
+    runs raise on (conftest.py): EasyDeL's code runs as its users run it, with JAX's default."""
+    import jax
+
+    with jax.numpy_rank_promotion("allow"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def ed():
+    """The modules the tests use, once: skipped, naming how to install EasyDeL, where it is absent."""
+    import_extra("easydel")
+    for name in TORCH_ONLY:
+        if name not in sys.modules:
+            package, _, module = name.rpartition(".")
+            sys.modules[name] = types.ModuleType(name)
+            setattr(importlib.import_module(package), module, sys.modules[name])
+    import jax
+    import jax.numpy as jnp
+    from easydel.layers import quantization
+    from easydel.modules.mixtral import MixtralConfig, MixtralForCausalLM
+    from flax import nnx
+
+    return types.SimpleNamespace(jax=jax, jnp=jnp, nnx=nnx, q=quantization, MixtralConfig=MixtralConfig,
+                                 MixtralForCausalLM=MixtralForCausalLM)
+
+
+def _model(ed, quantization=None, seed: int = 0):
+    config = ed.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                              num_experts_per_tok=2, max_position_embeddings=32, sliding_window=None)
+    model = ed.MixtralForCausalLM(config, dtype=ed.jnp.float32, param_dtype=ed.jnp.float32, rngs=ed.nnx.Rngs(seed))
+    return model if quantization is None else model.quantize(quantization, verbose=False)
+
+
+def _int8(ed, **kwargs):
+    return ed.q.QuantizationConfig(dtype=ed.q.QuantizationType.INT8, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def models(ed):
+    """The float model and its int8 copy (same seed: the same weights), each built once; no test changes them."""
+    return {"float": _model(ed), "int8": _model(ed, _int8(ed, pattern=PATTERN, group_size=16))}
+
+
+@pytest.fixture(scope="module")
+def x():
+    return np.random.default_rng(0).normal(size=X_SHAPE).astype(np.float32)
+
+
+def _layer(model):
+    return model.model.layers[0]
+
+
+# -- where qcheck locates EasyDeL's matmuls ---------------------------------------------------------
+
+def test_the_experts_are_located_at_easydels_moe_module_should_pass(models, x):
+    records = qcheck.coverage(_layer(models["float"]).block_sparse_moe, x)
+    experts = [r for r in records if r.primitive == "ragged_dot_general"]
+    assert len(experts) == 3, [r.location for r in records]  # w1, w3, w2
+    assert all(re.search(rf"{re.escape(MOE_FILE)}:\d+$", r.location.replace("\\", "/")) for r in experts), \
+        [r.location for r in experts]
+    assert not any("ejkernel" in r.location or "jaxtyping" in r.location for r in records)
+
+
+# -- the known defect: model.quantize leaves the experts float -----------------------------------------
+
+def test_quantize_leaves_the_experts_float_and_assert_quantized_names_them_should_fail(models, x):
+    _pinned()
+    moe = _layer(models["int8"]).block_sparse_moe
+    assert type(moe.experts.w1).__name__ == "ColumnParallelMoELinear"  # not replaced: no to_quantized
+    assert not hasattr(moe.experts.w1, "to_quantized")
+    with pytest.raises(AssertionError) as failed:
+        qcheck.assert_quantized(moe, x)
+    message = str(failed.value).replace("\\", "/")
+    sites = set(re.findall(rf"{re.escape(MOE_FILE)}:\d+", message))
+    assert len(sites) == 3, message  # the three expert ragged_dot_generals, each named at EasyDeL's line
+    experts = [r for r in qcheck.coverage(moe, x) if r.primitive == "ragged_dot_general"]
+    assert [(r.lhs_dtype, r.rhs_dtype, r.lhs.kind, r.rhs.kind) for r in experts] == \
+        [("float32", "float32", "full", "full")] * 3
+
+
+def test_check_layer_fails_the_int8_block_at_its_experts_and_as_the_float_blocks_bits_should_fail(models, x):
+    _pinned()
+    with pytest.raises(AssertionError) as failed:
+        qcheck.check_layer(_layer(models["int8"]).block_sparse_moe, _layer(models["float"]).block_sparse_moe, x,
+                           output=0)
+    message = str(failed.value).replace("\\", "/")
+    assert len(set(re.findall(rf"ragged_dot_general at \S*{re.escape(MOE_FILE)}:\d+", message))) == 3, message
+    assert "actual is bitwise equal to the unquantized reference — the quantized path was not taken" in message
+    assert "nothing read: the EasyDeL reader: EasyDeL QuantizationConfig(dtype='int8'" in message
+
+
+def test_the_int8_blocks_output_is_the_float_blocks_bitwise_beside_a_quantized_projection_should_fail(models, x):
+    _pinned()
+    q, f = _layer(models["int8"]), _layer(models["float"])
+    assert np.array_equal(np.asarray(q.block_sparse_moe(x)[0]), np.asarray(f.block_sparse_moe(x)[0]))
+    # The control: the attention's q projection was quantized (ejkernel's packed codes), and its output moved.
+    assert type(q.self_attn.q_proj).__name__ == "ColumnParallelLinearQuantized"
+    assert q.self_attn.q_proj.quant_kernel[...].dtype == np.uint32
+    import jax.numpy as jnp
+
+    xj = jnp.asarray(x)  # ejkernel's quantized matmul is type-checked (jaxtyping): a jax.Array, not numpy
+    assert not np.array_equal(np.asarray(q.self_attn.q_proj(xj)), np.asarray(f.self_attn.q_proj(xj)))
+
+
+# -- qcheck's reader of EasyDeL's QuantizationConfig --------------------------------------------------
+
+def test_a_float_model_reads_as_declaring_nothing_quantized_should_pass(models, x):
+    figures = qcheck.coverage(_layer(models["float"]).block_sparse_moe, x)
+    assert figures.declared_from == "read from the fn: EasyDeL config.quantization_config=None, which declares " \
+                                    "no quantized format"
+
+
+def test_a_quantized_model_is_recognised_and_not_read_saying_why_should_fail(models, x):
+    figures = qcheck.coverage(_layer(models["int8"]).block_sparse_moe, x)
+    assert figures.declaration is None
+    assert figures.declared_from == (
+        "nothing read: the EasyDeL reader: EasyDeL QuantizationConfig(dtype='int8', group_size=16, bits=None) is "
+        "ejkernel's packed int8 weights, which have no qcheck format yet (fn MixtralSparseMoeBlock); pass "
+        "declared= to hold its sites")
+    with pytest.raises(ValueError, match=r"declared=True, but the EasyDeL reader: EasyDeL QuantizationConfig"):
+        qcheck.coverage(_layer(models["int8"]).block_sparse_moe, x, declared=True)
+
+
+# -- EasyDeL's other defects, each a fact beside its control -------------------------------------------
+
+def test_int8_with_the_default_pattern_raises_on_a_router_of_4_experts(ed):
+    _pinned()
+    # The default pattern reaches the router (4 outputs): no affine group size in {16, ..., 1024} divides 4.
+    with pytest.raises(ValueError, match=r"No supported ejkernel group_size divides the local grouping axis.*"
+                                         r"group_dim=4"):
+        _model(ed, _int8(ed))
+
+
+def test_int8_passing_the_router_by_quantizes_should_pass(models):
+    assert type(_layer(models["int8"]).block_sparse_moe.gate).__name__ == "ColumnParallelLinear"
+
+
+def _simulated(ed, w, dtype):
+    return np.asarray(ed.q.quantize(ed.jnp.asarray(w), config=ed.q.QuantizationConfig(dtype=dtype, simulate=True)))
+
+
+def test_nvfp8_flushes_weights_at_mixtrals_init_scale_to_zero(ed):
+    _pinned()
+    # Mixtral's experts are initialised with std 0.01 (nn.initializers.normal()); nvfp8 has one e4m3 scale per 16
+    # weights and no tensor scale, so a group whose absmax is below about 0.44 is all zeros.
+    w = np.random.default_rng(0).normal(0, 0.01, size=(64, 64)).astype(np.float32)
+    assert np.count_nonzero(_simulated(ed, w, "nvfp8")) == 0
+    flushed, kept = (_simulated(ed, np.full((16, 2), v, np.float32), "nvfp8") for v in (0.43, 0.44))
+    assert np.count_nonzero(flushed) == 0 and np.count_nonzero(kept) == kept.size
+
+
+def test_nvfp8_keeps_weights_of_unit_scale_should_pass(ed):
+    w = np.random.default_rng(0).normal(0, 1.0, size=(64, 64)).astype(np.float32)
+    assert np.count_nonzero(_simulated(ed, w, "nvfp8")) == w.size
+
+
+def _native(ed, dtype, values):
+    config = ed.q.QuantizationConfig(dtype=dtype, jax_native=True)
+    return ed.q.quantize(ed.jnp.asarray(values, ed.jnp.float32), config=config)
+
+
+def test_jax_native_nvfp8_casts_to_e4m3_with_inf_unscaled_and_mxfp8_to_e5m2(ed):
+    _pinned()
+    nvfp8 = _native(ed, "nvfp8", [300.0, 1.0])
+    assert nvfp8.dtype == ml_dtypes.float8_e4m3  # IEEE-like, max 240, with inf: not e4m3fn
+    assert np.isinf(np.asarray(nvfp8, np.float32)[0])
+    assert _native(ed, "mxfp8", [300.0, 1.0]).dtype == ml_dtypes.float8_e5m2  # "MXFP8 (E4M3 codes)"
+
+
+def test_e4m3fn_the_nvfp8_element_type_saturates_300_should_pass():
+    # The control: the type NVIDIA's fp8 (E4M3) is, e4m3fn (max 448), holds 300 finite; within range, both agree.
+    assert np.asarray(np.float32(300.0).astype(ml_dtypes.float8_e4m3fn), np.float32) == 288.0
+    assert np.asarray(np.float32(1.0).astype(ml_dtypes.float8_e4m3), np.float32) == 1.0
+
+
+#: Every mode ``straight_through`` offers (nvfp4 it refuses: "Unsupported quantization type").
+MODES = ("int8", "affine", "nf4", "mxfp4", "mxfp8", "nvfp8")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_straight_through_raises_a_type_error(ed, mode):
+    _pinned()
+    w = ed.jnp.asarray(np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32))
+    with pytest.raises(TypeError, match=r"_straight_through_ejkernel could not be resolved to positional-only"):
+        ed.q.straight_through(w, config=ed.q.QuantizationConfig(dtype=mode))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_quantize_simulated_in_the_same_mode_runs_should_pass(ed, mode):
+    w = np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32)
+    out = _simulated(ed, w, mode)
+    assert out.shape == w.shape and np.all(np.isfinite(out)) and not np.array_equal(out, w)
