@@ -12,7 +12,9 @@ does. (Delayed scaling records that amax in its history and takes the scale
 from it in the next step, which no edge runs.) ``check_layer`` runs its
 compiled program again on each (the same shapes: no compile) and holds
 outputs, gradients and state finite, and, under a declaration, each site's
-codes bitwise.
+codes bitwise. From ``SLICE_FROM`` token rows of ``x`` on, it runs them on a
+slice of x's first token rows (:func:`token_slice`) by one program of that
+shape, where the layer's step traces at it.
 """
 
 from __future__ import annotations

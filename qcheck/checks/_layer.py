@@ -24,8 +24,9 @@ each layer's forward pass once more; under a declaration, the walk that records
 its quantizers' values (and, with ``grads`` declared, the backward pass's) is
 compiled into the layer's own program, which computes the forward pass they
 share once, and the edges (the token rows, the tiny tensor) run that one
-program again. A lazy NNX module costs one small program more, the call that
-builds it, on a copy.
+program again; from 512 token rows of ``x`` on, they run on a slice of its
+first 64 token rows instead, by one more program of the slice's shape. A lazy
+NNX module costs one small program more, the call that builds it, on a copy.
 """
 
 from __future__ import annotations
@@ -106,7 +107,9 @@ class LayerFigures:
     backward: tuple[MatmulRecord, ...] = ()
     #: Each edge kind (the token rows zeros, tiny, huge, saturation, and the whole tiny_tensor): "run", "run, codes
     #: held bitwise" (under a declaration), or why it was not (the user's reason, no fp8 format declared for the
-    #: activations, an input type with no value below the smallest guarded amax).
+    #: activations, an input type with no value below the smallest guarded amax). From 512 token rows of x on,
+    #: where they ran: "run on 64 of 1024 token rows, ..." (a slice of x's first rows), or "run on all 1024 token
+    #: rows (a slice of 64 did not run: why), ..."
     edges: Mapping[str, str] = dataclasses.field(default_factory=dict)
     #: Per parameter path that one side has as state, not a parameter (a Keras kernel ``quantize("int8")``
     #: stored as int8 codes, no gradient), which side and what each holds there; its gradient is not compared.
@@ -291,18 +294,16 @@ def check_layer(
     declaration, declared_from = _declaration(layer, declared, accept_weaker)
     traced = trace_step("layer", layer, x, call, output)
     traced_twin = trace_step("reference", reference, x, call, output, like=layer)
-    form, twin = traced.form, traced_twin.form
-    paths = _param_paths(form, twin, skip_grads)
+    paths = _param_paths(form := traced.form, twin := traced_twin.form, skip_grads)
     walks = _walks(form, x, declaration, machinery, kernels)
     run = run_step("layer", traced, x, output, twice=True, walks=list(walks.values()))
     ref = run_step("reference", traced_twin, x, output, twice=False)
     frozen = _paired(form, twin, run, ref, skip_grads)
     declaration = _hold_stored(declaration, layer, form, ref, walks)
-    edge_run = _edge_slice(traced, x, output, declaration, machinery, kernels, edge_kinds)
+    sliced = _edge_slice(traced, x, output, declaration, machinery, kernels, edge_kinds)  # where the edges run
     c = _Checked(form, twin, run, ref, x, declaration, declared_from, max_rel_norm, max_grad_rel_norm, skip,
-                 sorted(paths - skip_grads - set(frozen)), tuple(machinery), kernels, accept_weaker,
-                 edges=edge_rows(x, declaration, edge_kinds, edge_run.keep), walks=walks, output=output,
-                 sliced=edge_run)
+                 sorted(paths - skip_grads - set(frozen)), tuple(machinery), kernels, accept_weaker, walks=walks,
+                 edges=edge_rows(x, declaration, edge_kinds, sliced.keep), output=output, sliced=sliced)
     return _verdict(c, frozen)
 
 
