@@ -313,3 +313,59 @@ def test_int8_without_a_zero_guard_fails_on_its_scale_though_its_output_stays_fi
     with pytest.raises(AssertionError, match=r"token row of zeros: site .*lhs \(activation\): its scale is 0 at 1 "
                                              r"of 16 scale values \(codes NaN\)"):
         _check(UserInt8(guard=None), declared=INT8)
+
+
+# -- at size: from 512 token rows on, the edges run on a slice of x's first 64 token rows ----------------------
+
+#: 512 token rows at emb 32: the edges run on 64 of them, by one more compiled step of the slice's shape.
+X_LARGE = np.random.default_rng(0).normal(size=(2, 256, 32)).astype(np.float32)
+SLICED = "run on 64 of 512 token rows"
+
+
+def test_at_size_the_edges_run_on_a_slice_and_say_so_codes_held_bitwise_should_pass():
+    layer = UserFp8()
+    figures = qcheck.check_layer(layer, Twin(layer.w[...]), X_LARGE, declared=FP8)
+    assert set(figures.edges.values()) == {f"{SLICED}, codes held bitwise"}, dict(figures.edges)
+    # Below 512 rows, the layer's own program runs them, as on every tiny layer.
+    assert set(_check(UserFp8(), declared=FP8).edges.values()) == {"run, codes held bitwise"}
+
+
+def test_at_size_a_zero_row_still_fails_on_the_slice_naming_the_site_should_fail():
+    layer = UserFp8(guard=False)
+    with pytest.raises(AssertionError) as info:
+        qcheck.check_layer(layer, Twin(layer.w[...]), X_LARGE)
+    message = str(info.value)
+    # The same row as on the whole x: its 16 outputs of the slice's 64 x 16, the first not finite at the same site.
+    assert f"{ZEROS} (on 64 of 512 token rows): not finite: the output (16 of 1024)" in message, message
+    assert f"{ZEROS} (on 64 of 512 token rows): site dot_general at tests/test_edges.py:" in message, message
+    with pytest.raises(AssertionError, match=r"token row of zeros \(on 64 of 512 token rows\): site .*lhs "
+                                             r"\(activation\): its scale is 0 at 1 of 64 scale values \(codes NaN\)"):
+        qcheck.check_layer(layer, Twin(layer.w[...]), X_LARGE, declared=FP8)
+
+
+class StaticBatchFp8(UserFp8):
+    """UserFp8 on x reshaped to a batch size fixed in the layer (as a config's shape fixes it): no other shape
+    traces."""
+
+    def __call__(self, x):
+        return super().__call__(x.reshape(512, 32)).reshape(2, 256, 16)
+
+
+class StaticBatchTwin(Twin):
+    def __call__(self, x):
+        return super().__call__(x.reshape(512, 32)).reshape(2, 256, 16)
+
+
+@pytest.mark.parametrize("guard", [True, False], ids=["guarded should pass", "unguarded should fail"])
+def test_a_layer_that_does_not_trace_on_the_slice_runs_the_edges_on_every_row_and_says_so(guard):
+    layer = StaticBatchFp8(guard=guard)
+    if guard:
+        figures = qcheck.check_layer(layer, StaticBatchTwin(layer.w[...]), X_LARGE)
+        assert figures.edges["zeros"].startswith("run on all 512 token rows (a slice of 64 did not run: "), \
+            dict(figures.edges)
+        assert len(set(figures.edges.values()) - {"not run: no fp8 cast format declared for the activations"}) == 1
+        return
+    with pytest.raises(AssertionError) as info:
+        qcheck.check_layer(layer, StaticBatchTwin(layer.w[...]), X_LARGE)
+    # The whole batch ran: the zero row's 16 outputs of all 512 x 16.
+    assert f"{ZEROS}: not finite: the output (16 of 8192)" in str(info.value), str(info.value)

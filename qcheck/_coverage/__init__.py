@@ -14,8 +14,8 @@ from qcheck._coverage._records import (BLOCK_SCALED, MATMUL_PRIMITIVES, VALUE_PR
 from qcheck._coverage._declaration import Hold, judge_stored, mixed_formats
 from qcheck._coverage._kernels import as_kernel_roles
 from qcheck._coverage._map import (CoverageMap, Prepared, after_first_call, assert_quantized, coverage,
-                                   format_coverage, graph_paths, machinery_tuple, prepare, quantized_records,
-                                   warmed_up)
+                                   format_coverage, graph_paths, judged_runs, machinery_tuple, prepare,
+                                   quantized_records, warmed_up)
 from qcheck._coverage._readers import read_declaration, read_stored, resolve_declaration
 from qcheck._coverage._scopes import machinery_prefixes, user_frames
 from qcheck._coverage._skips import Skip, SkipArg, as_skips, skip_at, skip_functions, skip_modules, skip_where
@@ -47,6 +47,7 @@ __all__ = [
     "format_coverage",
     "graph_paths",
     "judge_stored",
+    "judged_runs",
     "machinery_prefixes",
     "machinery_tuple",
     "mixed_formats",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -368,6 +368,13 @@ def _coverage(fn: Callable[..., Any], args: tuple, kwargs: dict, *, errors: bool
         if also_out is not None and walk.declaration is not None:
             also_out += [records] + [walk.records(o) for o in others]
     return records
+
+
+def judged_runs(walk: Prepared, outs: Iterable[Any]) -> list[list[MatmulRecord]]:
+    """Each run's records of the walk ``walk`` (its outputs ``outs``, read one at a time), judged against its
+    declaration: check_layer's edge rows run on a slice of x, by a walk of the slice's shape of their own."""
+    with judged_once():  # the runs' unchanged quantizers (the weights) are judged once
+        return [walk.records(o) for o in outs]
 
 
 def _evidence(quantizers: Sequence[tuple[Any, Any, Any]], walker: Walker) -> list[tuple[Any, ...]]:

@@ -12,7 +12,9 @@ does. (Delayed scaling records that amax in its history and takes the scale
 from it in the next step, which no edge runs.) ``check_layer`` runs its
 compiled program again on each (the same shapes: no compile) and holds
 outputs, gradients and state finite, and, under a declaration, each site's
-codes bitwise.
+codes bitwise. From ``SLICE_FROM`` token rows of ``x`` on, it runs them on a
+slice of x's first token rows (:func:`token_slice`) by one program of that
+shape, where the layer's step traces at it.
 """
 
 from __future__ import annotations
@@ -39,6 +41,31 @@ EDGE_ROWS = {
 }
 #: Far beyond e4m3's 448 (and e4m3fnuz's 240, e5m2's 57344) at a fresh layer's scale of 1.
 HUGE = 1e5
+#: From this many token rows of x on, the edges run on a slice of x's first token rows, SLICE_ROWS of them, by
+#: one more compiled step of the slice's shape: five runs of the layer's whole batch cost more than that compile
+#: and six runs of the slice (at emb 1024, tokens = emb, the five took about 70 of the check's 128 s). Below it a
+#: layer pays no compile more. The edge row is x's first token row on the slice as on x, among ordinary rows, and
+#: a per-tensor amax over the slice still holds it.
+SLICE_FROM = 512
+SLICE_ROWS = 64
+
+
+def token_slice(shape: tuple[int, ...]) -> tuple[slice, ...] | None:
+    """The index of the first token rows of an ``x`` of ``shape`` that the edges run on (about SLICE_ROWS of them,
+    x's first row first: the row the edge kinds replace), or None where x has fewer than SLICE_FROM rows."""
+    if len(shape) < 2 or math.prod(shape[:-1]) < SLICE_FROM:
+        return None
+    # Along the token axis (the one before the features) first, then whole sequences of the leading axis.
+    seq = min(SLICE_ROWS, shape[-2])
+    lead = [slice(0, 1)] * (len(shape) - 2)
+    if lead:
+        lead[0] = slice(0, min(shape[0], max(1, SLICE_ROWS // seq)))
+    return (*lead, slice(0, seq), slice(None))
+
+
+def rows_of(shape: tuple[int, ...]) -> int:
+    """How many token rows an ``x`` of ``shape`` holds (every axis but the features')."""
+    return math.prod(shape[:-1])
 
 
 def check_skip_edges(skip_edges: Any) -> dict[str, str | None]:
@@ -107,10 +134,14 @@ def tiny_tensor(x: np.ndarray) -> np.ndarray | str:
     return np.where(np.abs(tiny) < np.finfo(np.float32).tiny, 0.0, tiny).astype(x.dtype)
 
 
-def edge_rows(x: jax.Array, declaration: Any, kinds: Mapping[str, str | None]) -> dict[str, Any]:
-    """Each edge kind's ``x`` (its first token row replaced, or the whole tensor), or why it is not run."""
+def edge_rows(x: jax.Array, declaration: Any, kinds: Mapping[str, str | None],
+              keep: tuple[slice, ...] | None = None) -> dict[str, Any]:
+    """Each edge kind's ``x`` (its first token row replaced, or the whole tensor), or why it is not run; ``keep``:
+    only the token rows of x it indexes (:func:`token_slice`), made from the whole x (the tiny tensor's power of
+    two is x's)."""
     top = _saturation(declaration)
-    return _rows(x, "not run: no fp8 cast format declared for the activations" if top is None else top, kinds)
+    return _rows(x, "not run: no fp8 cast format declared for the activations" if top is None else top, kinds,
+                 keep)
 
 
 def format_edge_rows(x: jax.Array, fmt: str | None, kinds: Mapping[str, str | None]) -> dict[str, Any]:
@@ -120,8 +151,11 @@ def format_edge_rows(x: jax.Array, fmt: str | None, kinds: Mapping[str, str | No
                  else largest_code(fmt), kinds)
 
 
-def _rows(x: jax.Array, top: float | str, kinds: Mapping[str, str | None]) -> dict[str, Any]:
-    """Each edge kind's ``x``, the saturation row at ``top`` (or ``top`` says why it is not run)."""
+def _rows(x: jax.Array, top: float | str, kinds: Mapping[str, str | None],
+          keep: tuple[slice, ...] | None = None) -> dict[str, Any]:
+    """Each edge kind's ``x``, the saturation row at ``top`` (or ``top`` says why it is not run), of the rows
+    ``keep`` indexes (None: all)."""
+    keep = keep or (...,)
     flat = np.array(x, dtype=np.asarray(x).dtype).reshape(-1, np.shape(x)[-1])
     n = flat.shape[1]
     # Beyond every fp8 format's range, yet finite in x's own type (float16 tops out at 65504).
@@ -139,11 +173,11 @@ def _rows(x: jax.Array, top: float | str, kinds: Mapping[str, str | None]) -> di
             out[kind] = skipped
         elif kind == "tiny_tensor":
             whole = tiny_tensor(flat)
-            out[kind] = whole if isinstance(whole, str) else jax.device_put(whole.reshape(np.shape(x)))
+            out[kind] = whole if isinstance(whole, str) else jax.device_put(whole.reshape(np.shape(x))[keep])
         elif isinstance(rows[kind], str):
             out[kind] = rows[kind]
         else:
             edged = flat.copy()
             edged[0] = rows[kind].astype(flat.dtype)
-            out[kind] = jax.device_put(edged.reshape(np.shape(x)))
+            out[kind] = jax.device_put(edged.reshape(np.shape(x))[keep])
     return out

@@ -24,14 +24,16 @@ each layer's forward pass once more; under a declaration, the walk that records
 its quantizers' values (and, with ``grads`` declared, the backward pass's) is
 compiled into the layer's own program, which computes the forward pass they
 share once, and the edges (the token rows, the tiny tensor) run that one
-program again. A lazy NNX module costs one small program more, the call that
-builds it, on a copy.
+program again; from 512 token rows of ``x`` on, they run on a slice of its
+first 64 token rows instead, by one more program of the slice's shape. A lazy
+NNX module costs one small program more, the call that builds it, on a copy.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import types
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
@@ -41,13 +43,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from qcheck._coverage import (CoverageMap, Declaration, KernelRoles, MatmulRecord, Prepared, SkipArg,
-                              as_kernel_roles, as_skips, coverage, machinery_tuple, mixed_formats, prepare,
-                              quantized_records, read_stored, resolve_declaration)
+                              as_kernel_roles, as_skips, coverage, judged_runs, machinery_tuple, mixed_formats,
+                              prepare, quantized_records, read_stored, resolve_declaration)
 from qcheck._errors import user_code
-from qcheck.checks._edges import EDGE_ROWS, check_skip_edges, edge_rows
+from qcheck.checks._edges import EDGE_ROWS, check_skip_edges, edge_rows, rows_of, token_slice
 from qcheck.checks._flush import flushed_gradients
 from qcheck.checks._layer_forms import Form, is_module, keras_of, path_name
-from qcheck.checks._layer_programs import INPUT_GRAD, Run, run_step, trace_step
+from qcheck.checks._layer_programs import INPUT_GRAD, Run, retrace_step, run_step, trace_step
 from qcheck.checks._stored import held_stored
 from qcheck.checks._tracks import assert_tracks, rel_norm
 from qcheck.checks._uninitialized import uninitialized_reads, unspecified_buffers
@@ -105,7 +107,9 @@ class LayerFigures:
     backward: tuple[MatmulRecord, ...] = ()
     #: Each edge kind (the token rows zeros, tiny, huge, saturation, and the whole tiny_tensor): "run", "run, codes
     #: held bitwise" (under a declaration), or why it was not (the user's reason, no fp8 format declared for the
-    #: activations, an input type with no value below the smallest guarded amax).
+    #: activations, an input type with no value below the smallest guarded amax). From 512 token rows of x on,
+    #: where they ran: "run on 64 of 1024 token rows, ..." (a slice of x's first rows), or "run on all 1024 token
+    #: rows (a slice of 64 did not run: why), ..."
     edges: Mapping[str, str] = dataclasses.field(default_factory=dict)
     #: Per parameter path that one side has as state, not a parameter (a Keras kernel ``quantize("int8")``
     #: stored as int8 codes, no gradient), which side and what each holds there; its gradient is not compared.
@@ -290,17 +294,51 @@ def check_layer(
     declaration, declared_from = _declaration(layer, declared, accept_weaker)
     traced = trace_step("layer", layer, x, call, output)
     traced_twin = trace_step("reference", reference, x, call, output, like=layer)
-    form, twin = traced.form, traced_twin.form
-    paths = _param_paths(form, twin, skip_grads)
+    paths = _param_paths(form := traced.form, twin := traced_twin.form, skip_grads)
     walks = _walks(form, x, declaration, machinery, kernels)
     run = run_step("layer", traced, x, output, twice=True, walks=list(walks.values()))
     ref = run_step("reference", traced_twin, x, output, twice=False)
     frozen = _paired(form, twin, run, ref, skip_grads)
     declaration = _hold_stored(declaration, layer, form, ref, walks)
+    sliced = _edge_slice(traced, x, output, declaration, machinery, kernels, edge_kinds)  # where the edges run
     c = _Checked(form, twin, run, ref, x, declaration, declared_from, max_rel_norm, max_grad_rel_norm, skip,
-                 sorted(paths - skip_grads - set(frozen)), tuple(machinery), kernels, accept_weaker,
-                 edges=edge_rows(x, declaration, edge_kinds), walks=walks, output=output)
+                 sorted(paths - skip_grads - set(frozen)), tuple(machinery), kernels, accept_weaker, walks=walks,
+                 edges=edge_rows(x, declaration, edge_kinds, sliced.keep), output=output, sliced=sliced)
     return _verdict(c, frozen)
+
+
+@dataclasses.dataclass
+class _EdgeRun:
+    """Where the edges run: on x's whole batch (``run`` None: the layer's own program, its run on x the baseline),
+    or on a slice of x's token rows (``keep``) by a program of the slice's shape, its run on the slice the
+    baseline; ``on``: what the edges line says of it."""
+
+    run: Run | None = None
+    walks: dict[str, Prepared] = dataclasses.field(default_factory=dict)
+    keep: tuple[slice, ...] | None = None
+    on: str = ""
+
+
+def _edge_slice(traced: Any, x: jax.Array, output: Any, declaration: Declaration | None,
+                machinery: Collection[str], kernels: Any, kinds: Mapping[str, str | None]) -> _EdgeRun:
+    """The edges' program on a slice of x's token rows, where x holds enough of them (:func:`token_slice`) and an
+    edge runs; x's whole batch where the layer's step does not trace or run on the slice (a static batch size),
+    saying so."""
+    keep = token_slice(np.shape(x))
+    if keep is None or all(v is not None for v in kinds.values()):
+        return _EdgeRun()
+    part = x[keep]
+    rows, n = rows_of(np.shape(x)), rows_of(np.shape(part))
+    try:
+        sliced = retrace_step("layer", traced, part, output)
+        # The forward walk only: the edges judge its sites' codes; the backward walk's are x's alone.
+        walks = {k: w for k, w in _walks(sliced.form, part, declaration, machinery, kernels).items()
+                 if k == "forward"}
+        run = run_step("layer", sliced, part, output, twice=False, walks=list(walks.values()))
+    except Exception as e:  # noqa: BLE001 - whatever stops the slice, the whole batch still runs
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        return _EdgeRun(on=f" on all {rows} token rows (a slice of {n} did not run: {type(e).__name__}: {why})")
+    return _EdgeRun(run, walks, keep, f" on {n} of {rows} token rows")
 
 
 def _declaration(layer: Any, declared: Any, accept_weaker: Any) -> tuple[Declaration | None, str]:
@@ -410,11 +448,17 @@ class _Checked:
     # gradients and walked codes are layer-sized, and two edge runs are alive at a time, not five.
     reruns: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     output: Any = None  # check_layer's output=: what the step compares and differentiates
+    sliced: _EdgeRun = dataclasses.field(default_factory=_EdgeRun)  # where the edges run
+
+    @property
+    def edge_run(self) -> Run:
+        """The run the edges are run and judged against: x's own, or the slice's."""
+        return self.sliced.run or self.run
 
     def rerun(self, kind: str) -> list[Any]:
         """The layer's program on the edge row ``kind``: what it left not finite is kept (``reruns``), each walk's
         outputs are returned."""
-        return self._finish(kind, self.run.rerun(self.edges[kind]))
+        return self._finish(kind, self.edge_run.rerun(self.edges[kind]))
 
     def _finish(self, kind: str, result: Any) -> list[Any]:
         (leaves, g_params, g_x, after), walked = result
@@ -424,10 +468,11 @@ class _Checked:
     @functools.cached_property
     def _finite_before(self) -> dict[str, bool]:
         """What x's own run left finite: an edge row is charged only with what it breaks anew."""
-        finite = {**{name: not _nonfinite(v) for name, v in self.run.out.items()},
-                  **{path: not _nonfinite(v) for path, v in self.run.grads.items()}}
+        base = self.edge_run  # on a slice of x's rows, the slice's own run
+        finite = {**{name: not _nonfinite(v) for name, v in base.out.items()},
+                  **{path: not _nonfinite(v) for path, v in base.grads.items()}}
         finite.update({_state_path(path): not _nonfinite(np.asarray(v))  # the state x itself left
-                       for path, v in jax.tree_util.tree_leaves_with_path(self.run.after)
+                       for path, v in jax.tree_util.tree_leaves_with_path(base.after)
                        if jnp.issubdtype(getattr(v, "dtype", np.int32), jnp.inexact)})
         return finite
 
@@ -449,20 +494,20 @@ class _Checked:
         if which not in self.walks:
             return None
         at = list(self.walks).index(which)
+        return self.walks[which], self.run.walked[at], self.edge_runs(at, kinds)
 
-        def runs() -> Iterator[Any]:
-            # The next row's run is dispatched before this one's is read and judged, so that the program runs
-            # while the host judges: two runs alive at a time, not every one.
-            pending = None
-            for kind in kinds:
-                started = (kind, self.run.rerun(self.edges[kind]))
-                if pending is not None:
-                    yield self._finish(*pending)[at]
-                pending = started
+    def edge_runs(self, at: int, kinds: Sequence[str]) -> Iterator[Any]:
+        """Walk ``at``'s outputs on each edge row of ``kinds``, run as the iterator is read."""
+        # The next row's run is dispatched before this one's is read and judged, so that the program runs
+        # while the host judges: two runs alive at a time, not every one.
+        pending = None
+        for kind in kinds:
+            started = (kind, self.edge_run.rerun(self.edges[kind]))
             if pending is not None:
                 yield self._finish(*pending)[at]
-
-        return self.walks[which], self.run.walked[at], runs()
+            pending = started
+        if pending is not None:
+            yield self._finish(*pending)[at]
 
 
 def _walks(form: Form, x: jax.Array, declaration: Declaration | None, machinery: Collection[str],
@@ -493,8 +538,13 @@ def _coverage_lines(c: _Checked) -> list[str]:
                                           machinery=c.machinery, kernels=c.kernels, warm=False,
                                           accept_weaker=c.accept_weaker, entry="check_layer",
                                           declaration=c.declaration, declared_from=c.declared_from,
-                                          prepared=c.walked("forward", rows), also_out=judged)
+                                          prepared=c.walked("forward", [] if c.sliced.run else rows),
+                                          also_out=judged)
         finally:
+            if c.sliced.run and judged and "forward" in c.sliced.walks:
+                # On the slice, its own walk judges the slice's run (the baseline), then each edge row's.
+                judged[:] = judged_runs(c.sliced.walks["forward"], itertools.chain([c.sliced.run.walked[0]],
+                                                                                   c.edge_runs(0, rows)))
             if judged:  # x's own records first, then the same program's codes on each edge row
                 c.edge_records = {"x": judged[0], **dict(zip(rows, judged[1:]))}
     except AssertionError as e:
@@ -600,9 +650,9 @@ def _edges_lines(c: _Checked) -> list[str]:
                  for i, r in enumerate(c.edge_records.get(kind, [])) if r.findings and i not in normal]
         if bad and not sites:
             sites = _first_nonfinite_site(c, x_edge)
-        c.edges_run[kind] = "run, codes held bitwise" if kind in c.edge_records else "run"
+        c.edges_run[kind] = "run" + c.sliced.on + (", codes held bitwise" if kind in c.edge_records else "")
         if bad or sites:
-            what = EDGE_ROWS[kind]
+            what = EDGE_ROWS[kind] + (f" ({c.sliced.on.strip()})" if c.sliced.run else "")
             if bad:
                 lines.append(f"{what}: not finite: {', '.join(bad)}")
             lines += [f"{what}: site {line}" for line in sites]

@@ -91,6 +91,11 @@ def trace_step(what: str, layer: Any, x: jax.Array, call: Any, output: Any, like
         return _traced_step(what, form, x, output)
 
 
+def retrace_step(what: str, traced: _Traced, x: jax.Array, output: Any) -> _Traced:
+    """The traced step's layer traced again on an ``x`` of another shape (the edges' slice of x's token rows)."""
+    return _traced_step(what, traced.form, x, output)
+
+
 def _program(traced: _Traced, output: Any, flat: list[Any], walks: Sequence[tuple[Prepared, list[int]]] = ()
              ) -> Any:
     """The traced step compiled for the flat arguments ``flat`` (``jax.jit``, ahead of time).
