@@ -16,10 +16,15 @@ CPU device, its MoE block and attention projections quantized by its own ``model
   raises on a router of 4 experts; nvfp8 (one e4m3 scale per 16 weights, no tensor scale) flushes every weight at
   Mixtral's init scale to zero; its ``jax_native`` NVFP8 casts to ``float8_e4m3`` (with inf), unscaled, and its
   MXFP8 to ``float8_e5m2``; ``straight_through`` raises a TypeError in every mode;
+* EasyDeL's INT8 (ejkernel's affine mode) is qcheck's ``int8_easydel``: its referee's codes, float16 scales and
+  float16 zero points are model.quantize's projections' and ejkernel's (eager and jitted) bitwise, where a rule
+  rounding down or grouping by 32 is not; its float16 zero point overflows on a group far from 0 and its float16
+  scale flushes a narrow group (a fact beside a control);
 * qcheck's reader of EasyDeL's ``QuantizationConfig``: a float model declares nothing quantized; a quantized one
-  is recognised and not read, saying why (ejkernel's packed codes have no qcheck format yet).
+  is recognised and not read, saying why (INT8 is int8_easydel, but packed words decoded inside ejkernel's matmul,
+  which qcheck cannot pair with their codes yet; the other modes have no qcheck format).
 
-Not done here: EasyDeL's affine int8 as a qcheck format (so its stock projections cannot pass a read declaration
+Not done here: the stored hold of ejkernel's packed words (so its stock projections cannot pass a read declaration
 yet), and the shared-expert-scale plant, which needs quantized experts and per-shard codes held bitwise.
 """
 
@@ -181,8 +186,8 @@ def test_a_quantized_model_is_recognised_and_not_read_saying_why_should_fail(mod
     assert figures.declaration is None
     assert figures.declared_from == (
         "nothing read: the EasyDeL reader: EasyDeL QuantizationConfig(dtype='int8', group_size=16, bits=None) is "
-        "ejkernel's packed int8 weights, which have no qcheck format yet (fn MixtralSparseMoeBlock); pass "
-        "declared= to hold its sites")
+        "int8_easydel, but as ejkernel's packed words (four codes to a uint32) decoded inside its quantized matmul, "
+        "which qcheck cannot pair with their codes yet (fn MixtralSparseMoeBlock); pass declared= to hold its sites")
     with pytest.raises(ValueError, match=r"declared=True, but the EasyDeL reader: EasyDeL QuantizationConfig"):
         qcheck.coverage(_layer(models["int8"]).block_sparse_moe, x, declared=True)
 
@@ -293,6 +298,33 @@ def test_a_planted_variant_of_int8_easydel_is_not_ejkernels_should_fail(ed, vari
         return
     with pytest.raises(AssertionError, match=r"codes: \d+ of 131072 differ"):
         assert_easydels_int8(x, stored, 64, quantize=_floored)
+
+
+def _affine_round_trip(ed, x: np.ndarray) -> np.ndarray:
+    from ejkernel.quantization import dequantize, prepack_quantized_weights
+
+    kw = {"group_size": 16, "bits": 8, "mode": "affine"}
+    w, s, z = prepack_quantized_weights(ed.jnp.asarray(x), transpose=False, **kw)
+    return np.asarray(dequantize(w, s, z, **kw), np.float32), np.asarray(s), np.asarray(z)
+
+
+def test_int8s_float16_zero_point_overflows_on_a_group_far_from_zero_and_its_scale_flushes_on_a_narrow_one(ed):
+    _pinned()
+    # A group whose min is more than 257 spans from 0: -min / scale is beyond float16's 65504, stored inf, and the
+    # group decodes to inf/NaN from finite weights. A group spanning less than 255 · 2^-24: its float16 scale is 0,
+    # and every weight decodes to 0 (int8_easydel's referee computes both: its record's edge rows).
+    far = np.tile(np.linspace(1.0, 1.001, 16, dtype=np.float32), (2, 1))
+    out, _, zero = _affine_round_trip(ed, far)
+    assert np.all(np.isinf(zero)) and not np.any(np.isfinite(out))
+    narrow = np.tile(np.linspace(-1e-6, 1e-6, 16, dtype=np.float32), (2, 1))
+    out, scale, _ = _affine_round_trip(ed, narrow)
+    assert np.all(scale == 0) and not np.any(out)
+
+
+def test_int8_decodes_a_group_around_zero_finite_and_close_should_pass(ed):
+    x = np.tile(np.linspace(-1.0, 1.001, 16, dtype=np.float32), (2, 1))
+    out, _, _ = _affine_round_trip(ed, x)
+    assert np.all(np.isfinite(out)) and np.max(np.abs(out - x)) < 2.0 / 255
 
 
 # -- EasyDeL's other defects, each a fact beside its control -------------------------------------------
