@@ -9,6 +9,10 @@ from qcheck.libraries._declaration import Declaration
 from qcheck.libraries._library import Library
 
 
+#: EasyDeL's QuantizationType values qcheck has a format of (at 8 bits, their default): INT8 is ejkernel's affine mode.
+FORMATS = {"int8": "int8_easydel"}
+
+
 def _easydel(layer: Any) -> Declaration | str | None:
     """EasyDeL 0.3.0's ``QuantizationConfig`` (easydel/layers/quantization/_configs.py), which ``model.quantize``
     records as ``config.quantization_config`` on the model's config, the config every one of its modules holds.
@@ -31,8 +35,9 @@ def _easydel(layer: Any) -> Declaration | str | None:
     dtype = getattr(quantization.dtype, "value", quantization.dtype)
     config = (f"EasyDeL QuantizationConfig(dtype={dtype!r}, group_size={quantization.group_size}, "
               f"bits={quantization.bits})")
-    if dtype == "int8" and quantization.bits in (None, 8):
-        return (f"{config} is int8_easydel, but as ejkernel's packed words (four codes to a uint32) decoded inside "
+    fmt = FORMATS.get(dtype) if quantization.bits in (None, 8) else None
+    if fmt is not None:
+        return (f"{config} is {fmt}, but as ejkernel's packed words (four codes to a uint32) decoded inside "
                 f"its quantized matmul, which qcheck cannot pair with their codes yet")
     return f"{config} is ejkernel's packed {dtype} weights, which have no qcheck format yet"
 
