@@ -248,6 +248,25 @@ def test_easydels_int8_projection_is_int8_easydel_bitwise_should_pass(models):
         assert_easydels_int8(kernel, (words, scales, zeros), 16)
 
 
+def test_a_projection_declared_int8_easydel_by_hand_fails_as_full_precision_not_quietly_should_fail(models, x):
+    """Where qcheck stands on ejkernel's packed words: declared by hand, q_proj's weight reaches its matmul (at
+    EasyDeL's _linear_quantized.py) as float16 decoded from packed uint32 words that no stored hold pairs with their
+    codes yet, so the declaration fails at the site rather than passing (the reader reads none, saying why)."""
+    _pinned()
+    declared = {"weights": {"format": "int8_easydel", "block": 16}, "activations": None}
+    with pytest.raises(AssertionError) as failed:
+        qcheck.assert_quantized(_layer(models["int8"]).self_attn.q_proj, ed_array(x), declared=declared)
+    message = str(failed.value).replace("\\", "/")
+    assert re.search(r"easydel/layers/linears/_linear_quantized\.py:\d+", message), message
+    assert "reaches the matmul in full precision; declared int8_easydel at block 16" in message, message
+
+
+def ed_array(x):
+    import jax.numpy as jnp
+
+    return jnp.asarray(x)  # ejkernel's quantized matmul is type-checked (jaxtyping): a jax.Array, not numpy
+
+
 #: Values over many binades, a group of one sign and an all-equal group: where the forms and rules part.
 def _wide(shape=(256, 512)) -> np.ndarray:
     rng = np.random.default_rng(1)
