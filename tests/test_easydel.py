@@ -16,10 +16,15 @@ CPU device, its MoE block and attention projections quantized by its own ``model
   raises on a router of 4 experts; nvfp8 (one e4m3 scale per 16 weights, no tensor scale) flushes every weight at
   Mixtral's init scale to zero; its ``jax_native`` NVFP8 casts to ``float8_e4m3`` (with inf), unscaled, and its
   MXFP8 to ``float8_e5m2``; ``straight_through`` raises a TypeError in every mode;
+* EasyDeL's INT8 (ejkernel's affine mode) is qcheck's ``int8_easydel``: its referee's codes, float16 scales and
+  float16 zero points are model.quantize's projections' and ejkernel's (eager and jitted) bitwise, where a rule
+  rounding down or grouping by 32 is not; its float16 zero point overflows on a group far from 0 and its float16
+  scale flushes a narrow group (a fact beside a control);
 * qcheck's reader of EasyDeL's ``QuantizationConfig``: a float model declares nothing quantized; a quantized one
-  is recognised and not read, saying why (ejkernel's packed codes have no qcheck format yet).
+  is recognised and not read, saying why (INT8 is int8_easydel, but packed words decoded inside ejkernel's matmul,
+  which qcheck cannot pair with their codes yet; the other modes have no qcheck format).
 
-Not done here: EasyDeL's affine int8 as a qcheck format (so its stock projections cannot pass a read declaration
+Not done here: the stored hold of ejkernel's packed words (so its stock projections cannot pass a read declaration
 yet), and the shared-expert-scale plant, which needs quantized experts and per-shard codes held bitwise.
 """
 
@@ -181,10 +186,164 @@ def test_a_quantized_model_is_recognised_and_not_read_saying_why_should_fail(mod
     assert figures.declaration is None
     assert figures.declared_from == (
         "nothing read: the EasyDeL reader: EasyDeL QuantizationConfig(dtype='int8', group_size=16, bits=None) is "
-        "ejkernel's packed int8 weights, which have no qcheck format yet (fn MixtralSparseMoeBlock); pass "
-        "declared= to hold its sites")
+        "int8_easydel, but as ejkernel's packed words (four codes to a uint32) decoded inside its quantized matmul, "
+        "which qcheck cannot pair with their codes yet (fn MixtralSparseMoeBlock); pass declared= to hold its sites")
     with pytest.raises(ValueError, match=r"declared=True, but the EasyDeL reader: EasyDeL QuantizationConfig"):
         qcheck.coverage(_layer(models["int8"]).block_sparse_moe, x, declared=True)
+
+
+# -- EasyDeL's INT8 as qcheck's int8_easydel, held bitwise to EasyDeL's own quantizer -------------------------
+
+def _unpacked(words) -> np.ndarray:
+    """ejkernel's packed affine 8-bit codes: four to a uint32, least significant byte first (bitpack.py); codes
+    already unpacked (qcheck's) as they are."""
+    w = np.asarray(words)
+    if w.dtype == np.uint8:
+        return w
+    return np.stack([(w >> (8 * i)) & 0xFF for i in range(4)], axis=-1).reshape(*w.shape[:-1], -1).astype(np.uint8)
+
+
+def _bits_differ(what: str, got, want) -> str | None:
+    got, want = np.asarray(got), np.asarray(want)
+    if (got.dtype, got.shape) != (want.dtype, want.shape):
+        return f"{what}: {got.dtype}{list(got.shape)} vs EasyDeL's {want.dtype}{list(want.shape)}"
+    off = got.view(f"u{got.dtype.itemsize}") != want.view(f"u{want.dtype.itemsize}")
+    if off.any():
+        i = tuple(int(j) for j in np.argwhere(off)[0])
+        return f"{what}: {int(off.sum())} of {off.size} differ, first at {i}: {got[i]!r} vs EasyDeL's {want[i]!r}"
+    return None
+
+
+def assert_easydels_int8(kernel: np.ndarray, stored, block: int, quantize=None) -> str:
+    """EasyDeL's stored (packed codes, scales, zero points) of the float ``kernel`` (in, out) are the
+    ``int8_easydel`` referee's along the output axis, bitwise, in one of the record's forms (returned)."""
+    quantize = quantize or (lambda x, form: qcheck.referees.reference_quantize(
+        x, "int8_easydel", axis=1, block=block, ftz=True, xla_reciprocal=form))
+    words, scales, zeros = (np.asarray(a) for a in stored)
+    failures = []
+    for form in qcheck.formats.get_format("int8_easydel").forms:
+        codes, ref = quantize(kernel, form)
+        why = (_bits_differ("codes", codes, _unpacked(words)) or _bits_differ("scales", ref["block"], scales)
+               or _bits_differ("zero points", ref["zero_point"], zeros))
+        if why is None:
+            return form
+        failures.append(f"[{form}] {why}")
+    raise AssertionError("; ".join(failures))
+
+
+def _stored(projection):
+    return projection.quant_kernel[...], projection.quant_scales[...], projection.quant_biases[...]
+
+
+def test_easydels_int8_projection_is_int8_easydel_bitwise_should_pass(models):
+    """model.quantize's q_proj: ejkernel's affine codes (four to a uint32), float16 scales and float16 zero
+    points, one per 16 outputs of each input row, are the referee's of the float model's kernel (same seed)."""
+    _pinned()
+    q, f = _layer(models["int8"]).self_attn, _layer(models["float"]).self_attn
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        kernel = np.asarray(getattr(f, name).kernel[...])
+        words, scales, zeros = _stored(getattr(q, name))
+        assert (words.dtype, scales.dtype, zeros.dtype) == (np.uint32, np.float16, np.float16)
+        assert scales.shape == (kernel.shape[0], kernel.shape[1] // 16)  # grouped along the output axis
+        assert_easydels_int8(kernel, (words, scales, zeros), 16)
+
+
+def test_a_projection_declared_int8_easydel_by_hand_fails_as_full_precision_not_quietly_should_fail(models, x):
+    """Where qcheck stands on ejkernel's packed words: declared by hand, q_proj's weight reaches its matmul (at
+    EasyDeL's _linear_quantized.py) as float16 decoded from packed uint32 words that no stored hold pairs with their
+    codes yet, so the declaration fails at the site rather than passing (the reader reads none, saying why)."""
+    _pinned()
+    declared = {"weights": {"format": "int8_easydel", "block": 16}, "activations": None}
+    with pytest.raises(AssertionError) as failed:
+        qcheck.assert_quantized(_layer(models["int8"]).self_attn.q_proj, ed_array(x), declared=declared)
+    message = str(failed.value).replace("\\", "/")
+    assert re.search(r"easydel/layers/linears/_linear_quantized\.py:\d+", message), message
+    assert "reaches the matmul in full precision; declared int8_easydel at block 16" in message, message
+
+
+def ed_array(x):
+    import jax.numpy as jnp
+
+    return jnp.asarray(x)  # ejkernel's quantized matmul is type-checked (jaxtyping): a jax.Array, not numpy
+
+
+#: Values over many binades, a group of one sign and an all-equal group: where the forms and rules part.
+def _wide(shape=(256, 512)) -> np.ndarray:
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=shape) * np.exp2(rng.integers(-8, 8, size=shape))
+    x[0, :64] = np.abs(x[0, :64]) + 3.0
+    x[1, :64] = 0.25
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("run", ("eager", "jit"))
+def test_ejkernels_affine_int8_is_int8_easydel_eager_and_jitted_should_pass(ed, run):
+    """ejkernel's prepack_quantized_weights as EasyDeL calls it (transpose=False: groups along the output axis),
+    eager and under jit, and qcheck's own int8_easydel quantizer: the referee's codes, scales and zero points."""
+    _pinned()
+    from ejkernel.quantization import prepack_quantized_weights
+
+    x = _wide()
+    f = lambda w: prepack_quantized_weights(w, group_size=64, bits=8, mode="affine", transpose=False)  # noqa: E731
+    stored = (ed.jax.jit(f) if run == "jit" else f)(ed.jnp.asarray(x))
+    assert_easydels_int8(x, stored, 64)
+    # qcheck's own quantizer, as compiled here: the referee's in one of its forms (XLA may fuse it unlike
+    # ejkernel's: measured, one code of these 131072 parts from the jitted ejkernel's).
+    mine = qcheck.formats.quantize(ed.jnp.asarray(x), "int8_easydel", axis=1)
+    assert_easydels_int8(x, (mine.codes, mine.scales["block"], mine.scales["zero_point"]), 64)
+
+
+def _floored(x, form):
+    """A planted variant: int8_easydel's rule rounding down (x / scale + zero point floored), not to nearest."""
+    g = x.reshape(x.shape[0], -1, 64)
+    lo = g.min(-1, keepdims=True)
+    scale = ((g.max(-1, keepdims=True) - lo) / np.float32(255)).astype(np.float32)
+    scale = np.where(scale == 0, np.float32(1), scale)
+    zero = (-lo / scale).astype(np.float32)
+    codes = np.clip(np.floor((g / scale).astype(np.float32) + zero), 0, 255).reshape(x.shape).astype(np.uint8)
+    return codes, {"block": scale[..., 0].astype(np.float16), "zero_point": zero[..., 0].astype(np.float16)}
+
+
+@pytest.mark.parametrize("variant", ("rounded down", "groups of 32"))
+def test_a_planted_variant_of_int8_easydel_is_not_ejkernels_should_fail(ed, variant):
+    _pinned()
+    from ejkernel.quantization import prepack_quantized_weights
+
+    x = _wide()
+    stored = prepack_quantized_weights(ed.jnp.asarray(x), group_size=64, bits=8, mode="affine", transpose=False)
+    if variant == "groups of 32":
+        with pytest.raises(AssertionError, match=r"codes: \d+ of 131072 differ"):
+            assert_easydels_int8(x, stored, 32)
+        return
+    with pytest.raises(AssertionError, match=r"codes: \d+ of 131072 differ"):
+        assert_easydels_int8(x, stored, 64, quantize=_floored)
+
+
+def _affine_round_trip(ed, x: np.ndarray) -> np.ndarray:
+    from ejkernel.quantization import dequantize, prepack_quantized_weights
+
+    kw = {"group_size": 16, "bits": 8, "mode": "affine"}
+    w, s, z = prepack_quantized_weights(ed.jnp.asarray(x), transpose=False, **kw)
+    return np.asarray(dequantize(w, s, z, **kw), np.float32), np.asarray(s), np.asarray(z)
+
+
+def test_int8s_float16_zero_point_overflows_on_a_group_far_from_zero_and_its_scale_flushes_on_a_narrow_one(ed):
+    _pinned()
+    # A group whose min is more than 257 spans from 0: -min / scale is beyond float16's 65504, stored inf, and the
+    # group decodes to inf/NaN from finite weights. A group spanning less than 255 · 2^-24: its float16 scale is 0,
+    # and every weight decodes to 0 (int8_easydel's referee computes both: its record's edge rows).
+    far = np.tile(np.linspace(1.0, 1.001, 16, dtype=np.float32), (2, 1))
+    out, _, zero = _affine_round_trip(ed, far)
+    assert np.all(np.isinf(zero)) and not np.any(np.isfinite(out))
+    narrow = np.tile(np.linspace(-1e-6, 1e-6, 16, dtype=np.float32), (2, 1))
+    out, scale, _ = _affine_round_trip(ed, narrow)
+    assert np.all(scale == 0) and not np.any(out)
+
+
+def test_int8_decodes_a_group_around_zero_finite_and_close_should_pass(ed):
+    x = np.tile(np.linspace(-1.0, 1.001, 16, dtype=np.float32), (2, 1))
+    out, _, _ = _affine_round_trip(ed, x)
+    assert np.all(np.isfinite(out)) and np.max(np.abs(out - x)) < 2.0 / 255
 
 
 # -- EasyDeL's other defects, each a fact beside its control -------------------------------------------

@@ -54,6 +54,12 @@ def _flt(codes) -> np.ndarray:
     return np.asarray(codes).astype(np.float32)
 
 
+#: Rows where a format's rule itself stores a scale of inf, by format: EasyDeL's int8 stores its scale in float16,
+#: which overflows for a group spanning more than 65504 · 255 (about 1.7e7): its decode is then inf or NaN, EasyDeL's
+#: defect (tests/test_easydel.py); the referee computes the same inf, held below with the rest.
+INF_SCALE_ROWS = {"int8_easydel": {"float32's largest"}}
+
+
 @pytest.mark.parametrize("fmt", formats.FORMATS, ids=lambda f: f.name)
 def test_every_format_on_its_edge_rows_matches_the_referee_and_stays_finite(fmt):
     table = rows(fmt)
@@ -77,6 +83,9 @@ def test_every_format_on_its_edge_rows_matches_the_referee_and_stays_finite(fmt)
         assert np.all(np.isfinite(codes[i])), f"{fmt.name}, row {kind}: codes {codes[i][:4]} not finite"
         for name, s in scales.items():
             row = s[i] if s.ndim and s.shape[0] == x.shape[0] else s
+            if kind in INF_SCALE_ROWS.get(fmt.name, ()) and name == "block":
+                assert np.all(np.isinf(row)), f"{fmt.name}, row {kind}: {name} scale {row}, where its rule gives inf"
+                continue
             assert np.all(np.isfinite(row)), f"{fmt.name}, row {kind}: {name} scale {row} not finite"
     if not nan_rows:  # an all-zero row's codes are the code of 0: 0, or the row's zero point
         zero = scales["zero_point"][0] if "zero_point" in scales else 0

@@ -418,6 +418,6 @@ def test_keras_int4_grouped_by_64_declared_by_128_fails_naming_both_group_sizes_
 def test_keras_block_on_a_format_without_one_is_a_one_line_error_naming_block(keras, int8_pair):
     layer, twin = int8_pair
     with pytest.raises(ValueError, match=r"^check_layer: declared: weights: block is no parameter of format "
-                                         r"'int8_keras' .*formats that take one: int4_keras_grouped$"):
+                                         r"'int8_keras' .*formats that take one: int4_keras_grouped, int8_easydel$"):
         qcheck.check_layer(layer, twin, X, declared={"weights": {"format": "int8_keras", "block": 64},
                                                      "activations": "int8_keras"})

@@ -37,7 +37,7 @@ KERAS_INT4_GROUP = 128
 INT4_STEPS = INT4_MAX - INT4_MIN
 
 
-def _groups(x: Array, axes: tuple[int, ...], group: int):
+def zero_padded_groups(x: Array, axes: tuple[int, ...], group: int):
     """``x`` with ``axes`` moved last, flattened, zero-padded to whole groups: ``[..., n_groups, group]``, plus the
     inverse (which drops the padding). Keras pads a last partial group with zero rows (quantizers.py:197-205)."""
     rest = [a for a in range(x.ndim) if a not in axes]
@@ -66,7 +66,7 @@ def int4_keras_grouped_quantize(x: Array, axes: tuple[int, ...], fmt: Format, rn
     # XLA rewrites a division by a constant or by a broadcast operand as a product with its reciprocal (one
     # more rounding: the scale comes out an ulp off numpy's); the barriers hand it operands it cannot see
     # through, so each quotient is numpy's one correctly rounded division.
-    groups, restore = _groups(x, axes, fmt.block)
+    groups, restore = zero_padded_groups(x, axes, fmt.block)
     lo = jnp.min(groups, axis=-1, keepdims=True)
     hi = jnp.max(groups, axis=-1, keepdims=True)
     steps = jax.lax.optimization_barrier(jnp.full(lo.shape, INT4_STEPS, x.dtype))
@@ -84,6 +84,6 @@ def int4_zero_point_dequantize(q: Quantized, fmt: Format) -> Array:
     # Keras's dequantize_with_sz_map (quantizers.py:1196-1240): the codes minus their group's zero point as
     # floats of the scale's type (exact: integers within ±15), times the group's scale: one rounding.
     scale = q.scales["block"]
-    groups, restore = _groups(q.codes.astype(scale.dtype), q.axis, fmt.block)
+    groups, restore = zero_padded_groups(q.codes.astype(scale.dtype), q.axis, fmt.block)
     out = (groups - q.scales["zero_point"].astype(scale.dtype)[..., None]) * scale[..., None]
     return restore(out).astype(q.dtype)

@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from qcheck._choices import require_choice
+from qcheck.formats._affine import EASYDEL_GROUP, int8_easydel_dequantize, int8_easydel_quantize
 from qcheck.formats._block_scaled import (MX_BLOCK, NVFP4_BLOCK, NVFP4_JIT_DECODE_ULPS, NVFP4_MIN_AMAX,
                                           e8m0_block_dequantize, mxfp8_quantize, nvfp4_dequantize, nvfp4_quantize)
 from qcheck.formats._elements import E4M3_EMAX, E4M3_MAX, E8M0_MIN_EXP
@@ -30,6 +31,8 @@ from qcheck.formats._record import ALL_FORMS, Format
 
 _INT8 = np.dtype(np.int8)
 _INT4 = np.dtype(ml_dtypes.int4)
+_UINT8 = np.dtype(np.uint8)
+_F16 = np.dtype(np.float16)
 _F32 = np.dtype(np.float32)
 _E4M3FN = np.dtype(ml_dtypes.float8_e4m3fn)
 _E4M3FNUZ = np.dtype(ml_dtypes.float8_e4m3fnuz)
@@ -150,6 +153,18 @@ FORMATS: tuple[Format, ...] = (
            "[-8, 7], x ≈ (codes - zero point) · scale (Keras's abs_max_quantize_grouped_with_zero_point; a last "
            "partial group is zero-padded)", ("int4_keras",), int4_keras_grouped_quantize,
            int4_zero_point_dequantize, parameters=("block",)),
+    # EasyDeL 0.3.0's INT8 (ejkernel 0.0.78's affine mode, 8 bits): per group of 64 (QuantizationConfig's
+    # group_size), unsigned codes 0..255 over the group's own min and max (not clipped around 0), a float16 scale
+    # and a float16 zero point that is never rounded (so 0 is no code, and qdq(0) is not 0). Sibling: qwix's
+    # minmax int8, the asymmetric rule with a whole zero point over a range holding 0 (their codes part on every
+    # group). Its float16 scale and zero point are EasyDeL's defect edges: a group whose span is below 255 times
+    # float16's smallest subnormal stores scale 0, and one whose min is more than 257 spans from 0 a zero point
+    # of inf (tests/test_easydel.py); nothing in the rule guards them.
+    Format("int8_easydel", "block", _UINT8, EASYDEL_GROUP, {"block": _F16, "zero_point": _F16},
+           "affine per group of 64: scale (max - min) / 255 (0 replaced by 1), zero point -min / scale, codes "
+           "round(x / scale + zero point) clipped to 0..255, scale and zero point stored float16, x ≈ (codes - zero "
+           "point) · scale (ejkernel's affine mode, EasyDeL's QuantizationConfig(dtype=INT8))", ("int8_qwix_minmax",),
+           int8_easydel_quantize, int8_easydel_dequantize, forms=ALL_FORMS, parameters=("block",)),
 )
 
 _BY_NAME: dict[str, Format] = {f.name: f for f in FORMATS}

@@ -296,6 +296,50 @@ def _int4_keras_grouped(x: np.ndarray, axes: tuple[int, ...], *, ftz: bool, xla_
     return g.join(codes).astype(_INT4), {"block": scale[..., 0], "zero_point": zero[..., 0].astype(np.int8)}
 
 
+_AFFINE_QMAX = _F32(255)  # [def] ejkernel affine, 8 bits: codes 0..2^8 - 1
+_EASYDEL_GROUP = 64  # [def] EasyDeL QuantizationConfig(dtype=INT8)'s default group_size
+
+
+def _int8_easydel(x: np.ndarray, axes: tuple[int, ...], *, ftz: bool, xla_reciprocal: bool | Form,
+                  uniforms: np.ndarray | None, block: int = _EASYDEL_GROUP):
+    # [def] ejkernel 0.0.78 _quantize_affine (EasyDeL's INT8): per group of ``block`` along ``axes``, the group's
+    # own min and max. [qcheck] a last partial group is zero-padded (ejkernel refuses the shape).
+    g = _Groups(x.shape, axes, block)
+    groups = g.split(x.astype(_F32))
+    # [qcheck] a zero min is +0 (IEEE leaves the min of -0 and +0 open), so its zero point is -0 (ejkernel's, on +0s).
+    lo = np.min(groups, axis=-1, keepdims=True)
+    lo = np.where(lo == 0, _F32(0), lo).astype(_F32)
+    hi = np.max(groups, axis=-1, keepdims=True)
+    form = form_of(xla_reciprocal)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        span = flush((hi - lo).astype(_F32), ftz)
+        # [def] scale = (max - min) / 255 ([XLA] or times the float32 reciprocal of 255); a zero scale is 1.
+        scale = flush((span * (_F32(1) / _AFFINE_QMAX) if form.constant else span / _AFFINE_QMAX).astype(_F32), ftz)
+        scale = np.where(scale == 0, _F32(1), scale).astype(_F32)
+        # [def] zero point = -min / scale, a float32 fraction (an IEEE division: nothing broadcast to rewrite).
+        zero = flush((-lo / scale).astype(_F32), ftz)
+        # [def] codes = round(x / scale + zero point), half to even, clipped to 0..255.
+        shifted = flush((flush(_divide(groups, scale, form.operand), ftz) + zero).astype(_F32), ftz)
+        codes = np.clip(np.round(shifted), 0, _AFFINE_QMAX)
+        # [def] the codes come from the float32 scale and zero point; both are stored float16 (rounded to nearest:
+        # beyond float16's max, inf; below its subnormals, 0).
+        return g.join(codes).astype(np.uint8), {"block": scale[..., 0].astype(np.float16),
+                                                "zero_point": zero[..., 0].astype(np.float16)}
+
+
+def _by_easydel_group(c: np.ndarray, scales: dict[str, np.ndarray], axes: tuple[int, ...], fmt: str) -> np.ndarray:
+    # [def] ejkernel dequantize, affine: x = (code - its group's zero point) · its group's scale, from the float16
+    # values, here in float32 (the difference exact, the product rounded once). The group is read off the scales:
+    # EasyDeL's group sizes are powers of two, the smallest one giving that many groups along the axes.
+    k = math.prod(c.shape[a] for a in axes)
+    n = scales["block"].shape[-1]
+    block = next(2**e for e in range(max(k, 1).bit_length() + 1) if -(-k // 2**e) == n)
+    g = _Groups(c.shape, axes, block)
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = (g.split(c) - scales["zero_point"].astype(_F32)[..., None]) * scales["block"].astype(_F32)[..., None]
+    return g.join(out.astype(_F32))
+
+
 def _cast(x: np.ndarray, axes: tuple[int, ...], *, ftz: bool, xla_reciprocal: bool, uniforms: np.ndarray | None, dtype: np.dtype):
     return _saturate(x, dtype), {}  # [def] the element type at scale 1, saturating
 
@@ -526,6 +570,7 @@ _REFEREES: dict[str, _Referee] = {
     "e3m4": _Referee(functools.partial(_cast, dtype=_E3M4), _as_is),
     "int8_qwix_minmax": _Referee(_int8_qwix_minmax, _by_slice_from_zero_point),
     "int4_keras_grouped": _Referee(_int4_keras_grouped, _by_group_from_zero_point, parameters=("block",)),
+    "int8_easydel": _Referee(_int8_easydel, _by_easydel_group, parameters=("block",)),
 }
 _BUILTIN = tuple(_REFEREES)
 
