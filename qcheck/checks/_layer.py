@@ -589,7 +589,10 @@ def _gradients_lines(c: _Checked) -> list[str]:
                          f"{c.max_grad_rel_norm}")
     if any(not f <= c.max_grad_rel_norm for f in c.grad_figures.values()):
         # Why, where it is the layer's own gradient casts: their codes flushed to zero (a fresh delayed scale).
-        lines += flushed_gradients(c.form.probe, c.x, c.output, c.machinery, c.kernels)
+        # Evidence under the failed gradient's line, not a check of its own: the count of failed checks stays
+        # the count of what failed.
+        lines[-1] += "".join("\n  " + line for line in
+                             flushed_gradients(c.form.probe, c.x, c.output, c.machinery, c.kernels))
     return lines
 
 
