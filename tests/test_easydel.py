@@ -261,6 +261,26 @@ def test_a_projection_declared_int8_easydel_by_hand_fails_as_full_precision_not_
     assert "reaches the matmul in full precision; declared int8_easydel at block 16" in message, message
 
 
+def test_check_layer_reaches_a_verdict_on_q_proj_and_its_abstract_rngs_should_fail(models, x):
+    """q_proj keeps the abstract Rngs of the ``nnx.eval_shape`` that built it (``jax.ShapeDtypeStruct`` leaves in its
+    state, which its call never reads): check_layer runs it and fails it where qcheck stands on ejkernel's packed
+    words (full precision at _linear_quantized.py), not as a crash blamed on EasyDeL's code."""
+    _pinned()
+    import jax
+    from flax import nnx
+
+    q, f = _layer(models["int8"]).self_attn.q_proj, _layer(models["float"]).self_attn.q_proj
+    abstract = [jax.tree_util.keystr(p) for p, v in jax.tree_util.tree_flatten_with_path(nnx.state(q))[0]
+                if isinstance(v, jax.ShapeDtypeStruct)]
+    assert abstract == ["['rngs']['default']['count'].value", "['rngs']['default']['key'].value"], abstract
+    with pytest.raises(AssertionError) as failed:
+        # The float twin's kernel is the quantized layer's packed words, scales and zero points: none has a gradient.
+        qcheck.check_layer(q, f, ed_array(x), skip_grads=("quant_scales", "quant_biases", "kernel"))
+    message = str(failed.value).replace("\\", "/")
+    assert re.search(r"dot_general at \S*easydel/layers/linears/_linear_quantized\.py:\d+ .*\[full precision\]",
+                     message), message
+
+
 def ed_array(x):
     import jax.numpy as jnp
 
@@ -415,3 +435,4 @@ def test_quantize_simulated_in_the_same_mode_runs_should_pass(ed, mode):
     w = np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32)
     out = _simulated(ed, w, mode)
     assert out.shape == w.shape and np.all(np.isfinite(out)) and not np.array_equal(out, w)
+

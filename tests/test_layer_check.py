@@ -132,6 +132,34 @@ def test_check_layer_should_fail_on_a_non_deterministic_layer():
     assert _bits(layer) == before  # the RNG count the second call advanced was a copy's
 
 
+class _AbstractRngsMoE(qcheck.MoE):
+    """Keeps an abstract Rngs in its state (``jax.ShapeDtypeStruct`` leaves, no value), as EasyDeL 0.3.0's
+    quantized linears keep the Rngs of the ``nnx.eval_shape`` that built them; ``reads``: its call reads one."""
+
+    def __init__(self, *args, reads: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kept = nnx.eval_shape(lambda: nnx.Rngs(0))
+        self.reads = reads
+
+    def __call__(self, x):
+        y = super().__call__(x)
+        return y + 0 * self.kept.default.count[...].astype(y.dtype) if self.reads else y
+
+
+def test_check_layer_should_pass_a_layer_holding_an_abstract_leaf_it_never_reads():
+    layer = _AbstractRngsMoE(MIXTRAL, qcheck.get_recipe("fp8"), path="sparse", rngs=nnx.Rngs(0), seed=0)
+    assert any(isinstance(v, jax.ShapeDtypeStruct) for v in jax.tree.leaves(nnx.state(layer)))
+    figures = check_layer(layer, sparse_moe("none"), X, skip=MOE_FULL_PRECISION)
+    assert [r.primitive for r in figures.coverage if r.quantized] == ["ragged_dot_general"] * 3
+
+
+def test_check_layer_should_fail_naming_an_abstract_leaf_the_layer_reads():
+    layer = _AbstractRngsMoE(MIXTRAL, qcheck.get_recipe("fp8"), path="sparse", rngs=nnx.Rngs(0), seed=0, reads=True)
+    with pytest.raises(ValueError, match=r"^check_layer: layer's state kept/default/count\S* is abstract \(a "
+                                         r"jax\.ShapeDtypeStruct\(\) uint32, no value\) and the layer's call reads it$"):
+        check_layer(layer, sparse_moe("none"), X, skip=MOE_FULL_PRECISION)
+
+
 # -- the MaxText-like block: gradients are what a forward check misses ----------------
 
 def _maxtext(quant: str | None, seed: int = 0) -> maxtext_like.MoeBlock:

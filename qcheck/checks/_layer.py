@@ -49,7 +49,7 @@ from qcheck._errors import user_code
 from qcheck.checks._edges import EDGE_ROWS, check_skip_edges, edge_rows, rows_of, token_slice
 from qcheck.checks._flush import flushed_gradients
 from qcheck.checks._layer_forms import Form, is_module, keras_of, path_name
-from qcheck.checks._layer_programs import INPUT_GRAD, Run, retrace_step, run_step, trace_step
+from qcheck.checks._layer_programs import INPUT_GRAD, Run, retrace_step, run_step, trace_step, valued
 from qcheck.checks._stored import held_stored
 from qcheck.checks._tracks import assert_tracks, rel_norm
 from qcheck.checks._uninitialized import uninitialized_reads, unspecified_buffers
@@ -715,7 +715,7 @@ def _uninitialized(what: str, form: Form, run: Run, x: jax.Array, machinery: Col
             return {1: f"gradient of {at}", 2: "gradient of the input x"}.get(path[0].idx, f"state after the call {at}")
 
         names = [name(p) for p, _ in jax.tree_util.tree_flatten_with_path(returned)[0]]
-        return uninitialized_reads(closed, jax.tree_util.tree_leaves(args), names, buffers)
+        return uninitialized_reads(closed, valued(what, run.traced, args), names, buffers)
 
 
 # -- the twin ---------------------------------------------------------------------

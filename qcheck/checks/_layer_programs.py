@@ -16,7 +16,7 @@ import numpy as np
 from qcheck._coverage import Prepared
 from qcheck._errors import user_code
 from qcheck._fingerprint import fingerprint
-from qcheck.checks._layer_forms import Form, Grown, NoOutput, form_of, hashable, select_output, traceable
+from qcheck.checks._layer_forms import Form, Grown, NoOutput, form_of, hashable, path_name, select_output, traceable
 
 
 #: The key of the gradient with respect to the input ``x`` in ``LayerFigures.grad_rel_norms``.
@@ -170,6 +170,31 @@ class Run:
     walked: list = dataclasses.field(default_factory=list)  # each walk's outputs on x
 
 
+def valued(what: str, traced: _Traced, args: Any) -> list[Any]:
+    """The leaves of ``args`` (the step's ``(params, rest, x)``) as the compiled step takes them: an abstract leaf
+    (a ``jax.ShapeDtypeStruct``, no value: EasyDeL 0.3.0's quantized linears keep the Rngs of the ``nnx.eval_shape``
+    that built them) traces as an input but cannot be passed to a program. Where the step reads it nowhere (passed
+    through to the state after at most), zeros of its shape and type stand for it and change nothing; a leaf the
+    step reads has no value to read, a one-line error naming it."""
+    pairs = jax.tree_util.tree_flatten_with_path(args)[0]
+    if not any(isinstance(v, jax.ShapeDtypeStruct) for _, v in pairs):
+        return [v for _, v in pairs]
+    jaxpr = traced.closed.jaxpr
+    read = {v for e in jaxpr.eqns for v in e.invars if isinstance(v, jcore.Var)}
+    leaves = []
+    for (path, v), var in zip(pairs, jaxpr.invars, strict=True):
+        if isinstance(v, jax.ShapeDtypeStruct):
+            if var in read:
+                raise ValueError(f"check_layer: {what}'s state {path_name(path[1:])} is abstract (a "
+                                 f"jax.ShapeDtypeStruct{v.shape} {v.dtype}, no value) and the layer's call reads it")
+        leaves.append(_zeros(v))
+    return leaves
+
+
+def _zeros(v: Any) -> Any:
+    return jnp.zeros(v.shape, v.dtype) if isinstance(v, jax.ShapeDtypeStruct) else v
+
+
 def _placed(walks: Sequence[Prepared], flat: list[Any], x_at: int) -> tuple[list[tuple[Prepared, list[int]]], list]:
     """Where each walk's inputs are among the step's ``flat`` arguments (the same arrays: the same inputs), and
     the ones that are not, as more arguments. A walk must read x where the step does: the edge rows replace it."""
@@ -192,8 +217,9 @@ def _placed(walks: Sequence[Prepared], flat: list[Any], x_at: int) -> tuple[list
 def run_step(what: str, traced: _Traced, x: jax.Array, output: Any, *, twice: bool, walks: Sequence[Prepared] = ()
          ) -> Run:
     form, names = traced.form, traced.names
-    flat, tree = jax.tree.flatten((form.params, form.rest, x))
-    placed, extra = _placed(walks, flat, len(flat) - 1)
+    leaves, tree = jax.tree.flatten((form.params, form.rest, x))
+    placed, extra = _placed(walks, leaves, len(leaves) - 1)  # the walks read the same leaves, abstract ones too
+    flat, extra = valued(what, traced, (form.params, form.rest, x)), [_zeros(v) for v in extra]
     out_tree = jax.tree.structure(traced.shapes)
 
     def split(result: Any) -> tuple[Any, list]:
@@ -215,7 +241,7 @@ def run_step(what: str, traced: _Traced, x: jax.Array, output: Any, *, twice: bo
     params = {p: np.asarray(v) for p, v in form.param_leaves(form.params).items()}
 
     def rerun(x_other: jax.Array) -> Any:
-        flat_other = _fits(traced, program, jax.tree.leaves((form.params, form.rest, x_other)), extra)
+        flat_other = _fits(traced, program, valued(what, traced, (form.params, form.rest, x_other)), extra)
         with user_code("check_layer", what):
             result, walked_other = split(program(*flat_other))
         return jax.tree.unflatten(out_tree, result), walked_other
