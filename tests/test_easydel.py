@@ -248,23 +248,26 @@ def test_easydels_int8_projection_is_int8_easydel_bitwise_should_pass(models):
         assert_easydels_int8(kernel, (words, scales, zeros), 16)
 
 
-def test_a_projection_declared_int8_easydel_by_hand_fails_as_full_precision_not_quietly_should_fail(models, x):
-    """Where qcheck stands on ejkernel's packed words: declared by hand, q_proj's weight reaches its matmul (at
-    EasyDeL's _linear_quantized.py) as float16 decoded from packed uint32 words that no stored hold pairs with their
-    codes yet, so the declaration fails at the site rather than passing (the reader reads none, saying why)."""
+def test_a_projection_declared_int8_easydel_by_hand_reads_its_unpacked_codes_held_by_type_only_should_fail(models, x):
+    """Where qcheck stands on ejkernel's packed words: its XLA matmul pads them to a tile and unpacks each tile
+    inside nested scans (shifts by 0, 8, 16, 24 and a mask of 255), and the walk reads the tile reaching the matmul
+    at EasyDeL's _linear_quantized.py as uint8 codes unpacked from stored words. Declared by hand, they are held by
+    type only, and said so: no stored hold pairs the words with the float kernel they were made from yet."""
     _pinned()
     declared = {"weights": {"format": "int8_easydel", "block": 16}, "activations": None}
     with pytest.raises(AssertionError) as failed:
         qcheck.assert_quantized(_layer(models["int8"]).self_attn.q_proj, ed_array(x), declared=declared)
     message = str(failed.value).replace("\\", "/")
-    assert re.search(r"easydel/layers/linears/_linear_quantized\.py:\d+", message), message
-    assert "reaches the matmul in full precision; declared int8_easydel at block 16" in message, message
+    assert re.search(r"easydel/layers/linears/_linear_quantized\.py:\d+ .*rhs \(64, 128\) \[uint8 unpack\]",
+                     message), message
+    assert "rhs (weight) held by its type only, not bitwise as int8_easydel at block 16" in message, message
 
 
 def test_check_layer_reaches_a_verdict_on_q_proj_and_its_abstract_rngs_should_fail(models, x):
     """q_proj keeps the abstract Rngs of the ``nnx.eval_shape`` that built it (``jax.ShapeDtypeStruct`` leaves in its
-    state, which its call never reads): check_layer runs it and fails it where qcheck stands on ejkernel's packed
-    words (full precision at _linear_quantized.py), not as a crash blamed on EasyDeL's code."""
+    state, which its call never reads): check_layer runs it and fails it truthfully, not as a crash blamed on
+    EasyDeL's code: weight-only int8, its activations reach the matmul at _linear_quantized.py unquantized, and the
+    projection alone carries no config for the reader (the model's layers do)."""
     _pinned()
     import jax
     from flax import nnx
@@ -277,8 +280,8 @@ def test_check_layer_reaches_a_verdict_on_q_proj_and_its_abstract_rngs_should_fa
         # The float twin's kernel is the quantized layer's packed words, scales and zero points: none has a gradient.
         qcheck.check_layer(q, f, ed_array(x), skip_grads=("quant_scales", "quant_biases", "kernel"))
     message = str(failed.value).replace("\\", "/")
-    assert re.search(r"dot_general at \S*easydel/layers/linears/_linear_quantized\.py:\d+ .*\[full precision\]",
-                     message), message
+    assert re.search(r"dot_general at \S*easydel/layers/linears/_linear_quantized\.py:\d+ .*rhs \(64, 128\) "
+                     r"float16 \[uint8 unpack\]: lhs unquantized", message), message
 
 
 def ed_array(x):

@@ -208,6 +208,36 @@ def test_a_stored_word_passed_as_an_activation_is_no_codes_should_fail(unpack):
         qcheck.assert_quantized(layer, X, words, declared=False)
 
 
+def _tiled(words, x, *, as_xs):
+    """ejkernel's XLA quantized matmul (0.0.78) as its jaxpr runs it: the packed words padded to a tile, then
+    unpacked inside a scan, taken whole as the loop's const or a tile per iteration as its xs."""
+    padded = jnp.pad(words, ((0, words.shape[0]), (0, 0)))
+    xc, xs = _int8(x, -1)
+    x = xc.astype(jnp.float32) * xs
+
+    def tile(w):
+        return _unpack_offset(w[:words.shape[0]], 8).astype(jnp.float32) * 0.01
+
+    if as_xs:
+        return jax.lax.scan(lambda c, w: (c, x @ tile(w)), 0, padded[None])[1][0]
+    return jax.lax.scan(lambda c, i: (c, x @ tile(padded)), 0, jnp.arange(1))[1][0]
+
+
+@pytest.mark.parametrize("as_xs", [False, True], ids=["const", "xs"])
+def test_stored_words_padded_and_unpacked_inside_a_scan_read_as_codes_should_pass(as_xs):
+    words, _ = _stored(8, jnp.uint32)
+    (r,) = qcheck.assert_quantized(lambda x, w: _tiled(w, x, as_xs=as_xs), X, qcheck.weights(words),
+                                   declared=False)
+    assert str(r.rhs) == "int8 unpack", r.rhs
+
+
+@pytest.mark.parametrize("as_xs", [False, True], ids=["const", "xs"])
+def test_words_passed_as_an_activation_into_a_scan_are_no_codes_should_fail(as_xs):
+    words, _ = _stored(8, jnp.uint32)
+    with pytest.raises(AssertionError, match=FULL_PRECISION):
+        qcheck.assert_quantized(lambda x, w: _tiled(w, x, as_xs=as_xs), X, words, declared=False)
+
+
 # -- controls: integer arithmetic that unpacks no codes stays full precision -------------------------------------
 
 IDS = _RNG.integers(0, 50_000, size=(8,)).astype(np.int32)

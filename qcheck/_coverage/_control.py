@@ -139,9 +139,12 @@ class ControlFlow:
         grad = any(v.grad for v in ins)
         # Each input is a value of its own (a straight-through estimator x + stop_gradient(q - x) inside the
         # body tells x by it); a const is the loop's operand itself.
-        return ([Val(v.quant, v.const, v.scale, grad=grad, data=v.data, ident=v.ident or object()) for v in consts]
+        # A const keeps what the walk knows of its integer bits (a stored word packing codes, a shift count); an
+        # xs is one slice of its operand, elementwise the same bits (ejkernel's packed words tiled by a scan).
+        return ([Val(v.quant, v.const, v.scale, grad=grad, data=v.data, ident=v.ident or object(), field=v.field,
+                     stored=v.stored, known=v.known, closed=v.closed) for v in consts]
                 + [Val(q, grad=grad, data=v.data, ident=object()) for q, v in zip(carry_q, carry)]
-                + [Val(v.quant, grad=grad, data=v.data, ident=object()) for v in xs])
+                + [Val(v.quant, grad=grad, data=v.data, ident=object(), field=v.field, stored=v.stored) for v in xs])
 
     def loop_values(self, eqn: jcore.JaxprEqn, ins: list[Val], carry_q: list[OperandQuant | None], count: int,
                     where: Where) -> tuple[list[Any], list[Any], list[Val]]:

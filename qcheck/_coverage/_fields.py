@@ -25,10 +25,11 @@ from qcheck._coverage._values import Val, map_axes, named_dtype, narrow_bits
 #: Bit-field widths whose unpacked values are the codes of a type ml_dtypes or numpy names (int2 .. uint8).
 _CODE_FIELDS = (2, 4, 8)
 #: Ops that move an unpacked field's values without changing them (the halves of a byte interleaved back, a word
-#: taken by index: ejkernel's ``take(packed, word_idx)``).
+#: taken by index: ejkernel's ``take(packed, word_idx)``, words padded to a tile: ejkernel 0.0.78's XLA quantized
+#: matmul pads them with zeros, which it slices off or multiplies by x's zero padding).
 _FIELD_LAYOUT = frozenset({"reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "slice", "rev",
                            "copy", "copy_p", "stack", "concatenate", "sharding_constraint", "optimization_barrier",
-                           "gather", "dynamic_slice"})
+                           "gather", "dynamic_slice", "pad"})
 #: The ops :meth:`PackedFields.unpack` reads; every other op leaves a field behind.
 _FIELD_OPS = _FIELD_LAYOUT | {"convert_element_type", "and", "or", "xor", "shift_right_arithmetic",
                               "shift_right_logical", "shift_left", "sub", "add", "select_n"}
