@@ -21,11 +21,11 @@ CPU device, its MoE block and attention projections quantized by its own ``model
   rounding down or grouping by 32 is not; its float16 zero point overflows on a group far from 0 and its float16
   scale flushes a narrow group (a fact beside a control);
 * qcheck's reader of EasyDeL's ``QuantizationConfig``: a float model declares nothing quantized; a quantized one
-  is recognised and not read, saying why (INT8 is int8_easydel, but packed words decoded inside ejkernel's matmul,
-  which qcheck cannot pair with their codes yet; the other modes have no qcheck format).
+  is recognised and not read, saying why; a stock INT8 projection (its own config) reads as int8_easydel, weight
+  only, its packed words, scales and zero points held bitwise by check_layer against the float twin's kernel, and
+  the walk reads the tile ejkernel's matmul unpacks inside its scans as those stored codes; one code changed fails.
 
-Not done here: the stored hold of ejkernel's packed words (so its stock projections cannot pass a read declaration
-yet), and the shared-expert-scale plant, which needs quantized experts and per-shard codes held bitwise.
+Not done here: the shared-expert-scale plant, which needs quantized experts and per-shard codes held bitwise.
 """
 
 from __future__ import annotations
@@ -186,8 +186,9 @@ def test_a_quantized_model_is_recognised_and_not_read_saying_why_should_fail(mod
     assert figures.declaration is None
     assert figures.declared_from == (
         "nothing read: the EasyDeL reader: EasyDeL QuantizationConfig(dtype='int8', group_size=16, bits=None) is "
-        "int8_easydel, but as ejkernel's packed words (four codes to a uint32) decoded inside its quantized matmul, "
-        "which qcheck cannot pair with their codes yet (fn MixtralSparseMoeBlock); pass declared= to hold its sites")
+        "int8_easydel on its quantized projections, each read on its own (check_layer on one, beside its float twin, "
+        "holds its packed codes), but model.quantize leaves the experts float: no one declaration holds the model "
+        "or a block (fn MixtralSparseMoeBlock); pass declared= to hold its sites")
     with pytest.raises(ValueError, match=r"declared=True, but the EasyDeL reader: EasyDeL QuantizationConfig"):
         qcheck.coverage(_layer(models["int8"]).block_sparse_moe, x, declared=True)
 
@@ -251,8 +252,8 @@ def test_easydels_int8_projection_is_int8_easydel_bitwise_should_pass(models):
 def test_a_projection_declared_int8_easydel_by_hand_reads_its_unpacked_codes_held_by_type_only_should_fail(models, x):
     """Where qcheck stands on ejkernel's packed words: its XLA matmul pads them to a tile and unpacks each tile
     inside nested scans (shifts by 0, 8, 16, 24 and a mask of 255), and the walk reads the tile reaching the matmul
-    at EasyDeL's _linear_quantized.py as uint8 codes unpacked from stored words. Declared by hand, they are held by
-    type only, and said so: no stored hold pairs the words with the float kernel they were made from yet."""
+    at EasyDeL's _linear_quantized.py as uint8 codes unpacked from stored words. assert_quantized has no float twin
+    to hold them against (check_layer does, below): declared by hand, they are held by type only, and said so."""
     _pinned()
     declared = {"weights": {"format": "int8_easydel", "block": 16}, "activations": None}
     with pytest.raises(AssertionError) as failed:
@@ -263,25 +264,50 @@ def test_a_projection_declared_int8_easydel_by_hand_reads_its_unpacked_codes_hel
     assert "rhs (weight) held by its type only, not bitwise as int8_easydel at block 16" in message, message
 
 
-def test_check_layer_reaches_a_verdict_on_q_proj_and_its_abstract_rngs_should_fail(models, x):
-    """q_proj keeps the abstract Rngs of the ``nnx.eval_shape`` that built it (``jax.ShapeDtypeStruct`` leaves in its
-    state, which its call never reads): check_layer runs it and fails it truthfully, not as a crash blamed on
-    EasyDeL's code: weight-only int8, its activations reach the matmul at _linear_quantized.py unquantized, and the
-    projection alone carries no config for the reader (the model's layers do)."""
+#: check_layer's twin is the float model's projection: its kernel is the quantized one's packed words, scales and
+#: zero points, none of which has a gradient.
+PROJECTION_GRADS = ("quant_scales", "quant_biases", "kernel")
+
+
+@pytest.mark.parametrize("name", ("q_proj", "o_proj"))
+def test_a_stock_int8_projection_passes_its_read_declaration_its_codes_held_bitwise_should_pass(models, x, name):
+    """The reader reads a quantized projection's own QuantizationConfig (int8_easydel at its group size, weight
+    only) and its stored words, scales and zero points; check_layer holds them bitwise against the float twin's
+    kernel, and the weight reaching ejkernel's matmul is those stored codes (held bitwise, not by type). Its state
+    keeps the abstract Rngs of the ``nnx.eval_shape`` that built it, which its call never reads."""
     _pinned()
     import jax
     from flax import nnx
 
-    q, f = _layer(models["int8"]).self_attn.q_proj, _layer(models["float"]).self_attn.q_proj
+    q, f = getattr(_layer(models["int8"]).self_attn, name), getattr(_layer(models["float"]).self_attn, name)
     abstract = [jax.tree_util.keystr(p) for p, v in jax.tree_util.tree_flatten_with_path(nnx.state(q))[0]
                 if isinstance(v, jax.ShapeDtypeStruct)]
     assert abstract == ["['rngs']['default']['count'].value", "['rngs']['default']['key'].value"], abstract
+    figures = qcheck.check_layer(q, f, ed_array(x), skip_grads=PROJECTION_GRADS)  # o_proj's input is 4 heads of 8
+    assert "QuantizationConfig(dtype='int8', group_size=16" in figures.declared_from, figures.declared_from
+    assert str(figures.declared.roles["weights"]) == "int8_easydel at block 16"
+    (site,) = figures.coverage
+    assert site.location.replace("\\", "/").split("site-packages/")[-1].startswith(
+        "easydel/layers/linears/_linear_quantized.py:"), site.location
+    assert (str(site.rhs), site.rhs_hold.strength) == ("uint8 unpack", "bitwise"), site
+    assert site.rhs_hold.reason == "stored codes held bitwise against the reference's kernel", site.rhs_hold
+
+
+def test_a_stock_int8_projection_with_one_stored_code_changed_fails_naming_it_should_fail(models, x):
+    """The same projection with one code of its packed words moved by one step (a copy): check_layer fails,
+    naming the stored words and the twin's kernel they no longer are int8_easydel of."""
+    _pinned()
+    from flax import nnx
+
+    q = nnx.clone(_layer(models["int8"]).self_attn.q_proj)
+    words = np.array(q.quant_kernel[...])
+    words[0, 0] ^= np.uint32(1)  # the lowest byte: the first code of the first group
+    q.quant_kernel[...] = words
     with pytest.raises(AssertionError) as failed:
-        # The float twin's kernel is the quantized layer's packed words, scales and zero points: none has a gradient.
-        qcheck.check_layer(q, f, ed_array(x), skip_grads=("quant_scales", "quant_biases", "kernel"))
-    message = str(failed.value).replace("\\", "/")
-    assert re.search(r"dot_general at \S*easydel/layers/linears/_linear_quantized\.py:\d+ .*rhs \(64, 128\) "
-                     r"float16 \[uint8 unpack\]: lhs unquantized", message), message
+        qcheck.check_layer(q, _layer(models["float"]).self_attn.q_proj, ed_array(x), skip_grads=PROJECTION_GRADS)
+    message = str(failed.value)
+    assert "stored quant_kernel against the reference's kernel: codes are not int8_easydel at block 16's" in message, \
+        message
 
 
 def ed_array(x):

@@ -30,6 +30,15 @@ def unpack_int4(packed: np.ndarray, axis: int, size: int) -> np.ndarray:
     return np.moveaxis(out, -1, axis)
 
 
+def unpack_bytes(words: np.ndarray, axis: int, size: int) -> np.ndarray:
+    """8-bit codes packed into wider unsigned words along ``axis``, the first in the lowest byte (ejkernel 0.0.78's
+    bitpack: four to a uint32), unpacked to ``size`` codes along it."""
+    w = np.moveaxis(np.asarray(words), axis, -1)
+    per = w.dtype.itemsize
+    out = np.stack([(w >> (8 * i)) & 0xFF for i in range(per)], axis=-1).reshape(*w.shape[:-1], per * w.shape[-1])
+    return np.moveaxis(out[..., :size].astype(np.uint8), -1, axis)
+
+
 def held_stored(declaration: Declaration | None, state: Mapping[str, Any],
                 twin_params: Mapping[str, np.ndarray]) -> Declaration | None:
     """``declaration`` with each stored weight it names held against the twin's float parameter of its path
@@ -52,7 +61,9 @@ def held_stored(declaration: Declaration | None, state: Mapping[str, Any],
         x = np.asarray(twin_params[source])
         codes = np.asarray(state[st.codes])
         if st.packed is not None and codes.ndim == x.ndim:
-            codes = unpack_int4(codes, st.packed, x.shape[st.packed])
+            # Words wider than a byte hold 8-bit codes (EasyDeL's); a byte holds two int4 codes (Keras's).
+            unpack = unpack_bytes if codes.dtype.itemsize > 1 and codes.dtype.kind == "u" else unpack_int4
+            codes = unpack(codes, st.packed, x.shape[st.packed])
         scales = {k: np.asarray(state[p]) for k, p in (("scale", st.scale), ("zero_point", st.zero_point))
                   if p is not None and p in state}
         finding = judge_stored(x, codes, scales, fmt, st.axes,

@@ -45,8 +45,9 @@ class Stored:
     """A weight a library keeps only as codes (a reader reads where): ``source`` is the path of the float
     parameter the unquantized twin holds in its place, ``codes`` / ``scale`` / ``zero_point`` the paths of the
     arrays the layer keeps instead (check_layer's names), ``axes`` the float parameter's axes its format reduces
-    (its contraction axes: every other keeps its own scale), ``packed`` the axis along which int4 codes are packed
-    two to a byte (None: one code a byte), ``scope`` the module path its matmuls are traced under."""
+    (its contraction axes: every other keeps its own scale), ``packed`` the axis along which codes are packed:
+    int4 two to a byte, or 8-bit codes four to a uint32 (None: one code a byte), ``scope`` the module path its
+    matmuls are traced under."""
 
     source: str
     codes: str
