@@ -354,9 +354,10 @@ def test_planted_lost_router_gradient_fails_naming_its_path_should_fail(lev, con
     lev.jax.clear_caches()  # hax.dot's traces, and check_layer's program of a block like this one
     monkeypatch.setattr(fp8, "quantized_dot", _kernel_gradient_dropped(fp8))
     try:
+        # haliax casts the output gradients to e5m2 at scale 1 before any history: the flush line may follow.
         with pytest.raises(AssertionError, match=r"^check_layer: 1 check\(s\) failed:\n  gradients: gate/weight "
                                                  r"\(float32\) has relative norm 1\.0000 against the reference's, "
-                                                 r"above the bound 0\.5\ndeclared: read from the layer: haliax "
+                                                 r"above the bound 0\.5\n(    flushed: [^\n]*\n)*declared: read from the layer: haliax "
                                                  r"Fp8DotGeneralOp"):
             qcheck.check_layer(_build(lev, config, "fp8"), blocks(None), routed_x, call=_apply, skip=SPARE[1]())
     finally:
@@ -382,7 +383,7 @@ def test_fp8_router_that_reroutes_a_token_moves_its_own_gradient_furthest(blocks
     assert any(rerouted), "no token rerouted: this input no longer shows the effect"
     with pytest.raises(AssertionError, match=r"^check_layer: 1 check\(s\) failed:\n  gradients: gate/weight "
                                              r"\(float32\) has relative norm \d\.\d+ against the reference's, "
-                                             r"above the bound 0\.5\ndeclared: given: "):
+                                             r"above the bound 0\.5\n(    flushed: [^\n]*\n)*declared: given: "):
         qcheck.check_layer(blocks("fp8"), blocks(None), x, call=_apply, skip=SPARE[1](), declared="fp8")
 
 
