@@ -12,6 +12,7 @@ every edge, their codes held bitwise there.
 
 from __future__ import annotations
 
+import re
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -326,8 +327,34 @@ def test_at_size_the_edges_run_on_a_slice_and_say_so_codes_held_bitwise_should_p
     layer = UserFp8()
     figures = qcheck.check_layer(layer, Twin(layer.w[...]), X_LARGE, declared=FP8)
     assert set(figures.edges.values()) == {f"{SLICED}, codes held bitwise"}, dict(figures.edges)
+    assert figures.determinism == SLICED  # its second call too: on the slice, not the whole batch again
     # Below 512 rows, the layer's own program runs them, as on every tiny layer.
-    assert set(_check(UserFp8(), declared=FP8).edges.values()) == {"run, codes held bitwise"}
+    small = _check(UserFp8(), declared=FP8)
+    assert set(small.edges.values()) == {"run, codes held bitwise"} and small.determinism == "run"
+
+
+class NoisyFp8(UserFp8):
+    """UserFp8 with fresh noise on every call: a second call on the same input gives other bits."""
+
+    def __init__(self):
+        super().__init__()
+        self.noise = nnx.Rngs(noise=1)
+
+    def __call__(self, x):
+        y = super().__call__(x)
+        return y + 1e-3 * jax.random.normal(self.noise.noise(), y.shape, y.dtype)
+
+
+@pytest.mark.parametrize("skip_edges, on, values", [
+    (None, " (on 64 of 512 token rows)", "1024 of 1024"),
+    # No edge runs, so no slice: the second call is the whole batch's, as below 512 rows.
+    (dict.fromkeys(("zeros", "tiny", "huge", "saturation", "tiny_tensor"), "not this layer's"), "", "8192 of 8192")])
+def test_at_size_a_non_deterministic_layer_fails_on_the_slice_or_the_whole_batch_saying_which(skip_edges, on, values):
+    layer = NoisyFp8()
+    with pytest.raises(AssertionError, match=re.escape(f"check_layer: 1 check(s) failed:\n  determinism: a second call "
+                                                       f"on the same input{on} changed {values} output values "
+                                                       "(float32; worst by ")):
+        qcheck.check_layer(layer, Twin(layer.w[...]), X_LARGE, skip_edges=skip_edges)
 
 
 def test_at_size_a_zero_row_still_fails_on_the_slice_naming_the_site_should_fail():
@@ -364,6 +391,7 @@ def test_a_layer_that_does_not_trace_on_the_slice_runs_the_edges_on_every_row_an
         assert figures.edges["zeros"].startswith("run on all 512 token rows (a slice of 64 did not run: "), \
             dict(figures.edges)
         assert len(set(figures.edges.values()) - {"not run: no fp8 cast format declared for the activations"}) == 1
+        assert figures.determinism == "run"  # no slice ran: the second call is the whole batch's
         return
     with pytest.raises(AssertionError) as info:
         qcheck.check_layer(layer, StaticBatchTwin(layer.w[...]), X_LARGE)

@@ -16,7 +16,8 @@ comparison of the two cannot see (:mod:`qcheck.checks._uninitialized`).
 Each layer costs one trace and one compiled program (plain ``jax.jit``, ahead
 of time from that trace): the forward output, the gradients and the state after
 the call come out of one ``jax.value_and_grad``, and the determinism check's
-second call runs the same program. It is cached on the module's graph
+second call runs the same program (where the edges run on a slice of x's
+rows, the slice's program, twice). It is cached on the module's graph
 definition where it hashes and on the traced program, so a second check of a
 layer of the same structure compiles nothing. A program holding a
 ``jax.lax.empty`` buffer costs one more: its filled copies. Coverage traces
@@ -114,6 +115,10 @@ class LayerFigures:
     #: Per parameter path that one side has as state, not a parameter (a Keras kernel ``quantize("int8")``
     #: stored as int8 codes, no gradient), which side and what each holds there; its gradient is not compared.
     frozen: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: Where the determinism check's second call ran: "run" (on x), or, from 512 token rows of x on where the
+    #: edges run on a slice of x's first rows, "run on 64 of 1024 token rows" (that slice, twice: the slice's
+    #: own call, then a second from the state it left).
+    determinism: str = ""
 
     @property
     def worst_grad(self) -> tuple[str, float]:
@@ -265,7 +270,8 @@ def check_layer(
     * gradients: all finite; each parameter's (by path) and the input's within
       ``max_grad_rel_norm`` of the twin's, but ``skip_grads``; one a side holds
       as state (a frozen Keras kernel) is named in ``LayerFigures.frozen``;
-    * determinism: a second call, from the state the first left, the same bits;
+    * determinism: a second call, from the state the first left, the same bits (from 512 token rows of x
+      on, on the edges' slice of its rows: ``LayerFigures.determinism`` says where);
     * uninitialized, on both: ``jax.lax.empty`` buffers filled with NaN, then
       a large value, change no output, gradient or state;
     * declared quantization: each matmul's codes held bitwise to what the
@@ -296,11 +302,16 @@ def check_layer(
     traced_twin = trace_step("reference", reference, x, call, output, like=layer)
     paths = _param_paths(form := traced.form, twin := traced_twin.form, skip_grads)
     walks = _walks(form, x, declaration, machinery, kernels)
-    run = run_step("layer", traced, x, output, twice=True, walks=list(walks.values()))
+    # Where the edges will run on a slice of x's rows, the determinism check's second call runs there too: one
+    # more run of the slice's program, not of the whole batch (at emb 1024 a whole run is 7 to 10 s of the check).
+    on_slice = token_slice(np.shape(x)) is not None and any(v is None for v in edge_kinds.values())
+    run = run_step("layer", traced, x, output, twice=not on_slice, walks=list(walks.values()))
     ref = run_step("reference", traced_twin, x, output, twice=False)
     frozen = _paired(form, twin, run, ref, skip_grads)
     declaration = _hold_stored(declaration, layer, form, ref, walks)
     sliced = _edge_slice(traced, x, output, declaration, machinery, kernels, edge_kinds)  # where the edges run
+    if run.again is None and sliced.run is None:  # the slice did not run: the second call on the whole batch
+        run.again = run.second()
     c = _Checked(form, twin, run, ref, x, declaration, declared_from, max_rel_norm, max_grad_rel_norm, skip,
                  sorted(paths - skip_grads - set(frozen)), tuple(machinery), kernels, accept_weaker, walks=walks,
                  edges=edge_rows(x, declaration, edge_kinds, sliced.keep), output=output, sliced=sliced)
@@ -334,7 +345,7 @@ def _edge_slice(traced: Any, x: jax.Array, output: Any, declaration: Declaration
         # The forward walk only: the edges judge its sites' codes; the backward walk's are x's alone.
         walks = {k: w for k, w in _walks(sliced.form, part, declaration, machinery, kernels).items()
                  if k == "forward"}
-        run = run_step("layer", sliced, part, output, twice=False, walks=list(walks.values()))
+        run = run_step("layer", sliced, part, output, twice=True, walks=list(walks.values()))
     except Exception as e:  # noqa: BLE001 - whatever stops the slice, the whole batch still runs
         why = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         return _EdgeRun(on=f" on all {rows} token rows (a slice of {n} did not run: {type(e).__name__}: {why})")
@@ -413,7 +424,7 @@ def _verdict(c: _Checked, frozen: dict[str, str]) -> LayerFigures:
     return LayerFigures(max(c.figures.values()), types.MappingProxyType(c.grad_figures),
                         CoverageMap(c.records, c.declaration, c.declared_from),
                         types.MappingProxyType(c.figures), c.declaration, c.declared_from, tuple(c.backward_records),
-                        types.MappingProxyType(c.edges_run), types.MappingProxyType(frozen))
+                        types.MappingProxyType(c.edges_run), types.MappingProxyType(frozen), c.determinism)
 
 
 # -- the sub-checks: each a function of what check_layer ran, returning its failure lines -----------
@@ -449,6 +460,7 @@ class _Checked:
     reruns: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     output: Any = None  # check_layer's output=: what the step compares and differentiates
     sliced: _EdgeRun = dataclasses.field(default_factory=_EdgeRun)  # where the edges run
+    determinism: str = ""  # where the determinism check's second call ran (LayerFigures.determinism)
 
     @property
     def edge_run(self) -> Run:
@@ -597,13 +609,16 @@ def _gradients_lines(c: _Checked) -> list[str]:
 
 
 def _determinism_lines(c: _Checked) -> list[str]:
-    """A second call, from the state the first left, gives the same bits."""
+    """A second call, from the state the first left, gives the same bits: on x's whole batch, or on the edges'
+    slice of its token rows where they ran on one (``LayerFigures.determinism`` says which)."""
+    run, on = (c.run, "") if c.run.again is not None else (c.sliced.run, f" ({c.sliced.on.strip()})")
+    c.determinism = "run" + c.sliced.on if on else "run"
     lines = []
-    for name, out in c.run.out.items():
-        again = c.run.again[name]
+    for name, out in run.out.items():
+        again = run.again[name]
         if again.tobytes() != out.tobytes():
             differ = int(np.count_nonzero(again != out))
-            lines.append(f"a second call on the same input changed {differ} of {out.size} output values"
+            lines.append(f"a second call on the same input{on} changed {differ} of {out.size} output values"
                          f"{f' of {name}' if name else ''} ({out.dtype}; worst by "
                          f"{float(np.max(np.abs(again.astype(np.float64) - out))):.3g})")
     return lines

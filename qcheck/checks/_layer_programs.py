@@ -168,6 +168,9 @@ class Run:
     rerun: Callable[[jax.Array], Any] | None = None
     after: Any = None  # the state the first call left
     walked: list = dataclasses.field(default_factory=list)  # each walk's outputs on x
+    # The second call, made where ``twice`` did not make it (``again``): where x's whole batch is large, the
+    # determinism check runs its second call on the edges' slice instead, and only falls back to this one.
+    second: Callable[[], dict[str, np.ndarray]] | None = None
 
 
 def valued(what: str, traced: _Traced, args: Any) -> list[Any]:
@@ -229,13 +232,18 @@ def run_step(what: str, traced: _Traced, x: jax.Array, output: Any, *, twice: bo
         program = _program(traced, output, flat + extra, placed)
         result, walked = split(program(*flat, *extra))
         leaves, g_params, g_x, after = jax.tree.unflatten(out_tree, result)
-        again = None
-        if twice:
-            flat_again, tree_again = jax.tree.flatten((form.params, after, x))
-            fitted = _fits(traced, program, flat_again, extra) if tree_again == tree else None
+
+    def second() -> dict[str, np.ndarray]:
+        """A second call on x, from the state the first left: its output leaves."""
+        flat_again, tree_again = jax.tree.flatten((form.params, after, x))
+        fitted = _fits(traced, program, flat_again, extra) if tree_again == tree else None
+        with user_code("check_layer", what):
             # A state of another structure or type than the one the step was traced with: its own program.
             again = (jax.tree.unflatten(out_tree, split(program(*fitted))[0])[0] if fitted is not None
                      else jax.jit(_step(form, output, []))(form.params, after, x)[0])
+        return dict(zip(names, map(np.asarray, again)))
+
+    again = second() if twice else None
     grads = {p: np.asarray(v) for p, v in form.param_leaves(g_params).items()}
     grads[INPUT_GRAD] = np.asarray(g_x)
     params = {p: np.asarray(v) for p, v in form.param_leaves(form.params).items()}
@@ -246,5 +254,5 @@ def run_step(what: str, traced: _Traced, x: jax.Array, output: Any, *, twice: bo
             result, walked_other = split(program(*flat_other))
         return jax.tree.unflatten(out_tree, result), walked_other
 
-    return Run(dict(zip(names, map(np.asarray, leaves))), grads, params,
-                None if again is None else dict(zip(names, map(np.asarray, again))), traced, rerun, after, walked)
+    return Run(dict(zip(names, map(np.asarray, leaves))), grads, params, again, traced, rerun, after, walked,
+               second)

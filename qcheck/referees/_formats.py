@@ -579,8 +579,14 @@ def keeps_finite(x: np.ndarray, q: np.ndarray) -> bool:
     """Whether ``q`` (codes or values quantized from ``x``) is finite wherever ``x`` is. A form in which a rule
     makes NaN of a finite input (it divides by a scale the backend flushed to zero) computes the rule's defect:
     the checks hold no site to it."""
-    x, q = np.asarray(x), np.asarray(q).astype(_F32)
-    return x.shape != q.shape or bool(np.all(np.isfinite(q)[np.isfinite(x)]))
+    x, q = np.asarray(x), np.asarray(q)
+    if x.shape != q.shape:
+        return True
+    try:  # ml_dtypes' own isfinite on the codes: 8x faster than a float32 copy of every code first
+        finite = np.isfinite(q)
+    except TypeError:  # a code type without it
+        finite = np.isfinite(q.astype(_F32))
+    return bool(np.all(finite | ~np.isfinite(x)))
 
 
 def referee_format_names() -> tuple[str, ...]:
