@@ -11,7 +11,7 @@ require_supported()  # the walk reads jaxpr internals that older JAX lacks
 
 from qcheck._coverage._records import (BLOCK_SCALED, MATMUL_PRIMITIVES, VALUE_PRESERVING, MatmulRecord,
                                        OperandQuant, call_body)
-from qcheck._coverage._declaration import Hold, judge_stored, mixed_formats
+from qcheck._coverage._declaration import Hold, judge_stored, judged_once, mixed_formats
 from qcheck._coverage._kernels import as_kernel_roles
 from qcheck._coverage._map import (CoverageMap, Prepared, after_first_call, assert_quantized, coverage,
                                    format_coverage, graph_paths, judged_runs, machinery_tuple, prepare,
@@ -47,6 +47,7 @@ __all__ = [
     "format_coverage",
     "graph_paths",
     "judge_stored",
+    "judged_once",
     "judged_runs",
     "machinery_prefixes",
     "machinery_tuple",

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import types
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
@@ -44,8 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from qcheck._coverage import (CoverageMap, Declaration, KernelRoles, MatmulRecord, Prepared, SkipArg,
-                              as_kernel_roles, as_skips, coverage, judged_runs, machinery_tuple, mixed_formats,
-                              prepare, quantized_records, read_stored, resolve_declaration)
+                              as_kernel_roles, as_skips, coverage, judged_once, judged_runs, machinery_tuple,
+                              mixed_formats, prepare, quantized_records, read_stored, resolve_declaration)
 from qcheck._errors import user_code
 from qcheck.checks._edges import EDGE_ROWS, check_skip_edges, edge_rows, rows_of, token_slice
 from qcheck.checks._flush import flushed_gradients
@@ -270,8 +269,7 @@ def check_layer(
     * gradients: all finite; each parameter's (by path) and the input's within
       ``max_grad_rel_norm`` of the twin's, but ``skip_grads``; one a side holds
       as state (a frozen Keras kernel) is named in ``LayerFigures.frozen``;
-    * determinism: a second call, from the state the first left, the same bits (from 512 token rows of x
-      on, on the edges' slice of its rows: ``LayerFigures.determinism`` says where);
+    * determinism: a second call, from the state the first left, the same bits (``.determinism``: where);
     * uninitialized, on both: ``jax.lax.empty`` buffers filled with NaN, then
       a large value, change no output, gradient or state;
     * declared quantization: each matmul's codes held bitwise to what the
@@ -302,16 +300,11 @@ def check_layer(
     traced_twin = trace_step("reference", reference, x, call, output, like=layer)
     paths = _param_paths(form := traced.form, twin := traced_twin.form, skip_grads)
     walks = _walks(form, x, declaration, machinery, kernels)
-    # Where the edges will run on a slice of x's rows, the determinism check's second call runs there too: one
-    # more run of the slice's program, not of the whole batch (at emb 1024 a whole run is 7 to 10 s of the check).
-    on_slice = token_slice(np.shape(x)) is not None and any(v is None for v in edge_kinds.values())
-    run = run_step("layer", traced, x, output, twice=not on_slice, walks=list(walks.values()))
+    run = run_step("layer", traced, x, output, twice=not _on_slice(x, edge_kinds), walks=list(walks.values()))
     ref = run_step("reference", traced_twin, x, output, twice=False)
     frozen = _paired(form, twin, run, ref, skip_grads)
     declaration = _hold_stored(declaration, layer, form, ref, walks)
-    sliced = _edge_slice(traced, x, output, declaration, machinery, kernels, edge_kinds)  # where the edges run
-    if run.again is None and sliced.run is None:  # the slice did not run: the second call on the whole batch
-        run.again = run.second()
+    sliced = _edge_slice(traced, run, x, output, declaration, machinery, kernels, edge_kinds)  # where edges run
     c = _Checked(form, twin, run, ref, x, declaration, declared_from, max_rel_norm, max_grad_rel_norm, skip,
                  sorted(paths - skip_grads - set(frozen)), tuple(machinery), kernels, accept_weaker, walks=walks,
                  edges=edge_rows(x, declaration, edge_kinds, sliced.keep), output=output, sliced=sliced)
@@ -330,13 +323,28 @@ class _EdgeRun:
     on: str = ""
 
 
-def _edge_slice(traced: Any, x: jax.Array, output: Any, declaration: Declaration | None,
+def _on_slice(x: jax.Array, kinds: Mapping[str, str | None]) -> bool:
+    """Whether the edges will run on a slice of x's token rows (:func:`token_slice`): then the determinism check's
+    second call runs there too, one more run of the slice's program and not of the whole batch (at emb 1024, a
+    run of the whole batch is 7 to 10 s of the check)."""
+    return token_slice(np.shape(x)) is not None and any(v is None for v in kinds.values())
+
+
+def _edge_slice(traced: Any, whole: Run, x: jax.Array, output: Any, declaration: Declaration | None,
                 machinery: Collection[str], kernels: Any, kinds: Mapping[str, str | None]) -> _EdgeRun:
     """The edges' program on a slice of x's token rows, where x holds enough of them (:func:`token_slice`) and an
-    edge runs; x's whole batch where the layer's step does not trace or run on the slice (a static batch size),
-    saying so."""
+    edge runs, run twice (the determinism check's second call); x's whole batch where the layer's step does not
+    trace or run on the slice (a static batch size), saying so, its second call then ``whole``'s."""
+    sliced = _sliced_run(traced, x, output, declaration, machinery, kernels, kinds)
+    if whole.again is None and sliced.run is None:
+        whole.again = whole.second()
+    return sliced
+
+
+def _sliced_run(traced: Any, x: jax.Array, output: Any, declaration: Declaration | None,
+                machinery: Collection[str], kernels: Any, kinds: Mapping[str, str | None]) -> _EdgeRun:
     keep = token_slice(np.shape(x))
-    if keep is None or all(v is not None for v in kinds.values()):
+    if not _on_slice(x, kinds):
         return _EdgeRun()
     part = x[keep]
     rows, n = rows_of(np.shape(x)), rows_of(np.shape(part))
@@ -545,23 +553,35 @@ def _coverage_lines(c: _Checked) -> list[str]:
         control = c.twin.probe if as_skips(c.skip, "check_layer") or c.declaration is not None else None
         rows = [k for k, v in c.edges.items() if not isinstance(v, str)]
         judged: list[list[MatmulRecord]] = []
-        try:
-            c.records = quantized_records(c.form.probe, (c.x,), {}, skip=c.skip, control=control,
-                                          machinery=c.machinery, kernels=c.kernels, warm=False,
-                                          accept_weaker=c.accept_weaker, entry="check_layer",
-                                          declaration=c.declaration, declared_from=c.declared_from,
-                                          prepared=c.walked("forward", [] if c.sliced.run else rows),
-                                          also_out=judged)
-        finally:
-            if c.sliced.run and judged and "forward" in c.sliced.walks:
-                # On the slice, its own walk judges the slice's run (the baseline), then each edge row's.
-                judged[:] = judged_runs(c.sliced.walks["forward"], itertools.chain([c.sliced.run.walked[0]],
-                                                                                   c.edge_runs(0, rows)))
-            if judged:  # x's own records first, then the same program's codes on each edge row
-                c.edge_records = {"x": judged[0], **dict(zip(rows, judged[1:]))}
+        # x's run and the slice's runs quantize the same weights: their codes are judged once, not once a program.
+        with judged_once():
+            try:
+                c.records = quantized_records(c.form.probe, (c.x,), {}, skip=c.skip, control=control,
+                                              machinery=c.machinery, kernels=c.kernels, warm=False,
+                                              accept_weaker=c.accept_weaker, entry="check_layer",
+                                              declaration=c.declaration, declared_from=c.declared_from,
+                                              prepared=c.walked("forward", [] if c.sliced.run else rows),
+                                              also_out=judged)
+            finally:
+                if "forward" in c.walks:  # judged: x's layer-sized quantizer values go before the edge runs come
+                    c.run.walked[list(c.walks).index("forward")] = None
+                if c.sliced.run and judged and "forward" in c.sliced.walks:
+                    # On the slice, its own walk judges the slice's run (the baseline), then each edge row's.
+                    judged[:] = judged_runs(c.sliced.walks["forward"], _sliced_runs(c, rows))
+                if judged:  # x's own records first, then the same program's codes on each edge row
+                    c.edge_records = {"x": judged[0], **dict(zip(rows, judged[1:]))}
     except AssertionError as e:
         return [str(e).rsplit("\ndeclared: ", 1)[0]]
     return []
+
+
+def _sliced_runs(c: _Checked, rows: Sequence[str]) -> Iterator[Any]:
+    """The forward walk's outputs on the slice: its own run's (the baseline, let go once judged), then each edge
+    row's, run as they are read."""
+    baseline, c.sliced.run.walked[0] = c.sliced.run.walked[0], None
+    yield baseline
+    del baseline
+    yield from c.edge_runs(0, rows)
 
 
 def _formats_lines(c: _Checked) -> list[str]:
