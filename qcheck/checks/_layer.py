@@ -300,11 +300,11 @@ def check_layer(
     traced_twin = trace_step("reference", reference, x, call, output, like=layer)
     paths = _param_paths(form := traced.form, twin := traced_twin.form, skip_grads)
     walks = _walks(form, x, declaration, machinery, kernels)
-    run = run_step("layer", traced, x, output, twice=not _on_slice(x, edge_kinds), walks=list(walks.values()))
-    ref = run_step("reference", traced_twin, x, output, twice=False)
+    run = run_step("layer", traced, x, output, walks=list(walks.values()))
+    ref = run_step("reference", traced_twin, x, output)
     frozen = _paired(form, twin, run, ref, skip_grads)
     declaration = _hold_stored(declaration, layer, form, ref, walks)
-    sliced = _edge_slice(traced, run, x, output, declaration, machinery, kernels, edge_kinds)  # where edges run
+    sliced = _edge_slice(traced, x, output, declaration, machinery, kernels, edge_kinds)  # where the edges run
     c = _Checked(form, twin, run, ref, x, declaration, declared_from, max_rel_norm, max_grad_rel_norm, skip,
                  sorted(paths - skip_grads - set(frozen)), tuple(machinery), kernels, accept_weaker, walks=walks,
                  edges=edge_rows(x, declaration, edge_kinds, sliced.keep), output=output, sliced=sliced)
@@ -323,28 +323,13 @@ class _EdgeRun:
     on: str = ""
 
 
-def _on_slice(x: jax.Array, kinds: Mapping[str, str | None]) -> bool:
-    """Whether the edges will run on a slice of x's token rows (:func:`token_slice`): then the determinism check's
-    second call runs there too, one more run of the slice's program and not of the whole batch (at emb 1024, a
-    run of the whole batch is 7 to 10 s of the check)."""
-    return token_slice(np.shape(x)) is not None and any(v is None for v in kinds.values())
-
-
-def _edge_slice(traced: Any, whole: Run, x: jax.Array, output: Any, declaration: Declaration | None,
+def _edge_slice(traced: Any, x: jax.Array, output: Any, declaration: Declaration | None,
                 machinery: Collection[str], kernels: Any, kinds: Mapping[str, str | None]) -> _EdgeRun:
     """The edges' program on a slice of x's token rows, where x holds enough of them (:func:`token_slice`) and an
-    edge runs, run twice (the determinism check's second call); x's whole batch where the layer's step does not
-    trace or run on the slice (a static batch size), saying so, its second call then ``whole``'s."""
-    sliced = _sliced_run(traced, x, output, declaration, machinery, kernels, kinds)
-    if whole.again is None and sliced.run is None:
-        whole.again = whole.second()
-    return sliced
-
-
-def _sliced_run(traced: Any, x: jax.Array, output: Any, declaration: Declaration | None,
-                machinery: Collection[str], kernels: Any, kinds: Mapping[str, str | None]) -> _EdgeRun:
+    edge runs; x's whole batch where the layer's step does not trace or run on the slice (a static batch size),
+    saying so. The determinism check's second call runs where the edges do."""
     keep = token_slice(np.shape(x))
-    if not _on_slice(x, kinds):
+    if keep is None or all(v is not None for v in kinds.values()):
         return _EdgeRun()
     part = x[keep]
     rows, n = rows_of(np.shape(x)), rows_of(np.shape(part))
@@ -353,7 +338,7 @@ def _sliced_run(traced: Any, x: jax.Array, output: Any, declaration: Declaration
         # The forward walk only: the edges judge its sites' codes; the backward walk's are x's alone.
         walks = {k: w for k, w in _walks(sliced.form, part, declaration, machinery, kernels).items()
                  if k == "forward"}
-        run = run_step("layer", sliced, part, output, twice=True, walks=list(walks.values()))
+        run = run_step("layer", sliced, part, output, walks=list(walks.values()))
     except Exception as e:  # noqa: BLE001 - whatever stops the slice, the whole batch still runs
         why = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         return _EdgeRun(on=f" on all {rows} token rows (a slice of {n} did not run: {type(e).__name__}: {why})")
@@ -631,11 +616,15 @@ def _gradients_lines(c: _Checked) -> list[str]:
 def _determinism_lines(c: _Checked) -> list[str]:
     """A second call, from the state the first left, gives the same bits: on x's whole batch, or on the edges'
     slice of its token rows where they ran on one (``LayerFigures.determinism`` says which)."""
-    run, on = (c.run, "") if c.run.again is not None else (c.sliced.run, f" ({c.sliced.on.strip()})")
+    # Where the edges ran on a slice of x's rows, there: one more run of the slice's program, not of the whole
+    # batch (at emb 1024 a whole run is 7 to 10 s of the check). Run now, after coverage let its layer-sized
+    # values go, not beside them.
+    run, on = (c.sliced.run, f" ({c.sliced.on.strip()})") if c.sliced.run else (c.run, "")
     c.determinism = "run" + c.sliced.on if on else "run"
+    second = run.second()
     lines = []
     for name, out in run.out.items():
-        again = run.again[name]
+        again = second[name]
         if again.tobytes() != out.tobytes():
             differ = int(np.count_nonzero(again != out))
             lines.append(f"a second call on the same input{on} changed {differ} of {out.size} output values"

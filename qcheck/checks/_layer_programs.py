@@ -161,15 +161,14 @@ class Run:
     out: dict[str, np.ndarray]  # output leaf name -> value
     grads: dict[str, np.ndarray]  # parameter path -> gradient; INPUT_GRAD -> the input's
     params: dict[str, np.ndarray]
-    again: dict[str, np.ndarray] | None = None  # a second call, from the state the first left
     traced: _Traced | None = None  # the step: the uninitialized check reads its traced program
     # The same program on another x of x's shape, from the same state (no compile): ((output leaves, parameter
     # gradients, input gradient, state after), each walk's outputs).
     rerun: Callable[[jax.Array], Any] | None = None
     after: Any = None  # the state the first call left
     walked: list = dataclasses.field(default_factory=list)  # each walk's outputs on x
-    # The second call, made where ``twice`` did not make it (``again``): where x's whole batch is large, the
-    # determinism check runs its second call on the edges' slice instead, and only falls back to this one.
+    # A second call on x, from the state the first left: its output leaves (the determinism check's, run when
+    # it asks, on this run or the edges' slice's).
     second: Callable[[], dict[str, np.ndarray]] | None = None
 
 
@@ -217,8 +216,7 @@ def _placed(walks: Sequence[Prepared], flat: list[Any], x_at: int) -> tuple[list
     return placed, extra
 
 
-def run_step(what: str, traced: _Traced, x: jax.Array, output: Any, *, twice: bool, walks: Sequence[Prepared] = ()
-         ) -> Run:
+def run_step(what: str, traced: _Traced, x: jax.Array, output: Any, *, walks: Sequence[Prepared] = ()) -> Run:
     form, names = traced.form, traced.names
     leaves, tree = jax.tree.flatten((form.params, form.rest, x))
     placed, extra = _placed(walks, leaves, len(leaves) - 1)  # the walks read the same leaves, abstract ones too
@@ -242,8 +240,6 @@ def run_step(what: str, traced: _Traced, x: jax.Array, output: Any, *, twice: bo
             again = (jax.tree.unflatten(out_tree, split(program(*fitted))[0])[0] if fitted is not None
                      else jax.jit(_step(form, output, []))(form.params, after, x)[0])
         return dict(zip(names, map(np.asarray, again)))
-
-    again = second() if twice else None
     grads = {p: np.asarray(v) for p, v in form.param_leaves(g_params).items()}
     grads[INPUT_GRAD] = np.asarray(g_x)
     params = {p: np.asarray(v) for p, v in form.param_leaves(form.params).items()}
@@ -254,5 +250,4 @@ def run_step(what: str, traced: _Traced, x: jax.Array, output: Any, *, twice: bo
             result, walked_other = split(program(*flat_other))
         return jax.tree.unflatten(out_tree, result), walked_other
 
-    return Run(dict(zip(names, map(np.asarray, leaves))), grads, params, again, traced, rerun, after, walked,
-               second)
+    return Run(dict(zip(names, map(np.asarray, leaves))), grads, params, traced, rerun, after, walked, second)
