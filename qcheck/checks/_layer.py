@@ -479,6 +479,8 @@ class _Checked:
         finite.update({_state_path(path): not _nonfinite(np.asarray(v))  # the state x itself left
                        for path, v in jax.tree_util.tree_leaves_with_path(base.after)
                        if jnp.issubdtype(getattr(v, "dtype", np.int32), jnp.inexact)})
+        if self.sliced.run is not None:  # the slice's own gradients: read for this alone, layer-sized, let go
+            self.sliced.run.grads = {}
         return finite
 
     def _nonfinite(self, leaves: Any, g_params: Any, g_x: Any, after: Any) -> list[str]:
