@@ -24,8 +24,12 @@ CPU device, its MoE block and attention projections quantized by its own ``model
   is recognised and not read, saying why; a stock INT8 projection (its own config) reads as int8_easydel, weight
   only, its packed words, scales and zero points held bitwise by check_layer against the float twin's kernel, and
   the walk reads the tile ejkernel's matmul unpacks inside its scans as those stored codes; one code changed fails.
-
-Not done here: the shared-expert-scale plant, which needs quantized experts and per-shard codes held bitwise.
+* a copy of EasyDeL's MoE block whose experts are int8 (a subclass: its routing, shard_map and ejkernel grouped
+  matmuls; each expert stack quantized outside the shard_map, one scale per expert per output column, with a
+  straight-through gradient), declaring itself int8 on the experts and a float router: check_layer passes, the
+  three expert sites at ``_moe_module.py``'s grouped_matmul lines held bitwise; the same copy with one scale
+  shared by the experts (per output column, or for the whole stack) fails at those three sites, naming int8 and
+  the shared scale.
 """
 
 from __future__ import annotations
@@ -171,6 +175,111 @@ def test_the_int8_blocks_output_is_the_float_blocks_bitwise_beside_a_quantized_p
 
     xj = jnp.asarray(x)  # ejkernel's quantized matmul is type-checked (jaxtyping): a jax.Array, not numpy
     assert not np.array_equal(np.asarray(q.self_attn.q_proj(xj)), np.asarray(f.self_attn.q_proj(xj)))
+
+
+# -- a copy of EasyDeL's MoE block whose experts ARE quantized: a shared expert scale planted in it ----------
+
+#: How the copy's expert weights are scaled: one scale per expert per output column (qcheck's int8: absmax / 127
+#: over the contraction axis, ``in``), and two plants: one scale per output column shared by all experts, and one
+#: scale for the whole (experts, in, out) stack. Each with the words qcheck's finding says the codes match.
+EXPERT_SCALES = {"per expert": ((1,), None),
+                 "shared across experts": ((0, 1), "one scale shared across axis 0 (size 4)"),
+                 "one for the whole stack": (None, "one scale for the whole tensor")}
+
+
+def _ste(scale_axes):
+    """int8 quantize-dequantize of an expert stack with a straight-through gradient (a QAT user's: the codes'
+    rounding has no gradient, the weight's passes through), its scale reduced over ``scale_axes``."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.custom_vjp
+    def qdq(w):
+        scale = jnp.max(jnp.abs(w), axis=scale_axes, keepdims=True) / 127
+        return jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8).astype(w.dtype) * scale
+
+    qdq.defvjp(lambda w: (qdq(w), None), lambda _, g: (g,))
+    return qdq
+
+
+def _int8_experts_block(ed, float_block, scales: str):
+    """A copy of EasyDeL's ``MixtralSparseMoeBlock`` (a subclass: EasyDeL's routing, its shard_map and its ejkernel
+    grouped matmuls, nothing patched) whose experts are int8: each expert stack quantized in the call, outside
+    EasyDeL's shard_map, as a user quantizing its weights would (EasyDeL's ``model.quantize`` leaves them float),
+    and multiplied inside it by ejkernel's grouped_matmul (_moe_module.py's ``_sparse_call``). Its router stays
+    float. Its parameters are ``float_block``'s (its own initialisation is overwritten), so that is its twin."""
+    from easydel.modules.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    from jax.ad_checkpoint import checkpoint_name
+
+    qdq = _ste(EXPERT_SCALES[scales][0])
+
+    class Int8ExpertsMoeBlock(MixtralSparseMoeBlock):
+        def __call__(self, hidden_state):  # MixtralSparseMoeBlock.__call__ with each kernel through qdq
+            out, router_logits = self.moe_call(
+                hidden_state=hidden_state, gate_layer=self.gate, expert_layer=self.experts,
+                wi_kernel=qdq(self.experts.w1.kernel[...]), wu_kernel=qdq(self.experts.w3.kernel[...]),
+                wd_kernel=qdq(self.experts.w2.kernel[...]), act_fn=self.experts.act_fn)
+            return checkpoint_name(out, "moe_expert_output"), checkpoint_name(router_logits, "moe_router_logits")
+
+        def qcheck_declaration(self):
+            return qcheck.libraries.Declaration(
+                {"weights": qcheck.libraries.RoleFormat("int8"), "activations": None},
+                "Int8ExpertsMoeBlock.qcheck_declaration(): int8 experts, a float router",
+                scopes={"gate": {"weights": None, "activations": None}})
+
+    block = Int8ExpertsMoeBlock(float_block.config, dtype=ed.jnp.float32, param_dtype=ed.jnp.float32,
+                                rngs=ed.nnx.Rngs(1))
+    ed.nnx.update(block, ed.nnx.state(float_block))
+    return block
+
+
+def _grouped_matmul_lines() -> list[int]:
+    """The lines of _moe_module.py where ``_sparse_call`` calls ejkernel's grouped_matmul (w1, w3, w2)."""
+    import inspect
+
+    from easydel.layers.moe._moe_module import BaseMoeModule
+
+    lines, start = inspect.getsourcelines(BaseMoeModule._sparse_moe_call)
+    return [start + i for i, line in enumerate(lines) if " = grouped_matmul(" in line]
+
+
+def test_a_copy_of_the_moe_block_with_per_expert_int8_scales_holds_its_experts_bitwise_should_pass(ed, models, x):
+    """The control: every expert site, at the line of _moe_module.py that calls ejkernel's grouped_matmul inside
+    EasyDeL's shard_map, holds the int8 codes made outside it bitwise; the router is held as declared, float."""
+    _pinned()
+    f = _layer(models["float"]).block_sparse_moe
+    figures = qcheck.check_layer(_int8_experts_block(ed, f, "per expert"), f, x, output=0)
+    assert figures.declared_from == "read from the layer: Int8ExpertsMoeBlock.qcheck_declaration(): int8 experts, " \
+                                    "a float router", figures.declared_from
+    experts = [s for s in figures.coverage if s.primitive == "ragged_dot_general"]
+    lines = _grouped_matmul_lines()
+    assert len(lines) == 3 and [s.location.replace("\\", "/").split("site-packages/")[-1] for s in experts] == \
+        [f"{MOE_FILE}:{n}" for n in lines], [s.location for s in experts]
+    assert [(s.rhs_declared, str(s.rhs), s.rhs_hold.strength) for s in experts] == [("int8", "int8", "bitwise")] * 3
+    (gate,) = [s for s in figures.coverage if s.scope.startswith("gate/")]
+    assert (gate.rhs_declared, gate.rhs_hold.strength) == ("full precision", "type"), gate
+    assert figures.edges["zeros"] == "run, codes held bitwise", figures.edges
+    assert 0 < figures.rel_norm < 0.05, figures.rel_norm  # the quantized path was taken, and stays close
+
+
+@pytest.mark.parametrize("scales", ("shared across experts", "one for the whole stack"))
+def test_a_shared_expert_scale_planted_in_a_copy_of_the_moe_block_should_fail_naming_its_sites(ed, models, x, scales):
+    """The plant: the same copy with one scale shared by the experts. check_layer fails the declaration at each
+    grouped_matmul line of _moe_module.py, naming int8 and how the codes were scaled; nothing else fails."""
+    _pinned()
+    f = _layer(models["float"]).block_sparse_moe
+    with pytest.raises(AssertionError) as failed:
+        qcheck.check_layer(_int8_experts_block(ed, f, scales), f, x, output=0)
+    message = str(failed.value).replace("\\", "/")
+    assert message.startswith("check_layer: 1 check(s) failed:\n  coverage: assert_quantized: 3 of 5 matmuls "
+                              "differ from the declared quantization (weights int8, activations full precision, "
+                              "module gate: weights full precision"), message
+    for line in _grouped_matmul_lines():
+        site = rf"ragged_dot_general at \S*{re.escape(MOE_FILE)}:{line} \(BaseMoeModule\._sparse_moe_call\.<locals>\." \
+               rf"_sparse_call\): lhs \(\d+, \d+\) \[full precision\], rhs \(4, \d+, \d+\) \[int8\]\n" \
+               rf"      rhs \(weight\): codes are not int8's: \d+ of 8192 codes differ from the referee's; .*; " \
+               rf"they match {re.escape(EXPERT_SCALES[scales][1])}\n"
+        assert re.search(site, message), (site, message)
 
 
 # -- qcheck's reader of EasyDeL's QuantizationConfig --------------------------------------------------
