@@ -13,6 +13,7 @@ every edge, their codes held bitwise there.
 from __future__ import annotations
 
 import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
