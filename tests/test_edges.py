@@ -398,3 +398,47 @@ def test_a_layer_that_does_not_trace_on_the_slice_runs_the_edges_on_every_row_an
         qcheck.check_layer(layer, StaticBatchTwin(layer.w[...]), X_LARGE)
     # The whole batch ran: the zero row's 16 outputs of all 512 x 16.
     assert f"{ZEROS}: not finite: the output (16 of 8192)" in str(info.value), str(info.value)
+
+
+def test_at_size_a_gradient_an_edge_row_breaks_is_counted_on_the_slice_should_fail():
+    # The slice's program counts each gradient's values that are not finite where the gradient was: the count
+    # and size read as the whole batch's program reads them.
+    layer = UserFp8(guard=False)
+    with pytest.raises(AssertionError) as info:
+        qcheck.check_layer(layer, Twin(layer.w[...]), X_LARGE)
+    assert re.search(r"token row of zeros \(on 64 of 512 token rows\): not finite: the output \(16 of 1024\), "
+                     r"gradient of w \(512 of 512\), gradient of \(input x\) \(\d+ of 2048\)", str(info.value)), \
+        str(info.value)
+
+
+class XScaledInt8(UserInt8):
+    """UserInt8 whose weight operand is scaled by x: twice w where a value of x passes 1e4 (a smoothing factor
+    read from the activations), once otherwise. ``stale``: its scale is w's own, not the scaled weight's, so the
+    codes clip there: wrong only on the huge row, right on every ordinary x."""
+
+    def __init__(self, *, stale: bool):
+        super().__init__()
+        self.stale = stale
+
+    def __call__(self, x):
+        w = self.w[...] * jnp.where(jnp.max(jnp.abs(x)) > 1e4, 2.0, 1.0)
+        amax = jnp.max(jnp.abs(self.w[...] if self.stale else w), axis=0, keepdims=True)
+        scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+        q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8).astype(w.dtype) * scale
+        return self.quantize(x, -1) @ (w + jax.lax.stop_gradient(q - w))
+
+
+@pytest.mark.parametrize("stale", [False, True], ids=["its own scale (should pass)", "w's scale (should fail)"])
+def test_at_size_a_weight_quantizer_that_reads_x_is_judged_on_each_edge_row(stale):
+    # The slice's runs take the weights' quantizer values from one run where the quantizer reads nothing of x.
+    # This one reads x (so the walk names its operand an activation), and each edge row's own codes are judged:
+    # wrong on the huge row alone.
+    layer = XScaledInt8(stale=stale)
+    if not stale:
+        figures = qcheck.check_layer(layer, Twin(layer.w[...]), X_LARGE, declared=INT8)
+        assert figures.edges["huge"] == f"{SLICED}, codes held bitwise", dict(figures.edges)
+        return
+    with pytest.raises(AssertionError, match=r"check_layer: 1 check\(s\) failed:\n  edges: token row with one value "
+                                             r"far beyond the format's range \(1e5\) \(on 64 of 512 token rows\): site "
+                                             r".*: rhs \(activation\): codes are not int8's"):
+        qcheck.check_layer(layer, Twin(layer.w[...]), X_LARGE, declared=INT8)

@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -257,6 +258,10 @@ def _runs(x: np.ndarray, codes: np.ndarray, divisor: Any, stacked: tuple[str, ..
 
 
 _ONCE: dict[Any, tuple[str | None, Hold]] | None = None  # inside judged_once(): each judgment by its inputs' bits
+# Inside judged_once(): a read-only array's digest by its identity (a weak reference beside it, so a freed array's
+# id reused by another is told apart). check_layer's edge runs on a slice hand the judge one quantizer's values,
+# the same arrays, once a run: hashing them again each run cost as much as a run.
+_DIGESTS: dict[int, tuple[Any, tuple[Any, ...]]] = {}
 
 
 @contextlib.contextmanager
@@ -270,14 +275,22 @@ def judged_once():
         yield
     finally:
         _ONCE = outer
+        if outer is None:
+            _DIGESTS.clear()
 
 
 def _digest(a: Any) -> tuple[Any, ...]:
     # SHA-256, not BLAKE2: x86's and Arm's SHA extensions run it at 1.2 GB/s where blake2b ran 0.5 on this CI's
     # CPU, and the edge runs hash every weight's input and codes again (10 s of a check at emb 1024). A
     # cryptographic digest: a collision would hand one quantizer's judgment to other bits.
-    a = np.ascontiguousarray(a)
-    return a.shape, str(a.dtype), hashlib.sha256(a.view(np.uint8).reshape(-1)).digest()
+    kept = isinstance(a, np.ndarray) and not a.flags.writeable and _ONCE is not None
+    if kept and (seen := _DIGESTS.get(id(a))) is not None and seen[0]() is a:
+        return seen[1]
+    c = np.ascontiguousarray(a)
+    digest = c.shape, str(c.dtype), hashlib.sha256(c.view(np.uint8).reshape(-1)).digest()
+    if kept:
+        _DIGESTS[id(a)] = (weakref.ref(a), digest)
+    return digest
 
 
 def _judge_codes(x: np.ndarray, codes: np.ndarray, divisor: Any, fmt: RoleFormat,

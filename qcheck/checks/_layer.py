@@ -49,7 +49,8 @@ from qcheck._errors import user_code
 from qcheck.checks._edges import EDGE_ROWS, check_skip_edges, edge_rows, rows_of, token_slice
 from qcheck.checks._flush import flushed_gradients
 from qcheck.checks._layer_forms import Form, is_module, keras_of, path_name
-from qcheck.checks._layer_programs import INPUT_GRAD, Run, retrace_step, run_step, trace_step, valued
+from qcheck.checks._layer_programs import (INPUT_GRAD, Outcome, Run, nonfinite_count, retrace_step, run_lean, run_step,
+                                          trace_step, valued)
 from qcheck.checks._stored import held_stored
 from qcheck.checks._tracks import assert_tracks, rel_norm
 from qcheck.checks._uninitialized import uninitialized_reads, unspecified_buffers
@@ -137,10 +138,6 @@ class LayerFigures:
 # -- a layer in any form, as pure functions ----------------------------------------
 
 # -- the check -------------------------------------------------------------------
-
-def _nonfinite(x: np.ndarray) -> int:
-    return int(x.size - np.count_nonzero(np.isfinite(x)))
-
 
 def _grad_rel_norm(g: np.ndarray, ref: np.ndarray) -> float:
     if not np.any(ref):
@@ -338,7 +335,7 @@ def _edge_slice(traced: Any, x: jax.Array, output: Any, declaration: Declaration
         # The forward walk only: the edges judge its sites' codes; the backward walk's are x's alone.
         walks = {k: w for k, w in _walks(sliced.form, part, declaration, machinery, kernels).items()
                  if k == "forward"}
-        run = run_step("layer", sliced, part, output, walks=list(walks.values()))
+        run = run_lean("layer", sliced, part, output, walks=list(walks.values()))
     except Exception as e:  # noqa: BLE001 - whatever stops the slice, the whole batch still runs
         why = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         return _EdgeRun(on=f" on all {rows} token rows (a slice of {n} did not run: {type(e).__name__}: {why})")
@@ -465,34 +462,31 @@ class _Checked:
         outputs are returned."""
         return self._finish(kind, self.edge_run.rerun(self.edges[kind]))
 
-    def _finish(self, kind: str, result: Any) -> list[Any]:
-        (leaves, g_params, g_x, after), walked = result
-        self.reruns[kind] = self._nonfinite(leaves, g_params, g_x, after)
+    def _finish(self, kind: str, result: tuple[Outcome, Any]) -> list[Any]:
+        outcome, walked = result
+        self.reruns[kind] = self._nonfinite(outcome)
         return walked
 
     @functools.cached_property
     def _finite_before(self) -> dict[str, bool]:
         """What x's own run left finite: an edge row is charged only with what it breaks anew."""
-        base = self.edge_run  # on a slice of x's rows, the slice's own run
-        finite = {**{name: not _nonfinite(v) for name, v in base.out.items()},
-                  **{path: not _nonfinite(v) for path, v in base.grads.items()}}
-        finite.update({_state_path(path): not _nonfinite(np.asarray(v))  # the state x itself left
+        base = self.edge_run.outcome()  # on a slice of x's rows, the slice's own run
+        finite = {**{name: not nonfinite_count(v) for name, v in base.out.items()},
+                  **{path: not n for path, (n, _) in base.nonfinite.items()}}
+        finite.update({_state_path(path): not nonfinite_count(v)  # the state x itself left
                        for path, v in jax.tree_util.tree_leaves_with_path(base.after)
                        if jnp.issubdtype(getattr(v, "dtype", np.int32), jnp.inexact)})
-        if self.sliced.run is not None:  # the slice's own gradients: read for this alone, layer-sized, let go
-            self.sliced.run.grads = {}
         return finite
 
-    def _nonfinite(self, leaves: Any, g_params: Any, g_x: Any, after: Any) -> list[str]:
+    def _nonfinite(self, outcome: Outcome) -> list[str]:
         before = self._finite_before
         bad = [f"{'output ' + name if name else 'the output'} ({n} of {np.size(v)})"
-               for name, v in zip(self.run.out, leaves) if before[name] and (n := _nonfinite(np.asarray(v)))]
-        bad += [f"gradient of {path} ({n} of {np.size(v)})"
-                for path, v in [*self.form.param_leaves(g_params).items(), (INPUT_GRAD, g_x)]
-                if before.get(path, True) and (n := _nonfinite(np.asarray(v)))]
-        bad += [f"{_state_path(path)} ({n})" for path, v in jax.tree_util.tree_leaves_with_path(after)
+               for name, v in outcome.out.items() if before[name] and (n := nonfinite_count(v))]
+        bad += [f"gradient of {path} ({n} of {size})" for path, (n, size) in outcome.nonfinite.items()
+                if before.get(path, True) and n]
+        bad += [f"{_state_path(path)} ({n})" for path, v in jax.tree_util.tree_leaves_with_path(outcome.after)
                 if jnp.issubdtype(getattr(v, "dtype", np.int32), jnp.inexact)
-                and before.get(_state_path(path), True) and (n := _nonfinite(np.asarray(v)))]
+                and before.get(_state_path(path), True) and (n := nonfinite_count(v))]
         return bad
 
     def walked(self, which: str, kinds: Sequence[str] = ()) -> tuple[Prepared, Any, Iterator[Any]] | None:
@@ -569,6 +563,7 @@ def _sliced_runs(c: _Checked, rows: Sequence[str]) -> Iterator[Any]:
     yield baseline
     del baseline
     yield from c.edge_runs(0, rows)
+    c.sliced.run.fixed = None  # the weights' quantizer values every run shared: judged, let go
 
 
 def _formats_lines(c: _Checked) -> list[str]:
@@ -597,7 +592,7 @@ def _gradients_lines(c: _Checked) -> list[str]:
         if g.shape != r.shape:
             lines.append(f"{path} has shape {g.shape} in the layer, {r.shape} in the reference")
             continue
-        bad = [(who, a, n) for who, a in (("layer", g), ("reference", r)) if (n := _nonfinite(a))]
+        bad = [(who, a, n) for who, a in (("layer", g), ("reference", r)) if (n := nonfinite_count(a))]
         for who, a, n in bad:
             lines.append(f"{path} ({a.dtype}) has {n} non-finite values out of {a.size} in the {who}")
         if bad:
