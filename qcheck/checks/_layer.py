@@ -26,8 +26,11 @@ its quantizers' values (and, with ``grads`` declared, the backward pass's) is
 compiled into the layer's own program, which computes the forward pass they
 share once, and the edges (the token rows, the tiny tensor) run that one
 program again; from 512 token rows of ``x`` on, they run on a slice of its
-first 64 token rows instead, by one more program of the slice's shape. A lazy
-NNX module costs one small program more, the call that builds it, on a copy.
+first 64 token rows instead, by one more program of the slice's shape that
+returns only what the edges read (each gradient's count of values not finite,
+the quantizers that read x), and one small program for the quantizers that do
+not (the weights'), run once. A lazy NNX module costs one small program more,
+the call that builds it, on a copy.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """A layer's step (forward and backward pass, the state after the call) traced once and compiled once, ahead of
-time, and kept for a layer of the same structure; coverage's walks with values compiled into it."""
+time, and kept for a layer of the same structure; coverage's walks with values compiled into it; and the edges'
+program on a slice of x, which returns only what the edges read (:class:`_Lean`)."""
 
 from __future__ import annotations
 
