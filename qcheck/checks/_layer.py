@@ -52,10 +52,9 @@ from qcheck._errors import user_code
 from qcheck.checks._edges import EDGE_ROWS, check_skip_edges, edge_rows, rows_of, token_slice
 from qcheck.checks._flush import flushed_gradients
 from qcheck.checks._layer_forms import Form, is_module, keras_of, path_name
-from qcheck.checks._layer_programs import (INPUT_GRAD, Outcome, Run, nonfinite_count, retrace_step, run_lean, run_step,
-                                          trace_step, valued)
+from qcheck.checks._layer_programs import INPUT_GRAD, Outcome, Run, retrace_step, run_lean, run_step, trace_step, valued
 from qcheck.checks._stored import held_stored
-from qcheck.checks._tracks import assert_tracks, rel_norm
+from qcheck.checks._tracks import assert_tracks, count_nonfinite, rel_norm
 from qcheck.checks._uninitialized import uninitialized_reads, unspecified_buffers
 
 #: The default bound on each gradient's relative norm against the twin's.
@@ -474,9 +473,9 @@ class _Checked:
     def _finite_before(self) -> dict[str, bool]:
         """What x's own run left finite: an edge row is charged only with what it breaks anew."""
         base = self.edge_run.outcome()  # on a slice of x's rows, the slice's own run
-        finite = {**{name: not nonfinite_count(v) for name, v in base.out.items()},
+        finite = {**{name: not count_nonfinite(v) for name, v in base.out.items()},
                   **{path: not n for path, (n, _) in base.nonfinite.items()}}
-        finite.update({_state_path(path): not nonfinite_count(v)  # the state x itself left
+        finite.update({_state_path(path): not count_nonfinite(v)  # the state x itself left
                        for path, v in jax.tree_util.tree_leaves_with_path(base.after)
                        if jnp.issubdtype(getattr(v, "dtype", np.int32), jnp.inexact)})
         return finite
@@ -484,12 +483,12 @@ class _Checked:
     def _nonfinite(self, outcome: Outcome) -> list[str]:
         before = self._finite_before
         bad = [f"{'output ' + name if name else 'the output'} ({n} of {np.size(v)})"
-               for name, v in outcome.out.items() if before[name] and (n := nonfinite_count(v))]
+               for name, v in outcome.out.items() if before[name] and (n := count_nonfinite(v))]
         bad += [f"gradient of {path} ({n} of {size})" for path, (n, size) in outcome.nonfinite.items()
                 if before.get(path, True) and n]
         bad += [f"{_state_path(path)} ({n})" for path, v in jax.tree_util.tree_leaves_with_path(outcome.after)
                 if jnp.issubdtype(getattr(v, "dtype", np.int32), jnp.inexact)
-                and before.get(_state_path(path), True) and (n := nonfinite_count(v))]
+                and before.get(_state_path(path), True) and (n := count_nonfinite(v))]
         return bad
 
     def walked(self, which: str, kinds: Sequence[str] = ()) -> tuple[Prepared, Any, Iterator[Any]] | None:
@@ -595,7 +594,7 @@ def _gradients_lines(c: _Checked) -> list[str]:
         if g.shape != r.shape:
             lines.append(f"{path} has shape {g.shape} in the layer, {r.shape} in the reference")
             continue
-        bad = [(who, a, n) for who, a in (("layer", g), ("reference", r)) if (n := nonfinite_count(a))]
+        bad = [(who, a, n) for who, a in (("layer", g), ("reference", r)) if (n := count_nonfinite(a))]
         for who, a, n in bad:
             lines.append(f"{path} ({a.dtype}) has {n} non-finite values out of {a.size} in the {who}")
         if bad:

@@ -18,6 +18,7 @@ from qcheck._coverage import Prepared
 from qcheck._errors import user_code
 from qcheck._fingerprint import fingerprint
 from qcheck.checks._layer_forms import Form, Grown, NoOutput, form_of, hashable, path_name, select_output, traceable
+from qcheck.checks._tracks import count_nonfinite
 
 
 #: The key of the gradient with respect to the input ``x`` in ``LayerFigures.grad_rel_norms``.
@@ -173,14 +174,8 @@ def _fits(traced: _Traced, program: Any, flat: list[Any], extra: Sequence[Any] =
             and not v.sharding.is_equivalent_to(s, v.ndim) else v for v, s in zip(flat, shardings)] + list(extra)
 
 
-def nonfinite_count(v: Any) -> int:
-    """How many of ``v``'s values are not finite."""
-    v = np.asarray(v)
-    return int(v.size - np.count_nonzero(np.isfinite(v)))
-
-
 def _count(v: jax.Array) -> jax.Array:
-    """:func:`nonfinite_count` inside a program."""
+    """:func:`qcheck.checks._tracks.count_nonfinite` inside a program."""
     if not jnp.issubdtype(v.dtype, jnp.inexact):
         return jnp.zeros((), jnp.int32)
     return jnp.sum(~jnp.isfinite(v), dtype=jnp.int32)
@@ -218,7 +213,7 @@ class Run:
     def outcome(self) -> Outcome:
         """This run as an edge run reads it."""
         nonfinite = self.nonfinite if self.nonfinite is not None else {
-            path: (nonfinite_count(g), int(np.size(g))) for path, g in self.grads.items()}
+            path: (count_nonfinite(g), int(np.size(g))) for path, g in self.grads.items()}
         return Outcome(self.out, nonfinite, self.after)
 
 
@@ -293,7 +288,7 @@ def run_step(what: str, traced: _Traced, x: jax.Array, output: Any, *, walks: Se
         with user_code("check_layer", what):
             result, walked_other = split(program(*flat_other))
         o, g_o, gx_o, after_o = jax.tree.unflatten(out_tree, result)
-        nonfinite = {p: (nonfinite_count(v), int(np.size(v)))
+        nonfinite = {p: (count_nonfinite(v), int(np.size(v)))
                      for p, v in {**form.param_leaves(g_o), INPUT_GRAD: gx_o}.items()}
         return Outcome(dict(zip(names, o)), nonfinite, after_o), walked_other
 

@@ -29,8 +29,13 @@ def rel_norm(actual: ArrayLike, reference: ArrayLike) -> float:
     return float(np.linalg.norm((a - r).ravel()) / denom)
 
 
-def count_nonfinite(x: np.ndarray) -> int:
-    return int(x.size - np.count_nonzero(np.isfinite(x.astype(np.float32))))
+def count_nonfinite(x: ArrayLike) -> int:
+    """How many of ``x``'s values are not finite."""
+    x = np.asarray(x)
+    if x.dtype.kind != "f":  # ml_dtypes' types (bfloat16, fp8: kind "V") and integers read as float32
+        x = x.astype(np.float32)
+    # A float array as it is: a float32 copy of a layer's every gradient first would double the memory read.
+    return int(x.size - np.count_nonzero(np.isfinite(x)))
 
 
 @assertion
