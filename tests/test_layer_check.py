@@ -245,6 +245,25 @@ def test_check_layer_should_fail_naming_the_flush_where_a_fresh_fp8_scale_flushe
         check_layer(layer, twin, X, call=_small_output, skip=MOE_FULL_PRECISION)
 
 
+def _small_output_and_a_nan_in_wo(module, x):
+    # _small_output's flush, and one NaN in wo's gradient in both layers (sqrt's derivative at 0, times 0): wo
+    # sorts last, so its non-finite lines come after the gradients that fail by norm.
+    w = module.wo[...].reshape(-1)[0]
+    return _small_output(module, x) + 0 * jnp.sqrt(w - w)
+
+
+def test_check_layer_should_put_the_flush_under_a_gradient_it_explains_not_under_a_non_finite_one_after_it():
+    layer = qcheck.build_moe("mixtral", "fp8")
+    twin = copy_params_into(layer, qcheck.build_moe("mixtral", "none"))
+    with pytest.raises(AssertionError) as info:
+        check_layer(layer, twin, X, call=_small_output_and_a_nan_in_wo, skip=MOE_FULL_PRECISION)
+    lines = str(info.value).splitlines()
+    assert "  gradients: wo (float32) has 1 non-finite values out of 16384 in the reference" in lines, lines
+    at = next(i for i, line in enumerate(lines) if line.startswith("    flushed: "))
+    assert re.fullmatch(r"  gradients: \S+ \(float32\) has relative norm \d\.\d+ against the reference's, above "
+                        r"the bound 0\.5", lines[at - 1]), lines
+
+
 def test_check_layer_should_pass_the_same_layer_once_a_training_step_warmed_its_scales():
     warm = qcheck.train(qcheck.build_moe("mixtral", "fp8"), X)
     twin = copy_params_into(warm, qcheck.build_moe("mixtral", "none"))

@@ -588,7 +588,7 @@ def _tracks_lines(c: _Checked) -> list[str]:
 
 def _gradients_lines(c: _Checked) -> list[str]:
     """Every gradient finite, each within ``max_grad_rel_norm`` of the twin's at the same path."""
-    lines = []
+    lines, above = [], None  # above: the last line of a gradient above the bound
     for path in [INPUT_GRAD, *c.grad_paths]:
         g, r = c.run.grads[path], c.ref.grads[path]
         if g.shape != r.shape:
@@ -601,14 +601,15 @@ def _gradients_lines(c: _Checked) -> list[str]:
             continue
         c.grad_figures[path] = f = _grad_rel_norm(g, r)
         if not f <= c.max_grad_rel_norm:
+            above = len(lines)
             lines.append(f"{path} ({g.dtype}) has relative norm {f:.4f} against the reference's, above the bound "
                          f"{c.max_grad_rel_norm}")
-    if any(not f <= c.max_grad_rel_norm for f in c.grad_figures.values()):
+    if above is not None:
         # Why, where it is the layer's own gradient casts: their codes flushed to zero (a fresh delayed scale).
-        # Evidence under the failed gradient's line, not a check of its own: the count of failed checks stays
-        # the count of what failed.
-        lines[-1] += "".join("\n  " + line for line in
-                             flushed_gradients(c.form.probe, c.x, c.output, c.machinery, c.kernels))
+        # Evidence under a gradient's line that it explains (one above the bound, not a non-finite one after it),
+        # not a check of its own: the count of failed checks stays the count of what failed.
+        lines[above] += "".join("\n  " + line for line in
+                                flushed_gradients(c.form.probe, c.x, c.output, c.machinery, c.kernels))
     return lines
 
 
