@@ -12,6 +12,8 @@ every edge, their codes held bitwise there.
 
 from __future__ import annotations
 
+import collections
+
 import re
 
 import jax
@@ -332,6 +334,28 @@ def test_at_size_the_edges_run_on_a_slice_and_say_so_codes_held_bitwise_should_p
     # Below 512 rows, the layer's own program runs them, as on every tiny layer.
     small = _check(UserFp8(), declared=FP8)
     assert set(small.edges.values()) == {"run, codes held bitwise"} and small.determinism == "run"
+
+
+class CalledFp8(UserFp8):
+    """UserFp8 that hands each x it is called on to a host callback (an effect): the count by shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def __call__(self, x):
+        jax.debug.callback(lambda v: self.calls.update([v.shape]), x)
+        return super().__call__(x)
+
+
+def test_at_size_a_run_of_the_slice_runs_the_layers_effects_as_a_run_of_the_whole_batch_does_should_pass():
+    # Seven runs on the slice (its own, five edge rows, the determinism check's second call), one of the whole
+    # batch. The weights' walk outputs come from a program of their own, which ran the callback an eighth time
+    # until it was pruned to the equations with no effect.
+    layer = CalledFp8()
+    figures = qcheck.check_layer(layer, Twin(layer.w[...]), X_LARGE, declared=FP8)
+    assert set(figures.edges.values()) == {f"{SLICED}, codes held bitwise"}, dict(figures.edges)
+    assert layer.calls[(1, 64, 32)] == 7 * layer.calls[X_LARGE.shape] > 0, layer.calls
 
 
 class NoisyFp8(UserFp8):

@@ -231,7 +231,7 @@ def live_eqns(jaxpr: jcore.Jaxpr) -> list[bool]:
 
 
 @functools.cache
-def _debug_info() -> type:
+def debug_info_type() -> type:
     """JAX's DebugInfo type: ``jax.extend.core.DebugInfo`` from jax 0.10 on; jax 0.9.2 (EasyDeL 0.3.0's pin) does not
     export it, and warns of a jaxpr built without one, so it is taken from a traced jaxpr's own."""
     found = getattr(jcore, "DebugInfo", None)
@@ -246,7 +246,7 @@ def eval_eqn(eqn: jcore.JaxprEqn, vals: list[Any]) -> list[Any]:
             seen.add(v)
             invars.append(v)
     env = {v: x for v, x in zip(eqn.invars, vals) if not isinstance(v, jcore.Literal)}
-    debug = _debug_info()("qcheck.coverage", eqn.primitive.name, tuple(f"in{i}" for i in range(len(invars))),
+    debug = debug_info_type()("qcheck.coverage", eqn.primitive.name, tuple(f"in{i}" for i in range(len(invars))),
                           tuple(f"out{i}" for i in range(len(eqn.outvars))))
     jaxpr = jcore.Jaxpr([], invars, eqn.outvars, [eqn], eqn.effects, debug)
     return list(jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, []))(*[env[v] for v in invars]))

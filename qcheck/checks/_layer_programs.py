@@ -14,7 +14,7 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 
-from qcheck._coverage import Prepared
+from qcheck._coverage import Prepared, debug_info_type
 from qcheck._errors import user_code
 from qcheck._fingerprint import fingerprint
 from qcheck.checks._layer_forms import Form, Grown, NoOutput, form_of, hashable, path_name, select_output, traceable
@@ -316,7 +316,8 @@ class _Lean:
     changes nothing else of them, and each was weight-sized (every quantizer's input, codes and divisor; every
     parameter's gradient): at emb 1024 a run of the whole took 1.1 s, and each was hashed and judged again.
     The walks' outputs that do not read x (the weights' quantizers: parameters and state alone) come from a
-    program pruned to them (``fixed``), run once, and every run's walk is handed those same values."""
+    program pruned to them (``fixed``: the equations that neither read x nor have an effect, so a
+    layer's callbacks do not run once more for it), run once, and every run's walk is handed those same values."""
 
     program: Any
     fixed: Callable[..., list] | None  # None: every walk output reads x
@@ -336,14 +337,29 @@ class _Lean:
                                                           strict=True)}
 
 
-def _reads(jaxpr: Any, at: int) -> list[bool]:
-    """Which outputs of ``jaxpr`` read its input ``at``: an equation that reads it in any input passes it to all
-    its outputs (a call, a loop or a kernel read whole: never too few)."""
-    reading = {jaxpr.invars[at]}
+def _reads(jaxpr: Any, at: int) -> tuple[list[bool], list]:
+    """Which outputs of ``jaxpr`` read its input ``at``, and the equations that do not. An equation that reads it
+    in any input passes it to all its outputs (a call, a loop or a kernel read whole: never too few). One with an
+    effect (a callback, a print) counts as reading it: it runs where the layer's call runs, on each x, never once
+    more for the outputs that do not read x."""
+    reading, once = {jaxpr.invars[at]}, []
     for e in jaxpr.eqns:
-        if any(isinstance(v, jcore.Var) and v in reading for v in e.invars):
+        if e.effects or any(isinstance(v, jcore.Var) and v in reading for v in e.invars):
             reading.update(e.outvars)
-    return [isinstance(v, jcore.Var) and v in reading for v in jaxpr.outvars]
+        else:
+            once.append(e)
+    return [isinstance(v, jcore.Var) and v in reading for v in jaxpr.outvars], once
+
+
+def _pruned(closed: Any, outs: list[bool], eqns: list) -> Callable[..., list]:
+    """``closed`` as a function of its inputs that computes only the outputs ``outs`` marks, by ``eqns`` alone."""
+    jaxpr = closed.jaxpr
+    kept = [v for v, o in zip(jaxpr.outvars, outs) if o]
+    debug = debug_info_type()("qcheck.check_layer", "the weights' walk outputs",
+                              tuple(f"in{i}" for i in range(len(jaxpr.invars))),
+                              tuple(f"out{i}" for i in range(len(kept))))
+    return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(
+        jcore.Jaxpr(jaxpr.constvars, jaxpr.invars, kept, eqns, frozenset(), debug), closed.consts))
 
 
 def _lean_program(traced: _Traced, output: Any, flat: list[Any], walks: Sequence[tuple[Prepared, list[int]]]
@@ -361,7 +377,8 @@ def _lean_program(traced: _Traced, output: Any, flat: list[Any], walks: Sequence
     closed, (step_shapes, walk_shapes) = jax.make_jaxpr(
         step if walks else lambda *leaves: (step(*leaves), []), return_shape=True)(*flat)
     step_tree, n = jax.tree.structure(traced.shapes), len(step_shapes)  # the traced step's outputs come flat
-    reads_x = _reads(closed.jaxpr, len(traced.closed.in_avals) - 1)[n:]
+    reads, once = _reads(closed.jaxpr, len(traced.closed.in_avals) - 1)
+    reads_x = reads[n:]
     run, sizes = jcore.jaxpr_as_fun(closed), {}
 
     def lean(*leaves: Any) -> Any:
@@ -372,9 +389,8 @@ def _lean_program(traced: _Traced, output: Any, flat: list[Any], walks: Sequence
         # A list, not a dict: a program's dict output comes back in its keys' sorted order.
         return out, [_count(v) for v in grads.values()], after, [v for v, r in zip(outs[n:], reads_x) if r]
 
-    def fixed(*leaves: Any) -> list:  # the rest of the step, unused, is dropped before XLA sees it
-        return [v for v, r in zip(run(*leaves)[n:], reads_x) if not r]
-
+    # The walk outputs that do not read x, by the equations that neither read x nor have an effect.
+    fixed = _pruned(closed, [False] * n + [not r for r in reads_x], once)
     program = jax.jit(lean, keep_unused=True).lower(*flat).compile()
     return _kept(key, _Lean(program, None if all(reads_x) else jax.jit(fixed), jax.tree.structure(walk_shapes),
                             reads_x, sizes))
