@@ -13,7 +13,6 @@ every edge, their codes held bitwise there.
 from __future__ import annotations
 
 import collections
-
 import re
 
 import jax
