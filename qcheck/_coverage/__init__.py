@@ -18,8 +18,8 @@ from qcheck._coverage._map import (CoverageMap, Prepared, after_first_call, asse
                                    quantized_records, warmed_up)
 from qcheck._coverage._readers import read_declaration, read_stored, resolve_declaration
 from qcheck._coverage._scopes import machinery_prefixes, user_frames
-from qcheck._coverage._values import debug_info_type
 from qcheck._coverage._skips import Skip, SkipArg, as_skips, skip_at, skip_functions, skip_modules, skip_where
+from qcheck._coverage._values import debug_info_type
 from qcheck._coverage._weights import Weights, unmarked, weights
 from qcheck.libraries import Declaration, KernelRoles, Stored, as_declaration
 
@@ -39,13 +39,13 @@ __all__ = [
     "SkipArg",
     "Stored",
     "after_first_call",
-    "debug_info_type",
     "as_declaration",
     "as_kernel_roles",
     "as_skips",
     "assert_quantized",
     "call_body",
     "coverage",
+    "debug_info_type",
     "format_coverage",
     "graph_paths",
     "judge_stored",
